@@ -1,0 +1,182 @@
+package cluster
+
+import (
+	"bufio"
+	"context"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	. "github.com/onsi/gomega"
+	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/api/resource"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+)
+
+// newTestLab starts a lab below a short temporary root and stops it when the test ends.
+func newTestLab(t *testing.T) *Lab {
+	t.Helper()
+	bin, err := DefaultBinaries()
+	if err != nil {
+		t.Fatal(err)
+	}
+	root, err := os.MkdirTemp("", "pvb-")
+	if err != nil {
+		t.Fatal(err)
+	}
+	lab, err := NewLab(root, bin)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		if err := lab.Stop(); err != nil {
+			t.Errorf("stop lab: %v", err)
+		}
+		if mounts, _ := MountsBelow(root); len(mounts) == 0 && !t.Failed() {
+			_ = os.RemoveAll(root)
+		}
+	})
+	return lab
+}
+
+func TestTwoControlPlanesBindVolumesAndRunNodes(t *testing.T) {
+	g := NewWithT(t)
+	ctx := t.Context()
+	lab := newTestLab(t)
+
+	start := time.Now()
+	var (
+		wg    sync.WaitGroup
+		cps   [2]*ControlPlane
+		nodes [2]*Node
+		errs  [2]error
+	)
+	for i, name := range []string{"mgmt", "guest"} {
+		wg.Go(func() {
+			if cps[i], errs[i] = lab.StartControlPlane(ctx, name); errs[i] == nil {
+				nodes[i], errs[i] = cps[i].AddNode(ctx, name+"-node-1", NodeOptions{Labels: map[string]string{"pvbridge.io/test": "true"}})
+			}
+		})
+	}
+	wg.Wait()
+	g.Expect(errs[0]).NotTo(HaveOccurred())
+	g.Expect(errs[1]).NotTo(HaveOccurred())
+	fmt.Printf("BENCH lab_two_control_planes_and_nodes_ready %.2f s\n", time.Since(start).Seconds())
+
+	for i, cp := range cps {
+		node, err := cp.Client().CoreV1().Nodes().Get(ctx, nodes[i].Name, metav1.GetOptions{})
+		g.Expect(err).NotTo(HaveOccurred())
+		g.Expect(NodeReady(node)).To(BeTrue())
+		g.Expect(node.Labels).To(HaveKeyWithValue("pvbridge.io/test", "true"))
+
+		bound := time.Now()
+		expectStaticVolumeBinds(ctx, g, cp)
+		t.Logf("%s: static PV + PVC bound in %v", cp.Name, time.Since(bound).Round(time.Millisecond))
+	}
+	// The two clusters are separate: each sees only its own node.
+	for i, cp := range cps {
+		list, err := cp.Client().CoreV1().Nodes().List(ctx, metav1.ListOptions{})
+		g.Expect(err).NotTo(HaveOccurred())
+		g.Expect(list.Items).To(HaveLen(1))
+		g.Expect(list.Items[0].Name).To(Equal(nodes[i].Name))
+	}
+}
+
+// expectStaticVolumeBinds creates a static PV and a PVC that asks for it, and waits until
+// kube-controller-manager binds them.
+func expectStaticVolumeBinds(ctx context.Context, g *WithT, cp *ControlPlane) {
+	c := cp.Client().CoreV1()
+	size := resource.MustParse("1Gi")
+	_, err := c.PersistentVolumes().Create(ctx, &corev1.PersistentVolume{
+		ObjectMeta: metav1.ObjectMeta{Name: "static-pv"},
+		Spec: corev1.PersistentVolumeSpec{
+			Capacity:    corev1.ResourceList{corev1.ResourceStorage: size},
+			AccessModes: []corev1.PersistentVolumeAccessMode{corev1.ReadWriteOnce},
+			PersistentVolumeSource: corev1.PersistentVolumeSource{
+				CSI: &corev1.CSIPersistentVolumeSource{Driver: "test.csi.pvbridge.io", VolumeHandle: "vol-1"},
+			},
+		},
+	}, metav1.CreateOptions{})
+	g.Expect(err).NotTo(HaveOccurred())
+	empty := ""
+	_, err = c.PersistentVolumeClaims("default").Create(ctx, &corev1.PersistentVolumeClaim{
+		ObjectMeta: metav1.ObjectMeta{Name: "static-pvc"},
+		Spec: corev1.PersistentVolumeClaimSpec{
+			StorageClassName: &empty,
+			VolumeName:       "static-pv",
+			AccessModes:      []corev1.PersistentVolumeAccessMode{corev1.ReadWriteOnce},
+			Resources:        corev1.VolumeResourceRequirements{Requests: corev1.ResourceList{corev1.ResourceStorage: size}},
+		},
+	}, metav1.CreateOptions{})
+	g.Expect(err).NotTo(HaveOccurred())
+	g.Eventually(func(g Gomega) {
+		pvc, err := c.PersistentVolumeClaims("default").Get(ctx, "static-pvc", metav1.GetOptions{})
+		g.Expect(err).NotTo(HaveOccurred())
+		g.Expect(pvc.Status.Phase).To(Equal(corev1.ClaimBound))
+		pv, err := c.PersistentVolumes().Get(ctx, "static-pv", metav1.GetOptions{})
+		g.Expect(err).NotTo(HaveOccurred())
+		g.Expect(pv.Status.Phase).To(Equal(corev1.VolumeBound))
+	}).WithContext(ctx).WithTimeout(time.Minute).WithPolling(100 * time.Millisecond).Should(Succeed())
+}
+
+// TestKilledOwnerLeavesNothingBehind kills -9 a process that runs a lab and checks that the
+// reaper removes every process and mount the lab had.
+func TestKilledOwnerLeavesNothingBehind(t *testing.T) {
+	g := NewWithT(t)
+	root, err := os.MkdirTemp("", "pvb-")
+	g.Expect(err).NotTo(HaveOccurred())
+	t.Cleanup(func() { _ = os.RemoveAll(root) })
+
+	ctx, cancel := context.WithTimeout(t.Context(), 2*time.Minute)
+	defer cancel()
+	child := exec.CommandContext(ctx, os.Args[0], "-test.run=^$")
+	child.Env = append(os.Environ(), childLabEnv+"="+root)
+	child.Stderr = os.Stderr
+	out, err := child.StdoutPipe()
+	g.Expect(err).NotTo(HaveOccurred())
+	g.Expect(child.Start()).To(Succeed())
+	ready := make(chan bool, 1)
+	go func() {
+		s := bufio.NewScanner(out)
+		for s.Scan() {
+			if s.Text() == "READY" {
+				ready <- true
+				return
+			}
+		}
+		ready <- false
+	}()
+	g.Expect(<-ready).To(BeTrue(), "child lab did not start")
+
+	pids, err := pidsIn(filepath.Join(root, "pids"))
+	g.Expect(err).NotTo(HaveOccurred())
+	g.Expect(pids).To(HaveLen(6), "etcd, apiserver, controller-manager, scheduler, fakecri, kubelet")
+	g.Expect(MountsBelow(root)).NotTo(BeEmpty(), "the kubelet bind-mounts its root dir")
+
+	g.Expect(child.Process.Kill()).To(Succeed())
+	_ = child.Wait()
+
+	g.Eventually(func(g Gomega) {
+		for _, pid := range pids {
+			g.Expect(processAlive(pid)).To(BeFalse(), "pid %d", pid)
+		}
+		g.Expect(MountsBelow(root)).To(BeEmpty())
+	}).WithTimeout(time.Minute).WithPolling(100 * time.Millisecond).Should(Succeed())
+}
+
+// processAlive reports whether pid exists and is not a zombie waiting to be reaped.
+func processAlive(pid int) bool {
+	data, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	if err != nil {
+		return false
+	}
+	// The state follows the command name in parentheses, which may contain spaces.
+	s := string(data)
+	fields := strings.Fields(s[strings.LastIndexByte(s, ')')+1:])
+	return len(fields) > 0 && fields[0] != "Z"
+}

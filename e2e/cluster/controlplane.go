@@ -1,0 +1,264 @@
+package cluster
+
+import (
+	"context"
+	"crypto/rand"
+	"crypto/rsa"
+	"crypto/tls"
+	"crypto/x509"
+	"encoding/hex"
+	"encoding/pem"
+	"fmt"
+	"net/http"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"time"
+
+	"k8s.io/apimachinery/pkg/util/wait"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/rest"
+	"k8s.io/client-go/tools/clientcmd"
+	clientcmdapi "k8s.io/client-go/tools/clientcmd/api"
+)
+
+// controllers is the kube-controller-manager subset the lab needs: volume binding, attach and
+// detach, expansion, protection finalizers, garbage collection, namespaces, service accounts, and
+// node lifecycle (which lifts the not-ready taint a kubelet registers with).
+var controllers = []string{
+	"persistentvolume-binder-controller",
+	"persistentvolume-attach-detach-controller",
+	"persistentvolume-expander-controller",
+	"persistentvolume-protection-controller",
+	"persistentvolumeclaim-protection-controller",
+	"garbage-collector-controller",
+	"namespace-controller",
+	"serviceaccount-controller",
+	"node-lifecycle-controller",
+}
+
+// ControlPlane is one Kubernetes control plane: etcd, kube-apiserver, kube-controller-manager
+// and kube-scheduler.
+type ControlPlane struct {
+	Name string
+	// Dir holds the control plane's data, certificates, logs and nodes.
+	Dir string
+	// Server is the apiserver URL, https://127.0.0.1:<port>.
+	Server string
+	// Kubeconfig is the path of an admin (system:masters) kubeconfig.
+	Kubeconfig string
+
+	lab        *Lab
+	token      string
+	restConfig *rest.Config
+	client     kubernetes.Interface
+
+	mu         sync.Mutex
+	etcd       *Process
+	apiserver  *Process
+	controller *Process
+	scheduler  *Process
+}
+
+// StartControlPlane starts a control plane named name (a short DNS label), waits until its
+// apiserver is ready, and installs pvbridge's CRDs and the snapshot CRDs.
+func (l *Lab) StartControlPlane(ctx context.Context, name string) (*ControlPlane, error) {
+	cp := &ControlPlane{Name: name, Dir: filepath.Join(l.Root, name), lab: l}
+	cp.Kubeconfig = filepath.Join(cp.Dir, "admin.kubeconfig")
+	for _, d := range []string{"pki", "certs", "logs"} {
+		if err := os.MkdirAll(filepath.Join(cp.Dir, d), 0o755); err != nil {
+			return nil, err
+		}
+	}
+	if err := cp.writeCredentials(); err != nil {
+		return nil, err
+	}
+	p, err := freePorts(3)
+	if err != nil {
+		return nil, err
+	}
+	etcdClient, etcdPeer, apiPort := p[0], p[1], p[2]
+	cp.Server = fmt.Sprintf("https://127.0.0.1:%d", apiPort)
+	if err := cp.writeKubeconfig(); err != nil {
+		return nil, err
+	}
+
+	etcdURL := fmt.Sprintf("http://127.0.0.1:%d", etcdClient)
+	peerURL := fmt.Sprintf("http://127.0.0.1:%d", etcdPeer)
+	if cp.etcd, err = cp.start("etcd",
+		"--name="+name, "--data-dir="+filepath.Join(cp.Dir, "etcd"),
+		"--listen-client-urls="+etcdURL, "--advertise-client-urls="+etcdURL,
+		"--listen-peer-urls="+peerURL, "--initial-advertise-peer-urls="+peerURL,
+		"--initial-cluster="+name+"="+peerURL,
+		"--unsafe-no-fsync=true", // throwaway data; spares the disk
+		"--log-level=warn",
+	); err != nil {
+		return nil, err
+	}
+	if cp.apiserver, err = cp.start("kube-apiserver",
+		"--etcd-servers="+etcdURL,
+		"--bind-address=127.0.0.1", "--advertise-address=127.0.0.1",
+		fmt.Sprintf("--secure-port=%d", apiPort),
+		"--cert-dir="+filepath.Join(cp.Dir, "certs"),
+		"--service-cluster-ip-range=10.96.0.0/24",
+		"--service-account-issuer=https://kubernetes.default.svc.cluster.local",
+		"--service-account-key-file="+filepath.Join(cp.Dir, "pki", "sa.pub"),
+		"--service-account-signing-key-file="+filepath.Join(cp.Dir, "pki", "sa.key"),
+		"--token-auth-file="+filepath.Join(cp.Dir, "pki", "tokens.csv"),
+		"--authorization-mode=RBAC",
+		// A loopback advertise address needs the endpoint reconciler off. The rest halves the
+		// idle CPU of a lab apiserver (measured in shared/reference/lab-fit.md).
+		"--endpoint-reconciler-type=none",
+		"--watch-cache=false", "--enable-priority-and-fairness=false",
+		"--profiling=false", "--etcd-count-metric-poll-period=0",
+	); err != nil {
+		return nil, err
+	}
+	if err := cp.waitReady(ctx); err != nil {
+		return nil, err
+	}
+	if err := cp.StartControllerManager(); err != nil {
+		return nil, err
+	}
+	if cp.scheduler, err = cp.start("kube-scheduler",
+		"--kubeconfig="+cp.Kubeconfig, "--leader-elect=false", "--secure-port=0",
+	); err != nil {
+		return nil, err
+	}
+	if err := cp.installCRDs(ctx); err != nil {
+		return nil, err
+	}
+	return cp, nil
+}
+
+func (cp *ControlPlane) start(bin string, args ...string) (*Process, error) {
+	path, err := cp.lab.bin.Tool(bin)
+	if err != nil {
+		return nil, err
+	}
+	return cp.lab.startProcess(cp.Name+"/"+bin, cp.Dir, cp.logPath(bin), path, args...)
+}
+
+func (cp *ControlPlane) logPath(component string) string {
+	return filepath.Join(cp.Dir, "logs", component+".log")
+}
+
+// StartControllerManager starts kube-controller-manager; with StopControllerManager it lets a
+// test restart it.
+func (cp *ControlPlane) StartControllerManager() error {
+	cp.mu.Lock()
+	defer cp.mu.Unlock()
+	if cp.controller != nil && !cp.controller.Exited() {
+		return fmt.Errorf("%s: kube-controller-manager is running", cp.Name)
+	}
+	p, err := cp.start("kube-controller-manager",
+		"--kubeconfig="+cp.Kubeconfig, "--leader-elect=false",
+		"--use-service-account-credentials=false",
+		"--bind-address=127.0.0.1", "--secure-port=0",
+		"--controllers="+strings.Join(controllers, ","),
+		"--pvclaimbinder-sync-period=1s", // static PVs bind in about a second, not 15
+	)
+	if err != nil {
+		return err
+	}
+	cp.controller = p
+	return nil
+}
+
+// StopControllerManager stops kube-controller-manager.
+func (cp *ControlPlane) StopControllerManager() error {
+	cp.mu.Lock()
+	defer cp.mu.Unlock()
+	if cp.controller == nil {
+		return nil
+	}
+	err := cp.controller.Stop()
+	cp.controller = nil
+	return err
+}
+
+// RESTConfig returns an admin client configuration.
+func (cp *ControlPlane) RESTConfig() *rest.Config { return rest.CopyConfig(cp.restConfig) }
+
+// Client returns an admin clientset.
+func (cp *ControlPlane) Client() kubernetes.Interface { return cp.client }
+
+// writeCredentials writes the service-account signing key pair and the static admin token.
+func (cp *ControlPlane) writeCredentials() error {
+	key, err := rsa.GenerateKey(rand.Reader, 2048)
+	if err != nil {
+		return err
+	}
+	pub, err := x509.MarshalPKIXPublicKey(&key.PublicKey)
+	if err != nil {
+		return err
+	}
+	token := make([]byte, 16)
+	if _, err := rand.Read(token); err != nil {
+		return err
+	}
+	cp.token = hex.EncodeToString(token)
+	files := map[string][]byte{
+		"sa.key":     pem.EncodeToMemory(&pem.Block{Type: "RSA PRIVATE KEY", Bytes: x509.MarshalPKCS1PrivateKey(key)}),
+		"sa.pub":     pem.EncodeToMemory(&pem.Block{Type: "PUBLIC KEY", Bytes: pub}),
+		"tokens.csv": []byte(cp.token + ",admin,admin-uid,system:masters\n"),
+	}
+	for name, data := range files {
+		if err := os.WriteFile(filepath.Join(cp.Dir, "pki", name), data, 0o600); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+func (cp *ControlPlane) writeKubeconfig() error {
+	cfg := clientcmdapi.NewConfig()
+	cfg.Clusters[cp.Name] = &clientcmdapi.Cluster{Server: cp.Server, InsecureSkipTLSVerify: true}
+	cfg.AuthInfos["admin"] = &clientcmdapi.AuthInfo{Token: cp.token}
+	cfg.Contexts[cp.Name] = &clientcmdapi.Context{Cluster: cp.Name, AuthInfo: "admin"}
+	cfg.CurrentContext = cp.Name
+	if err := clientcmd.WriteToFile(*cfg, cp.Kubeconfig); err != nil {
+		return err
+	}
+	rc, err := clientcmd.BuildConfigFromFlags("", cp.Kubeconfig)
+	if err != nil {
+		return err
+	}
+	rc.QPS, rc.Burst = 100, 200
+	cp.restConfig = rc
+	cp.client, err = kubernetes.NewForConfig(rc)
+	return err
+}
+
+// waitReady waits until /readyz answers ok, failing early if etcd or the apiserver exits.
+func (cp *ControlPlane) waitReady(ctx context.Context) error {
+	hc := &http.Client{
+		Timeout:   2 * time.Second,
+		Transport: &http.Transport{TLSClientConfig: &tls.Config{InsecureSkipVerify: true}}, //nolint:gosec // the lab's self-signed apiserver
+	}
+	ctx, cancel := context.WithTimeout(ctx, time.Minute)
+	defer cancel()
+	err := wait.PollUntilContextCancel(ctx, 100*time.Millisecond, true, func(ctx context.Context) (bool, error) {
+		for _, p := range []*Process{cp.etcd, cp.apiserver} {
+			if p.Exited() {
+				return false, fmt.Errorf("%s exited; see %s", p.Name, p.LogPath)
+			}
+		}
+		req, err := http.NewRequestWithContext(ctx, http.MethodGet, cp.Server+"/readyz", nil)
+		if err != nil {
+			return false, err
+		}
+		req.Header.Set("Authorization", "Bearer "+cp.token)
+		resp, err := hc.Do(req)
+		if err != nil {
+			return false, nil
+		}
+		resp.Body.Close()
+		return resp.StatusCode == http.StatusOK, nil
+	})
+	if err != nil {
+		return fmt.Errorf("%s: apiserver not ready: %w (log: %s)", cp.Name, err, cp.apiserver.LogPath)
+	}
+	return nil
+}

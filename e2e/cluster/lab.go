@@ -1,0 +1,81 @@
+// Package cluster runs real Kubernetes clusters as processes on 127.0.0.1: etcd, kube-apiserver,
+// kube-controller-manager and kube-scheduler per control plane, and a real kubelet with a fake
+// container runtime per node. Several control planes run side by side in one Lab.
+//
+// Everything a Lab starts lives below its root directory. Stop ends every process (by process
+// group) and unmounts everything below the root. If the process that owns the Lab dies without
+// calling Stop (a panic, a kill -9), a reaper process does the same.
+package cluster
+
+import (
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"slices"
+	"sync"
+)
+
+// Lab owns a root directory and every process and mount below it.
+type Lab struct {
+	Root string
+
+	bin    *Binaries
+	pidDir string
+	reaper *reaper
+
+	mu        sync.Mutex
+	processes []*Process
+	stopped   bool
+}
+
+// NewLab creates a lab under root, which must be short (unix socket paths are limited to 108
+// bytes) and is created if missing. A Lab must be stopped with Stop.
+func NewLab(root string, bin *Binaries) (*Lab, error) {
+	root, err := filepath.Abs(root)
+	if err != nil {
+		return nil, err
+	}
+	l := &Lab{Root: root, bin: bin, pidDir: filepath.Join(root, "pids")}
+	if err := os.MkdirAll(l.pidDir, 0o755); err != nil {
+		return nil, err
+	}
+	if l.reaper, err = startReaper(root, filepath.Join(root, "reaper.log")); err != nil {
+		return nil, err
+	}
+	return l, nil
+}
+
+// Binaries returns where the lab finds its executables.
+func (l *Lab) Binaries() *Binaries { return l.bin }
+
+func (l *Lab) track(p *Process) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.processes = append(l.processes, p)
+}
+
+// Stop stops every process the lab started, newest first (clients before the apiserver before
+// etcd), then unmounts everything below the root. It is idempotent.
+func (l *Lab) Stop() error {
+	l.mu.Lock()
+	if l.stopped {
+		l.mu.Unlock()
+		return nil
+	}
+	l.stopped = true
+	procs := slices.Clone(l.processes)
+	l.mu.Unlock()
+
+	var errs []error
+	for _, p := range slices.Backward(procs) {
+		_ = p.Stop() // an exit status on SIGTERM is expected
+	}
+	if err := unmountBelow(l.Root); err != nil {
+		errs = append(errs, err)
+	}
+	if err := l.reaper.finish(); err != nil {
+		errs = append(errs, fmt.Errorf("lab reaper: %w", err))
+	}
+	return errors.Join(errs...)
+}

@@ -1,0 +1,46 @@
+package cluster
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"testing"
+)
+
+// childLabEnv makes the test binary, re-executed by TestKilledOwnerLeavesNothingBehind, start a
+// lab and wait to be killed instead of running the tests.
+const childLabEnv = "PVBRIDGE_TEST_CHILD_LAB"
+
+func TestMain(m *testing.M) {
+	if root := os.Getenv(childLabEnv); root != "" {
+		if err := runChildLab(root); err != nil {
+			fmt.Fprintln(os.Stderr, "child lab:", err)
+			os.Exit(1)
+		}
+		return
+	}
+	os.Exit(m.Run())
+}
+
+// runChildLab starts a control plane with a node under root, says READY, and blocks until it
+// is killed; it never calls Stop.
+func runChildLab(root string) error {
+	bin, err := DefaultBinaries()
+	if err != nil {
+		return err
+	}
+	lab, err := NewLab(root, bin)
+	if err != nil {
+		return err
+	}
+	ctx := context.Background()
+	cp, err := lab.StartControlPlane(ctx, "child")
+	if err != nil {
+		return err
+	}
+	if _, err := cp.AddNode(ctx, "node-1", NodeOptions{}); err != nil {
+		return err
+	}
+	fmt.Println("READY")
+	select {}
+}

@@ -1,0 +1,136 @@
+package cluster
+
+import (
+	"errors"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"sync"
+	"syscall"
+	"time"
+)
+
+// stopTimeout is how long a process gets after SIGTERM before it is killed.
+const stopTimeout = 10 * time.Second
+
+// Process is a lab daemon running in its own process group, so that stopping it also stops
+// whatever it started. Its pid is recorded under the lab's pids/ directory while it runs, which is
+// what the reaper kills if the process that owns the lab dies without stopping it.
+type Process struct {
+	Name    string
+	Args    []string
+	LogPath string
+
+	cmd     *exec.Cmd
+	pidFile string
+	done    chan struct{}
+	err     error // exit error; valid once done is closed
+
+	stopOnce sync.Once
+}
+
+// startProcess starts bin with args in dir, appending stdout and stderr to logPath.
+func (l *Lab) startProcess(name, dir, logPath, bin string, args ...string) (*Process, error) {
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		return nil, err
+	}
+	logFile, err := os.OpenFile(logPath, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644)
+	if err != nil {
+		return nil, err
+	}
+	defer logFile.Close()
+
+	cmd := exec.Command(bin, args...)
+	cmd.Dir = dir
+	cmd.Stdout, cmd.Stderr = logFile, logFile
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
+	if err := cmd.Start(); err != nil {
+		return nil, fmt.Errorf("start %s: %w", name, err)
+	}
+	p := &Process{
+		Name: name, Args: args, LogPath: logPath,
+		cmd:     cmd,
+		pidFile: filepath.Join(l.pidDir, fmt.Sprintf("%d", cmd.Process.Pid)),
+		done:    make(chan struct{}),
+	}
+	if err := os.WriteFile(p.pidFile, []byte(name+"\n"), 0o644); err != nil {
+		_ = syscall.Kill(-cmd.Process.Pid, syscall.SIGKILL)
+		return nil, err
+	}
+	go func() {
+		p.err = cmd.Wait()
+		close(p.done)
+	}()
+	l.track(p)
+	return p, nil
+}
+
+// Pid returns the process id, which is also its process group id.
+func (p *Process) Pid() int { return p.cmd.Process.Pid }
+
+// Exited reports whether the process has ended.
+func (p *Process) Exited() bool {
+	select {
+	case <-p.done:
+		return true
+	default:
+		return false
+	}
+}
+
+// Done is closed when the process has ended.
+func (p *Process) Done() <-chan struct{} { return p.done }
+
+// Stop sends SIGTERM to the process group, waits up to stopTimeout, then kills the group.
+// It is idempotent and returns the process's exit error only if it had ended on its own.
+func (p *Process) Stop() error { return p.stop(syscall.SIGTERM) }
+
+// Kill kills the process group with SIGKILL, as a crash would.
+func (p *Process) Kill() error { return p.stop(syscall.SIGKILL) }
+
+func (p *Process) stop(sig syscall.Signal) error {
+	var err error
+	p.stopOnce.Do(func() {
+		if p.Exited() {
+			err = p.exitError()
+		} else {
+			_ = syscall.Kill(-p.Pid(), sig)
+			select {
+			case <-p.done:
+			case <-time.After(stopTimeout):
+				_ = syscall.Kill(-p.Pid(), syscall.SIGKILL)
+				<-p.done
+			}
+		}
+		// Children that outlived the leader share its process group.
+		_ = syscall.Kill(-p.Pid(), syscall.SIGKILL)
+		if rmErr := os.Remove(p.pidFile); rmErr != nil && !errors.Is(rmErr, os.ErrNotExist) && err == nil {
+			err = rmErr
+		}
+	})
+	return err
+}
+
+func (p *Process) exitError() error {
+	if p.err == nil {
+		return nil
+	}
+	return fmt.Errorf("%s exited: %w (log: %s)", p.Name, p.err, p.LogPath)
+}
+
+// pidsIn lists the pids recorded in a lab's pid directory.
+func pidsIn(dir string) ([]int, error) {
+	entries, err := os.ReadDir(dir)
+	if err != nil {
+		return nil, err
+	}
+	var pids []int
+	for _, e := range entries {
+		if pid, err := strconv.Atoi(e.Name()); err == nil {
+			pids = append(pids, pid)
+		}
+	}
+	return pids, nil
+}

@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# Builds the pinned third-party binaries (Kubernetes, etcd, CSI sidecars, csi-sanity, code
+# generators, linters) from the Go module proxy, once, into a cache outside the repository:
+#
+#   $PVBRIDGE_CACHE/<component>-<version>/<binary>    the build
+#   $PVBRIDGE_CACHE/bin/<binary>                      a symlink to the pinned build
+#
+# Each component has a tool module under hack/tools/<component> that pins its version (and its
+# replace directives, which is why `go install` cannot build most of them). A component whose
+# binaries exist is not rebuilt, so a rerun with everything cached does no work.
+#
+# Usage: hack/build-tools.sh [component ...]     (default: all)
+set -euo pipefail
+
+root=$(cd "$(dirname "$0")/.." && pwd)
+cache=${PVBRIDGE_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/pvbridge}
+export GOWORK=off CGO_ENABLED=0 GOFLAGS=-buildvcs=false
+
+k8s_version=v1.37.0
+k8s_ldflags() {
+	local v=$1 minor
+	minor=$(echo "$v" | cut -d. -f2)
+	local x=""
+	for p in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
+		x+=" -X $p.gitVersion=$v -X $p.gitMajor=1 -X $p.gitMinor=$minor -X $p.gitTreeState=clean"
+	done
+	echo "$x"
+}
+
+# component | version | tags | extra ldflags | binary=package ...
+components() {
+	cat <<EOF
+etcd|v3.6.4|||etcd=go.etcd.io/etcd/server/v3
+kubernetes|$k8s_version|selinux,notest,grpcnotrace|$(k8s_ldflags $k8s_version)|kube-apiserver=k8s.io/kubernetes/cmd/kube-apiserver kube-controller-manager=k8s.io/kubernetes/cmd/kube-controller-manager kube-scheduler=k8s.io/kubernetes/cmd/kube-scheduler kubelet=k8s.io/kubernetes/cmd/kubelet kubectl=k8s.io/kubernetes/cmd/kubectl
+csi-provisioner|v6.3.0|| -X main.version=v6.3.0|csi-provisioner=github.com/kubernetes-csi/external-provisioner/v6/cmd/csi-provisioner
+csi-attacher|v4.13.0|| -X main.version=v4.13.0|csi-attacher=github.com/kubernetes-csi/external-attacher/v4/cmd/csi-attacher
+csi-resizer|v2.3.0|| -X main.version=v2.3.0|csi-resizer=github.com/kubernetes-csi/external-resizer/v2/cmd/csi-resizer
+csi-snapshotter|v8.7.0|| -X main.version=v8.7.0|csi-snapshotter=github.com/kubernetes-csi/external-snapshotter/v8/cmd/csi-snapshotter snapshot-controller=github.com/kubernetes-csi/external-snapshotter/v8/cmd/snapshot-controller
+csi-sanity|v5.6.0|||csi-sanity=github.com/kubernetes-csi/csi-test/v5/cmd/csi-sanity
+controller-gen|v0.23.0|||controller-gen=sigs.k8s.io/controller-tools/cmd/controller-gen
+golangci-lint|v2.15.0|||golangci-lint=github.com/golangci/golangci-lint/v2/cmd/golangci-lint
+EOF
+}
+
+want=("$@")
+selected() {
+	[ ${#want[@]} -eq 0 ] && return 0
+	local w
+	for w in "${want[@]}"; do [ "$w" = "$1" ] && return 0; done
+	return 1
+}
+
+mkdir -p "$cache/bin"
+total=$(components | wc -l)
+n=0
+while IFS='|' read -r comp version tags ldflags bins; do
+	n=$((n + 1))
+	selected "$comp" || continue
+	dir="$cache/$comp-$version"
+	for spec in $bins; do
+		bin=${spec%%=*} pkg=${spec#*=}
+		if [ -x "$dir/$bin" ]; then
+			echo "[$n/$total] $bin $version: cached"
+		else
+			echo "[$n/$total] $bin $version: building (a cold Kubernetes build takes minutes) ..."
+			start=$(date +%s)
+			mkdir -p "$dir"
+			(cd "$root/hack/tools/$comp" &&
+				go build -trimpath ${tags:+-tags "$tags"} -ldflags "all=$ldflags -s -w" -o "$dir/$bin.tmp" "$pkg")
+			mv "$dir/$bin.tmp" "$dir/$bin"
+			echo "[$n/$total] $bin $version: built in $(($(date +%s) - start))s"
+		fi
+		ln -sfn "$dir/$bin" "$cache/bin/$bin"
+	done
+done < <(components)

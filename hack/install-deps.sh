@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Installs the system packages pvbridge's lab and tests use, if they are missing.
+# Debian packages only; runs as root (the lab needs root for mounts and loop devices anyway).
+set -euo pipefail
+
+# command -> Debian package
+declare -A need=(
+	[mkfs.ext4]=e2fsprogs
+	[mkfs.xfs]=xfsprogs
+	[losetup]=util-linux
+	[findmnt]=util-linux
+	[jq]=jq
+)
+missing=()
+for cmd in "${!need[@]}"; do
+	command -v "$cmd" >/dev/null 2>&1 || missing+=("${need[$cmd]}")
+done
+if [ ${#missing[@]} -eq 0 ]; then
+	exit 0
+fi
+mapfile -t missing < <(printf '%s\n' "${missing[@]}" | sort -u)
+echo "installing: ${missing[*]}"
+if [ "$(id -u)" -ne 0 ]; then
+	echo "install-deps: need root to install ${missing[*]}" >&2
+	exit 1
+fi
+export DEBIAN_FRONTEND=noninteractive
+apt-get update -qq
+apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Fails when a generated file, the formatting or a go.mod/go.sum differs from what the
+# generators make of the current tree. The generators run on a copy, so uncommitted work in
+# progress is compared as it is, not against HEAD.
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root"
+fail=0
+
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+git ls-files -co --exclude-standard -z | xargs -0 cp --parents -t "$tmp"
+make -s -C "$tmp" generate >/dev/null
+for d in manifests/crd pkg/apis; do
+	if ! diff -r "$d" "$tmp/$d" >/dev/null; then
+		echo "verify: $d is out of date; run 'make generate':"
+		diff -ru "$d" "$tmp/$d" | head -40 || true
+		fail=1
+	fi
+done
+
+unformatted=$(git ls-files -co --exclude-standard '*.go' | xargs gofmt -l)
+if [ -n "$unformatted" ]; then
+	echo "verify: not gofmt'ed:"; echo "$unformatted"; fail=1
+fi
+
+for m in pkg guest-csi mgmt-csi vm-operator e2e hack/tools/*; do
+	if ! (cd "$m" && GOWORK=off go mod tidy -diff >/dev/null 2>&1); then
+		echo "verify: $m/go.mod or go.sum is not tidy; run 'cd $m && GOWORK=off go mod tidy'"
+		fail=1
+	fi
+done
+exit $fail
