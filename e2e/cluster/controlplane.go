@@ -25,7 +25,8 @@ import (
 
 // controllers is the kube-controller-manager subset the lab needs: volume binding, attach and
 // detach, expansion, protection finalizers, garbage collection, namespaces, service accounts, and
-// node lifecycle (which lifts the not-ready taint a kubelet registers with).
+// node lifecycle (which lifts the not-ready taint a kubelet registers with), and resource quotas
+// (usage accounting, without which quota admission refuses every object).
 var controllers = []string{
 	"persistentvolume-binder-controller",
 	"persistentvolume-attach-detach-controller",
@@ -36,6 +37,7 @@ var controllers = []string{
 	"namespace-controller",
 	"serviceaccount-controller",
 	"node-lifecycle-controller",
+	"resourcequota-controller",
 }
 
 // ControlPlane is one Kubernetes control plane: etcd, kube-apiserver, kube-controller-manager

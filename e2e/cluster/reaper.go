@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"os"
 	"os/exec"
+	"sync"
 	"syscall"
 )
 
@@ -11,7 +12,8 @@ import (
 // whose only writer is the process that owns the lab. The kernel closes that pipe however the
 // owner ends (Stop, panic, SIGKILL), and the script then kills every process group still
 // recorded under pids/ and unmounts everything below the lab root, deepest first. After a clean
-// Stop there is nothing left to do, so running it twice is harmless.
+// Stop there is nothing left to do, so running it twice is harmless. It needs bash: dash's kill
+// cannot signal a process group.
 const reaperScript = `
 root=$1
 cat >/dev/null
@@ -29,6 +31,10 @@ type reaper struct {
 	pipe *os.File // write end; closing it triggers the clean-up
 }
 
+// liveReapers keeps every running reaper reachable: were a Lab dropped without Stop, the
+// finalizer of its pipe would close it and clean the lab up under a process still using it.
+var liveReapers sync.Map
+
 func startReaper(root, logPath string) (*reaper, error) {
 	r, w, err := os.Pipe()
 	if err != nil {
@@ -41,7 +47,7 @@ func startReaper(root, logPath string) (*reaper, error) {
 		return nil, err
 	}
 	defer logFile.Close()
-	cmd := exec.Command("/bin/sh", "-c", reaperScript, "reaper", root)
+	cmd := exec.Command("/bin/bash", "-c", reaperScript, "reaper", root)
 	cmd.Stdin = r
 	cmd.Stdout, cmd.Stderr = logFile, logFile
 	// A session of its own: a Ctrl-C or a kill of the owner's process group does not reach it.
@@ -50,11 +56,14 @@ func startReaper(root, logPath string) (*reaper, error) {
 		w.Close()
 		return nil, fmt.Errorf("start lab reaper: %w", err)
 	}
-	return &reaper{cmd: cmd, pipe: w}, nil
+	rp := &reaper{cmd: cmd, pipe: w}
+	liveReapers.Store(rp, struct{}{})
+	return rp, nil
 }
 
 // finish triggers the reaper and waits until it has cleaned up.
 func (r *reaper) finish() error {
+	defer liveReapers.Delete(r)
 	r.pipe.Close()
 	return r.cmd.Wait()
 }
