@@ -1,0 +1,151 @@
+package driver
+
+import (
+	"context"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+	. "github.com/onsi/gomega"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
+	registerapi "k8s.io/kubelet/pkg/apis/pluginregistration/v1"
+)
+
+func TestOptionsValidate(t *testing.T) {
+	valid := func(mode Mode, change func(*Options)) Options {
+		o := Options{Endpoint: "unix:///csi/csi.sock", Mode: mode, Version: "v0.1.0"}
+		if mode == ModeNode {
+			o.NodeID = "host-a"
+		}
+		if change != nil {
+			change(&o)
+		}
+		return o
+	}
+	tests := []struct {
+		name    string
+		opts    Options
+		wantErr []string
+	}{
+		{name: "controller", opts: valid(ModeController, nil)},
+		{name: "node", opts: valid(ModeNode, nil)},
+		{name: "node registering with kubelet", opts: valid(ModeNode, func(o *Options) { o.KubeletRegistrationDir = "/var/lib/kubelet/plugins_registry" })},
+		{name: "endpoint as a path", opts: valid(ModeController, func(o *Options) { o.Endpoint = "/csi/csi.sock" })},
+		{name: "tcp endpoint", opts: valid(ModeController, func(o *Options) { o.Endpoint = "tcp://127.0.0.1:9000" }), wantErr: []string{"endpoint"}},
+		{name: "no mode", opts: valid("", nil), wantErr: []string{`mode ""`}},
+		{name: "unknown mode", opts: valid("all", nil), wantErr: []string{`mode "all"`}},
+		{name: "node without node ID", opts: valid(ModeNode, func(o *Options) { o.NodeID = "" }), wantErr: []string{"node ID is required"}},
+		{name: "node ID that is not a node name", opts: valid(ModeNode, func(o *Options) { o.NodeID = "Node_1" }), wantErr: []string{"not a node name"}},
+		{name: "relative registration directory", opts: valid(ModeNode, func(o *Options) { o.KubeletRegistrationDir = "plugins_registry" }), wantErr: []string{"not absolute"}},
+		{name: "controller with node ID", opts: valid(ModeController, func(o *Options) { o.NodeID = "n" }), wantErr: []string{"only used in node mode"}},
+		{name: "controller registering with kubelet", opts: valid(ModeController, func(o *Options) { o.KubeletRegistrationDir = "/r" }), wantErr: []string{"only done in node mode"}},
+		{name: "no version", opts: valid(ModeController, func(o *Options) { o.Version = "" }), wantErr: []string{"version"}},
+		{
+			name:    "every problem is reported",
+			opts:    Options{Endpoint: "csi.sock", Mode: ModeNode},
+			wantErr: []string{"endpoint", "node ID is required", "version"},
+		},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			g := NewWithT(t)
+			err := tt.opts.Validate()
+			if len(tt.wantErr) == 0 {
+				g.Expect(err).NotTo(HaveOccurred())
+				return
+			}
+			g.Expect(err).To(HaveOccurred())
+			g.Expect(strings.Split(err.Error(), "\n")).To(HaveLen(len(tt.wantErr)))
+			for _, want := range tt.wantErr {
+				g.Expect(err.Error()).To(ContainSubstring(want))
+			}
+		})
+	}
+}
+
+// socketDir returns a temporary directory with a path short enough for unix sockets.
+func socketDir(t *testing.T) string {
+	dir, err := os.MkdirTemp("", "mgmt-csi")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = os.RemoveAll(dir) })
+	return dir
+}
+
+func dial(t *testing.T, path string) *grpc.ClientConn {
+	t.Helper()
+	conn, err := grpc.NewClient("unix://"+path, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = conn.Close() })
+	return conn
+}
+
+func TestRunServesIdentityAndRegistersWithKubelet(t *testing.T) {
+	tests := []struct {
+		name         string
+		mode         Mode
+		nodeID       string
+		register     bool
+		wantRegistry bool
+	}{
+		{name: "controller", mode: ModeController},
+		{name: "node without registration", mode: ModeNode, nodeID: "host-a"},
+		{name: "node registering with kubelet", mode: ModeNode, nodeID: "host-a", register: true, wantRegistry: true},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			g := NewWithT(t)
+			dir := socketDir(t)
+			opts := Options{Endpoint: "unix://" + filepath.Join(dir, "csi.sock"), Mode: tt.mode, NodeID: tt.nodeID, Version: "v1.2.3"}
+			registry := filepath.Join(dir, "registry")
+			if tt.register {
+				opts.KubeletRegistrationDir = registry
+			}
+			d, err := New(opts)
+			g.Expect(err).NotTo(HaveOccurred())
+
+			ctx, cancel := context.WithCancel(t.Context())
+			done := make(chan error, 1)
+			go func() { done <- d.Run(ctx) }()
+
+			info, err := csi.NewIdentityClient(dial(t, filepath.Join(dir, "csi.sock"))).
+				GetPluginInfo(t.Context(), &csi.GetPluginInfoRequest{}, grpc.WaitForReady(true))
+			g.Expect(err).NotTo(HaveOccurred())
+			g.Expect(info.GetName()).To(Equal("pmem.csi.pvbridge.io"))
+			g.Expect(info.GetVendorVersion()).To(Equal("v1.2.3"))
+
+			regSock := filepath.Join(registry, "pmem.csi.pvbridge.io-reg.sock")
+			if tt.wantRegistry {
+				reg, err := registerapi.NewRegistrationClient(dial(t, regSock)).
+					GetInfo(t.Context(), &registerapi.InfoRequest{}, grpc.WaitForReady(true))
+				g.Expect(err).NotTo(HaveOccurred())
+				g.Expect(reg.Endpoint).To(Equal(filepath.Join(dir, "csi.sock")))
+			} else {
+				g.Expect(regSock).NotTo(BeAnExistingFile())
+			}
+
+			cancel()
+			g.Eventually(done).Should(Receive(BeNil()))
+			g.Expect(filepath.Join(dir, "csi.sock")).NotTo(BeAnExistingFile())
+			g.Expect(regSock).NotTo(BeAnExistingFile())
+		})
+	}
+}
+
+func TestRunFailsWhenRegistrationSocketCannotBeCreated(t *testing.T) {
+	g := NewWithT(t)
+	dir := socketDir(t)
+	notADir := filepath.Join(dir, "file")
+	g.Expect(os.WriteFile(notADir, nil, 0o600)).To(Succeed())
+	d, err := New(Options{Endpoint: filepath.Join(dir, "csi.sock"), Mode: ModeNode, NodeID: "host-a", KubeletRegistrationDir: notADir, Version: "v1"})
+	g.Expect(err).NotTo(HaveOccurred())
+
+	g.Expect(d.Run(t.Context())).To(HaveOccurred())
+	g.Expect(filepath.Join(dir, "csi.sock")).NotTo(BeAnExistingFile(), "the CSI socket is closed again")
+}

@@ -1,0 +1,41 @@
+package driver
+
+import (
+	"context"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+	"google.golang.org/protobuf/types/known/wrapperspb"
+)
+
+// identity is the CSI Identity service.
+type identity struct {
+	csi.UnimplementedIdentityServer
+	name    string
+	version string
+}
+
+func (i *identity) GetPluginInfo(context.Context, *csi.GetPluginInfoRequest) (*csi.GetPluginInfoResponse, error) {
+	return &csi.GetPluginInfoResponse{Name: i.name, VendorVersion: i.version}, nil
+}
+
+// GetPluginCapabilities describes the whole driver, whatever the mode of this process: sidecars
+// of either side ask it.
+func (i *identity) GetPluginCapabilities(context.Context, *csi.GetPluginCapabilitiesRequest) (*csi.GetPluginCapabilitiesResponse, error) {
+	return &csi.GetPluginCapabilitiesResponse{
+		Capabilities: []*csi.PluginCapability{
+			serviceCapability(csi.PluginCapability_Service_CONTROLLER_SERVICE),
+			serviceCapability(csi.PluginCapability_Service_VOLUME_ACCESSIBILITY_CONSTRAINTS),
+		},
+	}, nil
+}
+
+func serviceCapability(t csi.PluginCapability_Service_Type) *csi.PluginCapability {
+	return &csi.PluginCapability{
+		Type: &csi.PluginCapability_Service_{Service: &csi.PluginCapability_Service{Type: t}},
+	}
+}
+
+// Probe reports ready: the process serves as soon as its socket listens.
+func (i *identity) Probe(context.Context, *csi.ProbeRequest) (*csi.ProbeResponse, error) {
+	return &csi.ProbeResponse{Ready: wrapperspb.Bool(true)}, nil
+}

@@ -1,0 +1,31 @@
+package v1alpha1
+
+// ReadyCondition is the condition type every kind of this API reports: a PmemVolume or
+// PmemSnapshot is Ready when its data exists on the node, a PmemNode when its back end serves.
+const ReadyCondition = "Ready"
+
+// Reasons of the Ready condition.
+const (
+	// PendingReason (False): the node agent has not realized the object yet.
+	PendingReason = "Pending"
+	// CreatedReason (True): the volume or snapshot exists on the node.
+	CreatedReason = "Created"
+	// ResizingReason (False): the volume is growing to spec.size.
+	ResizingReason = "Resizing"
+	// InsufficientCapacityReason (False): the node has not enough free PMEM. The controller
+	// deletes the object and answers ResourceExhausted, so that nothing is left behind.
+	InsufficientCapacityReason = "InsufficientCapacity"
+	// SourceNotFoundReason (False): the snapshot or volume named in spec.source does not exist
+	// on the node.
+	SourceNotFoundReason = "SourceNotFound"
+	// InUseReason (False, on a PmemVolume being deleted): the device is open or mounted on the
+	// node, so its data cannot be removed yet. DeleteVolume answers FailedPrecondition.
+	InUseReason = "InUse"
+	// FailedReason (False): the back end failed; the message says how.
+	FailedReason = "Failed"
+	// BackendReadyReason (True on a PmemNode): the back end is initialized and reports capacity.
+	BackendReadyReason = "BackendReady"
+	// BackendUnavailableReason (False on a PmemNode): the back end cannot be used, for example
+	// because the PMEM region or the tools are missing.
+	BackendUnavailableReason = "BackendUnavailable"
+)

@@ -1,0 +1,81 @@
+// Command vm-operator manages the VirtualMachines of the management cluster. In the controller
+// role it places them and drives their power state and volumes; in the host-agent role, one per
+// host, it hot-plugs volumes into the VirtualMachines on that host.
+package main
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"os/signal"
+	"syscall"
+
+	"github.com/spf13/pflag"
+	"k8s.io/component-base/featuregate"
+	"k8s.io/component-base/logs"
+	logsapi "k8s.io/component-base/logs/api/v1"
+	"k8s.io/klog/v2"
+	ctrl "sigs.k8s.io/controller-runtime"
+
+	"pvbridge.io/vm-operator/internal/operator"
+)
+
+// version is set at build time with -ldflags "-X main.version=<version>".
+var version = "devel"
+
+func main() {
+	var opts operator.Options
+	logging := logsapi.NewLoggingConfiguration()
+	features := featuregate.NewFeatureGate()
+	if err := logsapi.AddFeatureGates(features); err != nil {
+		panic(err) // only fails when a gate is added twice
+	}
+
+	fs := pflag.NewFlagSet(os.Args[0], pflag.ExitOnError)
+	fs.StringVar(&opts.Kubeconfig, "kubeconfig", "",
+		"Path of the management cluster's kubeconfig. When empty: $KUBECONFIG, the in-cluster configuration, then ~/.kube/config.")
+	fs.StringVar((*string)(&opts.Role), "role", "",
+		`What to run: "controller" (one per management cluster) or "host-agent" (one per host, beside its kubelet). Required.`)
+	fs.StringVar(&opts.NodeName, "node-name", "",
+		"Name of this host's Kubernetes Node; usually the pod's spec.nodeName. Required with --role=host-agent.")
+	fs.StringVar(&opts.MetricsAddress, "metrics-bind-address", "0",
+		`host:port to serve Prometheus metrics on (/metrics), or "0" for none.`)
+	fs.StringVar(&opts.HealthAddress, "health-probe-bind-address", ":8081",
+		`host:port to serve the /healthz and /readyz probes on, or "0" for none.`)
+	logsapi.AddFlags(logging, fs)
+	features.AddFlag(fs)
+	fs.Usage = func() {
+		fmt.Fprintf(os.Stderr, "Usage: %s [flags]\n\npvbridge vm-operator, version %s.\n\nFlags:\n", os.Args[0], version)
+		fs.PrintDefaults()
+	}
+	_ = fs.Parse(os.Args[1:]) // ExitOnError: Parse exits on a bad flag.
+	if fs.NArg() > 0 {
+		fmt.Fprintf(os.Stderr, "unexpected arguments: %v\n", fs.Args())
+		fs.Usage()
+		os.Exit(2)
+	}
+
+	logs.InitLogs()
+	if err := logsapi.ValidateAndApply(logging, features); err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		os.Exit(2)
+	}
+	ctrl.SetLogger(klog.Background())
+
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	err := run(ctx, opts)
+	stop()
+	if err != nil {
+		klog.Background().Error(err, "vm-operator failed")
+		klog.FlushAndExit(klog.ExitFlushTimeout, 1)
+	}
+	logs.FlushLogs()
+}
+
+func run(ctx context.Context, opts operator.Options) error {
+	op, err := operator.New(opts)
+	if err != nil {
+		return err
+	}
+	return op.Run(ctx)
+}

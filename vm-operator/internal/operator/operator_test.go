@@ -1,0 +1,168 @@
+package operator
+
+import (
+	"context"
+	"fmt"
+	"net"
+	"net/http"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	. "github.com/onsi/gomega"
+	corev1 "k8s.io/api/core/v1"
+	storagev1 "k8s.io/api/storage/v1"
+	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/apimachinery/pkg/runtime/schema"
+
+	pmemv1alpha1 "pvbridge.io/pkg/apis/pmem/v1alpha1"
+	vmv1alpha1 "pvbridge.io/pkg/apis/vm/v1alpha1"
+)
+
+func TestOptionsValidate(t *testing.T) {
+	valid := func(role Role, change func(*Options)) Options {
+		o := Options{Role: role, MetricsAddress: "0", HealthAddress: ":8081"}
+		if role == RoleHostAgent {
+			o.NodeName = "host-a"
+		}
+		if change != nil {
+			change(&o)
+		}
+		return o
+	}
+	tests := []struct {
+		name    string
+		opts    Options
+		wantErr []string
+	}{
+		{name: "controller", opts: valid(RoleController, nil)},
+		{name: "host agent", opts: valid(RoleHostAgent, nil)},
+		{name: "metrics on a port", opts: valid(RoleController, func(o *Options) { o.MetricsAddress = "127.0.0.1:8080" })},
+		{name: "health probes disabled", opts: valid(RoleController, func(o *Options) { o.HealthAddress = "0" })},
+		{name: "no role", opts: valid("", nil), wantErr: []string{`role ""`}},
+		{name: "unknown role", opts: valid("agent", nil), wantErr: []string{`role "agent"`}},
+		{name: "host agent without node name", opts: valid(RoleHostAgent, func(o *Options) { o.NodeName = "" }), wantErr: []string{"node name is required"}},
+		{name: "host agent with a bad node name", opts: valid(RoleHostAgent, func(o *Options) { o.NodeName = "Host_A" }), wantErr: []string{"not a node name"}},
+		{name: "controller with node name", opts: valid(RoleController, func(o *Options) { o.NodeName = "host-a" }), wantErr: []string{"only used in the host-agent role"}},
+		{name: "metrics address without port", opts: valid(RoleController, func(o *Options) { o.MetricsAddress = "localhost" }), wantErr: []string{"metrics address"}},
+		{name: "empty health address", opts: valid(RoleController, func(o *Options) { o.HealthAddress = "" }), wantErr: []string{"health address"}},
+		{
+			name:    "every problem is reported",
+			opts:    Options{Role: RoleHostAgent, MetricsAddress: "x", HealthAddress: "y"},
+			wantErr: []string{"node name is required", "metrics address", "health address"},
+		},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			g := NewWithT(t)
+			err := tt.opts.Validate()
+			if len(tt.wantErr) == 0 {
+				g.Expect(err).NotTo(HaveOccurred())
+				return
+			}
+			g.Expect(err).To(HaveOccurred())
+			g.Expect(strings.Split(err.Error(), "\n")).To(HaveLen(len(tt.wantErr)))
+			for _, want := range tt.wantErr {
+				g.Expect(err.Error()).To(ContainSubstring(want))
+			}
+		})
+	}
+}
+
+func TestSchemeHoldsTheKindsTheOperatorUses(t *testing.T) {
+	scheme, err := NewScheme()
+	if err != nil {
+		t.Fatal(err)
+	}
+	tests := []struct {
+		obj  runtime.Object
+		want schema.GroupVersionKind
+	}{
+		{obj: &vmv1alpha1.VirtualMachine{}, want: vmv1alpha1.GroupVersion.WithKind("VirtualMachine")},
+		{obj: &pmemv1alpha1.PmemVolume{}, want: pmemv1alpha1.GroupVersion.WithKind("PmemVolume")},
+		{obj: &corev1.PersistentVolumeClaim{}, want: corev1.SchemeGroupVersion.WithKind("PersistentVolumeClaim")},
+		{obj: &storagev1.VolumeAttachment{}, want: storagev1.SchemeGroupVersion.WithKind("VolumeAttachment")},
+	}
+	for _, tt := range tests {
+		t.Run(tt.want.Kind, func(t *testing.T) {
+			g := NewWithT(t)
+			gvks, _, err := scheme.ObjectKinds(tt.obj)
+			g.Expect(err).NotTo(HaveOccurred())
+			g.Expect(gvks).To(ConsistOf(tt.want))
+		})
+	}
+}
+
+// freeAddress returns a loopback address with a port that was free a moment ago.
+func freeAddress(t *testing.T) string {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	return l.Addr().String()
+}
+
+// kubeconfig writes a kubeconfig for an API server that does not exist: with no reconcilers the
+// manager never calls it.
+func kubeconfig(t *testing.T) string {
+	path := filepath.Join(t.TempDir(), "kubeconfig")
+	const cfg = `apiVersion: v1
+kind: Config
+clusters: [{name: c, cluster: {server: "https://127.0.0.1:1"}}]
+users: [{name: u, user: {token: t}}]
+contexts: [{name: c, context: {cluster: c, user: u}}]
+current-context: c
+`
+	if err := os.WriteFile(path, []byte(cfg), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	return path
+}
+
+func TestRunServesHealthProbesUntilCancelled(t *testing.T) {
+	tests := []struct {
+		name string
+		opts Options
+	}{
+		{name: "controller", opts: Options{Role: RoleController}},
+		{name: "host agent", opts: Options{Role: RoleHostAgent, NodeName: "host-a"}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			g := NewWithT(t)
+			opts := tt.opts
+			opts.Kubeconfig = kubeconfig(t)
+			opts.MetricsAddress = "0"
+			opts.HealthAddress = freeAddress(t)
+			op, err := New(opts)
+			g.Expect(err).NotTo(HaveOccurred())
+
+			ctx, cancel := context.WithCancel(t.Context())
+			done := make(chan error, 1)
+			go func() { done <- op.Run(ctx) }()
+
+			for _, path := range []string{"/healthz", "/readyz"} {
+				url := fmt.Sprintf("http://%s%s", opts.HealthAddress, path)
+				g.Eventually(func() (int, error) {
+					resp, err := http.Get(url)
+					if err != nil {
+						return 0, err
+					}
+					_ = resp.Body.Close()
+					return resp.StatusCode, nil
+				}).Should(Equal(http.StatusOK), path)
+			}
+
+			cancel()
+			g.Eventually(done).Should(Receive(BeNil()))
+		})
+	}
+}
+
+func TestNewFailsOnAMissingKubeconfig(t *testing.T) {
+	g := NewWithT(t)
+	_, err := New(Options{Role: RoleController, MetricsAddress: "0", HealthAddress: "0", Kubeconfig: filepath.Join(t.TempDir(), "missing")})
+	g.Expect(err).To(MatchError(ContainSubstring("load kubeconfig")))
+}
