@@ -56,7 +56,8 @@ func (l *Lab) track(p *Process) {
 }
 
 // Stop stops every process the lab started, newest first (clients before the apiserver before
-// etcd), then unmounts everything below the root. It is idempotent.
+// etcd), then unmounts everything below the root and detaches the loop devices of files below
+// it. It is idempotent.
 func (l *Lab) Stop() error {
 	l.mu.Lock()
 	if l.stopped {
@@ -71,7 +72,15 @@ func (l *Lab) Stop() error {
 	for _, p := range slices.Backward(procs) {
 		_ = p.Stop() // an exit status on SIGTERM is expected
 	}
+	// Loop devices hold files of filesystems that are themselves mounted from loop devices (the
+	// PMEM emulation): detach, unmount, and detach what the unmounts released.
+	if err := detachLoopsBelow(l.Root); err != nil {
+		errs = append(errs, err)
+	}
 	if err := unmountBelow(l.Root); err != nil {
+		errs = append(errs, err)
+	}
+	if err := detachLoopsBelow(l.Root); err != nil {
 		errs = append(errs, err)
 	}
 	if err := l.reaper.finish(); err != nil {

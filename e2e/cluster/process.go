@@ -23,6 +23,10 @@ type Process struct {
 	Args    []string
 	LogPath string
 
+	lab *Lab
+	bin string
+	dir string
+
 	cmd     *exec.Cmd
 	pidFile string
 	done    chan struct{}
@@ -51,6 +55,7 @@ func (l *Lab) startProcess(name, dir, logPath, bin string, args ...string) (*Pro
 	}
 	p := &Process{
 		Name: name, Args: args, LogPath: logPath,
+		lab: l, bin: bin, dir: dir,
 		cmd:     cmd,
 		pidFile: filepath.Join(l.pidDir, fmt.Sprintf("%d", cmd.Process.Pid)),
 		done:    make(chan struct{}),
@@ -65,6 +70,21 @@ func (l *Lab) startProcess(name, dir, logPath, bin string, args ...string) (*Pro
 	}()
 	l.track(p)
 	return p, nil
+}
+
+// StartProcess starts a lab daemon: bin with args in dir, its output appended to logPath.
+func (l *Lab) StartProcess(name, dir, logPath, bin string, args ...string) (*Process, error) {
+	return l.startProcess(name, dir, logPath, bin, args...)
+}
+
+// Respawn starts the process again with the same command line, after it ended (a test kills
+// it to prove recovery). The new Process replaces this one.
+func (p *Process) Respawn() (*Process, error) {
+	if !p.Exited() {
+		return nil, fmt.Errorf("%s is still running", p.Name)
+	}
+	_ = p.Stop() // releases its pid file
+	return p.lab.startProcess(p.Name, p.dir, p.LogPath, p.bin, p.Args...)
 }
 
 // Pid returns the process id, which is also its process group id.

@@ -11,9 +11,9 @@ import (
 // reaperScript runs in its own session and waits for end-of-file on its standard input, a pipe
 // whose only writer is the process that owns the lab. The kernel closes that pipe however the
 // owner ends (Stop, panic, SIGKILL), and the script then kills every process group still
-// recorded under pids/ and unmounts everything below the lab root, deepest first. After a clean
-// Stop there is nothing left to do, so running it twice is harmless. It needs bash: dash's kill
-// cannot signal a process group.
+// recorded under pids/, unmounts everything below the lab root (deepest first) and detaches the
+// loop devices of files below it. After a clean Stop there is nothing left to do, so running it
+// twice is harmless. It needs bash: dash's kill cannot signal a process group.
 const reaperScript = `
 root=$1
 cat >/dev/null
@@ -21,8 +21,17 @@ for f in "$root"/pids/*; do
 	[ -e "$f" ] || continue
 	kill -KILL -- "-${f##*/}" 2>/dev/null
 done
+detach() {
+	for f in /sys/block/loop*/loop/backing_file; do
+		[ -e "$f" ] || continue
+		b=$(cat "$f" 2>/dev/null) || continue
+		case "$b" in "$root"/*) d=${f#/sys/block/}; losetup -d "/dev/${d%%/*}" 2>/dev/null ;; esac
+	done
+}
+detach
 awk -v r="$root" '$5 == r || index($5, r "/") == 1 { print $5 }' /proc/self/mountinfo |
 	sort -r | while read -r m; do umount -l "$m" 2>/dev/null; done
+detach
 exit 0
 `
 
