@@ -139,7 +139,7 @@ func (cp *ControlPlane) start(bin string, args ...string) (*Process, error) {
 	if err != nil {
 		return nil, err
 	}
-	return cp.lab.startProcess(cp.Name+"/"+bin, cp.Dir, cp.logPath(bin), path, args...)
+	return cp.lab.Start(Command{Name: cp.Name + "/" + bin, Bin: path, Args: args, Dir: cp.Dir, LogPath: cp.logPath(bin)})
 }
 
 func (cp *ControlPlane) logPath(component string) string {

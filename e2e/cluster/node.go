@@ -66,10 +66,13 @@ func (cp *ControlPlane) AddNode(ctx context.Context, name string, opts NodeOptio
 	if err != nil {
 		return nil, err
 	}
-	if n.cri, err = cp.lab.startProcess(cp.Name+"/"+name+"/fakecri", n.Dir, filepath.Join(n.Dir, "fakecri.log"), fakecri, "--socket="+criSocket); err != nil {
+	if n.cri, err = cp.lab.Start(Command{
+		Name: cp.Name + "/" + name + "/fakecri", Bin: fakecri, Args: []string{"--socket=" + criSocket},
+		Dir: n.Dir, LogPath: filepath.Join(n.Dir, "fakecri.log"),
+	}); err != nil {
 		return nil, err
 	}
-	if err := waitForFile(ctx, criSocket, n.cri); err != nil {
+	if err := WaitForFile(ctx, criSocket, n.cri); err != nil {
 		return nil, err
 	}
 
@@ -101,7 +104,10 @@ func (cp *ControlPlane) AddNode(ctx context.Context, name string, opts NodeOptio
 		}
 		args = append(args, "--node-labels="+strings.Join(l, ","))
 	}
-	if n.kubelet, err = cp.lab.startProcess(cp.Name+"/"+name+"/kubelet", filepath.Join(n.Dir, "cwd"), filepath.Join(n.Dir, "kubelet.log"), kubeletBin, args...); err != nil {
+	if n.kubelet, err = cp.lab.Start(Command{
+		Name: cp.Name + "/" + name + "/kubelet", Bin: kubeletBin, Args: args,
+		Dir: filepath.Join(n.Dir, "cwd"), LogPath: filepath.Join(n.Dir, "kubelet.log"),
+	}); err != nil {
 		return nil, err
 	}
 	if err := n.waitReady(ctx); err != nil {
@@ -170,8 +176,8 @@ func NodeReady(node *corev1.Node) bool {
 	return false
 }
 
-// waitForFile waits until path exists, failing early if p exits.
-func waitForFile(ctx context.Context, path string, p *Process) error {
+// WaitForFile waits until path exists (a socket a process listens on), failing early if p exits.
+func WaitForFile(ctx context.Context, path string, p *Process) error {
 	ctx, cancel := context.WithTimeout(ctx, 30*time.Second)
 	defer cancel()
 	return wait.PollUntilContextCancel(ctx, 20*time.Millisecond, true, func(context.Context) (bool, error) {

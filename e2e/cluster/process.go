@@ -15,18 +15,28 @@ import (
 // stopTimeout is how long a process gets after SIGTERM before it is killed.
 const stopTimeout = 10 * time.Second
 
+// Command is a lab daemon to start.
+type Command struct {
+	// Name identifies the process in logs and errors, e.g. "mgmt/kubelet".
+	Name string
+	// Bin and Args are the command line.
+	Bin  string
+	Args []string
+	// Env is added to the lab process's environment.
+	Env []string
+	// Dir is the working directory; it is created if missing.
+	Dir string
+	// LogPath receives stdout and stderr, appended.
+	LogPath string
+}
+
 // Process is a lab daemon running in its own process group, so that stopping it also stops
 // whatever it started. Its pid is recorded under the lab's pids/ directory while it runs, which is
 // what the reaper kills if the process that owns the lab dies without stopping it.
 type Process struct {
-	Name    string
-	Args    []string
-	LogPath string
+	Command
 
-	lab *Lab
-	bin string
-	dir string
-
+	lab     *Lab
 	cmd     *exec.Cmd
 	pidFile string
 	done    chan struct{}
@@ -35,32 +45,33 @@ type Process struct {
 	stopOnce sync.Once
 }
 
-// startProcess starts bin with args in dir, appending stdout and stderr to logPath.
-func (l *Lab) startProcess(name, dir, logPath, bin string, args ...string) (*Process, error) {
-	if err := os.MkdirAll(dir, 0o755); err != nil {
+// Start starts a lab daemon.
+func (l *Lab) Start(c Command) (*Process, error) {
+	if err := os.MkdirAll(c.Dir, 0o755); err != nil {
 		return nil, err
 	}
-	logFile, err := os.OpenFile(logPath, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644)
+	logFile, err := os.OpenFile(c.LogPath, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644)
 	if err != nil {
 		return nil, err
 	}
 	defer logFile.Close()
 
-	cmd := exec.Command(bin, args...)
-	cmd.Dir = dir
+	cmd := exec.Command(c.Bin, c.Args...)
+	cmd.Dir = c.Dir
+	cmd.Env = append(os.Environ(), c.Env...)
 	cmd.Stdout, cmd.Stderr = logFile, logFile
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
 	if err := cmd.Start(); err != nil {
-		return nil, fmt.Errorf("start %s: %w", name, err)
+		return nil, fmt.Errorf("start %s: %w", c.Name, err)
 	}
 	p := &Process{
-		Name: name, Args: args, LogPath: logPath,
-		lab: l, bin: bin, dir: dir,
+		Command: c,
+		lab:     l,
 		cmd:     cmd,
-		pidFile: filepath.Join(l.pidDir, fmt.Sprintf("%d", cmd.Process.Pid)),
+		pidFile: filepath.Join(l.pidDir, strconv.Itoa(cmd.Process.Pid)),
 		done:    make(chan struct{}),
 	}
-	if err := os.WriteFile(p.pidFile, []byte(name+"\n"), 0o644); err != nil {
+	if err := os.WriteFile(p.pidFile, []byte(c.Name+"\n"), 0o644); err != nil {
 		_ = syscall.Kill(-cmd.Process.Pid, syscall.SIGKILL)
 		return nil, err
 	}
@@ -72,19 +83,14 @@ func (l *Lab) startProcess(name, dir, logPath, bin string, args ...string) (*Pro
 	return p, nil
 }
 
-// StartProcess starts a lab daemon: bin with args in dir, its output appended to logPath.
-func (l *Lab) StartProcess(name, dir, logPath, bin string, args ...string) (*Process, error) {
-	return l.startProcess(name, dir, logPath, bin, args...)
-}
-
-// Respawn starts the process again with the same command line, after it ended (a test kills
-// it to prove recovery). The new Process replaces this one.
+// Respawn starts the process again with the same command, after it ended (a test kills it to
+// prove recovery). The new Process replaces this one.
 func (p *Process) Respawn() (*Process, error) {
 	if !p.Exited() {
 		return nil, fmt.Errorf("%s is still running", p.Name)
 	}
 	_ = p.Stop() // releases its pid file
-	return p.lab.startProcess(p.Name, p.dir, p.LogPath, p.bin, p.Args...)
+	return p.lab.Start(p.Command)
 }
 
 // Pid returns the process id, which is also its process group id.

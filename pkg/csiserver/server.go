@@ -81,8 +81,14 @@ func New(opts Options) (*Server, error) {
 			Buckets: []float64{0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30, 60},
 		}, []string{"method", "code"})
 		if err := opts.Registerer.Register(s.duration); err != nil {
-			_ = s.listener.Close()
-			return nil, fmt.Errorf("register RPC metrics: %w", err)
+			// A server started again in the same process (a restart in a test) keeps counting
+			// in the histogram the first one registered.
+			var already prometheus.AlreadyRegisteredError
+			if !errors.As(err, &already) {
+				_ = s.listener.Close()
+				return nil, fmt.Errorf("register RPC metrics: %w", err)
+			}
+			s.duration = already.ExistingCollector.(*prometheus.HistogramVec)
 		}
 	}
 	s.grpc = grpc.NewServer(grpc.UnaryInterceptor(s.intercept))

@@ -282,14 +282,23 @@ func TestMetricsRecordLatencyByMethodAndCode(t *testing.T) {
 	}
 }
 
-func TestNewFailsWhenMetricsAreRegisteredTwice(t *testing.T) {
+func TestASecondServerSharesTheRegisteredHistogram(t *testing.T) {
 	g := NewWithT(t)
 	reg := prometheus.NewRegistry()
-	_, stop := start(t.Context(), t, Options{Registerer: reg}, func(*Server) {})
+	var first *Server
+	_, stop := start(t.Context(), t, Options{Registerer: reg}, func(s *Server) { first = s })
 	defer stop()
 
-	path := filepath.Join(t.TempDir(), "b.sock")
-	_, err := New(Options{Endpoint: path, Registerer: reg})
-	g.Expect(err).To(MatchError(ContainSubstring("register RPC metrics")))
+	second, err := New(Options{Endpoint: filepath.Join(t.TempDir(), "b.sock"), Registerer: reg})
+	g.Expect(err).NotTo(HaveOccurred())
+	defer second.listener.Close()
+	g.Expect(second.duration).To(BeIdenticalTo(first.duration))
+
+	clash := prometheus.NewCounter(prometheus.CounterOpts{Name: "pvbridge_csi_rpc_duration_seconds", Help: "x"})
+	other := prometheus.NewRegistry()
+	g.Expect(other.Register(clash)).To(Succeed())
+	path := filepath.Join(t.TempDir(), "c.sock")
+	_, err = New(Options{Endpoint: path, Registerer: other})
+	g.Expect(err).To(MatchError(ContainSubstring("register RPC metrics")), "a different collector of that name is an error")
 	g.Expect(path).NotTo(BeAnExistingFile(), "the listener is closed again")
 }

@@ -11,6 +11,7 @@ import (
 	"syscall"
 
 	"github.com/spf13/pflag"
+	"k8s.io/apimachinery/pkg/api/resource"
 	"k8s.io/component-base/featuregate"
 	"k8s.io/component-base/logs"
 	logsapi "k8s.io/component-base/logs/api/v1"
@@ -39,6 +40,24 @@ func main() {
 		"Name of this host's Kubernetes Node; usually the pod's spec.nodeName. Required with --mode=node.")
 	fs.StringVar(&opts.KubeletRegistrationDir, "kubelet-registration-dir", "",
 		"Kubelet's plugin registration directory, usually /var/lib/kubelet/plugins_registry. When set, the node plugin registers itself with kubelet there, in place of node-driver-registrar. Only with --mode=node.")
+	fs.Int64Var(&opts.MaxVolumesPerNode, "max-volumes-per-node", 0,
+		"How many volumes the scheduler may place on this host, as NodeGetInfo reports it; 0 means no limit. Only with --mode=node.")
+	fs.StringVar(&opts.Kubeconfig, "kubeconfig", "",
+		"Kubeconfig of the management cluster; empty means the in-cluster configuration of the pod's service account.")
+	fs.Float32Var(&opts.KubeAPIQPS, "kube-api-qps", 50, "Queries per second to the Kubernetes API.")
+	fs.IntVar(&opts.KubeAPIBurst, "kube-api-burst", 100, "Burst of queries to the Kubernetes API.")
+	fs.StringVar(&opts.MetricsAddress, "metrics-address", "0",
+		`Address to serve Prometheus metrics on (CSI RPC latency and errors by method and code), e.g. ":8080"; "0" turns them off.`)
+	fs.StringVar((*string)(&opts.PmemMode), "pmem-mode", "",
+		`PMEM back end of the node agent: "file" (sparse files on a DAX filesystem, exposed as loop devices), "lvm" (a volume group per PMEM region) or "ndctl" (a namespace per volume). Required with --mode=node.`)
+	fs.StringVar(&opts.Pmem.File.Dir, "pmem-dir", "",
+		"File mode: directory on the PMEM filesystem (in production a DAX-mounted fsdax namespace) that holds the volumes.")
+	pmemCapacity := fs.String("pmem-capacity", "",
+		`File mode: PMEM to hand out, as a quantity ("64Gi"); empty means the size of the filesystem of --pmem-dir.`)
+	fs.StringSliceVar(&opts.Pmem.LVM.VolumeGroups, "lvm-volume-groups", nil,
+		"LVM mode: the volume groups to carve volumes from, one per PMEM region.")
+	fs.StringSliceVar(&opts.Pmem.Ndctl.Regions, "ndctl-regions", nil,
+		"ndctl mode: the PMEM regions to use (e.g. region0); empty means every PMEM region.")
 	logsapi.AddFlags(logging, fs)
 	features.AddFlag(fs)
 	fs.Usage = func() {
@@ -50,6 +69,15 @@ func main() {
 		fmt.Fprintf(os.Stderr, "unexpected arguments: %v\n", fs.Args())
 		fs.Usage()
 		os.Exit(2)
+	}
+
+	if *pmemCapacity != "" {
+		q, err := resource.ParseQuantity(*pmemCapacity)
+		if err != nil {
+			fmt.Fprintf(os.Stderr, "--pmem-capacity: %v\n", err)
+			os.Exit(2)
+		}
+		opts.Pmem.File.Capacity = q.Value()
 	}
 
 	logs.InitLogs()

@@ -11,9 +11,15 @@ import (
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"golang.org/x/sync/errgroup"
 	"k8s.io/apimachinery/pkg/util/validation"
+	"k8s.io/client-go/rest"
+	"k8s.io/client-go/tools/clientcmd"
 	"k8s.io/klog/v2"
+	"sigs.k8s.io/controller-runtime/pkg/metrics"
 
+	"pvbridge.io/mgmt-csi/internal/pmem"
+	pmemv1 "pvbridge.io/pkg/apis/pmem/v1alpha1"
 	"pvbridge.io/pkg/csiserver"
+	"pvbridge.io/pkg/mounter"
 	"pvbridge.io/pkg/registration"
 )
 
@@ -44,6 +50,20 @@ type Options struct {
 	KubeletRegistrationDir string
 	// Version is the driver version GetPluginInfo reports.
 	Version string
+	// MaxVolumesPerNode is how many volumes the scheduler may place on this node; 0 means no
+	// limit. Node mode only.
+	MaxVolumesPerNode int64
+	// Kubeconfig is the path of a kubeconfig; empty means the in-cluster configuration.
+	Kubeconfig string
+	// KubeAPIQPS and KubeAPIBurst limit the driver's API requests.
+	KubeAPIQPS   float32
+	KubeAPIBurst int
+	// MetricsAddress serves Prometheus metrics (CSI RPC latency and errors, controller-runtime);
+	// "0" turns them off.
+	MetricsAddress string
+	// PmemMode is the back end of the node agent (node mode only); Pmem configures it.
+	PmemMode pmemv1.Mode
+	Pmem     pmem.Options
 }
 
 // Validate reports every problem with the options.
@@ -60,6 +80,12 @@ func (o *Options) Validate() error {
 		if o.KubeletRegistrationDir != "" {
 			errs = append(errs, errors.New("kubelet registration is only done in node mode"))
 		}
+		if o.MaxVolumesPerNode != 0 {
+			errs = append(errs, errors.New("max volumes per node is only used in node mode"))
+		}
+		if o.PmemMode != "" {
+			errs = append(errs, errors.New("the PMEM back end is only used in node mode"))
+		}
 	case ModeNode:
 		if o.NodeID == "" {
 			errs = append(errs, errors.New("node ID is required in node mode"))
@@ -69,18 +95,41 @@ func (o *Options) Validate() error {
 		if o.KubeletRegistrationDir != "" && !filepath.IsAbs(o.KubeletRegistrationDir) {
 			errs = append(errs, fmt.Errorf("kubelet registration directory %q is not absolute", o.KubeletRegistrationDir))
 		}
+		if o.MaxVolumesPerNode < 0 {
+			errs = append(errs, fmt.Errorf("max volumes per node %d is negative", o.MaxVolumesPerNode))
+		}
+		switch o.PmemMode {
+		case pmemv1.ModeFile:
+			if o.Pmem.File.Dir == "" {
+				errs = append(errs, errors.New("the file back end needs a directory"))
+			}
+		case pmemv1.ModeLVM:
+			if len(o.Pmem.LVM.VolumeGroups) == 0 {
+				errs = append(errs, errors.New("the lvm back end needs volume groups"))
+			}
+		case pmemv1.ModeNdctl:
+		default:
+			errs = append(errs, fmt.Errorf("PMEM mode %q is none of file, lvm, ndctl", o.PmemMode))
+		}
 	default:
 		errs = append(errs, fmt.Errorf("mode %q is neither %q nor %q", o.Mode, ModeController, ModeNode))
 	}
 	if o.Version == "" {
 		errs = append(errs, errors.New("version is empty"))
 	}
+	if o.KubeAPIQPS < 0 || o.KubeAPIBurst < 0 {
+		errs = append(errs, errors.New("API QPS and burst must not be negative"))
+	}
 	return errors.Join(errs...)
 }
 
-// Driver serves the CSI services of pmem.csi.pvbridge.io. Only Identity exists so far.
+// Driver serves the CSI services of pmem.csi.pvbridge.io: in controller mode Identity and
+// Controller, in node mode Identity and Node plus the node agent that realizes the node's
+// volumes.
 type Driver struct {
 	opts Options
+	// backend is the node's PMEM (node mode); Run makes it from the options unless a test set it.
+	backend pmem.Backend
 }
 
 // New returns a driver for valid options.
@@ -91,20 +140,53 @@ func New(opts Options) (*Driver, error) {
 	return &Driver{opts: opts}, nil
 }
 
-// Run serves the CSI socket, and in node mode the kubelet registration socket, until ctx ends.
+// Run serves the CSI socket, and in node mode the node agent and the kubelet registration
+// socket, until ctx ends. The CSI socket opens once the API cache is in sync, so that no call
+// is answered from an empty cache.
 func (d *Driver) Run(ctx context.Context) error {
 	logger := klog.FromContext(ctx)
 	logger.Info("Starting CSI driver", "driver", Name, "version", d.opts.Version, "mode", d.opts.Mode, "nodeID", d.opts.NodeID)
 
-	server, err := csiserver.New(csiserver.Options{Endpoint: d.opts.Endpoint})
+	cfg, err := restConfig(d.opts)
+	if err != nil {
+		return err
+	}
+	mgr, err := newManager(cfg, d.opts.Mode, d.opts.NodeID, d.opts.MetricsAddress)
+	if err != nil {
+		return err
+	}
+	server, err := csiserver.New(csiserver.Options{Endpoint: d.opts.Endpoint, Registerer: metrics.Registry})
 	if err != nil {
 		return err
 	}
 	csi.RegisterIdentityServer(server, &identity{name: Name, version: d.opts.Version})
+	switch d.opts.Mode {
+	case ModeController:
+		cs, err := setupController(ctx, mgr)
+		if err != nil {
+			return err
+		}
+		csi.RegisterControllerServer(server, cs)
+	case ModeNode:
+		if d.backend == nil {
+			if d.backend, err = pmem.New(ctx, d.opts.PmemMode, d.opts.Pmem); err != nil {
+				return err
+			}
+		}
+		if err := setupAgent(mgr, d.backend, d.opts.NodeID); err != nil {
+			return err
+		}
+		csi.RegisterNodeServer(server, newNodeServer(d.opts.NodeID, d.opts.MaxVolumesPerNode, BackendDevices{Backend: d.backend}, mounter.New()))
+	}
 
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	g, ctx := errgroup.WithContext(ctx)
+	g.Go(func() error { return mgr.Start(ctx) })
+	if !mgr.GetCache().WaitForCacheSync(ctx) {
+		cancel()
+		return errors.Join(errors.New("the API cache did not sync"), g.Wait())
+	}
 	g.Go(func() error { return server.Serve(ctx) })
 	if d.opts.Mode == ModeNode && d.opts.KubeletRegistrationDir != "" {
 		// The CSI socket listens already, so kubelet can call it as soon as it sees this one.
@@ -121,4 +203,20 @@ func (d *Driver) Run(ctx context.Context) error {
 		g.Go(func() error { return registrar.Serve(ctx) })
 	}
 	return g.Wait()
+}
+
+// restConfig is the configuration of the kubeconfig option, or the in-cluster one.
+func restConfig(o Options) (*rest.Config, error) {
+	cfg, err := clientcmd.BuildConfigFromFlags("", o.Kubeconfig)
+	if err != nil {
+		return nil, fmt.Errorf("kubeconfig: %w", err)
+	}
+	if o.KubeAPIQPS > 0 {
+		cfg.QPS = o.KubeAPIQPS
+	}
+	if o.KubeAPIBurst > 0 {
+		cfg.Burst = o.KubeAPIBurst
+	}
+	cfg.UserAgent = "mgmt-csi/" + string(o.Mode)
+	return cfg, nil
 }

@@ -6,17 +6,25 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	. "github.com/onsi/gomega"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
 	registerapi "k8s.io/kubelet/pkg/apis/pluginregistration/v1"
+
+	"pvbridge.io/mgmt-csi/internal/pmem"
+	"pvbridge.io/mgmt-csi/internal/pmem/fake"
+	pmemv1 "pvbridge.io/pkg/apis/pmem/v1alpha1"
 )
 
 func TestOptionsValidate(t *testing.T) {
 	valid := func(mode Mode, change func(*Options)) Options {
 		o := Options{Endpoint: "unix:///csi/csi.sock", Mode: mode, Version: "v0.1.0"}
+		if mode == ModeNode {
+			o.PmemMode, o.Pmem.File.Dir = pmemv1.ModeFile, "/pmem"
+		}
 		if mode == ModeNode {
 			o.NodeID = "host-a"
 		}
@@ -43,10 +51,18 @@ func TestOptionsValidate(t *testing.T) {
 		{name: "controller with node ID", opts: valid(ModeController, func(o *Options) { o.NodeID = "n" }), wantErr: []string{"only used in node mode"}},
 		{name: "controller registering with kubelet", opts: valid(ModeController, func(o *Options) { o.KubeletRegistrationDir = "/r" }), wantErr: []string{"only done in node mode"}},
 		{name: "no version", opts: valid(ModeController, func(o *Options) { o.Version = "" }), wantErr: []string{"version"}},
+		{name: "node with a volume limit", opts: valid(ModeNode, func(o *Options) { o.MaxVolumesPerNode = 8 })},
+		{name: "negative volume limit", opts: valid(ModeNode, func(o *Options) { o.MaxVolumesPerNode = -1 }), wantErr: []string{"is negative"}},
+		{name: "controller with a volume limit", opts: valid(ModeController, func(o *Options) { o.MaxVolumesPerNode = 8 }), wantErr: []string{"max volumes per node is only used in node mode"}},
+		{name: "controller with a PMEM back end", opts: valid(ModeController, func(o *Options) { o.PmemMode = pmemv1.ModeFile }), wantErr: []string{"only used in node mode"}},
+		{name: "node without a PMEM back end", opts: valid(ModeNode, func(o *Options) { o.PmemMode = "" }), wantErr: []string{`PMEM mode ""`}},
+		{name: "file back end without a directory", opts: valid(ModeNode, func(o *Options) { o.Pmem.File.Dir = "" }), wantErr: []string{"needs a directory"}},
+		{name: "lvm back end without volume groups", opts: valid(ModeNode, func(o *Options) { o.PmemMode = pmemv1.ModeLVM }), wantErr: []string{"needs volume groups"}},
+		{name: "negative API QPS", opts: valid(ModeController, func(o *Options) { o.KubeAPIQPS = -1 }), wantErr: []string{"must not be negative"}},
 		{
 			name:    "every problem is reported",
 			opts:    Options{Endpoint: "csi.sock", Mode: ModeNode},
-			wantErr: []string{"endpoint", "node ID is required", "version"},
+			wantErr: []string{"endpoint", "node ID is required", "PMEM mode", "version"},
 		},
 	}
 	for _, tt := range tests {
@@ -102,20 +118,35 @@ func TestRunServesIdentityAndRegistersWithKubelet(t *testing.T) {
 		t.Run(tt.name, func(t *testing.T) {
 			g := NewWithT(t)
 			dir := socketDir(t)
-			opts := Options{Endpoint: "unix://" + filepath.Join(dir, "csi.sock"), Mode: tt.mode, NodeID: tt.nodeID, Version: "v1.2.3"}
+			opts := Options{Endpoint: "unix://" + filepath.Join(dir, "csi.sock"), Mode: tt.mode, NodeID: tt.nodeID, Version: "v1.2.3", Kubeconfig: kubeconfig}
+			if tt.mode == ModeNode {
+				opts.PmemMode, opts.Pmem.File.Dir = pmemv1.ModeFile, dir
+			}
 			registry := filepath.Join(dir, "registry")
 			if tt.register {
 				opts.KubeletRegistrationDir = registry
 			}
 			d, err := New(opts)
 			g.Expect(err).NotTo(HaveOccurred())
+			d.backend = fake.New(fake.Options{})
 
 			ctx, cancel := context.WithCancel(t.Context())
 			done := make(chan error, 1)
 			go func() { done <- d.Run(ctx) }()
 
+			// Run fails fast or serves: wait for either, never forever.
+			waitCtx, stopWaiting := context.WithTimeout(t.Context(), time.Minute)
+			defer stopWaiting()
+			go func() {
+				select {
+				case err := <-done:
+					t.Errorf("Run ended: %v", err)
+					stopWaiting()
+				case <-waitCtx.Done():
+				}
+			}()
 			info, err := csi.NewIdentityClient(dial(t, filepath.Join(dir, "csi.sock"))).
-				GetPluginInfo(t.Context(), &csi.GetPluginInfoRequest{}, grpc.WaitForReady(true))
+				GetPluginInfo(waitCtx, &csi.GetPluginInfoRequest{}, grpc.WaitForReady(true))
 			g.Expect(err).NotTo(HaveOccurred())
 			g.Expect(info.GetName()).To(Equal("pmem.csi.pvbridge.io"))
 			g.Expect(info.GetVendorVersion()).To(Equal("v1.2.3"))
@@ -123,13 +154,14 @@ func TestRunServesIdentityAndRegistersWithKubelet(t *testing.T) {
 			regSock := filepath.Join(registry, "pmem.csi.pvbridge.io-reg.sock")
 			if tt.wantRegistry {
 				reg, err := registerapi.NewRegistrationClient(dial(t, regSock)).
-					GetInfo(t.Context(), &registerapi.InfoRequest{}, grpc.WaitForReady(true))
+					GetInfo(waitCtx, &registerapi.InfoRequest{}, grpc.WaitForReady(true))
 				g.Expect(err).NotTo(HaveOccurred())
 				g.Expect(reg.Endpoint).To(Equal(filepath.Join(dir, "csi.sock")))
 			} else {
 				g.Expect(regSock).NotTo(BeAnExistingFile())
 			}
 
+			stopWaiting() // before cancel: the watcher must not take Run's result
 			cancel()
 			g.Eventually(done).Should(Receive(BeNil()))
 			g.Expect(filepath.Join(dir, "csi.sock")).NotTo(BeAnExistingFile())
@@ -143,8 +175,10 @@ func TestRunFailsWhenRegistrationSocketCannotBeCreated(t *testing.T) {
 	dir := socketDir(t)
 	notADir := filepath.Join(dir, "file")
 	g.Expect(os.WriteFile(notADir, nil, 0o600)).To(Succeed())
-	d, err := New(Options{Endpoint: filepath.Join(dir, "csi.sock"), Mode: ModeNode, NodeID: "host-a", KubeletRegistrationDir: notADir, Version: "v1"})
+	d, err := New(Options{Endpoint: filepath.Join(dir, "csi.sock"), Mode: ModeNode, NodeID: "host-a", KubeletRegistrationDir: notADir,
+		Version: "v1", Kubeconfig: kubeconfig, PmemMode: pmemv1.ModeFile, Pmem: pmem.Options{File: pmem.FileOptions{Dir: dir}}})
 	g.Expect(err).NotTo(HaveOccurred())
+	d.backend = fake.New(fake.Options{})
 
 	g.Expect(d.Run(t.Context())).To(HaveOccurred())
 	g.Expect(filepath.Join(dir, "csi.sock")).NotTo(BeAnExistingFile(), "the CSI socket is closed again")

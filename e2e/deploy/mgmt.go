@@ -1,0 +1,298 @@
+// Package deploy installs pvbridge's components into a lab's clusters the way the manifests
+// install them into real ones: the same binaries, sidecars, CSIDriver objects, StorageClasses
+// and flags, as processes on 127.0.0.1.
+package deploy
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	storagev1 "k8s.io/api/storage/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+	"k8s.io/apimachinery/pkg/runtime/schema"
+	"k8s.io/apimachinery/pkg/util/wait"
+	"k8s.io/client-go/dynamic"
+	"k8s.io/utils/ptr"
+
+	"pvbridge.io/e2e/cluster"
+)
+
+const (
+	// PmemDriver is the management cluster's CSI driver.
+	PmemDriver = "pmem.csi.pvbridge.io"
+	// PmemTopologyKey is its topology key.
+	PmemTopologyKey = "pmem.csi.pvbridge.io/node"
+	// StorageClassPmem binds WaitForFirstConsumer; StorageClassPmemImmediate binds at once.
+	StorageClassPmem          = "pmem"
+	StorageClassPmemImmediate = "pmem-immediate"
+	// SnapshotClassPmem is the VolumeSnapshotClass of mgmt-csi.
+	SnapshotClassPmem = "pmem"
+	// CSINamespace is where csi-provisioner publishes CSIStorageCapacity objects.
+	CSINamespace = "pvbridge-system"
+
+	// sidecarTimeout is the sidecars' --timeout: the longest a single CSI call may wait before
+	// the driver answers DeadlineExceeded and the sidecar retries.
+	sidecarTimeout = "30s"
+)
+
+// MgmtOptions configure the management side.
+type MgmtOptions struct {
+	// Hosts are the names of the hosts (kubelets with a node agent).
+	Hosts []string
+	// PmemSize is the size of each host's emulated PMEM region, in bytes.
+	PmemSize int64
+	// HostLabels are added to every host Node.
+	HostLabels map[string]string
+}
+
+// Management is mgmt-csi deployed into a control plane.
+type Management struct {
+	CP    *cluster.ControlPlane
+	Hosts []*Host
+	// Controller is the central mgmt-csi; Sidecars are keyed by name (csi-provisioner, …).
+	Controller *cluster.Process
+	Sidecars   map[string]*cluster.Process
+}
+
+// Host is a management host: a kubelet, its PMEM region and its mgmt-csi node agent.
+type Host struct {
+	Node *cluster.Node
+	// PmemDir is the mount point of the host's PMEM filesystem (xfs on a loop device).
+	PmemDir string
+	Agent   *cluster.Process
+}
+
+// StartManagement deploys mgmt-csi: the CSIDriver, the StorageClasses, the controller with its
+// sidecars, and per host a kubelet, an emulated PMEM region and a node agent. It returns once
+// every host reports PMEM capacity.
+func StartManagement(ctx context.Context, lab *cluster.Lab, cp *cluster.ControlPlane, opts MgmtOptions) (*Management, error) {
+	bin, err := lab.Binaries().Own("./mgmt-csi/cmd/mgmt-csi")
+	if err != nil {
+		return nil, err
+	}
+	m := &Management{CP: cp, Sidecars: map[string]*cluster.Process{}}
+	if err := m.installObjects(ctx); err != nil {
+		return nil, err
+	}
+	if err := m.startController(ctx, lab, bin); err != nil {
+		return nil, err
+	}
+	for _, name := range opts.Hosts {
+		h, err := m.startHost(ctx, lab, bin, name, opts)
+		if err != nil {
+			return nil, err
+		}
+		m.Hosts = append(m.Hosts, h)
+	}
+	return m, nil
+}
+
+func (m *Management) installObjects(ctx context.Context) error {
+	c := m.CP.Client()
+	if _, err := c.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: CSINamespace}}, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
+		return err
+	}
+	// attachRequired is false: otherwise a kube-controller-manager restart detaches the
+	// VolumeAttachments vm-operator creates for VMs (see docs/design.md). csi-attacher still
+	// handles those.
+	driver := &storagev1.CSIDriver{
+		ObjectMeta: metav1.ObjectMeta{Name: PmemDriver},
+		Spec: storagev1.CSIDriverSpec{
+			AttachRequired:       ptr.To(false),
+			PodInfoOnMount:       ptr.To(false),
+			StorageCapacity:      ptr.To(true),
+			FSGroupPolicy:        ptr.To(storagev1.FileFSGroupPolicy),
+			VolumeLifecycleModes: []storagev1.VolumeLifecycleMode{storagev1.VolumeLifecyclePersistent},
+		},
+	}
+	if _, err := c.StorageV1().CSIDrivers().Create(ctx, driver, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
+		return err
+	}
+	for name, mode := range map[string]storagev1.VolumeBindingMode{
+		StorageClassPmem:          storagev1.VolumeBindingWaitForFirstConsumer,
+		StorageClassPmemImmediate: storagev1.VolumeBindingImmediate,
+	} {
+		sc := &storagev1.StorageClass{
+			ObjectMeta:           metav1.ObjectMeta{Name: name},
+			Provisioner:          PmemDriver,
+			ReclaimPolicy:        ptr.To(corev1.PersistentVolumeReclaimDelete),
+			VolumeBindingMode:    ptr.To(mode),
+			AllowVolumeExpansion: ptr.To(true),
+		}
+		if _, err := c.StorageV1().StorageClasses().Create(ctx, sc, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
+			return err
+		}
+	}
+	dyn, err := dynamic.NewForConfig(m.CP.RESTConfig())
+	if err != nil {
+		return err
+	}
+	vsc := &unstructured.Unstructured{Object: map[string]any{
+		"apiVersion":     "snapshot.storage.k8s.io/v1",
+		"kind":           "VolumeSnapshotClass",
+		"metadata":       map[string]any{"name": SnapshotClassPmem},
+		"driver":         PmemDriver,
+		"deletionPolicy": "Delete",
+	}}
+	gvr := schema.GroupVersionResource{Group: "snapshot.storage.k8s.io", Version: "v1", Resource: "volumesnapshotclasses"}
+	if _, err := dyn.Resource(gvr).Create(ctx, vsc, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
+		return err
+	}
+	return nil
+}
+
+func (m *Management) startController(ctx context.Context, lab *cluster.Lab, bin string) error {
+	dir := filepath.Join(m.CP.Dir, "mgmt-csi")
+	socket := filepath.Join(dir, "csi.sock")
+	p, err := lab.Start(cluster.Command{
+		Name: m.CP.Name + "/mgmt-csi", Bin: bin, Dir: dir, LogPath: filepath.Join(m.CP.Dir, "logs", "mgmt-csi.log"),
+		Args: []string{"--mode=controller", "--endpoint=unix://" + socket, "--kubeconfig=" + m.CP.Kubeconfig, "--v=4"},
+	})
+	if err != nil {
+		return err
+	}
+	m.Controller = p
+	if err := cluster.WaitForFile(ctx, socket, p); err != nil {
+		return err
+	}
+	csiAddress := "--csi-address=" + socket
+	common := []string{csiAddress, "--kubeconfig=" + m.CP.Kubeconfig, "--leader-election=false", "--timeout=" + sidecarTimeout, "--v=3"}
+	sidecars := []struct {
+		name string
+		args []string
+		env  []string
+	}{
+		{"csi-provisioner", append(common,
+			// The node the scheduler selected is the only candidate of a WaitForFirstConsumer
+			// volume; an Immediate one gets no requirements and the driver picks the node
+			// with the most room.
+			"--strict-topology", "--immediate-topology=false",
+			"--enable-capacity", "--capacity-ownerref-level=-1", "--capacity-poll-interval=5s",
+			"--extra-create-metadata", "--default-fstype=ext4",
+			"--kube-api-qps=50", "--kube-api-burst=100"),
+			[]string{"NAMESPACE=" + CSINamespace, "POD_NAME=mgmt-csi-controller"}},
+		{"csi-attacher", append(common, "--kube-api-qps=50", "--kube-api-burst=100"), nil},
+		{"csi-resizer", append(common, "--handle-volume-inuse-error=false"), nil},
+		{"csi-snapshotter", common, nil},
+		{"snapshot-controller", []string{"--kubeconfig=" + m.CP.Kubeconfig, "--leader-election=false", "--v=3"}, nil},
+	}
+	for _, sc := range sidecars {
+		path, err := lab.Binaries().Tool(sc.name)
+		if err != nil {
+			return err
+		}
+		p, err := lab.Start(cluster.Command{
+			Name: m.CP.Name + "/" + sc.name, Bin: path, Args: sc.args, Env: sc.env,
+			Dir: dir, LogPath: filepath.Join(m.CP.Dir, "logs", sc.name+".log"),
+		})
+		if err != nil {
+			return err
+		}
+		m.Sidecars[sc.name] = p
+	}
+	return nil
+}
+
+func (m *Management) startHost(ctx context.Context, lab *cluster.Lab, bin, name string, opts MgmtOptions) (*Host, error) {
+	node, err := m.CP.AddNode(ctx, name, cluster.NodeOptions{Labels: opts.HostLabels})
+	if err != nil {
+		return nil, err
+	}
+	h := &Host{Node: node, PmemDir: filepath.Join(node.Dir, "pmem")}
+	if err := makePmemRegion(ctx, filepath.Join(node.Dir, "pmem.img"), h.PmemDir, opts.PmemSize); err != nil {
+		return nil, err
+	}
+	socketDir := node.PluginDir(PmemDriver)
+	h.Agent, err = lab.Start(cluster.Command{
+		Name: m.CP.Name + "/" + name + "/mgmt-csi", Bin: bin, Dir: socketDir,
+		LogPath: filepath.Join(node.Dir, "mgmt-csi.log"),
+		Args: []string{
+			"--mode=node", "--node-id=" + name,
+			"--endpoint=unix://" + filepath.Join(socketDir, "csi.sock"),
+			"--kubelet-registration-dir=" + node.PluginRegistryDir(),
+			"--kubeconfig=" + m.CP.Kubeconfig,
+			"--pmem-mode=file", "--pmem-dir=" + h.PmemDir,
+			"--v=4",
+		},
+	})
+	if err != nil {
+		return nil, err
+	}
+	return h, m.waitHostReady(ctx, h)
+}
+
+// waitHostReady waits until kubelet has registered the node plugin (CSINode) and the agent
+// reports PMEM capacity (PmemNode Ready).
+func (m *Management) waitHostReady(ctx context.Context, h *Host) error {
+	dyn, err := dynamic.NewForConfig(m.CP.RESTConfig())
+	if err != nil {
+		return err
+	}
+	gvr := schema.GroupVersionResource{Group: "pmem.pvbridge.io", Version: "v1alpha1", Resource: "pmemnodes"}
+	ctx, cancel := context.WithTimeout(ctx, time.Minute)
+	defer cancel()
+	err = wait.PollUntilContextCancel(ctx, 100*time.Millisecond, true, func(ctx context.Context) (bool, error) {
+		if h.Agent.Exited() {
+			return false, fmt.Errorf("%s exited; see %s", h.Agent.Name, h.Agent.LogPath)
+		}
+		csiNode, err := m.CP.Client().StorageV1().CSINodes().Get(ctx, h.Node.Name, metav1.GetOptions{})
+		if err != nil {
+			return false, nil
+		}
+		registered := false
+		for _, d := range csiNode.Spec.Drivers {
+			registered = registered || d.Name == PmemDriver
+		}
+		pn, err := dyn.Resource(gvr).Get(ctx, h.Node.Name, metav1.GetOptions{})
+		if !registered || err != nil {
+			return false, nil
+		}
+		conds, _, _ := unstructured.NestedSlice(pn.Object, "status", "conditions")
+		for _, c := range conds {
+			if c, ok := c.(map[string]any); ok && c["type"] == "Ready" && c["status"] == "True" {
+				return true, nil
+			}
+		}
+		return false, nil
+	})
+	if err != nil {
+		return fmt.Errorf("host %s: mgmt-csi node plugin not ready: %w (log: %s)", h.Node.Name, err, h.Agent.LogPath)
+	}
+	return nil
+}
+
+// makePmemRegion emulates a host's PMEM region: a sparse file with an xfs filesystem (reflink
+// on, so snapshots and clones are copy-on-write), loop-mounted at dir. The lab's Stop unmounts
+// it and frees the loop device.
+func makePmemRegion(ctx context.Context, image, dir string, size int64) error {
+	f, err := os.Create(image)
+	if err != nil {
+		return err
+	}
+	if err := f.Truncate(size); err != nil {
+		f.Close()
+		return err
+	}
+	if err := f.Close(); err != nil {
+		return err
+	}
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		return err
+	}
+	for _, args := range [][]string{
+		{"mkfs.xfs", "-q", "-m", "reflink=1", image},
+		{"mount", "-o", "loop", image, dir},
+	} {
+		if out, err := exec.CommandContext(ctx, args[0], args[1:]...).CombinedOutput(); err != nil {
+			return fmt.Errorf("%v: %w: %s", args, err, out)
+		}
+	}
+	return nil
+}

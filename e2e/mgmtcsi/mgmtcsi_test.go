@@ -1,0 +1,435 @@
+// Package mgmtcsi_test proves mgmt-csi against a real management control plane: two hosts, each a
+// real kubelet with an emulated PMEM region (xfs on a loop device) and the mgmt-csi node agent,
+// plus the mgmt-csi controller with the real csi-provisioner, csi-attacher, csi-resizer,
+// csi-snapshotter and snapshot-controller.
+package mgmtcsi_test
+
+import (
+	"context"
+	"crypto/sha256"
+	"fmt"
+	"os"
+	"path/filepath"
+	"testing"
+	"time"
+
+	. "github.com/onsi/gomega"
+	"golang.org/x/sys/unix"
+	corev1 "k8s.io/api/core/v1"
+	storagev1 "k8s.io/api/storage/v1"
+	"k8s.io/apimachinery/pkg/api/resource"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+	"k8s.io/apimachinery/pkg/runtime"
+	clientgoscheme "k8s.io/client-go/kubernetes/scheme"
+	"k8s.io/utils/ptr"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+
+	"pvbridge.io/e2e/cluster"
+	"pvbridge.io/e2e/deploy"
+	pmemv1 "pvbridge.io/pkg/apis/pmem/v1alpha1"
+)
+
+const pmemSize = 4 << 30 // per host
+
+var (
+	lab  *cluster.Lab
+	mgmt *deploy.Management
+	c    client.Client
+)
+
+func TestMain(m *testing.M) {
+	os.Exit(run(m))
+}
+
+func run(m *testing.M) int {
+	bin, err := cluster.DefaultBinaries()
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 1
+	}
+	root, err := os.MkdirTemp("", "pvb-")
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 1
+	}
+	if lab, err = cluster.NewLab(root, bin); err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 1
+	}
+	defer func() {
+		if err := lab.Stop(); err != nil {
+			fmt.Fprintln(os.Stderr, "stop lab:", err)
+		}
+	}()
+	ctx := context.Background()
+	start := time.Now()
+	cp, err := lab.StartControlPlane(ctx, "mgmt")
+	if err == nil {
+		mgmt, err = deploy.StartManagement(ctx, lab, cp, deploy.MgmtOptions{Hosts: []string{"host-a", "host-b"}, PmemSize: pmemSize})
+	}
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "start the management cluster:", err, "(logs below", root+")")
+		return 1
+	}
+	fmt.Printf("management cluster with mgmt-csi up in %.1fs (%s)\n", time.Since(start).Seconds(), root)
+	scheme := runtime.NewScheme()
+	_ = clientgoscheme.AddToScheme(scheme)
+	_ = pmemv1.AddToScheme(scheme)
+	if c, err = client.New(cp.RESTConfig(), client.Options{Scheme: scheme}); err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 1
+	}
+	code := m.Run()
+	if code == 0 {
+		_ = os.RemoveAll(root)
+	}
+	return code
+}
+
+// namespace creates a namespace for the test.
+func namespace(t *testing.T) string {
+	t.Helper()
+	ns, err := deploy.CreateNamespace(t.Context(), mgmt.CP.Client(), "t")
+	if err != nil {
+		t.Fatal(err)
+	}
+	return ns
+}
+
+func host(name string) *deploy.Host {
+	for _, h := range mgmt.Hosts {
+		if h.Node.Name == name {
+			return h
+		}
+	}
+	panic("no host " + name)
+}
+
+func create(g Gomega, ctx context.Context, obj client.Object) {
+	g.Expect(c.Create(ctx, obj)).To(Succeed())
+}
+
+// boundVolume waits until the claim is Bound and returns its PmemVolume.
+func boundVolume(g Gomega, ctx context.Context, ns, claim string) *pmemv1.PmemVolume {
+	pvc := &corev1.PersistentVolumeClaim{}
+	g.Eventually(func(g Gomega) {
+		g.Expect(c.Get(ctx, client.ObjectKey{Namespace: ns, Name: claim}, pvc)).To(Succeed())
+		g.Expect(pvc.Status.Phase).To(Equal(corev1.ClaimBound))
+	}).WithContext(ctx).WithTimeout(2 * time.Minute).WithPolling(100 * time.Millisecond).Should(Succeed())
+	pv := &corev1.PersistentVolume{}
+	g.Expect(c.Get(ctx, client.ObjectKey{Name: pvc.Spec.VolumeName}, pv)).To(Succeed())
+	vol := &pmemv1.PmemVolume{}
+	g.Expect(c.Get(ctx, client.ObjectKey{Name: pv.Spec.CSI.VolumeHandle}, vol)).To(Succeed())
+	return vol
+}
+
+// runningPod waits until the pod is Running and returns it.
+func runningPod(g Gomega, ctx context.Context, ns, name string) *corev1.Pod {
+	pod := &corev1.Pod{}
+	g.Eventually(func(g Gomega) {
+		g.Expect(c.Get(ctx, client.ObjectKey{Namespace: ns, Name: name}, pod)).To(Succeed())
+		g.Expect(pod.Status.Phase).To(Equal(corev1.PodRunning))
+	}).WithContext(ctx).WithTimeout(2 * time.Minute).WithPolling(100 * time.Millisecond).Should(Succeed())
+	return pod
+}
+
+func pmemNode(g Gomega, ctx context.Context, name string) *pmemv1.PmemNode {
+	n := &pmemv1.PmemNode{}
+	g.Expect(c.Get(ctx, client.ObjectKey{Name: name}, n)).To(Succeed())
+	return n
+}
+
+func free(g Gomega, ctx context.Context, name string) int64 {
+	return pmemNode(g, ctx, name).Status.Free.Value()
+}
+
+// deleteAndWait deletes the objects and waits until they are gone.
+func deleteAndWait(g Gomega, ctx context.Context, objs ...client.Object) {
+	for _, o := range objs {
+		g.Expect(client.IgnoreNotFound(c.Delete(ctx, o))).To(Succeed())
+	}
+	for _, o := range objs {
+		g.Eventually(func() bool {
+			err := c.Get(ctx, client.ObjectKeyFromObject(o), o.DeepCopyObject().(client.Object))
+			return client.IgnoreNotFound(err) == nil && err != nil
+		}).WithContext(ctx).WithTimeout(2*time.Minute).WithPolling(100*time.Millisecond).Should(BeTrue(), "%s is gone", o.GetName())
+	}
+}
+
+// noVolumesLeft waits until no PmemVolume remains and each host's free space is back to total.
+func noVolumesLeft(g Gomega, ctx context.Context) {
+	g.Eventually(func(g Gomega) {
+		list := &pmemv1.PmemVolumeList{}
+		g.Expect(c.List(ctx, list)).To(Succeed())
+		g.Expect(list.Items).To(BeEmpty())
+		for _, h := range mgmt.Hosts {
+			n := pmemNode(g, ctx, h.Node.Name)
+			g.Expect(n.Status.Free.Value()).To(Equal(n.Status.Total.Value()), h.Node.Name)
+		}
+	}).WithContext(ctx).WithTimeout(2 * time.Minute).WithPolling(200 * time.Millisecond).Should(Succeed())
+}
+
+func TestWaitForFirstConsumerVolumeLandsOnThePodsHost(t *testing.T) {
+	g := NewWithT(t)
+	ctx, ns := t.Context(), namespace(t)
+	for _, tc := range []struct {
+		host  string
+		block bool
+	}{{"host-b", false}, {"host-a", true}} {
+		name := fmt.Sprintf("on-%s", tc.host)
+		create(g, ctx, deploy.PVC(ns, name, deploy.StorageClassPmem, "64Mi", tc.block))
+		create(g, ctx, deploy.Pod(ns, name, name, tc.host, tc.block))
+		pod := runningPod(g, ctx, ns, name)
+		g.Expect(pod.Spec.NodeName).To(Equal(tc.host))
+		vol := boundVolume(g, ctx, ns, name)
+		g.Expect(vol.Spec.Node).To(Equal(tc.host), "the volume is in the PMEM of the pod's host")
+
+		pvc := &corev1.PersistentVolumeClaim{}
+		g.Expect(c.Get(ctx, client.ObjectKey{Namespace: ns, Name: name}, pvc)).To(Succeed())
+		path := deploy.PodVolumePath(host(tc.host).Node, pod.UID, pvc.Spec.VolumeName, tc.block)
+		if tc.block {
+			fi, err := os.Stat(path)
+			g.Expect(err).NotTo(HaveOccurred())
+			g.Expect(fi.Mode() & os.ModeDevice).NotTo(BeZero(), "a raw block volume is a device file")
+		} else {
+			g.Expect(os.WriteFile(filepath.Join(path, "hello"), []byte("pmem"), 0o644)).To(Succeed(), "the volume is mounted writable")
+		}
+		deleteAndWait(g, ctx, pod, pvc)
+	}
+	noVolumesLeft(g, ctx)
+}
+
+func TestImmediateVolumeLandsWhereItFits(t *testing.T) {
+	g := NewWithT(t)
+	ctx, ns := t.Context(), namespace(t)
+	// Fill host-a so that the next volume fits only on host-b.
+	filler := deploy.PVC(ns, "filler", deploy.StorageClassPmem, "3Gi", false)
+	create(g, ctx, filler)
+	fillerPod := deploy.Pod(ns, "filler", "filler", "host-a", false)
+	create(g, ctx, fillerPod)
+	g.Expect(boundVolume(g, ctx, ns, "filler").Spec.Node).To(Equal("host-a"))
+
+	pvc := deploy.PVC(ns, "immediate", deploy.StorageClassPmemImmediate, "2Gi", false)
+	create(g, ctx, pvc)
+	g.Expect(boundVolume(g, ctx, ns, "immediate").Spec.Node).To(Equal("host-b"))
+	deleteAndWait(g, ctx, fillerPod, filler, pvc)
+	noVolumesLeft(g, ctx)
+}
+
+func TestStorageCapacityFollowsPmemNode(t *testing.T) {
+	g := NewWithT(t)
+	ctx, ns := t.Context(), namespace(t)
+	capacityOf := func(g Gomega, node string) int64 {
+		list := &storagev1.CSIStorageCapacityList{}
+		g.Expect(c.List(ctx, list, client.InNamespace(deploy.CSINamespace))).To(Succeed())
+		for _, sc := range list.Items {
+			if sc.StorageClassName == deploy.StorageClassPmem && sc.NodeTopology != nil &&
+				sc.NodeTopology.MatchLabels[deploy.PmemTopologyKey] == node && sc.Capacity != nil {
+				return sc.Capacity.Value()
+			}
+		}
+		return -1
+	}
+	before := free(g, ctx, "host-a")
+	g.Eventually(func(g Gomega) { g.Expect(capacityOf(g, "host-a")).To(Equal(before)) }).
+		WithContext(ctx).WithTimeout(time.Minute).WithPolling(200 * time.Millisecond).Should(Succeed())
+
+	pvc := deploy.PVC(ns, "cap", deploy.StorageClassPmemImmediate, "1Gi", false)
+	pvc.Annotations = map[string]string{"volume.kubernetes.io/selected-node": "host-a"}
+	create(g, ctx, pvc)
+	vol := boundVolume(g, ctx, ns, "cap")
+	after := free(g, ctx, vol.Spec.Node)
+	g.Expect(after).To(BeNumerically("<", pmemSize))
+	g.Eventually(func(g Gomega) { g.Expect(capacityOf(g, vol.Spec.Node)).To(Equal(after)) }).
+		WithContext(ctx).WithTimeout(time.Minute).WithPolling(200*time.Millisecond).Should(Succeed(), "CSIStorageCapacity shows the PmemNode's free space")
+	deleteAndWait(g, ctx, pvc)
+	noVolumesLeft(g, ctx)
+}
+
+func TestExhaustedHostLeavesPodPendingWithoutPartialVolume(t *testing.T) {
+	g := NewWithT(t)
+	ctx, ns := t.Context(), namespace(t)
+	freeBefore := free(g, ctx, "host-a")
+	pvc := deploy.PVC(ns, "huge", deploy.StorageClassPmem, "5Gi", false)
+	create(g, ctx, pvc)
+	pod := deploy.Pod(ns, "huge", "huge", "host-a", false)
+	create(g, ctx, pod)
+
+	g.Eventually(func(g Gomega) {
+		events := &corev1.EventList{}
+		g.Expect(c.List(ctx, events, client.InNamespace(ns))).To(Succeed())
+		var msgs []string
+		for _, e := range events.Items {
+			if e.InvolvedObject.Name == "huge" && e.Type == corev1.EventTypeWarning {
+				msgs = append(msgs, e.Message)
+			}
+		}
+		g.Expect(msgs).To(ContainElement(ContainSubstring("storage")), "the scheduler says the node lacks storage")
+	}).WithContext(ctx).WithTimeout(time.Minute).WithPolling(200 * time.Millisecond).Should(Succeed())
+	g.Expect(c.Get(ctx, client.ObjectKeyFromObject(pvc), pvc)).To(Succeed())
+	g.Expect(pvc.Status.Phase).To(Equal(corev1.ClaimPending))
+	list := &pmemv1.PmemVolumeList{}
+	g.Expect(c.List(ctx, list)).To(Succeed())
+	g.Expect(list.Items).To(BeEmpty(), "no partial volume")
+	g.Expect(free(g, ctx, "host-a")).To(Equal(freeBefore))
+	deleteAndWait(g, ctx, pod, pvc)
+}
+
+func TestOnlineExpansionGrowsTheFilesystem(t *testing.T) {
+	g := NewWithT(t)
+	ctx, ns := t.Context(), namespace(t)
+	pvc := deploy.PVC(ns, "grow", deploy.StorageClassPmem, "128Mi", false)
+	create(g, ctx, pvc)
+	pod := deploy.Pod(ns, "grow", "grow", "host-b", false)
+	create(g, ctx, pod)
+	pod = runningPod(g, ctx, ns, "grow")
+	boundVolume(g, ctx, ns, "grow")
+	g.Expect(c.Get(ctx, client.ObjectKeyFromObject(pvc), pvc)).To(Succeed())
+	path := deploy.PodVolumePath(host("host-b").Node, pod.UID, pvc.Spec.VolumeName, false)
+	sizeBefore := fsSize(g, path)
+
+	patch := client.MergeFrom(pvc.DeepCopy())
+	pvc.Spec.Resources.Requests[corev1.ResourceStorage] = resource.MustParse("512Mi")
+	g.Expect(c.Patch(ctx, pvc, patch)).To(Succeed())
+	g.Eventually(func(g Gomega) {
+		g.Expect(c.Get(ctx, client.ObjectKeyFromObject(pvc), pvc)).To(Succeed())
+		g.Expect(pvc.Status.Capacity.Storage().Value()).To(BeNumerically(">=", 512<<20))
+		g.Expect(fsSize(g, path)).To(BeNumerically(">", 3*sizeBefore), "the mounted filesystem grew")
+	}).WithContext(ctx).WithTimeout(2 * time.Minute).WithPolling(200 * time.Millisecond).Should(Succeed())
+	deleteAndWait(g, ctx, pod, pvc)
+	noVolumesLeft(g, ctx)
+}
+
+// fsSize is the size of the filesystem mounted at path.
+func fsSize(g Gomega, path string) int64 {
+	var st unix.Statfs_t
+	g.Expect(unix.Statfs(path, &st)).To(Succeed())
+	return int64(st.Blocks) * st.Bsize
+}
+
+// syncFS flushes the filesystem at path, so that a snapshot of its device sees what was written.
+func syncFS(g Gomega, path string) {
+	f, err := os.Open(path)
+	g.Expect(err).NotTo(HaveOccurred())
+	defer f.Close()
+	g.Expect(unix.Syncfs(int(f.Fd()))).To(Succeed())
+}
+
+func TestSnapshotRestoreHasIdenticalData(t *testing.T) {
+	g := NewWithT(t)
+	ctx, ns := t.Context(), namespace(t)
+	src := deploy.PVC(ns, "src", deploy.StorageClassPmem, "64Mi", false)
+	create(g, ctx, src)
+	srcPod := deploy.Pod(ns, "src", "src", "host-a", false)
+	create(g, ctx, srcPod)
+	srcPod = runningPod(g, ctx, ns, "src")
+	boundVolume(g, ctx, ns, "src")
+	g.Expect(c.Get(ctx, client.ObjectKeyFromObject(src), src)).To(Succeed())
+	data := make([]byte, 4<<20)
+	for i := range data {
+		data[i] = byte(i * 7)
+	}
+	srcPath := deploy.PodVolumePath(host("host-a").Node, srcPod.UID, src.Spec.VolumeName, false)
+	g.Expect(os.WriteFile(filepath.Join(srcPath, "data"), data, 0o644)).To(Succeed())
+	syncFS(g, srcPath)
+
+	snap := &unstructured.Unstructured{Object: map[string]any{
+		"apiVersion": "snapshot.storage.k8s.io/v1", "kind": "VolumeSnapshot",
+		"metadata": map[string]any{"namespace": ns, "name": "snap"},
+		"spec": map[string]any{
+			"volumeSnapshotClassName": deploy.SnapshotClassPmem,
+			"source":                  map[string]any{"persistentVolumeClaimName": "src"},
+		},
+	}}
+	create(g, ctx, snap)
+	g.Eventually(func(g Gomega) {
+		g.Expect(c.Get(ctx, client.ObjectKeyFromObject(snap), snap)).To(Succeed())
+		ready, _, _ := unstructured.NestedBool(snap.Object, "status", "readyToUse")
+		g.Expect(ready).To(BeTrue())
+	}).WithContext(ctx).WithTimeout(2 * time.Minute).WithPolling(200 * time.Millisecond).Should(Succeed())
+
+	restored := deploy.PVC(ns, "restored", deploy.StorageClassPmem, "64Mi", false)
+	restored.Spec.DataSource = &corev1.TypedLocalObjectReference{APIGroup: ptr.To("snapshot.storage.k8s.io"), Kind: "VolumeSnapshot", Name: "snap"}
+	create(g, ctx, restored)
+	pod := deploy.Pod(ns, "restored", "restored", "host-a", false)
+	create(g, ctx, pod)
+	pod = runningPod(g, ctx, ns, "restored")
+	g.Expect(boundVolume(g, ctx, ns, "restored").Spec.Node).To(Equal("host-a"))
+	g.Expect(c.Get(ctx, client.ObjectKeyFromObject(restored), restored)).To(Succeed())
+	got, err := os.ReadFile(filepath.Join(deploy.PodVolumePath(host("host-a").Node, pod.UID, restored.Spec.VolumeName, false), "data"))
+	g.Expect(err).NotTo(HaveOccurred())
+	g.Expect(sha256.Sum256(got)).To(Equal(sha256.Sum256(data)), "the restored volume has the snapshot's data")
+
+	deleteAndWait(g, ctx, pod, srcPod, restored, snap, src)
+	noVolumesLeft(g, ctx)
+	g.Eventually(func(g Gomega) {
+		list := &pmemv1.PmemSnapshotList{}
+		g.Expect(c.List(ctx, list)).To(Succeed())
+		g.Expect(list.Items).To(BeEmpty())
+	}).WithContext(ctx).WithTimeout(time.Minute).WithPolling(200 * time.Millisecond).Should(Succeed())
+}
+
+func TestDeletionFreesExactlyTheSpaceItTook(t *testing.T) {
+	g := NewWithT(t)
+	ctx, ns := t.Context(), namespace(t)
+	before := free(g, ctx, "host-b")
+	pvc := deploy.PVC(ns, "exact", deploy.StorageClassPmemImmediate, "100Mi", true)
+	pvc.Annotations = map[string]string{"volume.kubernetes.io/selected-node": "host-b"}
+	create(g, ctx, pvc)
+	vol := boundVolume(g, ctx, ns, "exact")
+	g.Eventually(func() int64 { return before - free(g, ctx, vol.Spec.Node) }).WithContext(ctx).
+		WithTimeout(time.Minute).Should(Equal(vol.Status.AllocatedSize.Value()), "the volume took its allocated size")
+	deleteAndWait(g, ctx, pvc)
+	g.Eventually(func() int64 { return free(g, ctx, vol.Spec.Node) }).WithContext(ctx).
+		WithTimeout(time.Minute).Should(Equal(before), "and gave exactly that back")
+}
+
+// TestCrashesDuringConcurrentCreatesLoseNothing kills -9 the controller and a node agent while
+// 50 claims are provisioned, restarts them, and checks that every claim binds to exactly one
+// volume, with no volume left over on any host.
+func TestCrashesDuringConcurrentCreatesLoseNothing(t *testing.T) {
+	g := NewWithT(t)
+	ctx, ns := t.Context(), namespace(t)
+	const n = 50
+	for i := range n {
+		create(g, ctx, deploy.PVC(ns, fmt.Sprintf("c%02d", i), deploy.StorageClassPmemImmediate, "16Mi", i%2 == 0))
+	}
+	// Kill once provisioning is under way, then restart.
+	g.Eventually(func() int {
+		list := &pmemv1.PmemVolumeList{}
+		g.Expect(c.List(ctx, list)).To(Succeed())
+		return len(list.Items)
+	}).WithContext(ctx).WithTimeout(time.Minute).WithPolling(20 * time.Millisecond).Should(BeNumerically(">=", 5))
+	g.Expect(mgmt.Controller.Kill()).To(Succeed())
+	g.Expect(host("host-a").Agent.Kill()).To(Succeed())
+	var err error
+	mgmt.Controller, err = mgmt.Controller.Respawn()
+	g.Expect(err).NotTo(HaveOccurred())
+	host("host-a").Agent, err = host("host-a").Agent.Respawn()
+	g.Expect(err).NotTo(HaveOccurred())
+
+	handles := map[string]bool{}
+	for i := range n {
+		vol := boundVolume(g, ctx, ns, fmt.Sprintf("c%02d", i))
+		g.Expect(handles[vol.Name]).To(BeFalse(), "one volume per claim")
+		handles[vol.Name] = true
+	}
+	list := &pmemv1.PmemVolumeList{}
+	g.Expect(c.List(ctx, list)).To(Succeed())
+	g.Expect(list.Items).To(HaveLen(n), "no leaked PmemVolume")
+	onDisk := 0
+	for _, h := range mgmt.Hosts {
+		files, err := filepath.Glob(filepath.Join(h.PmemDir, "volumes", "*"))
+		g.Expect(err).NotTo(HaveOccurred())
+		onDisk += len(files)
+	}
+	g.Expect(onDisk).To(Equal(n), "no leaked or duplicate volume on the hosts")
+
+	var pvcs []client.Object
+	for i := range n {
+		pvcs = append(pvcs, &corev1.PersistentVolumeClaim{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: fmt.Sprintf("c%02d", i)}})
+	}
+	deleteAndWait(g, ctx, pvcs...)
+	noVolumesLeft(g, ctx)
+}

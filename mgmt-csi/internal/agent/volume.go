@@ -1,0 +1,172 @@
+// Package agent is the node agent of mgmt-csi: it owns the PMEM of one host. It realizes the
+// PmemVolume and PmemSnapshot objects the controller records for its node through the PMEM back
+// end, reports each result in the object's status, and publishes the node's capacity in its
+// PmemNode. Everything it knows survives a restart: intent in the API objects, state on the
+// device.
+package agent
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	"k8s.io/apimachinery/pkg/api/meta"
+	"k8s.io/apimachinery/pkg/api/resource"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	ctrl "sigs.k8s.io/controller-runtime"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+	"sigs.k8s.io/controller-runtime/pkg/controller/controllerutil"
+
+	"pvbridge.io/mgmt-csi/internal/pmem"
+	pmemv1 "pvbridge.io/pkg/apis/pmem/v1alpha1"
+)
+
+// Finalizer is set by the controller on every PmemVolume and PmemSnapshot; the agent removes it
+// once the data is gone from the device.
+const Finalizer = "pmem.pvbridge.io/device"
+
+// inUseRetry is how soon a deletion blocked by an open device is tried again.
+const inUseRetry = 5 * time.Second
+
+// VolumeReconciler realizes the PmemVolumes of one node.
+type VolumeReconciler struct {
+	Client  client.Client
+	Backend pmem.Backend
+	Node    string
+	// Capacity is refreshed after every change of the node's allocations.
+	Capacity *NodeReporter
+}
+
+// SetupWithManager registers the reconciler. The manager's cache holds only this node's
+// PmemVolumes (a field selector on spec.node).
+func (r *VolumeReconciler) SetupWithManager(mgr ctrl.Manager) error {
+	return ctrl.NewControllerManagedBy(mgr).
+		For(&pmemv1.PmemVolume{}).
+		Named("pmemvolume").
+		Complete(r)
+}
+
+// Reconcile makes the device of a PmemVolume match its spec, or removes it.
+func (r *VolumeReconciler) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Result, error) {
+	vol := &pmemv1.PmemVolume{}
+	if err := r.Client.Get(ctx, req.NamespacedName, vol); err != nil {
+		return ctrl.Result{}, client.IgnoreNotFound(err)
+	}
+	if vol.Spec.Node != r.Node {
+		return ctrl.Result{}, nil
+	}
+	if !vol.DeletionTimestamp.IsZero() {
+		return r.reconcileDelete(ctx, vol)
+	}
+	return r.reconcileNormal(ctx, vol)
+}
+
+func (r *VolumeReconciler) reconcileNormal(ctx context.Context, vol *pmemv1.PmemVolume) (ctrl.Result, error) {
+	log := ctrl.LoggerFrom(ctx)
+	size := vol.Spec.Size.Value()
+	dev, err := r.Backend.GetVolume(ctx, vol.Name)
+	switch {
+	case errors.Is(err, pmem.ErrNotFound) && vol.Status.Device != "":
+		// The device existed and is gone: never hand out a new, empty volume under the old ID.
+		return ctrl.Result{}, r.setStatus(ctx, vol, nil, metav1.ConditionFalse, pmemv1.FailedReason,
+			fmt.Sprintf("the device %s of this volume has disappeared from the node", vol.Status.Device))
+	case errors.Is(err, pmem.ErrNotFound):
+		var src *pmem.Source
+		if s := vol.Spec.Source; s != nil {
+			src = &pmem.Source{SnapshotID: s.SnapshotID, VolumeID: s.VolumeID}
+		}
+		dev, err = r.Backend.CreateVolume(ctx, vol.Name, size, src)
+		if err != nil {
+			return r.failed(ctx, vol, err)
+		}
+		log.Info("Created volume", "device", dev.Device, "size", dev.Size)
+		r.Capacity.Refresh(ctx)
+	case err != nil:
+		return r.failed(ctx, vol, err)
+	}
+	if dev.Size < size {
+		grown, err := r.Backend.ExpandVolume(ctx, vol.Name, size)
+		if err != nil {
+			return r.failed(ctx, vol, err)
+		}
+		log.Info("Expanded volume", "device", grown.Device, "from", dev.Size, "to", grown.Size)
+		dev = grown
+		r.Capacity.Refresh(ctx)
+	}
+	return ctrl.Result{}, r.setStatus(ctx, vol, &dev, metav1.ConditionTrue, pmemv1.CreatedReason, "")
+}
+
+// failed reports a back-end error. Lack of space and a missing source are final for this
+// generation of the spec (the controller reacts); anything else is retried with backoff.
+func (r *VolumeReconciler) failed(ctx context.Context, vol *pmemv1.PmemVolume, err error) (ctrl.Result, error) {
+	reason, retry := failureReason(err)
+	if serr := r.setStatus(ctx, vol, nil, metav1.ConditionFalse, reason, err.Error()); serr != nil {
+		return ctrl.Result{}, serr
+	}
+	if retry {
+		return ctrl.Result{}, err
+	}
+	return ctrl.Result{}, nil
+}
+
+func (r *VolumeReconciler) reconcileDelete(ctx context.Context, vol *pmemv1.PmemVolume) (ctrl.Result, error) {
+	if !controllerutil.ContainsFinalizer(vol, Finalizer) {
+		return ctrl.Result{}, nil
+	}
+	err := r.Backend.DeleteVolume(ctx, vol.Name)
+	if errors.Is(err, pmem.ErrInUse) {
+		if serr := r.setStatus(ctx, vol, nil, metav1.ConditionFalse, pmemv1.InUseReason, err.Error()); serr != nil {
+			return ctrl.Result{}, serr
+		}
+		return ctrl.Result{RequeueAfter: inUseRetry}, nil
+	}
+	if err != nil {
+		return ctrl.Result{}, err
+	}
+	ctrl.LoggerFrom(ctx).Info("Deleted volume")
+	r.Capacity.Refresh(ctx)
+	return ctrl.Result{}, removeFinalizer(ctx, r.Client, vol)
+}
+
+// setStatus writes the Ready condition, and the device when dev is set.
+func (r *VolumeReconciler) setStatus(ctx context.Context, vol *pmemv1.PmemVolume, dev *pmem.Volume, st metav1.ConditionStatus, reason, msg string) error {
+	patch := client.MergeFrom(vol.DeepCopy())
+	if dev != nil {
+		vol.Status.Device = dev.Device
+		vol.Status.AllocatedSize = resource.NewQuantity(dev.Size, resource.BinarySI)
+	}
+	changed := meta.SetStatusCondition(&vol.Status.Conditions, metav1.Condition{
+		Type: pmemv1.ReadyCondition, Status: st, Reason: reason, Message: msg, ObservedGeneration: vol.Generation,
+	})
+	if !changed && dev == nil {
+		return nil
+	}
+	if err := r.Client.Status().Patch(ctx, vol, patch); err != nil && !apierrors.IsNotFound(err) {
+		return fmt.Errorf("update status of PmemVolume %s: %w", vol.Name, err)
+	}
+	return nil
+}
+
+// failureReason maps a back-end error to the Ready reason and whether to retry.
+func failureReason(err error) (string, bool) {
+	switch {
+	case errors.Is(err, pmem.ErrNoSpace):
+		return pmemv1.InsufficientCapacityReason, false
+	case errors.Is(err, pmem.ErrNotFound):
+		return pmemv1.SourceNotFoundReason, false
+	case errors.Is(err, pmem.ErrInvalid):
+		return pmemv1.FailedReason, false
+	}
+	return pmemv1.FailedReason, true
+}
+
+func removeFinalizer(ctx context.Context, c client.Client, obj client.Object) error {
+	patch := client.MergeFromWithOptions(obj.DeepCopyObject().(client.Object), client.MergeFromWithOptimisticLock{})
+	controllerutil.RemoveFinalizer(obj, Finalizer)
+	if err := c.Patch(ctx, obj, patch); err != nil && !apierrors.IsNotFound(err) {
+		return fmt.Errorf("remove finalizer of %s: %w", obj.GetName(), err)
+	}
+	return nil
+}

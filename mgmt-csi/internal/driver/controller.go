@@ -1,0 +1,719 @@
+package driver
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"slices"
+	"sort"
+	"strconv"
+	"strings"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/types/known/timestamppb"
+	"google.golang.org/protobuf/types/known/wrapperspb"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	"k8s.io/apimachinery/pkg/api/meta"
+	"k8s.io/apimachinery/pkg/api/resource"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/klog/v2"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+
+	"pvbridge.io/mgmt-csi/internal/agent"
+	pmemv1 "pvbridge.io/pkg/apis/pmem/v1alpha1"
+	"pvbridge.io/pkg/await"
+	"pvbridge.io/pkg/keylock"
+)
+
+const (
+	// TopologyKey is the topology segment of a volume: the node whose PMEM holds it.
+	TopologyKey = "pmem.csi.pvbridge.io/node"
+	// NodeLabel carries spec.node on PmemVolumes and PmemSnapshots.
+	NodeLabel = "pmem.pvbridge.io/node"
+	// NameAnnotation records the CSI name a PmemVolume or PmemSnapshot was created for.
+	NameAnnotation = "pmem.pvbridge.io/csi-name"
+
+	// defaultVolumeSize is the size of a volume whose request gives none.
+	defaultVolumeSize = 1 << 30
+
+	kindVolume   = "PmemVolume"
+	kindSnapshot = "PmemSnapshot"
+)
+
+// controllerServer is the central controller. It records the intent of every volume and
+// snapshot as a PmemVolume or PmemSnapshot object, which the node agent of the chosen node
+// realizes, and waits for the result by watch. All state is in those objects: a restarted
+// controller, or a retried call, finds the object and continues where the last one left off.
+type controllerServer struct {
+	csi.UnimplementedControllerServer
+
+	// client writes to the apiserver; reader reads the informer cache that hub watches.
+	client client.Client
+	reader client.Reader
+	hub    *await.Hub
+	locks  *keylock.Locks
+}
+
+var _ csi.ControllerServer = (*controllerServer)(nil)
+
+func newControllerServer(c client.Client, reader client.Reader, hub *await.Hub) *controllerServer {
+	return &controllerServer{client: c, reader: reader, hub: hub, locks: &keylock.Locks{}}
+}
+
+func (s *controllerServer) ControllerGetCapabilities(context.Context, *csi.ControllerGetCapabilitiesRequest) (*csi.ControllerGetCapabilitiesResponse, error) {
+	var caps []*csi.ControllerServiceCapability
+	for _, c := range []csi.ControllerServiceCapability_RPC_Type{
+		csi.ControllerServiceCapability_RPC_CREATE_DELETE_VOLUME,
+		csi.ControllerServiceCapability_RPC_PUBLISH_UNPUBLISH_VOLUME,
+		csi.ControllerServiceCapability_RPC_GET_CAPACITY,
+		csi.ControllerServiceCapability_RPC_CREATE_DELETE_SNAPSHOT,
+		csi.ControllerServiceCapability_RPC_LIST_SNAPSHOTS,
+		csi.ControllerServiceCapability_RPC_CLONE_VOLUME,
+		csi.ControllerServiceCapability_RPC_EXPAND_VOLUME,
+		csi.ControllerServiceCapability_RPC_SINGLE_NODE_MULTI_WRITER,
+	} {
+		caps = append(caps, &csi.ControllerServiceCapability{
+			Type: &csi.ControllerServiceCapability_Rpc{Rpc: &csi.ControllerServiceCapability_RPC{Type: c}},
+		})
+	}
+	return &csi.ControllerGetCapabilitiesResponse{Capabilities: caps}, nil
+}
+
+func (s *controllerServer) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequest) (*csi.CreateVolumeResponse, error) {
+	if req.GetName() == "" {
+		return nil, status.Error(codes.InvalidArgument, "name is required")
+	}
+	if err := validateCapabilities(req.GetVolumeCapabilities()); err != nil {
+		return nil, err
+	}
+	if err := validateParameters(req.GetParameters()); err != nil {
+		return nil, err
+	}
+	size, err := requestedSize(req.GetCapacityRange())
+	if err != nil {
+		return nil, err
+	}
+	id := idFor("pvc", req.GetName())
+	if !s.locks.TryLock(id) {
+		return nil, status.Errorf(codes.Aborted, "an operation on volume %s is in progress", id)
+	}
+	defer s.locks.Unlock(id)
+	logger := klog.FromContext(ctx).WithValues("volumeID", id)
+	ctx = klog.NewContext(ctx, logger)
+
+	source, sourceNode, err := s.contentSource(ctx, req.GetVolumeContentSource(), size)
+	if err != nil {
+		return nil, err
+	}
+
+	vol := &pmemv1.PmemVolume{}
+	err = s.reader.Get(ctx, client.ObjectKey{Name: id}, vol)
+	switch {
+	case apierrors.IsNotFound(err):
+		node := sourceNode
+		if node == "" {
+			if node, err = s.chooseNode(ctx, req.GetAccessibilityRequirements(), size, req.GetCapacityRange().GetLimitBytes()); err != nil {
+				return nil, err
+			}
+		} else if !topologyAllows(req.GetAccessibilityRequirements(), node) {
+			return nil, status.Errorf(codes.ResourceExhausted, "the source of volume %s is on node %s, which the accessibility requirements exclude", id, node)
+		}
+		if vol, err = s.createVolumeObject(ctx, id, req.GetName(), node, size, source); err != nil {
+			return nil, err
+		}
+		logger.V(2).Info("Recorded volume", "node", node, "size", size)
+	case err != nil:
+		return nil, status.Errorf(codes.Unavailable, "get PmemVolume %s: %v", id, err)
+	default:
+		if err := compatibleVolume(vol, size, req.GetCapacityRange().GetLimitBytes(), source); err != nil {
+			return nil, err
+		}
+	}
+	if vol, err = s.waitVolumeReady(ctx, vol); err != nil {
+		return nil, err
+	}
+	return &csi.CreateVolumeResponse{Volume: csiVolume(vol, req.GetVolumeContentSource())}, nil
+}
+
+// contentSource resolves a CreateVolume content source to a PmemVolume source and the node
+// that holds it: a restored or cloned volume lands where its data is.
+func (s *controllerServer) contentSource(ctx context.Context, src *csi.VolumeContentSource, size int64) (*pmemv1.PmemVolumeSource, string, error) {
+	switch {
+	case src == nil:
+		return nil, "", nil
+	case src.GetSnapshot() != nil:
+		id := src.GetSnapshot().GetSnapshotId()
+		snap := &pmemv1.PmemSnapshot{}
+		if err := s.getOrNotFound(ctx, id, snap, "snapshot"); err != nil {
+			return nil, "", err
+		}
+		if !isReady(snap.Status.Conditions) {
+			return nil, "", status.Errorf(codes.Unavailable, "snapshot %s is not ready yet", id)
+		}
+		if snap.Status.Size != nil && size < snap.Status.Size.Value() {
+			return nil, "", status.Errorf(codes.OutOfRange, "snapshot %s needs a volume of at least %d bytes", id, snap.Status.Size.Value())
+		}
+		return &pmemv1.PmemVolumeSource{SnapshotID: id}, snap.Spec.Node, nil
+	case src.GetVolume() != nil:
+		id := src.GetVolume().GetVolumeId()
+		vol := &pmemv1.PmemVolume{}
+		if err := s.getOrNotFound(ctx, id, vol, "volume"); err != nil {
+			return nil, "", err
+		}
+		if size < vol.Spec.Size.Value() {
+			return nil, "", status.Errorf(codes.OutOfRange, "a clone of volume %s needs at least %d bytes", id, vol.Spec.Size.Value())
+		}
+		return &pmemv1.PmemVolumeSource{VolumeID: id}, vol.Spec.Node, nil
+	default:
+		return nil, "", status.Error(codes.InvalidArgument, "volume_content_source has neither a snapshot nor a volume")
+	}
+}
+
+// chooseNode picks the node for a new volume: the first node of the preferred topologies, then
+// of the requisite ones, whose largest allocatable extent fits the volume; with no
+// requirements, the node with the most room. csi-provisioner with --strict-topology passes the
+// node the scheduler selected as the only candidate, so a WaitForFirstConsumer volume lands
+// there or not at all (ResourceExhausted makes the scheduler try another node).
+func (s *controllerServer) chooseNode(ctx context.Context, req *csi.TopologyRequirement, size, limit int64) (string, error) {
+	nodes := &pmemv1.PmemNodeList{}
+	if err := s.reader.List(ctx, nodes); err != nil {
+		return "", status.Errorf(codes.Unavailable, "list PmemNodes: %v", err)
+	}
+	byName := map[string]*pmemv1.PmemNode{}
+	for i := range nodes.Items {
+		byName[nodes.Items[i].Name] = &nodes.Items[i]
+	}
+	candidates := topologyNodes(req)
+	if len(candidates) == 0 {
+		for _, n := range nodes.Items {
+			candidates = append(candidates, n.Name)
+		}
+		sort.SliceStable(candidates, func(i, j int) bool {
+			return largest(byName[candidates[i]]) > largest(byName[candidates[j]])
+		})
+	}
+	var reasons []string
+	for _, name := range candidates {
+		n, ok := byName[name]
+		switch {
+		case !ok:
+			reasons = append(reasons, name+": no PmemNode")
+		case !isReady(n.Status.Conditions):
+			reasons = append(reasons, name+": PMEM not ready")
+		case limit > 0 && alignUp(size, alignment(n)) > limit:
+			reasons = append(reasons, fmt.Sprintf("%s: %d bytes aligned to %d exceed the limit", name, size, alignment(n)))
+		case alignUp(size, alignment(n)) > largest(n):
+			reasons = append(reasons, fmt.Sprintf("%s: %d bytes free in one extent", name, largest(n)))
+		default:
+			return name, nil
+		}
+	}
+	if len(reasons) == 0 {
+		return "", status.Error(codes.ResourceExhausted, "no node has PMEM")
+	}
+	return "", status.Errorf(codes.ResourceExhausted, "no node has room for %d bytes: %v", size, reasons)
+}
+
+func (s *controllerServer) createVolumeObject(ctx context.Context, id, name, node string, size int64, src *pmemv1.PmemVolumeSource) (*pmemv1.PmemVolume, error) {
+	vol := &pmemv1.PmemVolume{
+		ObjectMeta: metav1.ObjectMeta{
+			Name:        id,
+			Labels:      map[string]string{NodeLabel: node},
+			Annotations: map[string]string{NameAnnotation: name},
+			Finalizers:  []string{agent.Finalizer},
+		},
+		Spec: pmemv1.PmemVolumeSpec{
+			Node:     node,
+			VolumeID: id,
+			Size:     *resource.NewQuantity(size, resource.BinarySI),
+			Source:   src,
+		},
+	}
+	err := s.client.Create(ctx, vol)
+	if apierrors.IsAlreadyExists(err) {
+		// Created by a call this controller no longer remembers; the caller compares it.
+		return nil, status.Errorf(codes.Aborted, "volume %s is being created concurrently", id)
+	}
+	if err != nil {
+		return nil, status.Errorf(codes.Unavailable, "create PmemVolume %s: %v", id, err)
+	}
+	return vol, nil
+}
+
+// compatibleVolume checks that an existing volume satisfies a repeated CreateVolume.
+func compatibleVolume(vol *pmemv1.PmemVolume, size, limit int64, src *pmemv1.PmemVolumeSource) error {
+	have := vol.Spec.Size.Value()
+	if vol.Status.AllocatedSize != nil {
+		have = vol.Status.AllocatedSize.Value()
+	}
+	if have < size || (limit > 0 && have > limit) {
+		return status.Errorf(codes.AlreadyExists, "volume %s exists with %d bytes, which does not fit the requested range", vol.Name, have)
+	}
+	var want pmemv1.PmemVolumeSource
+	if src != nil {
+		want = *src
+	}
+	var got pmemv1.PmemVolumeSource
+	if vol.Spec.Source != nil {
+		got = *vol.Spec.Source
+	}
+	if got != want {
+		return status.Errorf(codes.AlreadyExists, "volume %s exists with another content source", vol.Name)
+	}
+	return nil
+}
+
+// waitVolumeReady waits until the node agent reports the volume ready at its current spec. A new
+// volume the node had no room for (or whose source is gone) is removed again, so that nothing
+// is left behind, and reported ResourceExhausted (NotFound).
+func (s *controllerServer) waitVolumeReady(ctx context.Context, vol *pmemv1.PmemVolume) (*pmemv1.PmemVolume, error) {
+	got := &pmemv1.PmemVolume{}
+	var failure error
+	err := s.hub.Until(ctx, await.Key{Kind: kindVolume, Name: vol.Name}, func() (bool, error) {
+		if err := s.reader.Get(ctx, client.ObjectKeyFromObject(vol), got); err != nil {
+			if apierrors.IsNotFound(err) {
+				return false, nil // the cache has not seen our create yet
+			}
+			return false, err
+		}
+		if got.DeletionTimestamp != nil {
+			failure = status.Errorf(codes.Aborted, "volume %s is being deleted", vol.Name)
+			return true, nil
+		}
+		c := meta.FindStatusCondition(got.Status.Conditions, pmemv1.ReadyCondition)
+		switch {
+		case c == nil || c.ObservedGeneration < got.Generation:
+			return false, nil
+		case c.Status == metav1.ConditionTrue:
+			return true, nil
+		case c.Reason == pmemv1.InsufficientCapacityReason:
+			failure = status.Errorf(codes.ResourceExhausted, "node %s: %s", got.Spec.Node, c.Message)
+		case c.Reason == pmemv1.SourceNotFoundReason:
+			failure = status.Errorf(codes.NotFound, "node %s: %s", got.Spec.Node, c.Message)
+		}
+		return failure != nil, nil
+	})
+	if err != nil {
+		return nil, waitError(err, "volume "+vol.Name)
+	}
+	if failure != nil {
+		// A volume whose device was never made is only intent: removing it leaves nothing
+		// behind. One that exists (an expansion failed) is never touched.
+		if got.Status.Device == "" {
+			if err := s.deleteObject(ctx, got); err != nil {
+				return nil, err
+			}
+		}
+		return nil, failure
+	}
+	return got, nil
+}
+
+func (s *controllerServer) DeleteVolume(ctx context.Context, req *csi.DeleteVolumeRequest) (*csi.DeleteVolumeResponse, error) {
+	id := req.GetVolumeId()
+	if id == "" {
+		return nil, status.Error(codes.InvalidArgument, "volume_id is required")
+	}
+	if !s.locks.TryLock(id) {
+		return nil, status.Errorf(codes.Aborted, "an operation on volume %s is in progress", id)
+	}
+	defer s.locks.Unlock(id)
+	if err := s.deleteAndWait(ctx, kindVolume, id, &pmemv1.PmemVolume{}); err != nil {
+		return nil, err
+	}
+	return &csi.DeleteVolumeResponse{}, nil
+}
+
+// deleteAndWait deletes object name of kind and waits until the node agent has removed its data
+// and the object is gone. A missing object is success.
+func (s *controllerServer) deleteAndWait(ctx context.Context, kind, name string, obj client.Object) error {
+	key := client.ObjectKey{Name: name}
+	if err := s.reader.Get(ctx, key, obj); apierrors.IsNotFound(err) {
+		return nil
+	} else if err != nil {
+		return status.Errorf(codes.Unavailable, "get %s %s: %v", kind, name, err)
+	}
+	if err := s.deleteObject(ctx, obj); err != nil {
+		return err
+	}
+	var inUse string
+	err := s.hub.Until(ctx, await.Key{Kind: kind, Name: name}, func() (bool, error) {
+		err := s.reader.Get(ctx, key, obj)
+		if apierrors.IsNotFound(err) {
+			return true, nil
+		}
+		if c := conditionsOf(obj); c != nil && c.Reason == pmemv1.InUseReason {
+			inUse = c.Message
+			return true, nil
+		}
+		return false, err
+	})
+	if err != nil {
+		return waitError(err, kind+" "+name)
+	}
+	if inUse != "" {
+		return status.Errorf(codes.FailedPrecondition, "%s %s is in use: %s", kind, name, inUse)
+	}
+	return nil
+}
+
+// deleteObject deletes obj if it is the object we read (UID precondition: never a newer one
+// of the same name).
+func (s *controllerServer) deleteObject(ctx context.Context, obj client.Object) error {
+	if obj.GetDeletionTimestamp() != nil {
+		return nil
+	}
+	uid := obj.GetUID()
+	err := s.client.Delete(ctx, obj, client.Preconditions{UID: &uid})
+	if err != nil && !apierrors.IsNotFound(err) && !apierrors.IsConflict(err) {
+		return status.Errorf(codes.Unavailable, "delete %s: %v", obj.GetName(), err)
+	}
+	return nil
+}
+
+func (s *controllerServer) ControllerPublishVolume(ctx context.Context, req *csi.ControllerPublishVolumeRequest) (*csi.ControllerPublishVolumeResponse, error) {
+	switch {
+	case req.GetVolumeId() == "":
+		return nil, status.Error(codes.InvalidArgument, "volume_id is required")
+	case req.GetNodeId() == "":
+		return nil, status.Error(codes.InvalidArgument, "node_id is required")
+	case req.GetVolumeCapability() == nil:
+		return nil, status.Error(codes.InvalidArgument, "volume_capability is required")
+	}
+	if err := validateCapabilities([]*csi.VolumeCapability{req.GetVolumeCapability()}); err != nil {
+		return nil, err
+	}
+	vol := &pmemv1.PmemVolume{}
+	if err := s.getOrNotFound(ctx, req.GetVolumeId(), vol, "volume"); err != nil {
+		return nil, err
+	}
+	if err := s.getOrNotFound(ctx, req.GetNodeId(), &pmemv1.PmemNode{}, "node"); err != nil {
+		return nil, err
+	}
+	if vol.Spec.Node != req.GetNodeId() {
+		return nil, status.Errorf(codes.FailedPrecondition, "volume %s lives in the PMEM of node %s and cannot be attached to node %s", vol.Name, vol.Spec.Node, req.GetNodeId())
+	}
+	// The node agent finds the device by volume ID; nothing needs to travel in the context.
+	return &csi.ControllerPublishVolumeResponse{}, nil
+}
+
+func (s *controllerServer) ControllerUnpublishVolume(_ context.Context, req *csi.ControllerUnpublishVolumeRequest) (*csi.ControllerUnpublishVolumeResponse, error) {
+	if req.GetVolumeId() == "" {
+		return nil, status.Error(codes.InvalidArgument, "volume_id is required")
+	}
+	// Publishing changes nothing on the node, so there is nothing to undo.
+	return &csi.ControllerUnpublishVolumeResponse{}, nil
+}
+
+func (s *controllerServer) ValidateVolumeCapabilities(ctx context.Context, req *csi.ValidateVolumeCapabilitiesRequest) (*csi.ValidateVolumeCapabilitiesResponse, error) {
+	if req.GetVolumeId() == "" {
+		return nil, status.Error(codes.InvalidArgument, "volume_id is required")
+	}
+	if len(req.GetVolumeCapabilities()) == 0 {
+		return nil, status.Error(codes.InvalidArgument, "volume_capabilities are required")
+	}
+	if err := s.getOrNotFound(ctx, req.GetVolumeId(), &pmemv1.PmemVolume{}, "volume"); err != nil {
+		return nil, err
+	}
+	if err := validateCapabilities(req.GetVolumeCapabilities()); err != nil {
+		return &csi.ValidateVolumeCapabilitiesResponse{Message: status.Convert(err).Message()}, nil
+	}
+	return &csi.ValidateVolumeCapabilitiesResponse{Confirmed: &csi.ValidateVolumeCapabilitiesResponse_Confirmed{
+		VolumeContext:      req.GetVolumeContext(),
+		VolumeCapabilities: req.GetVolumeCapabilities(),
+		Parameters:         req.GetParameters(),
+	}}, nil
+}
+
+// GetCapacity reports the free PMEM of the node a topology segment names, or of all nodes.
+func (s *controllerServer) GetCapacity(ctx context.Context, req *csi.GetCapacityRequest) (*csi.GetCapacityResponse, error) {
+	if len(req.GetVolumeCapabilities()) > 0 {
+		if err := validateCapabilities(req.GetVolumeCapabilities()); err != nil {
+			return &csi.GetCapacityResponse{}, nil //nolint:nilerr // unsupported capabilities have no capacity
+		}
+	}
+	nodes := &pmemv1.PmemNodeList{}
+	if err := s.reader.List(ctx, nodes); err != nil {
+		return nil, status.Errorf(codes.Unavailable, "list PmemNodes: %v", err)
+	}
+	want, byTopology := req.GetAccessibleTopology().GetSegments()[TopologyKey]
+	var available, maxSize int64
+	for i := range nodes.Items {
+		n := &nodes.Items[i]
+		if (byTopology && n.Name != want) || !isReady(n.Status.Conditions) {
+			continue
+		}
+		if n.Status.Free != nil {
+			available += n.Status.Free.Value()
+		}
+		maxSize = max(maxSize, largest(n))
+	}
+	return &csi.GetCapacityResponse{
+		AvailableCapacity: available,
+		MaximumVolumeSize: wrapperspb.Int64(maxSize),
+	}, nil
+}
+
+func (s *controllerServer) ControllerExpandVolume(ctx context.Context, req *csi.ControllerExpandVolumeRequest) (*csi.ControllerExpandVolumeResponse, error) {
+	id := req.GetVolumeId()
+	if id == "" {
+		return nil, status.Error(codes.InvalidArgument, "volume_id is required")
+	}
+	if req.GetCapacityRange() == nil {
+		return nil, status.Error(codes.InvalidArgument, "capacity_range is required")
+	}
+	size, err := requestedSize(req.GetCapacityRange())
+	if err != nil {
+		return nil, err
+	}
+	if req.GetVolumeCapability() != nil {
+		if err := validateCapabilities([]*csi.VolumeCapability{req.GetVolumeCapability()}); err != nil {
+			return nil, err
+		}
+	}
+	if !s.locks.TryLock(id) {
+		return nil, status.Errorf(codes.Aborted, "an operation on volume %s is in progress", id)
+	}
+	defer s.locks.Unlock(id)
+
+	vol := &pmemv1.PmemVolume{}
+	if err := s.getOrNotFound(ctx, id, vol, "volume"); err != nil {
+		return nil, err
+	}
+	if vol.Spec.Size.Value() < size {
+		patch := client.MergeFromWithOptions(vol.DeepCopy(), client.MergeFromWithOptimisticLock{})
+		vol.Spec.Size = *resource.NewQuantity(size, resource.BinarySI)
+		if err := s.client.Patch(ctx, vol, patch); err != nil {
+			return nil, status.Errorf(codes.Unavailable, "grow PmemVolume %s: %v", id, err)
+		}
+		klog.FromContext(ctx).V(2).Info("Growing volume", "volumeID", id, "size", size)
+	}
+	if vol, err = s.waitVolumeReady(ctx, vol); err != nil {
+		return nil, err
+	}
+	// A filesystem must grow on the node too; a raw block device is ready as it is.
+	block := req.GetVolumeCapability().GetBlock() != nil
+	return &csi.ControllerExpandVolumeResponse{
+		CapacityBytes:         allocated(vol),
+		NodeExpansionRequired: !block,
+	}, nil
+}
+
+func (s *controllerServer) CreateSnapshot(ctx context.Context, req *csi.CreateSnapshotRequest) (*csi.CreateSnapshotResponse, error) {
+	switch {
+	case req.GetName() == "":
+		return nil, status.Error(codes.InvalidArgument, "name is required")
+	case req.GetSourceVolumeId() == "":
+		return nil, status.Error(codes.InvalidArgument, "source_volume_id is required")
+	}
+	id := idFor("snapshot", req.GetName())
+	if !s.locks.TryLock(id) {
+		return nil, status.Errorf(codes.Aborted, "an operation on snapshot %s is in progress", id)
+	}
+	defer s.locks.Unlock(id)
+
+	snap := &pmemv1.PmemSnapshot{}
+	err := s.reader.Get(ctx, client.ObjectKey{Name: id}, snap)
+	switch {
+	case apierrors.IsNotFound(err):
+		vol := &pmemv1.PmemVolume{}
+		if err := s.getOrNotFound(ctx, req.GetSourceVolumeId(), vol, "volume"); err != nil {
+			return nil, err
+		}
+		snap = &pmemv1.PmemSnapshot{
+			ObjectMeta: metav1.ObjectMeta{
+				Name:        id,
+				Labels:      map[string]string{NodeLabel: vol.Spec.Node},
+				Annotations: map[string]string{NameAnnotation: req.GetName()},
+				Finalizers:  []string{agent.Finalizer},
+			},
+			Spec: pmemv1.PmemSnapshotSpec{Node: vol.Spec.Node, SnapshotID: id, SourceVolumeID: vol.Name},
+		}
+		if err := s.client.Create(ctx, snap); apierrors.IsAlreadyExists(err) {
+			return nil, status.Errorf(codes.Aborted, "snapshot %s is being created concurrently", id)
+		} else if err != nil {
+			return nil, status.Errorf(codes.Unavailable, "create PmemSnapshot %s: %v", id, err)
+		}
+	case err != nil:
+		return nil, status.Errorf(codes.Unavailable, "get PmemSnapshot %s: %v", id, err)
+	case snap.Spec.SourceVolumeID != req.GetSourceVolumeId():
+		return nil, status.Errorf(codes.AlreadyExists, "snapshot %s exists for volume %s", id, snap.Spec.SourceVolumeID)
+	}
+
+	var failure error
+	err = s.hub.Until(ctx, await.Key{Kind: kindSnapshot, Name: id}, func() (bool, error) {
+		if err := s.reader.Get(ctx, client.ObjectKey{Name: id}, snap); err != nil {
+			return false, client.IgnoreNotFound(err)
+		}
+		c := meta.FindStatusCondition(snap.Status.Conditions, pmemv1.ReadyCondition)
+		switch {
+		case c == nil:
+			return false, nil
+		case c.Status == metav1.ConditionTrue:
+			return true, nil
+		case c.Reason == pmemv1.InsufficientCapacityReason:
+			failure = status.Errorf(codes.ResourceExhausted, "node %s: %s", snap.Spec.Node, c.Message)
+		case c.Reason == pmemv1.SourceNotFoundReason:
+			failure = status.Errorf(codes.NotFound, "node %s: %s", snap.Spec.Node, c.Message)
+		}
+		return failure != nil, nil
+	})
+	if err != nil {
+		return nil, waitError(err, "snapshot "+id)
+	}
+	if failure != nil {
+		if err := s.deleteObject(ctx, snap); err != nil {
+			return nil, err
+		}
+		return nil, failure
+	}
+	return &csi.CreateSnapshotResponse{Snapshot: csiSnapshot(snap)}, nil
+}
+
+func (s *controllerServer) DeleteSnapshot(ctx context.Context, req *csi.DeleteSnapshotRequest) (*csi.DeleteSnapshotResponse, error) {
+	id := req.GetSnapshotId()
+	if id == "" {
+		return nil, status.Error(codes.InvalidArgument, "snapshot_id is required")
+	}
+	if !s.locks.TryLock(id) {
+		return nil, status.Errorf(codes.Aborted, "an operation on snapshot %s is in progress", id)
+	}
+	defer s.locks.Unlock(id)
+	if err := s.deleteAndWait(ctx, kindSnapshot, id, &pmemv1.PmemSnapshot{}); err != nil {
+		return nil, err
+	}
+	return &csi.DeleteSnapshotResponse{}, nil
+}
+
+// ListSnapshots lists the ready snapshots in name order. starting_token is the index of the
+// first entry to return.
+func (s *controllerServer) ListSnapshots(ctx context.Context, req *csi.ListSnapshotsRequest) (*csi.ListSnapshotsResponse, error) {
+	list := &pmemv1.PmemSnapshotList{}
+	if err := s.reader.List(ctx, list); err != nil {
+		return nil, status.Errorf(codes.Unavailable, "list PmemSnapshots: %v", err)
+	}
+	var entries []*csi.ListSnapshotsResponse_Entry
+	for i := range list.Items {
+		snap := &list.Items[i]
+		if (req.GetSnapshotId() != "" && snap.Name != req.GetSnapshotId()) ||
+			(req.GetSourceVolumeId() != "" && snap.Spec.SourceVolumeID != req.GetSourceVolumeId()) ||
+			!isReady(snap.Status.Conditions) {
+			continue
+		}
+		entries = append(entries, &csi.ListSnapshotsResponse_Entry{Snapshot: csiSnapshot(snap)})
+	}
+	slices.SortFunc(entries, func(a, b *csi.ListSnapshotsResponse_Entry) int {
+		return strings.Compare(a.GetSnapshot().GetSnapshotId(), b.GetSnapshot().GetSnapshotId())
+	})
+
+	start := 0
+	if t := req.GetStartingToken(); t != "" {
+		n, err := strconv.Atoi(t)
+		if err != nil || n < 0 || n > len(entries) {
+			return nil, status.Errorf(codes.Aborted, "starting_token %q is not valid", t)
+		}
+		start = n
+	}
+	end := len(entries)
+	if m := int(req.GetMaxEntries()); m > 0 && start+m < end {
+		end = start + m
+	}
+	resp := &csi.ListSnapshotsResponse{Entries: entries[start:end]}
+	if end < len(entries) {
+		resp.NextToken = strconv.Itoa(end)
+	}
+	return resp, nil
+}
+
+// getOrNotFound reads object name from the cache; NotFound names what is missing.
+func (s *controllerServer) getOrNotFound(ctx context.Context, name string, obj client.Object, what string) error {
+	err := s.reader.Get(ctx, client.ObjectKey{Name: name}, obj)
+	switch {
+	case apierrors.IsNotFound(err):
+		return status.Errorf(codes.NotFound, "%s %s does not exist", what, name)
+	case err != nil:
+		return status.Errorf(codes.Unavailable, "get %s %s: %v", what, name, err)
+	}
+	return nil
+}
+
+// waitError turns the end of a wait into the code that makes the sidecar retry.
+func waitError(err error, what string) error {
+	switch {
+	case errors.Is(err, context.DeadlineExceeded):
+		return status.Errorf(codes.DeadlineExceeded, "%s is not ready yet", what)
+	case errors.Is(err, context.Canceled):
+		return status.Errorf(codes.Canceled, "waiting for %s was canceled", what)
+	default:
+		return status.Errorf(codes.Unavailable, "waiting for %s: %v", what, err)
+	}
+}
+
+func csiVolume(vol *pmemv1.PmemVolume, src *csi.VolumeContentSource) *csi.Volume {
+	return &csi.Volume{
+		VolumeId:           vol.Name,
+		CapacityBytes:      allocated(vol),
+		AccessibleTopology: []*csi.Topology{{Segments: map[string]string{TopologyKey: vol.Spec.Node}}},
+		ContentSource:      src,
+	}
+}
+
+func csiSnapshot(snap *pmemv1.PmemSnapshot) *csi.Snapshot {
+	out := &csi.Snapshot{
+		SnapshotId:     snap.Name,
+		SourceVolumeId: snap.Spec.SourceVolumeID,
+		ReadyToUse:     isReady(snap.Status.Conditions),
+	}
+	if snap.Status.Size != nil {
+		out.SizeBytes = snap.Status.Size.Value()
+	}
+	if snap.Status.CreationTime != nil {
+		out.CreationTime = timestamppb.New(snap.Status.CreationTime.Time)
+	}
+	return out
+}
+
+func allocated(vol *pmemv1.PmemVolume) int64 {
+	if vol.Status.AllocatedSize != nil {
+		return vol.Status.AllocatedSize.Value()
+	}
+	return vol.Spec.Size.Value()
+}
+
+func largest(n *pmemv1.PmemNode) int64 {
+	if n == nil || n.Status.LargestAllocatable == nil {
+		return 0
+	}
+	return n.Status.LargestAllocatable.Value()
+}
+
+func alignment(n *pmemv1.PmemNode) int64 {
+	if n.Status.Alignment == nil || n.Status.Alignment.Value() <= 0 {
+		return 1
+	}
+	return n.Status.Alignment.Value()
+}
+
+func alignUp(size, alignment int64) int64 {
+	if r := size % alignment; r != 0 {
+		return size + alignment - r
+	}
+	return size
+}
+
+func isReady(conditions []metav1.Condition) bool {
+	return meta.IsStatusConditionTrue(conditions, pmemv1.ReadyCondition)
+}
+
+// conditionsOf returns the Ready condition of a PmemVolume or PmemSnapshot.
+func conditionsOf(obj client.Object) *metav1.Condition {
+	switch o := obj.(type) {
+	case *pmemv1.PmemVolume:
+		return meta.FindStatusCondition(o.Status.Conditions, pmemv1.ReadyCondition)
+	case *pmemv1.PmemSnapshot:
+		return meta.FindStatusCondition(o.Status.Conditions, pmemv1.ReadyCondition)
+	}
+	return nil
+}

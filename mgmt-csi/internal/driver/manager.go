@@ -1,0 +1,97 @@
+package driver
+
+import (
+	"context"
+	"fmt"
+	"time"
+
+	"k8s.io/apimachinery/pkg/fields"
+	"k8s.io/apimachinery/pkg/runtime"
+	clientgoscheme "k8s.io/client-go/kubernetes/scheme"
+	"k8s.io/client-go/rest"
+	"k8s.io/utils/ptr"
+	ctrl "sigs.k8s.io/controller-runtime"
+	"sigs.k8s.io/controller-runtime/pkg/cache"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+	"sigs.k8s.io/controller-runtime/pkg/config"
+	metricsserver "sigs.k8s.io/controller-runtime/pkg/metrics/server"
+
+	"pvbridge.io/mgmt-csi/internal/agent"
+	"pvbridge.io/mgmt-csi/internal/pmem"
+	pmemv1 "pvbridge.io/pkg/apis/pmem/v1alpha1"
+	"pvbridge.io/pkg/await"
+)
+
+// capacityInterval is how often a node agent republishes its capacity without a change of its
+// own: enough for space taken outside the agent to show up within a minute.
+const capacityInterval = 30 * time.Second
+
+func newScheme() (*runtime.Scheme, error) {
+	s := runtime.NewScheme()
+	if err := clientgoscheme.AddToScheme(s); err != nil {
+		return nil, err
+	}
+	if err := pmemv1.AddToScheme(s); err != nil {
+		return nil, err
+	}
+	return s, nil
+}
+
+// newManager returns the controller-runtime manager that holds the driver's API cache. A node
+// agent caches only its own node's objects: field selectors on spec.node and the PmemNode name.
+func newManager(cfg *rest.Config, mode Mode, node, metricsAddress string) (ctrl.Manager, error) {
+	scheme, err := newScheme()
+	if err != nil {
+		return nil, err
+	}
+	opts := ctrl.Options{
+		Scheme: scheme,
+		// A driver may run more than once in a process (the tests restart it); controller
+		// names then repeat.
+		Controller:             config.Controller{SkipNameValidation: ptr.To(true)},
+		Metrics:                metricsserver.Options{BindAddress: metricsAddress},
+		HealthProbeBindAddress: "0",
+	}
+	if mode == ModeNode {
+		own := fields.OneTermEqualSelector("spec.node", node)
+		opts.Cache.ByObject = map[client.Object]cache.ByObject{
+			&pmemv1.PmemVolume{}:   {Field: own},
+			&pmemv1.PmemSnapshot{}: {Field: own},
+			&pmemv1.PmemNode{}:     {Field: fields.OneTermEqualSelector("metadata.name", node)},
+		}
+	}
+	return ctrl.NewManager(cfg, opts)
+}
+
+// setupController registers the waits of the controller service on the manager's informers.
+func setupController(ctx context.Context, mgr ctrl.Manager) (*controllerServer, error) {
+	hub := await.NewHub()
+	for kind, obj := range map[string]client.Object{
+		kindVolume:   &pmemv1.PmemVolume{},
+		kindSnapshot: &pmemv1.PmemSnapshot{},
+	} {
+		inf, err := mgr.GetCache().GetInformer(ctx, obj)
+		if err != nil {
+			return nil, fmt.Errorf("informer for %s: %w", kind, err)
+		}
+		if _, err := inf.AddEventHandler(hub.Handler(kind)); err != nil {
+			return nil, fmt.Errorf("watch %s: %w", kind, err)
+		}
+	}
+	return newControllerServer(mgr.GetClient(), mgr.GetCache(), hub), nil
+}
+
+// setupAgent registers the node agent's reconcilers and capacity reporter.
+func setupAgent(mgr ctrl.Manager, backend pmem.Backend, node string) error {
+	reporter := &agent.NodeReporter{
+		Client: mgr.GetClient(), Backend: backend, Node: node, Interval: capacityInterval,
+		WaitForSync: mgr.GetCache().WaitForCacheSync,
+	}
+	if err := mgr.Add(reporter); err != nil {
+		return err
+	}
+	if err := (&agent.VolumeReconciler{Client: mgr.GetClient(), Backend: backend, Node: node, Capacity: reporter}).SetupWithManager(mgr); err != nil {
+		return err
+	}
+	return (&agent.SnapshotReconciler{Client: mgr.GetClient(), Backend: backend, Node: node, Capacity: reporter}).SetupWithManager(mgr)
+}

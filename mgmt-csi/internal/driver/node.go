@@ -1,0 +1,423 @@
+package driver
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"slices"
+	"strings"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+	"k8s.io/klog/v2"
+
+	"pvbridge.io/mgmt-csi/internal/pmem"
+	"pvbridge.io/pkg/keylock"
+	"pvbridge.io/pkg/mounter"
+)
+
+// Devices finds the block device of a volume on this node.
+type Devices interface {
+	// Device returns the path of volume volumeID's block device, or an error wrapping
+	// pmem.ErrNotFound when this node has no such volume.
+	Device(ctx context.Context, volumeID string) (string, error)
+}
+
+// BackendDevices finds volumes' devices in a PMEM back end.
+type BackendDevices struct {
+	Backend pmem.Backend
+}
+
+var _ Devices = BackendDevices{}
+
+// Device returns the device of the back end's volume, which GetVolume makes sure is usable.
+func (b BackendDevices) Device(ctx context.Context, volumeID string) (string, error) {
+	vol, err := b.Backend.GetVolume(ctx, volumeID)
+	if err != nil {
+		return "", err
+	}
+	return vol.Device, nil
+}
+
+// nodeServer is the CSI Node service of a host's node agent: it stages the host's PMEM volumes
+// as filesystems or raw block devices and publishes them to pods (and, through the vm-operator
+// host agent, to VMs).
+//
+// The device of a volume is always looked up locally by volume ID, never taken from the publish
+// context: with attachRequired false, ordinary pods in the management cluster skip
+// ControllerPublishVolume and their NodeStageVolume gets no publish context at all.
+//
+// Operations on one volume are serialized: a call that finds another one in progress for the
+// same volume ID answers Aborted at once, and the CO retries. NodeGetVolumeStats only reads
+// and takes no lock, so that kubelet's periodic stats never make a mount or unmount fail.
+type nodeServer struct {
+	csi.UnimplementedNodeServer
+
+	nodeID string
+	// maxVolumes is what NodeGetInfo reports as max_volumes_per_node; 0 means no limit.
+	maxVolumes int64
+	devices    Devices
+	mounter    *mounter.Mounter
+	locks      keylock.Locks
+}
+
+var _ csi.NodeServer = (*nodeServer)(nil)
+
+// newNodeServer returns the Node service of node nodeID, which finds volumes' devices through
+// devices and mounts them with m. maxVolumes limits the volumes the scheduler places on the
+// node (0: no limit).
+func newNodeServer(nodeID string, maxVolumes int64, devices Devices, m *mounter.Mounter) *nodeServer {
+	return &nodeServer{nodeID: nodeID, maxVolumes: maxVolumes, devices: devices, mounter: m}
+}
+
+func (n *nodeServer) NodeGetCapabilities(context.Context, *csi.NodeGetCapabilitiesRequest) (*csi.NodeGetCapabilitiesResponse, error) {
+	var caps []*csi.NodeServiceCapability
+	for _, c := range []csi.NodeServiceCapability_RPC_Type{
+		csi.NodeServiceCapability_RPC_STAGE_UNSTAGE_VOLUME,
+		csi.NodeServiceCapability_RPC_GET_VOLUME_STATS,
+		csi.NodeServiceCapability_RPC_GET_VOLUME_HEALTH,
+		csi.NodeServiceCapability_RPC_EXPAND_VOLUME,
+		csi.NodeServiceCapability_RPC_SINGLE_NODE_MULTI_WRITER,
+	} {
+		caps = append(caps, &csi.NodeServiceCapability{
+			Type: &csi.NodeServiceCapability_Rpc{Rpc: &csi.NodeServiceCapability_RPC{Type: c}},
+		})
+	}
+	return &csi.NodeGetCapabilitiesResponse{Capabilities: caps}, nil
+}
+
+func (n *nodeServer) NodeGetInfo(context.Context, *csi.NodeGetInfoRequest) (*csi.NodeGetInfoResponse, error) {
+	return &csi.NodeGetInfoResponse{
+		NodeId:             n.nodeID,
+		MaxVolumesPerNode:  n.maxVolumes,
+		AccessibleTopology: &csi.Topology{Segments: map[string]string{TopologyKey: n.nodeID}},
+	}, nil
+}
+
+// NodeStageVolume makes a mount volume's filesystem available at the staging path, formatting
+// the device only when it is blank, and mounting with -o dax when the device supports DAX. A
+// block volume needs no staging: the call only checks that its device is there.
+func (n *nodeServer) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolumeRequest) (*csi.NodeStageVolumeResponse, error) {
+	switch {
+	case req.GetVolumeId() == "":
+		return nil, status.Error(codes.InvalidArgument, "volume_id is required")
+	case req.GetStagingTargetPath() == "":
+		return nil, status.Error(codes.InvalidArgument, "staging_target_path is required")
+	}
+	capability := req.GetVolumeCapability()
+	if err := validateNodeCapability(capability); err != nil {
+		return nil, err
+	}
+	ctx, unlock, err := n.lock(ctx, req.GetVolumeId())
+	if err != nil {
+		return nil, err
+	}
+	defer unlock()
+
+	device, err := n.device(ctx, req.GetVolumeId())
+	if err != nil {
+		return nil, err
+	}
+	if capability.GetBlock() != nil {
+		if _, err := n.mounter.DeviceSize(device); err != nil {
+			return nil, statusError(err)
+		}
+		return &csi.NodeStageVolumeResponse{}, nil
+	}
+
+	dax, err := n.mounter.SupportsDAX(device)
+	if err != nil {
+		return nil, statusError(err)
+	}
+	mnt := capability.GetMount()
+	if err := n.mounter.Stage(ctx, device, req.GetStagingTargetPath(), mnt.GetFsType(), stageOptions(mnt.GetMountFlags(), dax)); err != nil {
+		return nil, statusError(err)
+	}
+	return &csi.NodeStageVolumeResponse{}, nil
+}
+
+// stageOptions are the mount options of a staged filesystem: the capability's mount flags,
+// and dax where the device supports it, so that the filesystem maps PMEM into applications'
+// address spaces without the page cache.
+func stageOptions(flags []string, dax bool) []string {
+	opts := slices.Clone(flags)
+	if dax && !slices.ContainsFunc(opts, func(o string) bool { return o == "dax" || strings.HasPrefix(o, "dax=") }) {
+		opts = append(opts, "dax")
+	}
+	return opts
+}
+
+// NodeUnstageVolume unmounts and removes the staging path. It needs no device, so it succeeds
+// for a volume that is gone already.
+func (n *nodeServer) NodeUnstageVolume(ctx context.Context, req *csi.NodeUnstageVolumeRequest) (*csi.NodeUnstageVolumeResponse, error) {
+	switch {
+	case req.GetVolumeId() == "":
+		return nil, status.Error(codes.InvalidArgument, "volume_id is required")
+	case req.GetStagingTargetPath() == "":
+		return nil, status.Error(codes.InvalidArgument, "staging_target_path is required")
+	}
+	ctx, unlock, err := n.lock(ctx, req.GetVolumeId())
+	if err != nil {
+		return nil, err
+	}
+	defer unlock()
+	if err := n.mounter.Unmount(ctx, req.GetStagingTargetPath()); err != nil {
+		return nil, statusError(err)
+	}
+	return &csi.NodeUnstageVolumeResponse{}, nil
+}
+
+// NodePublishVolume bind-mounts a staged filesystem at the target path, or the device of a
+// block volume onto a file at the target path; read-only when the request or the access mode
+// says so. A mount volume that is not staged is FailedPrecondition.
+func (n *nodeServer) NodePublishVolume(ctx context.Context, req *csi.NodePublishVolumeRequest) (*csi.NodePublishVolumeResponse, error) {
+	switch {
+	case req.GetVolumeId() == "":
+		return nil, status.Error(codes.InvalidArgument, "volume_id is required")
+	case req.GetStagingTargetPath() == "":
+		return nil, status.Error(codes.InvalidArgument, "staging_target_path is required: the driver stages volumes")
+	case req.GetTargetPath() == "":
+		return nil, status.Error(codes.InvalidArgument, "target_path is required")
+	}
+	capability := req.GetVolumeCapability()
+	if err := validateNodeCapability(capability); err != nil {
+		return nil, err
+	}
+	ctx, unlock, err := n.lock(ctx, req.GetVolumeId())
+	if err != nil {
+		return nil, err
+	}
+	defer unlock()
+
+	device, err := n.device(ctx, req.GetVolumeId())
+	if err != nil {
+		return nil, err
+	}
+	readOnly := req.GetReadonly() ||
+		capability.GetAccessMode().GetMode() == csi.VolumeCapability_AccessMode_SINGLE_NODE_READER_ONLY
+	if capability.GetBlock() != nil {
+		err = n.mounter.PublishBlock(ctx, device, req.GetTargetPath(), readOnly)
+	} else {
+		err = n.mounter.Publish(ctx, req.GetStagingTargetPath(), req.GetTargetPath(), readOnly, capability.GetMount().GetMountFlags())
+	}
+	if err != nil {
+		return nil, statusError(err)
+	}
+	return &csi.NodePublishVolumeResponse{}, nil
+}
+
+// NodeUnpublishVolume unmounts and removes the target path, a directory or a block device
+// file. It needs no device, so it succeeds for a volume that is gone already.
+func (n *nodeServer) NodeUnpublishVolume(ctx context.Context, req *csi.NodeUnpublishVolumeRequest) (*csi.NodeUnpublishVolumeResponse, error) {
+	switch {
+	case req.GetVolumeId() == "":
+		return nil, status.Error(codes.InvalidArgument, "volume_id is required")
+	case req.GetTargetPath() == "":
+		return nil, status.Error(codes.InvalidArgument, "target_path is required")
+	}
+	ctx, unlock, err := n.lock(ctx, req.GetVolumeId())
+	if err != nil {
+		return nil, err
+	}
+	defer unlock()
+	if err := n.mounter.Unmount(ctx, req.GetTargetPath()); err != nil {
+		return nil, statusError(err)
+	}
+	return &csi.NodeUnpublishVolumeResponse{}, nil
+}
+
+// NodeGetVolumeStats reports a filesystem's bytes and inodes, or a block device's size. A path
+// that does not exist or holds another volume is NotFound; a volume that is not healthy (see
+// NodeGetVolumeHealth) has no usage to report and is FailedPrecondition.
+func (n *nodeServer) NodeGetVolumeStats(ctx context.Context, req *csi.NodeGetVolumeStatsRequest) (*csi.NodeGetVolumeStatsResponse, error) {
+	switch {
+	case req.GetVolumeId() == "":
+		return nil, status.Error(codes.InvalidArgument, "volume_id is required")
+	case req.GetVolumePath() == "":
+		return nil, status.Error(codes.InvalidArgument, "volume_path is required")
+	}
+	ctx = klog.NewContext(ctx, klog.FromContext(ctx).WithValues("volumeID", req.GetVolumeId()))
+	device, err := n.deviceIfAny(ctx, req.GetVolumeId())
+	if err != nil {
+		return nil, err
+	}
+	stats, err := n.mounter.Stats(ctx, req.GetVolumePath(), device)
+	if err != nil {
+		return nil, statusError(err)
+	}
+	switch {
+	case stats.Condition != nil:
+		return nil, status.Errorf(codes.FailedPrecondition, "volume %s at %s is not healthy: %s", req.GetVolumeId(), req.GetVolumePath(), stats.Condition.Message)
+	case stats.Block:
+		return &csi.NodeGetVolumeStatsResponse{
+			Usage: []*csi.VolumeUsage{{Unit: csi.VolumeUsage_BYTES, Total: stats.TotalBytes}},
+		}, nil
+	}
+	return &csi.NodeGetVolumeStatsResponse{
+		Usage: []*csi.VolumeUsage{
+			{Unit: csi.VolumeUsage_BYTES, Total: stats.TotalBytes, Available: stats.AvailableBytes, Used: stats.UsedBytes},
+			{Unit: csi.VolumeUsage_INODES, Total: stats.TotalInodes, Available: stats.FreeInodes, Used: stats.UsedInodes},
+		},
+	}, nil
+}
+
+// NodeGetVolumeHealth reports a volume as INACCESSIBLE when its device is gone or its publish
+// path is no mount of it. CSI 1.13 replaced NodeGetVolumeStats' volume condition with this call,
+// which kubelet's CSIVolumeHealth feature makes for every volume in use. Without a publish
+// path the staging path is checked, but "not mounted" is not reported there: a block volume
+// has nothing mounted at its staging path. A volume that is neither on this node nor at its
+// paths is NotFound.
+func (n *nodeServer) NodeGetVolumeHealth(ctx context.Context, req *csi.NodeGetVolumeHealthRequest) (*csi.NodeGetVolumeHealthResponse, error) {
+	if req.GetVolumeId() == "" {
+		return nil, status.Error(codes.InvalidArgument, "volume_id is required")
+	}
+	ctx = klog.NewContext(ctx, klog.FromContext(ctx).WithValues("volumeID", req.GetVolumeId()))
+	device, err := n.deviceIfAny(ctx, req.GetVolumeId())
+	if err != nil {
+		return nil, err
+	}
+
+	health := &csi.VolumeHealth{VolumeId: req.GetVolumeId()}
+	report := func(reason, message string) {
+		for _, e := range health.HealthStatuses {
+			if e.Reason == reason {
+				return // one entry per (status, reason)
+			}
+		}
+		health.HealthStatuses = append(health.HealthStatuses, &csi.VolumeHealth_VolumeHealthEntry{
+			Status: csi.VolumeHealthErrorType_INACCESSIBLE, Reason: reason, Message: message,
+		})
+	}
+	if device == "" {
+		report(mounter.ReasonDeviceGone, fmt.Sprintf("volume %s has no device on node %s", req.GetVolumeId(), n.nodeID))
+	}
+	path, published := req.GetVolumePublishPath(), true
+	if path == "" {
+		path, published = req.GetStagingTargetPath(), false
+	}
+	if path != "" {
+		stats, err := n.mounter.Stats(ctx, path, device)
+		switch {
+		case errors.Is(err, mounter.ErrNotFound):
+			if device == "" {
+				return nil, status.Errorf(codes.NotFound, "volume %s is neither on node %s nor at %s", req.GetVolumeId(), n.nodeID, path)
+			}
+			report(mounter.ReasonNotMounted, err.Error())
+		case err != nil:
+			return nil, statusError(err)
+		case stats.Condition == nil:
+		case stats.Condition.Reason == mounter.ReasonNotMounted && !published:
+		default:
+			report(stats.Condition.Reason, stats.Condition.Message)
+		}
+	} else if device == "" {
+		return nil, status.Errorf(codes.NotFound, "volume %s is not on node %s", req.GetVolumeId(), n.nodeID)
+	}
+	return &csi.NodeGetVolumeHealthResponse{VolumeHealth: health}, nil
+}
+
+// NodeExpandVolume grows the filesystem at the volume path to fill its device, which the
+// controller grew; for a block volume there is nothing to grow. It reports the device's size.
+func (n *nodeServer) NodeExpandVolume(ctx context.Context, req *csi.NodeExpandVolumeRequest) (*csi.NodeExpandVolumeResponse, error) {
+	switch {
+	case req.GetVolumeId() == "":
+		return nil, status.Error(codes.InvalidArgument, "volume_id is required")
+	case req.GetVolumePath() == "":
+		return nil, status.Error(codes.InvalidArgument, "volume_path is required")
+	case req.GetCapacityRange().GetRequiredBytes() < 0 || req.GetCapacityRange().GetLimitBytes() < 0:
+		return nil, status.Error(codes.InvalidArgument, "capacity_range must not be negative")
+	}
+	if c := req.GetVolumeCapability(); c != nil {
+		if err := validateNodeCapability(c); err != nil {
+			return nil, err
+		}
+	}
+	ctx, unlock, err := n.lock(ctx, req.GetVolumeId())
+	if err != nil {
+		return nil, err
+	}
+	defer unlock()
+
+	device, err := n.device(ctx, req.GetVolumeId())
+	if err != nil {
+		return nil, err
+	}
+	size, err := n.mounter.DeviceSize(device)
+	if err != nil {
+		return nil, statusError(err)
+	}
+	if required := req.GetCapacityRange().GetRequiredBytes(); size < required {
+		return nil, status.Errorf(codes.FailedPrecondition, "the device of volume %s has %d bytes, fewer than the required %d: the volume has not grown yet", req.GetVolumeId(), size, required)
+	}
+	block, err := isBlockVolume(req.GetVolumeCapability(), req.GetVolumePath())
+	if err != nil {
+		return nil, statusError(err)
+	}
+	if !block {
+		if err := n.mounter.Expand(ctx, req.GetVolumePath(), device); err != nil {
+			return nil, statusError(err)
+		}
+	}
+	return &csi.NodeExpandVolumeResponse{CapacityBytes: size}, nil
+}
+
+// isBlockVolume tells a block volume from a mount volume by its capability, or, since
+// NodeExpandVolume's capability is optional, by what is at the volume path.
+func isBlockVolume(c *csi.VolumeCapability, path string) (bool, error) {
+	switch {
+	case c.GetBlock() != nil:
+		return true, nil
+	case c.GetMount() != nil:
+		return false, nil
+	}
+	fi, err := os.Stat(path)
+	if errors.Is(err, os.ErrNotExist) {
+		return false, fmt.Errorf("%w: volume path %s", mounter.ErrNotFound, path)
+	}
+	if err != nil {
+		return false, fmt.Errorf("stat volume path: %w", err)
+	}
+	return fi.Mode()&os.ModeDevice != 0 && fi.Mode()&os.ModeCharDevice == 0, nil
+}
+
+// validateNodeCapability validates the one capability of a node RPC.
+func validateNodeCapability(c *csi.VolumeCapability) error {
+	if c == nil {
+		return status.Error(codes.InvalidArgument, "volume_capability is required")
+	}
+	return validateCapabilities([]*csi.VolumeCapability{c})
+}
+
+// lock takes the volume's lock, or fails with Aborted while another operation on it is in
+// progress. It returns ctx with a logger that names the volume.
+func (n *nodeServer) lock(ctx context.Context, volumeID string) (context.Context, func(), error) {
+	if !n.locks.TryLock(volumeID) {
+		return ctx, nil, status.Errorf(codes.Aborted, "an operation on volume %s is in progress", volumeID)
+	}
+	ctx = klog.NewContext(ctx, klog.FromContext(ctx).WithValues("volumeID", volumeID))
+	return ctx, func() { n.locks.Unlock(volumeID) }, nil
+}
+
+// deviceIfAny looks up the volume's device on this node, "" if it has no such volume.
+func (n *nodeServer) deviceIfAny(ctx context.Context, volumeID string) (string, error) {
+	device, err := n.devices.Device(ctx, volumeID)
+	if errors.Is(err, pmem.ErrNotFound) {
+		return "", nil
+	}
+	if err != nil {
+		return "", statusError(fmt.Errorf("find the device of volume %s: %w", volumeID, err))
+	}
+	return device, nil
+}
+
+// device looks up the volume's device on this node: NotFound if it has no such volume.
+func (n *nodeServer) device(ctx context.Context, volumeID string) (string, error) {
+	device, err := n.devices.Device(ctx, volumeID)
+	if err != nil {
+		return "", statusError(fmt.Errorf("find the device of volume %s: %w", volumeID, err))
+	}
+	klog.FromContext(ctx).V(4).Info("Found device", "device", device)
+	return device, nil
+}

@@ -1,0 +1,254 @@
+package driver
+
+import (
+	"bufio"
+	"context"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"sync"
+	"testing"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+	. "github.com/onsi/gomega"
+	"golang.org/x/sys/unix"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	"pvbridge.io/mgmt-csi/internal/pmem"
+	"pvbridge.io/pkg/mounter"
+)
+
+const (
+	mib = int64(1) << 20
+	// testVolumeSize is the size of a test volume: mkfs.xfs refuses filesystems under 300 MB.
+	// The loop devices' backing files are sparse.
+	testVolumeSize = 512 * mib
+	testNode       = "host-a"
+)
+
+// fakeDevices is a PMEM back end reduced to what the node service asks of it.
+type fakeDevices struct {
+	mu      sync.Mutex
+	devices map[string]string
+	// err, when set, is what every lookup fails with.
+	err error
+}
+
+func (f *fakeDevices) Device(_ context.Context, volumeID string) (string, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if f.err != nil {
+		return "", f.err
+	}
+	d, ok := f.devices[volumeID]
+	if !ok {
+		return "", fmt.Errorf("volume %s: %w", volumeID, pmem.ErrNotFound)
+	}
+	return d, nil
+}
+
+func (f *fakeDevices) set(volumeID, device string) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.devices[volumeID] = device
+}
+
+func (f *fakeDevices) remove(volumeID string) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	delete(f.devices, volumeID)
+}
+
+// nodeEnv is a node service on real loop devices in a temporary directory. Its cleanup fails
+// the test if a mount under the directory or an attached loop device is left behind.
+type nodeEnv struct {
+	n       *nodeServer
+	devices *fakeDevices
+	dir     string
+	files   map[string]string // volume ID → backing file
+}
+
+func newNodeEnv(t *testing.T) *nodeEnv {
+	t.Helper()
+	if os.Geteuid() != 0 {
+		t.Fatal("the node service tests mount real loop devices and must run as root")
+	}
+	devices := &fakeDevices{devices: map[string]string{}}
+	e := &nodeEnv{
+		n:       newNodeServer(testNode, 16, devices, mounter.New()),
+		devices: devices,
+		dir:     t.TempDir(),
+		files:   map[string]string{},
+	}
+	t.Cleanup(func() {
+		for _, mp := range mountsUnder(t, e.dir) {
+			t.Errorf("mount left behind at %s", mp)
+			_ = unix.Unmount(mp, unix.MNT_DETACH)
+		}
+		for _, file := range e.files {
+			for _, device := range loopsOf(t, file) {
+				if out, err := exec.Command("losetup", "-d", device).CombinedOutput(); err != nil {
+					t.Errorf("detach %s: %v: %s", device, err, out)
+				}
+			}
+			if devs := loopsOf(t, file); len(devs) > 0 {
+				t.Errorf("loop devices %v still attached to %s", devs, file)
+			}
+		}
+	})
+	return e
+}
+
+// path returns a path under the sandbox.
+func (e *nodeEnv) path(name string) string { return filepath.Join(e.dir, name) }
+
+// volume makes volume id: a blank loop device on a sparse file.
+func (e *nodeEnv) volume(t *testing.T, id string) string {
+	t.Helper()
+	file := e.path(id + ".img")
+	if err := os.WriteFile(file, nil, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Truncate(file, testVolumeSize); err != nil {
+		t.Fatal(err)
+	}
+	out, err := exec.Command("losetup", "--find", "--show", file).CombinedOutput()
+	if err != nil {
+		t.Fatalf("losetup: %v: %s", err, out)
+	}
+	device := strings.TrimSpace(string(out))
+	e.files[id] = file
+	e.devices.set(id, device)
+	return device
+}
+
+// grow grows volume id's device to size bytes.
+func (e *nodeEnv) grow(t *testing.T, id string, size int64) {
+	t.Helper()
+	if err := os.Truncate(e.files[id], size); err != nil {
+		t.Fatal(err)
+	}
+	device, _ := e.devices.Device(t.Context(), id)
+	if out, err := exec.Command("losetup", "--set-capacity", device).CombinedOutput(); err != nil {
+		t.Fatalf("losetup --set-capacity: %v: %s", err, out)
+	}
+}
+
+// staged makes volume id and stages it with capability c at <dir>/<id>-staging.
+func (e *nodeEnv) staged(t *testing.T, id string, c *csi.VolumeCapability) string {
+	t.Helper()
+	e.volume(t, id)
+	staging := e.path(id + "-staging")
+	if _, err := e.n.NodeStageVolume(t.Context(), &csi.NodeStageVolumeRequest{
+		VolumeId: id, StagingTargetPath: staging, VolumeCapability: c,
+	}); err != nil {
+		t.Fatalf("stage: %v", err)
+	}
+	t.Cleanup(func() { _ = e.n.mounter.Unmount(t.Context(), staging) })
+	return staging
+}
+
+// published stages volume id and publishes it at <dir>/<id>-target.
+func (e *nodeEnv) published(t *testing.T, id string, c *csi.VolumeCapability, readOnly bool) (staging, target string) {
+	t.Helper()
+	staging = e.staged(t, id, c)
+	target = e.path(id + "-target")
+	if _, err := e.n.NodePublishVolume(t.Context(), &csi.NodePublishVolumeRequest{
+		VolumeId: id, StagingTargetPath: staging, TargetPath: target, VolumeCapability: c, Readonly: readOnly,
+	}); err != nil {
+		t.Fatalf("publish: %v", err)
+	}
+	t.Cleanup(func() { _ = e.n.mounter.Unmount(t.Context(), target) })
+	return staging, target
+}
+
+// locked holds volume id's lock for the rest of the test, as a call in progress would.
+func (e *nodeEnv) locked(t *testing.T, id string) {
+	t.Helper()
+	if !e.n.locks.TryLock(id) {
+		t.Fatalf("volume %s is locked already", id)
+	}
+	t.Cleanup(func() { e.n.locks.Unlock(id) })
+}
+
+func fsCap(fsType string, flags ...string) *csi.VolumeCapability {
+	return &csi.VolumeCapability{
+		AccessType: &csi.VolumeCapability_Mount{Mount: &csi.VolumeCapability_MountVolume{FsType: fsType, MountFlags: flags}},
+		AccessMode: &csi.VolumeCapability_AccessMode{Mode: csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER},
+	}
+}
+
+func rawCap() *csi.VolumeCapability {
+	return &csi.VolumeCapability{
+		AccessType: &csi.VolumeCapability_Block{Block: &csi.VolumeCapability_BlockVolume{}},
+		AccessMode: &csi.VolumeCapability_AccessMode{Mode: csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER},
+	}
+}
+
+func withMode(c *csi.VolumeCapability, mode csi.VolumeCapability_AccessMode_Mode) *csi.VolumeCapability {
+	c.AccessMode.Mode = mode
+	return c
+}
+
+// expectCode expects err to be a gRPC status with code (nil for OK) whose message contains msg.
+func expectCode(g Gomega, err error, code codes.Code, msg string) {
+	if code == codes.OK {
+		g.Expect(err).NotTo(HaveOccurred())
+		return
+	}
+	g.Expect(err).To(HaveOccurred())
+	s, ok := status.FromError(err)
+	g.Expect(ok).To(BeTrue(), "a gRPC status, not a raw error: %v", err)
+	g.Expect(s.Code()).To(Equal(code), "%v", err)
+	g.Expect(s.Message()).To(ContainSubstring(msg))
+}
+
+// mountsUnder lists the mount points under dir, innermost first.
+func mountsUnder(t *testing.T, dir string) []string {
+	t.Helper()
+	f, err := os.Open("/proc/self/mountinfo")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = f.Close() }()
+	var mps []string
+	s := bufio.NewScanner(f)
+	for s.Scan() {
+		fields := strings.Fields(s.Text())
+		if len(fields) > 4 && (fields[4] == dir || strings.HasPrefix(fields[4], dir+"/")) {
+			mps = append([]string{fields[4]}, mps...)
+		}
+	}
+	return mps
+}
+
+// mounts counts the mounts stacked on path.
+func mounts(t *testing.T, path string) int {
+	t.Helper()
+	n := 0
+	for _, mp := range mountsUnder(t, path) {
+		if mp == path {
+			n++
+		}
+	}
+	return n
+}
+
+// loopsOf lists the loop devices attached to file.
+func loopsOf(t *testing.T, file string) []string {
+	t.Helper()
+	out, err := exec.Command("losetup", "--associated", file, "--noheadings", "--output", "NAME").CombinedOutput()
+	if err != nil {
+		t.Fatalf("losetup --associated: %v: %s", err, out)
+	}
+	return strings.Fields(string(out))
+}
+
+func blkidType(t *testing.T, device string) string {
+	t.Helper()
+	out, _ := exec.Command("blkid", "-p", "-s", "TYPE", "-o", "value", device).Output()
+	return strings.TrimSpace(string(out))
+}
