@@ -1,19 +1,23 @@
 package cluster
 
 import (
-	"errors"
 	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"strconv"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
 )
 
-// stopTimeout is how long a process gets after SIGTERM before it is killed.
-const stopTimeout = 10 * time.Second
+const (
+	// stopTimeout is how long a process gets after SIGTERM before it is killed.
+	stopTimeout = 10 * time.Second
+	// restartDelay is how soon a process with Restart set is started again after it ended.
+	restartDelay = 500 * time.Millisecond
+)
 
 // Command is a lab daemon to start.
 type Command struct {
@@ -28,21 +32,29 @@ type Command struct {
 	Dir string
 	// LogPath receives stdout and stderr, appended.
 	LogPath string
+	// Restart starts the process again whenever it ends until Stop, as kubelet restarts a
+	// container (restartPolicy: Always). A CSI sidecar, for one, exits when its driver does.
+	Restart bool
 }
 
 // Process is a lab daemon running in its own process group, so that stopping it also stops
-// whatever it started. Its pid is recorded under the lab's pids/ directory while it runs, which is
-// what the reaper kills if the process that owns the lab dies without stopping it.
+// whatever it started. The pid of each run is recorded under the lab's pids/ directory while it
+// runs, which is what the reaper kills if the process that owns the lab dies without stopping
+// it.
 type Process struct {
 	Command
 
-	lab     *Lab
-	cmd     *exec.Cmd
-	pidFile string
-	done    chan struct{}
-	err     error // exit error; valid once done is closed
+	lab      *Lab
+	restarts atomic.Int32
 
-	stopOnce sync.Once
+	mu       sync.Mutex
+	cmd      *exec.Cmd     // the current run
+	ran      chan struct{} // closed when the current run has ended
+	err      error         // exit error of the last run
+	stopping bool
+
+	stop chan struct{} // closed by Stop
+	done chan struct{} // closed when the process has ended for good
 }
 
 // Start starts a lab daemon.
@@ -50,53 +62,96 @@ func (l *Lab) Start(c Command) (*Process, error) {
 	if err := os.MkdirAll(c.Dir, 0o755); err != nil {
 		return nil, err
 	}
-	logFile, err := os.OpenFile(c.LogPath, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644)
-	if err != nil {
+	p := &Process{Command: c, lab: l, stop: make(chan struct{}), done: make(chan struct{})}
+	if err := p.spawn(); err != nil {
 		return nil, err
 	}
-	defer logFile.Close()
-
-	cmd := exec.Command(c.Bin, c.Args...)
-	cmd.Dir = c.Dir
-	cmd.Env = append(os.Environ(), c.Env...)
-	cmd.Stdout, cmd.Stderr = logFile, logFile
-	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
-	if err := cmd.Start(); err != nil {
-		return nil, fmt.Errorf("start %s: %w", c.Name, err)
-	}
-	p := &Process{
-		Command: c,
-		lab:     l,
-		cmd:     cmd,
-		pidFile: filepath.Join(l.pidDir, strconv.Itoa(cmd.Process.Pid)),
-		done:    make(chan struct{}),
-	}
-	if err := os.WriteFile(p.pidFile, []byte(c.Name+"\n"), 0o644); err != nil {
-		_ = syscall.Kill(-cmd.Process.Pid, syscall.SIGKILL)
-		return nil, err
-	}
-	go func() {
-		p.err = cmd.Wait()
-		close(p.done)
-	}()
+	go p.supervise()
 	l.track(p)
 	return p, nil
 }
 
-// Respawn starts the process again with the same command, after it ended (a test kills it to
-// prove recovery). The new Process replaces this one.
-func (p *Process) Respawn() (*Process, error) {
-	if !p.Exited() {
-		return nil, fmt.Errorf("%s is still running", p.Name)
+// spawn starts one run of the command.
+func (p *Process) spawn() error {
+	logFile, err := os.OpenFile(p.LogPath, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644)
+	if err != nil {
+		return err
 	}
-	_ = p.Stop() // releases its pid file
-	return p.lab.Start(p.Command)
+	defer logFile.Close()
+	cmd := exec.Command(p.Bin, p.Args...)
+	cmd.Dir = p.Dir
+	cmd.Env = append(os.Environ(), p.Env...)
+	cmd.Stdout, cmd.Stderr = logFile, logFile
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
+	if err := cmd.Start(); err != nil {
+		return fmt.Errorf("start %s: %w", p.Name, err)
+	}
+	pidFile := filepath.Join(p.lab.pidDir, strconv.Itoa(cmd.Process.Pid))
+	if err := os.WriteFile(pidFile, []byte(p.Name+"\n"), 0o644); err != nil {
+		_ = syscall.Kill(-cmd.Process.Pid, syscall.SIGKILL)
+		_ = cmd.Wait()
+		return err
+	}
+	ran := make(chan struct{})
+	p.cmd, p.ran = cmd, ran
+	go func() {
+		err := cmd.Wait()
+		// Children that outlived the leader share its process group.
+		_ = syscall.Kill(-cmd.Process.Pid, syscall.SIGKILL)
+		_ = os.Remove(pidFile)
+		p.mu.Lock()
+		p.err = err
+		p.mu.Unlock()
+		close(ran)
+	}()
+	return nil
 }
 
-// Pid returns the process id, which is also its process group id.
-func (p *Process) Pid() int { return p.cmd.Process.Pid }
+// supervise waits for each run to end and starts the next one while Restart is set and the
+// process is not being stopped.
+func (p *Process) supervise() {
+	defer close(p.done)
+	for {
+		p.mu.Lock()
+		ran := p.ran
+		p.mu.Unlock()
+		<-ran
+		if !p.Restart {
+			return
+		}
+		select {
+		case <-p.stop:
+			return
+		case <-time.After(restartDelay):
+		}
+		p.mu.Lock()
+		if p.stopping {
+			p.mu.Unlock()
+			return
+		}
+		err := p.spawn()
+		if err != nil {
+			p.err = err
+		}
+		p.mu.Unlock()
+		if err != nil {
+			return
+		}
+		p.restarts.Add(1)
+	}
+}
 
-// Exited reports whether the process has ended.
+// Pid returns the process id of the current run, which is also its process group id.
+func (p *Process) Pid() int {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.cmd.Process.Pid
+}
+
+// Restarts counts how often the process was started again.
+func (p *Process) Restarts() int { return int(p.restarts.Load()) }
+
+// Exited reports whether the process has ended for good.
 func (p *Process) Exited() bool {
 	select {
 	case <-p.done:
@@ -106,40 +161,63 @@ func (p *Process) Exited() bool {
 	}
 }
 
-// Done is closed when the process has ended.
+// Done is closed when the process has ended for good.
 func (p *Process) Done() <-chan struct{} { return p.done }
 
-// Stop sends SIGTERM to the process group, waits up to stopTimeout, then kills the group.
-// It is idempotent and returns the process's exit error only if it had ended on its own.
-func (p *Process) Stop() error { return p.stop(syscall.SIGTERM) }
+// Stop sends SIGTERM to the process group, waits up to stopTimeout, then kills the group, and
+// restarts it no more. It is idempotent and returns the exit error of a process that had ended
+// on its own.
+func (p *Process) Stop() error {
+	p.mu.Lock()
+	if p.stopping {
+		p.mu.Unlock()
+		<-p.done
+		return nil
+	}
+	p.stopping = true
+	close(p.stop)
+	cmd, ran := p.cmd, p.ran
+	p.mu.Unlock()
 
-// Kill kills the process group with SIGKILL, as a crash would.
-func (p *Process) Kill() error { return p.stop(syscall.SIGKILL) }
+	if p.Exited() {
+		return p.exitError()
+	}
+	_ = syscall.Kill(-cmd.Process.Pid, syscall.SIGTERM)
+	select {
+	case <-ran:
+	case <-time.After(stopTimeout):
+		_ = syscall.Kill(-cmd.Process.Pid, syscall.SIGKILL)
+		<-ran
+	}
+	<-p.done
+	return nil
+}
 
-func (p *Process) stop(sig syscall.Signal) error {
-	var err error
-	p.stopOnce.Do(func() {
-		if p.Exited() {
-			err = p.exitError()
-		} else {
-			_ = syscall.Kill(-p.Pid(), sig)
-			select {
-			case <-p.done:
-			case <-time.After(stopTimeout):
-				_ = syscall.Kill(-p.Pid(), syscall.SIGKILL)
-				<-p.done
-			}
-		}
-		// Children that outlived the leader share its process group.
-		_ = syscall.Kill(-p.Pid(), syscall.SIGKILL)
-		if rmErr := os.Remove(p.pidFile); rmErr != nil && !errors.Is(rmErr, os.ErrNotExist) && err == nil {
-			err = rmErr
-		}
-	})
-	return err
+// Kill kills the current run with SIGKILL, as a crash would, and waits until it has ended. A
+// process with Restart set is then started again, as kubelet restarts a crashed container.
+func (p *Process) Kill() error {
+	p.mu.Lock()
+	cmd, ran := p.cmd, p.ran
+	p.mu.Unlock()
+	if err := syscall.Kill(-cmd.Process.Pid, syscall.SIGKILL); err != nil && err != syscall.ESRCH {
+		return err
+	}
+	<-ran
+	return nil
+}
+
+// Respawn starts a process without Restart again with the same command after it ended. The
+// new Process replaces this one.
+func (p *Process) Respawn() (*Process, error) {
+	if !p.Exited() {
+		return nil, fmt.Errorf("%s is still running", p.Name)
+	}
+	return p.lab.Start(p.Command)
 }
 
 func (p *Process) exitError() error {
+	p.mu.Lock()
+	defer p.mu.Unlock()
 	if p.err == nil {
 		return nil
 	}

@@ -29,9 +29,12 @@ const (
 	PmemDriver = "pmem.csi.pvbridge.io"
 	// PmemTopologyKey is its topology key.
 	PmemTopologyKey = "pmem.csi.pvbridge.io/node"
-	// StorageClassPmem binds WaitForFirstConsumer; StorageClassPmemImmediate binds at once.
+	// StorageClassPmem binds WaitForFirstConsumer (ext4); StorageClassPmemImmediate binds at
+	// once; StorageClassPmemXFS formats xfs (which, unlike ext4, grows while mounted without
+	// CAP_SYS_RESOURCE).
 	StorageClassPmem          = "pmem"
 	StorageClassPmemImmediate = "pmem-immediate"
+	StorageClassPmemXFS       = "pmem-xfs"
 	// SnapshotClassPmem is the VolumeSnapshotClass of mgmt-csi.
 	SnapshotClassPmem = "pmem"
 	// CSINamespace is where csi-provisioner publishes CSIStorageCapacity objects.
@@ -115,15 +118,21 @@ func (m *Management) installObjects(ctx context.Context) error {
 	if _, err := c.StorageV1().CSIDrivers().Create(ctx, driver, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
 		return err
 	}
-	for name, mode := range map[string]storagev1.VolumeBindingMode{
-		StorageClassPmem:          storagev1.VolumeBindingWaitForFirstConsumer,
-		StorageClassPmemImmediate: storagev1.VolumeBindingImmediate,
+	for _, class := range []struct {
+		name   string
+		mode   storagev1.VolumeBindingMode
+		fsType string
+	}{
+		{StorageClassPmem, storagev1.VolumeBindingWaitForFirstConsumer, "ext4"},
+		{StorageClassPmemImmediate, storagev1.VolumeBindingImmediate, "ext4"},
+		{StorageClassPmemXFS, storagev1.VolumeBindingWaitForFirstConsumer, "xfs"},
 	} {
 		sc := &storagev1.StorageClass{
-			ObjectMeta:           metav1.ObjectMeta{Name: name},
+			ObjectMeta:           metav1.ObjectMeta{Name: class.name},
 			Provisioner:          PmemDriver,
+			Parameters:           map[string]string{"csi.storage.k8s.io/fstype": class.fsType},
 			ReclaimPolicy:        ptr.To(corev1.PersistentVolumeReclaimDelete),
-			VolumeBindingMode:    ptr.To(mode),
+			VolumeBindingMode:    ptr.To(class.mode),
 			AllowVolumeExpansion: ptr.To(true),
 		}
 		if _, err := c.StorageV1().StorageClasses().Create(ctx, sc, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
@@ -153,7 +162,8 @@ func (m *Management) startController(ctx context.Context, lab *cluster.Lab, bin 
 	socket := filepath.Join(dir, "csi.sock")
 	p, err := lab.Start(cluster.Command{
 		Name: m.CP.Name + "/mgmt-csi", Bin: bin, Dir: dir, LogPath: filepath.Join(m.CP.Dir, "logs", "mgmt-csi.log"),
-		Args: []string{"--mode=controller", "--endpoint=unix://" + socket, "--kubeconfig=" + m.CP.Kubeconfig, "--v=4"},
+		Args:    []string{"--mode=controller", "--endpoint=unix://" + socket, "--kubeconfig=" + m.CP.Kubeconfig, "--v=4"},
+		Restart: true,
 	})
 	if err != nil {
 		return err
@@ -191,6 +201,7 @@ func (m *Management) startController(ctx context.Context, lab *cluster.Lab, bin 
 		p, err := lab.Start(cluster.Command{
 			Name: m.CP.Name + "/" + sc.name, Bin: path, Args: sc.args, Env: sc.env,
 			Dir: dir, LogPath: filepath.Join(m.CP.Dir, "logs", sc.name+".log"),
+			Restart: true, // a sidecar exits when it loses its driver
 		})
 		if err != nil {
 			return err
@@ -221,6 +232,7 @@ func (m *Management) startHost(ctx context.Context, lab *cluster.Lab, bin, name 
 			"--pmem-mode=file", "--pmem-dir=" + h.PmemDir,
 			"--v=4",
 		},
+		Restart: true,
 	})
 	if err != nil {
 		return nil, err

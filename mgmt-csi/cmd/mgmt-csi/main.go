@@ -16,6 +16,7 @@ import (
 	"k8s.io/component-base/logs"
 	logsapi "k8s.io/component-base/logs/api/v1"
 	"k8s.io/klog/v2"
+	ctrl "sigs.k8s.io/controller-runtime"
 
 	"pvbridge.io/mgmt-csi/internal/driver"
 )
@@ -81,6 +82,7 @@ func main() {
 	}
 
 	logs.InitLogs()
+	ctrl.SetLogger(klog.NewKlogr())
 	if err := logsapi.ValidateAndApply(logging, features); err != nil {
 		fmt.Fprintln(os.Stderr, err)
 		os.Exit(2)
