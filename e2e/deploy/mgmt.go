@@ -29,12 +29,13 @@ const (
 	PmemDriver = "pmem.csi.pvbridge.io"
 	// PmemTopologyKey is its topology key.
 	PmemTopologyKey = "pmem.csi.pvbridge.io/node"
-	// StorageClassPmem binds WaitForFirstConsumer (ext4); StorageClassPmemImmediate binds at
-	// once; StorageClassPmemXFS formats xfs (which, unlike ext4, grows while mounted without
-	// CAP_SYS_RESOURCE).
-	StorageClassPmem          = "pmem"
+	// StorageClassPmem binds WaitForFirstConsumer and formats ext4.
+	StorageClassPmem = "pmem"
+	// StorageClassPmemImmediate binds at once, on the host with the most room.
 	StorageClassPmemImmediate = "pmem-immediate"
-	StorageClassPmemXFS       = "pmem-xfs"
+	// StorageClassPmemXFS formats xfs, which, unlike ext4, grows while mounted without
+	// CAP_SYS_RESOURCE.
+	StorageClassPmemXFS = "pmem-xfs"
 	// SnapshotClassPmem is the VolumeSnapshotClass of mgmt-csi.
 	SnapshotClassPmem = "pmem"
 	// CSINamespace is where csi-provisioner publishes CSIStorageCapacity objects.

@@ -74,8 +74,8 @@ func BenchmarkProvision100PVCs(b *testing.B) {
 			latencies = append(latencies, d)
 			objs = append(objs, &corev1.PersistentVolumeClaim{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: name}})
 		}
-		deleteAndWait(g, ctx, objs...)
-		noVolumesLeft(g, ctx)
+		deleteAndWait(ctx, g, objs...)
+		noVolumesLeft(ctx, g)
 		total += time.Since(start)
 	}
 	slices.Sort(latencies)

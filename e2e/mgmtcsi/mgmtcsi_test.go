@@ -97,7 +97,7 @@ func namespace(t *testing.T) string {
 	}
 	t.Cleanup(func() {
 		ctx := context.WithoutCancel(t.Context())
-		deleteAndWait(NewWithT(t), ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: ns}})
+		deleteAndWait(ctx, NewWithT(t), &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: ns}})
 	})
 	return ns
 }
@@ -111,12 +111,12 @@ func host(name string) *deploy.Host {
 	panic("no host " + name)
 }
 
-func create(g Gomega, ctx context.Context, obj client.Object) {
+func create(ctx context.Context, g Gomega, obj client.Object) {
 	g.Expect(c.Create(ctx, obj)).To(Succeed())
 }
 
 // boundVolume waits until the claim is Bound and returns its PmemVolume.
-func boundVolume(g Gomega, ctx context.Context, ns, claim string) *pmemv1.PmemVolume {
+func boundVolume(ctx context.Context, g Gomega, ns, claim string) *pmemv1.PmemVolume {
 	pvc := &corev1.PersistentVolumeClaim{}
 	g.Eventually(func(g Gomega) {
 		g.Expect(c.Get(ctx, client.ObjectKey{Namespace: ns, Name: claim}, pvc)).To(Succeed())
@@ -130,7 +130,7 @@ func boundVolume(g Gomega, ctx context.Context, ns, claim string) *pmemv1.PmemVo
 }
 
 // runningPod waits until the pod is Running and returns it.
-func runningPod(g Gomega, ctx context.Context, ns, name string) *corev1.Pod {
+func runningPod(ctx context.Context, g Gomega, ns, name string) *corev1.Pod {
 	pod := &corev1.Pod{}
 	g.Eventually(func(g Gomega) {
 		g.Expect(c.Get(ctx, client.ObjectKey{Namespace: ns, Name: name}, pod)).To(Succeed())
@@ -139,18 +139,18 @@ func runningPod(g Gomega, ctx context.Context, ns, name string) *corev1.Pod {
 	return pod
 }
 
-func pmemNode(g Gomega, ctx context.Context, name string) *pmemv1.PmemNode {
+func pmemNode(ctx context.Context, g Gomega, name string) *pmemv1.PmemNode {
 	n := &pmemv1.PmemNode{}
 	g.Expect(c.Get(ctx, client.ObjectKey{Name: name}, n)).To(Succeed())
 	return n
 }
 
-func free(g Gomega, ctx context.Context, name string) int64 {
-	return pmemNode(g, ctx, name).Status.Free.Value()
+func free(ctx context.Context, g Gomega, name string) int64 {
+	return pmemNode(ctx, g, name).Status.Free.Value()
 }
 
 // deleteAndWait deletes the objects and waits until they are gone.
-func deleteAndWait(g Gomega, ctx context.Context, objs ...client.Object) {
+func deleteAndWait(ctx context.Context, g Gomega, objs ...client.Object) {
 	for _, o := range objs {
 		g.Expect(client.IgnoreNotFound(c.Delete(ctx, o))).To(Succeed())
 	}
@@ -163,13 +163,13 @@ func deleteAndWait(g Gomega, ctx context.Context, objs ...client.Object) {
 }
 
 // noVolumesLeft waits until no PmemVolume remains and each host's free space is back to total.
-func noVolumesLeft(g Gomega, ctx context.Context) {
+func noVolumesLeft(ctx context.Context, g Gomega) {
 	g.Eventually(func(g Gomega) {
 		list := &pmemv1.PmemVolumeList{}
 		g.Expect(c.List(ctx, list)).To(Succeed())
 		g.Expect(list.Items).To(BeEmpty())
 		for _, h := range mgmt.Hosts {
-			n := pmemNode(g, ctx, h.Node.Name)
+			n := pmemNode(ctx, g, h.Node.Name)
 			g.Expect(n.Status.Free.Value()).To(Equal(n.Status.Total.Value()), h.Node.Name)
 		}
 	}).WithContext(ctx).WithTimeout(2 * time.Minute).WithPolling(200 * time.Millisecond).Should(Succeed())
@@ -183,11 +183,11 @@ func TestWaitForFirstConsumerVolumeLandsOnThePodsHost(t *testing.T) {
 		block bool
 	}{{"host-b", false}, {"host-a", true}} {
 		name := fmt.Sprintf("on-%s", tc.host)
-		create(g, ctx, deploy.PVC(ns, name, deploy.StorageClassPmem, "64Mi", tc.block))
-		create(g, ctx, deploy.Pod(ns, name, name, tc.host, tc.block))
-		pod := runningPod(g, ctx, ns, name)
+		create(ctx, g, deploy.PVC(ns, name, deploy.StorageClassPmem, "64Mi", tc.block))
+		create(ctx, g, deploy.Pod(ns, name, name, tc.host, tc.block))
+		pod := runningPod(ctx, g, ns, name)
 		g.Expect(pod.Spec.NodeName).To(Equal(tc.host))
-		vol := boundVolume(g, ctx, ns, name)
+		vol := boundVolume(ctx, g, ns, name)
 		g.Expect(vol.Spec.Node).To(Equal(tc.host), "the volume is in the PMEM of the pod's host")
 
 		pvc := &corev1.PersistentVolumeClaim{}
@@ -196,13 +196,13 @@ func TestWaitForFirstConsumerVolumeLandsOnThePodsHost(t *testing.T) {
 		if tc.block {
 			fi, err := os.Stat(path)
 			g.Expect(err).NotTo(HaveOccurred())
-			g.Expect(fi.Mode() & os.ModeDevice).NotTo(BeZero(), "a raw block volume is a device file")
+			g.Expect(fi.Mode()&os.ModeDevice).NotTo(BeZero(), "a raw block volume is a device file")
 		} else {
 			g.Expect(os.WriteFile(filepath.Join(path, "hello"), []byte("pmem"), 0o644)).To(Succeed(), "the volume is mounted writable")
 		}
-		deleteAndWait(g, ctx, pod, pvc)
+		deleteAndWait(ctx, g, pod, pvc)
 	}
-	noVolumesLeft(g, ctx)
+	noVolumesLeft(ctx, g)
 }
 
 func TestImmediateVolumeLandsWhereItFits(t *testing.T) {
@@ -210,16 +210,16 @@ func TestImmediateVolumeLandsWhereItFits(t *testing.T) {
 	ctx, ns := t.Context(), namespace(t)
 	// Fill host-a so that the next volume fits only on host-b.
 	filler := deploy.PVC(ns, "filler", deploy.StorageClassPmem, "3Gi", false)
-	create(g, ctx, filler)
+	create(ctx, g, filler)
 	fillerPod := deploy.Pod(ns, "filler", "filler", "host-a", false)
-	create(g, ctx, fillerPod)
-	g.Expect(boundVolume(g, ctx, ns, "filler").Spec.Node).To(Equal("host-a"))
+	create(ctx, g, fillerPod)
+	g.Expect(boundVolume(ctx, g, ns, "filler").Spec.Node).To(Equal("host-a"))
 
 	pvc := deploy.PVC(ns, "immediate", deploy.StorageClassPmemImmediate, "2Gi", false)
-	create(g, ctx, pvc)
-	g.Expect(boundVolume(g, ctx, ns, "immediate").Spec.Node).To(Equal("host-b"))
-	deleteAndWait(g, ctx, fillerPod, filler, pvc)
-	noVolumesLeft(g, ctx)
+	create(ctx, g, pvc)
+	g.Expect(boundVolume(ctx, g, ns, "immediate").Spec.Node).To(Equal("host-b"))
+	deleteAndWait(ctx, g, fillerPod, filler, pvc)
+	noVolumesLeft(ctx, g)
 }
 
 func TestStorageCapacityFollowsPmemNode(t *testing.T) {
@@ -236,30 +236,30 @@ func TestStorageCapacityFollowsPmemNode(t *testing.T) {
 		}
 		return -1
 	}
-	before := free(g, ctx, "host-a")
+	before := free(ctx, g, "host-a")
 	g.Eventually(func(g Gomega) { g.Expect(capacityOf(g, "host-a")).To(Equal(before)) }).
 		WithContext(ctx).WithTimeout(time.Minute).WithPolling(200 * time.Millisecond).Should(Succeed())
 
 	pvc := deploy.PVC(ns, "cap", deploy.StorageClassPmemImmediate, "1Gi", false)
 	pvc.Annotations = map[string]string{"volume.kubernetes.io/selected-node": "host-a"}
-	create(g, ctx, pvc)
-	vol := boundVolume(g, ctx, ns, "cap")
-	after := free(g, ctx, vol.Spec.Node)
+	create(ctx, g, pvc)
+	vol := boundVolume(ctx, g, ns, "cap")
+	after := free(ctx, g, vol.Spec.Node)
 	g.Expect(after).To(BeNumerically("<", pmemSize))
 	g.Eventually(func(g Gomega) { g.Expect(capacityOf(g, vol.Spec.Node)).To(Equal(after)) }).
 		WithContext(ctx).WithTimeout(time.Minute).WithPolling(200*time.Millisecond).Should(Succeed(), "CSIStorageCapacity shows the PmemNode's free space")
-	deleteAndWait(g, ctx, pvc)
-	noVolumesLeft(g, ctx)
+	deleteAndWait(ctx, g, pvc)
+	noVolumesLeft(ctx, g)
 }
 
 func TestExhaustedHostLeavesPodPendingWithoutPartialVolume(t *testing.T) {
 	g := NewWithT(t)
 	ctx, ns := t.Context(), namespace(t)
-	freeBefore := free(g, ctx, "host-a")
+	freeBefore := free(ctx, g, "host-a")
 	pvc := deploy.PVC(ns, "huge", deploy.StorageClassPmem, "5Gi", false)
-	create(g, ctx, pvc)
+	create(ctx, g, pvc)
 	pod := deploy.Pod(ns, "huge", "huge", "host-a", false)
-	create(g, ctx, pod)
+	create(ctx, g, pod)
 
 	g.Eventually(func(g Gomega) {
 		events := &corev1.EventList{}
@@ -277,19 +277,19 @@ func TestExhaustedHostLeavesPodPendingWithoutPartialVolume(t *testing.T) {
 	list := &pmemv1.PmemVolumeList{}
 	g.Expect(c.List(ctx, list)).To(Succeed())
 	g.Expect(list.Items).To(BeEmpty(), "no partial volume")
-	g.Expect(free(g, ctx, "host-a")).To(Equal(freeBefore))
-	deleteAndWait(g, ctx, pod, pvc)
+	g.Expect(free(ctx, g, "host-a")).To(Equal(freeBefore))
+	deleteAndWait(ctx, g, pod, pvc)
 }
 
 func TestOnlineExpansionGrowsTheFilesystem(t *testing.T) {
 	g := NewWithT(t)
 	ctx, ns := t.Context(), namespace(t)
 	pvc := deploy.PVC(ns, "grow", deploy.StorageClassPmemXFS, "320Mi", false)
-	create(g, ctx, pvc)
+	create(ctx, g, pvc)
 	pod := deploy.Pod(ns, "grow", "grow", "host-b", false)
-	create(g, ctx, pod)
-	pod = runningPod(g, ctx, ns, "grow")
-	boundVolume(g, ctx, ns, "grow")
+	create(ctx, g, pod)
+	pod = runningPod(ctx, g, ns, "grow")
+	boundVolume(ctx, g, ns, "grow")
 	g.Expect(c.Get(ctx, client.ObjectKeyFromObject(pvc), pvc)).To(Succeed())
 	path := deploy.PodVolumePath(host("host-b").Node, pod.UID, pvc.Spec.VolumeName, false)
 	sizeBefore := fsSize(g, path)
@@ -302,8 +302,8 @@ func TestOnlineExpansionGrowsTheFilesystem(t *testing.T) {
 		g.Expect(pvc.Status.Capacity.Storage().Value()).To(BeNumerically(">=", 1<<30))
 		g.Expect(fsSize(g, path)).To(BeNumerically(">", 3*sizeBefore), "the mounted filesystem grew")
 	}).WithContext(ctx).WithTimeout(2 * time.Minute).WithPolling(200 * time.Millisecond).Should(Succeed())
-	deleteAndWait(g, ctx, pod, pvc)
-	noVolumesLeft(g, ctx)
+	deleteAndWait(ctx, g, pod, pvc)
+	noVolumesLeft(ctx, g)
 }
 
 // fsSize is the size of the filesystem mounted at path.
@@ -325,11 +325,11 @@ func TestSnapshotRestoreHasIdenticalData(t *testing.T) {
 	g := NewWithT(t)
 	ctx, ns := t.Context(), namespace(t)
 	src := deploy.PVC(ns, "src", deploy.StorageClassPmem, "64Mi", false)
-	create(g, ctx, src)
+	create(ctx, g, src)
 	srcPod := deploy.Pod(ns, "src", "src", "host-a", false)
-	create(g, ctx, srcPod)
-	srcPod = runningPod(g, ctx, ns, "src")
-	boundVolume(g, ctx, ns, "src")
+	create(ctx, g, srcPod)
+	srcPod = runningPod(ctx, g, ns, "src")
+	boundVolume(ctx, g, ns, "src")
 	g.Expect(c.Get(ctx, client.ObjectKeyFromObject(src), src)).To(Succeed())
 	data := make([]byte, 4<<20)
 	for i := range data {
@@ -347,7 +347,7 @@ func TestSnapshotRestoreHasIdenticalData(t *testing.T) {
 			"source":                  map[string]any{"persistentVolumeClaimName": "src"},
 		},
 	}}
-	create(g, ctx, snap)
+	create(ctx, g, snap)
 	g.Eventually(func(g Gomega) {
 		g.Expect(c.Get(ctx, client.ObjectKeyFromObject(snap), snap)).To(Succeed())
 		ready, _, _ := unstructured.NestedBool(snap.Object, "status", "readyToUse")
@@ -356,18 +356,18 @@ func TestSnapshotRestoreHasIdenticalData(t *testing.T) {
 
 	restored := deploy.PVC(ns, "restored", deploy.StorageClassPmem, "64Mi", false)
 	restored.Spec.DataSource = &corev1.TypedLocalObjectReference{APIGroup: ptr.To("snapshot.storage.k8s.io"), Kind: "VolumeSnapshot", Name: "snap"}
-	create(g, ctx, restored)
+	create(ctx, g, restored)
 	pod := deploy.Pod(ns, "restored", "restored", "host-a", false)
-	create(g, ctx, pod)
-	pod = runningPod(g, ctx, ns, "restored")
-	g.Expect(boundVolume(g, ctx, ns, "restored").Spec.Node).To(Equal("host-a"))
+	create(ctx, g, pod)
+	pod = runningPod(ctx, g, ns, "restored")
+	g.Expect(boundVolume(ctx, g, ns, "restored").Spec.Node).To(Equal("host-a"))
 	g.Expect(c.Get(ctx, client.ObjectKeyFromObject(restored), restored)).To(Succeed())
 	got, err := os.ReadFile(filepath.Join(deploy.PodVolumePath(host("host-a").Node, pod.UID, restored.Spec.VolumeName, false), "data"))
 	g.Expect(err).NotTo(HaveOccurred())
 	g.Expect(sha256.Sum256(got)).To(Equal(sha256.Sum256(data)), "the restored volume has the snapshot's data")
 
-	deleteAndWait(g, ctx, pod, srcPod, restored, snap, src)
-	noVolumesLeft(g, ctx)
+	deleteAndWait(ctx, g, pod, srcPod, restored, snap, src)
+	noVolumesLeft(ctx, g)
 	g.Eventually(func(g Gomega) {
 		list := &pmemv1.PmemSnapshotList{}
 		g.Expect(c.List(ctx, list)).To(Succeed())
@@ -378,15 +378,15 @@ func TestSnapshotRestoreHasIdenticalData(t *testing.T) {
 func TestDeletionFreesExactlyTheSpaceItTook(t *testing.T) {
 	g := NewWithT(t)
 	ctx, ns := t.Context(), namespace(t)
-	before := free(g, ctx, "host-b")
+	before := free(ctx, g, "host-b")
 	pvc := deploy.PVC(ns, "exact", deploy.StorageClassPmemImmediate, "100Mi", true)
 	pvc.Annotations = map[string]string{"volume.kubernetes.io/selected-node": "host-b"}
-	create(g, ctx, pvc)
-	vol := boundVolume(g, ctx, ns, "exact")
-	g.Eventually(func() int64 { return before - free(g, ctx, vol.Spec.Node) }).WithContext(ctx).
+	create(ctx, g, pvc)
+	vol := boundVolume(ctx, g, ns, "exact")
+	g.Eventually(func() int64 { return before - free(ctx, g, vol.Spec.Node) }).WithContext(ctx).
 		WithTimeout(time.Minute).Should(Equal(vol.Status.AllocatedSize.Value()), "the volume took its allocated size")
-	deleteAndWait(g, ctx, pvc)
-	g.Eventually(func() int64 { return free(g, ctx, vol.Spec.Node) }).WithContext(ctx).
+	deleteAndWait(ctx, g, pvc)
+	g.Eventually(func() int64 { return free(ctx, g, vol.Spec.Node) }).WithContext(ctx).
 		WithTimeout(time.Minute).Should(Equal(before), "and gave exactly that back")
 }
 
@@ -398,7 +398,7 @@ func TestCrashesDuringConcurrentCreatesLoseNothing(t *testing.T) {
 	ctx, ns := t.Context(), namespace(t)
 	const n = 50
 	for i := range n {
-		create(g, ctx, deploy.PVC(ns, fmt.Sprintf("c%02d", i), deploy.StorageClassPmemImmediate, "16Mi", i%2 == 0))
+		create(ctx, g, deploy.PVC(ns, fmt.Sprintf("c%02d", i), deploy.StorageClassPmemImmediate, "16Mi", i%2 == 0))
 	}
 	// Kill once provisioning is under way, then restart.
 	g.Eventually(func() int {
@@ -412,7 +412,7 @@ func TestCrashesDuringConcurrentCreatesLoseNothing(t *testing.T) {
 
 	handles := map[string]bool{}
 	for i := range n {
-		vol := boundVolume(g, ctx, ns, fmt.Sprintf("c%02d", i))
+		vol := boundVolume(ctx, g, ns, fmt.Sprintf("c%02d", i))
 		g.Expect(handles[vol.Name]).To(BeFalse(), "one volume per claim")
 		handles[vol.Name] = true
 	}
@@ -431,6 +431,6 @@ func TestCrashesDuringConcurrentCreatesLoseNothing(t *testing.T) {
 	for i := range n {
 		pvcs = append(pvcs, &corev1.PersistentVolumeClaim{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: fmt.Sprintf("c%02d", i)}})
 	}
-	deleteAndWait(g, ctx, pvcs...)
-	noVolumesLeft(g, ctx)
+	deleteAndWait(ctx, g, pvcs...)
+	noVolumesLeft(ctx, g)
 }

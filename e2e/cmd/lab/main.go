@@ -17,6 +17,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"pvbridge.io/e2e/cluster"
+	"pvbridge.io/e2e/deploy"
 )
 
 func main() {
@@ -35,14 +36,16 @@ func envOr(key, def string) string {
 	return def
 }
 
-// topology is the lab: which control planes run and which nodes each has.
-var topology = []struct {
-	cluster string
-	nodes   []string
-}{
-	{"mgmt", []string{"host-a", "host-b"}},
-	{"guest", []string{"vm-1", "vm-2", "vm-3"}},
-}
+// The lab: a management cluster whose hosts run mgmt-csi over emulated PMEM, and a guest
+// cluster.
+var (
+	mgmtHosts  = []string{"host-a", "host-b"}
+	guestNodes = []string{"vm-1", "vm-2", "vm-3"}
+)
+
+// pmemPerHost is the size of each host's emulated PMEM region (a sparse file: it takes disk
+// space only as volumes are written).
+const pmemPerHost = 8 << 30
 
 func run(dir string) error {
 	dir, err := filepath.Abs(dir)
@@ -76,27 +79,37 @@ func run(dir string) error {
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
 	start := time.Now()
-	var cps []*cluster.ControlPlane
-	for _, c := range topology {
-		fmt.Printf("starting the %s control plane ...\n", c.cluster)
-		cp, err := lab.StartControlPlane(ctx, c.cluster)
-		if err != nil {
+	fmt.Println("starting the management cluster: control plane, hosts host-a and host-b with mgmt-csi ...")
+	mcp, err := lab.StartControlPlane(ctx, "mgmt")
+	if err != nil {
+		return err
+	}
+	mgmt, err := deploy.StartManagement(ctx, lab, mcp, deploy.MgmtOptions{Hosts: mgmtHosts, PmemSize: pmemPerHost})
+	if err != nil {
+		return err
+	}
+	fmt.Println("starting the guest cluster: control plane, nodes vm-1, vm-2, vm-3 ...")
+	gcp, err := lab.StartControlPlane(ctx, "guest")
+	if err != nil {
+		return err
+	}
+	for _, n := range guestNodes {
+		if _, err := gcp.AddNode(ctx, n, cluster.NodeOptions{}); err != nil {
 			return err
 		}
-		for _, n := range c.nodes {
-			fmt.Printf("  node %s ...\n", n)
-			if _, err := cp.AddNode(ctx, n, cluster.NodeOptions{}); err != nil {
-				return err
-			}
-		}
-		cps = append(cps, cp)
 	}
-	fmt.Printf("\nthe lab is up (%.1fs). Logs and state: %s\n\n", time.Since(start).Seconds(), dir)
-	kubectl, _ := bin.Tool("kubectl")
-	for _, cp := range cps {
-		fmt.Printf("%s cluster:\n  kubeconfig: %s\n  %s --kubeconfig %s get nodes\n\n", cp.Name, cp.Kubeconfig, kubectl, cp.Kubeconfig)
+	fmt.Printf("\nthe lab is up (%.1fs). Logs and state: %s\n", time.Since(start).Seconds(), dir)
+
+	kubectl, err := bin.Tool("kubectl")
+	if err != nil {
+		return err
 	}
-	fmt.Println("Press Ctrl-C to stop.")
+	if err := demo(ctx, mgmt, kubectl); err != nil {
+		return fmt.Errorf("demo: %w", err)
+	}
+	fmt.Printf("\nmanagement cluster:\n  export KUBECONFIG=%s\n  %s get nodes,pvc,pv,pmemvolumes,pmemnodes -A\n", mcp.Kubeconfig, kubectl)
+	fmt.Printf("\nguest cluster:\n  export KUBECONFIG=%s\n  %s get nodes,pvc,pv -A\n", gcp.Kubeconfig, kubectl)
+	fmt.Println("\nPress Ctrl-C to stop.")
 	<-ctx.Done()
 	return nil
 }
