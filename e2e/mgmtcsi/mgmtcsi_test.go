@@ -81,7 +81,7 @@ func run(m *testing.M) int {
 		return 1
 	}
 	code := m.Run()
-	if code == 0 {
+	if code == 0 && os.Getenv("PVBRIDGE_KEEP_LAB") == "" {
 		_ = os.RemoveAll(root)
 	}
 	return code

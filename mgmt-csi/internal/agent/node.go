@@ -17,9 +17,11 @@ import (
 	pmemv1 "pvbridge.io/pkg/apis/pmem/v1alpha1"
 )
 
-// NodeReporter publishes the node's PMEM capacity in its PmemNode: at start, after every
-// allocation change, and every Interval (capacity can also change outside the agent, e.g. a
-// region added to LVM). csi-provisioner turns it into CSIStorageCapacity through GetCapacity.
+// NodeReporter publishes the node's PMEM capacity in its PmemNode: at start, after allocation
+// changes, and every Interval (capacity can also change outside the agent, e.g. a region added
+// to LVM). csi-provisioner turns it into CSIStorageCapacity through GetCapacity. Refreshes
+// asked for while one is being written are coalesced into one, so a burst of a hundred creates
+// costs a few status writes, not a hundred.
 type NodeReporter struct {
 	Client   client.Client
 	Backend  pmem.Backend
@@ -28,7 +30,13 @@ type NodeReporter struct {
 	// WaitForSync blocks until the API cache is ready (the manager starts runnables before).
 	WaitForSync func(context.Context) bool
 
-	mu sync.Mutex // one status write at a time, so a slow one never overwrites a newer one
+	once    sync.Once
+	trigger chan struct{}
+}
+
+func (r *NodeReporter) triggers() chan struct{} {
+	r.once.Do(func() { r.trigger = make(chan struct{}, 1) })
+	return r.trigger
 }
 
 // Start refreshes the PmemNode until ctx ends; it is a controller-runtime Runnable.
@@ -39,25 +47,28 @@ func (r *NodeReporter) Start(ctx context.Context) error {
 	t := time.NewTicker(r.Interval)
 	defer t.Stop()
 	for {
-		r.Refresh(ctx)
+		// One writer: a slow write never overwrites a newer one.
+		if err := r.refresh(ctx); err != nil {
+			klog.FromContext(ctx).Error(err, "Cannot publish PMEM capacity", "node", r.Node)
+		}
 		select {
 		case <-ctx.Done():
 			return nil
 		case <-t.C:
+		case <-r.triggers():
 		}
 	}
 }
 
-// Refresh writes the current capacity; errors are logged, the next refresh repairs them.
-func (r *NodeReporter) Refresh(ctx context.Context) {
-	if err := r.refresh(ctx); err != nil {
-		klog.FromContext(ctx).Error(err, "Cannot publish PMEM capacity", "node", r.Node)
+// Refresh asks for the capacity to be published soon; it does not wait.
+func (r *NodeReporter) Refresh(context.Context) {
+	select {
+	case r.triggers() <- struct{}{}:
+	default: // a refresh is pending already
 	}
 }
 
 func (r *NodeReporter) refresh(ctx context.Context) error {
-	r.mu.Lock()
-	defer r.mu.Unlock()
 	node := &pmemv1.PmemNode{}
 	err := r.Client.Get(ctx, client.ObjectKey{Name: r.Node}, node)
 	if apierrors.IsNotFound(err) {

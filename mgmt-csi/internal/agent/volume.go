@@ -17,6 +17,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	ctrl "sigs.k8s.io/controller-runtime"
 	"sigs.k8s.io/controller-runtime/pkg/client"
+	"sigs.k8s.io/controller-runtime/pkg/controller"
 	"sigs.k8s.io/controller-runtime/pkg/controller/controllerutil"
 
 	"pvbridge.io/mgmt-csi/internal/pmem"
@@ -27,8 +28,13 @@ import (
 // once the data is gone from the device.
 const Finalizer = "pmem.pvbridge.io/device"
 
-// inUseRetry is how soon a deletion blocked by an open device is tried again.
-const inUseRetry = 5 * time.Second
+const (
+	// inUseRetry is how soon a deletion blocked by an open device is tried again.
+	inUseRetry = 5 * time.Second
+	// concurrentReconciles bounds the volumes (and snapshots) realized at once. The back ends
+	// serialize what must be (space accounting, LVM calls) and let copies run in parallel.
+	concurrentReconciles = 4
+)
 
 // VolumeReconciler realizes the PmemVolumes of one node.
 type VolumeReconciler struct {
@@ -45,6 +51,7 @@ func (r *VolumeReconciler) SetupWithManager(mgr ctrl.Manager) error {
 	return ctrl.NewControllerManagedBy(mgr).
 		For(&pmemv1.PmemVolume{}).
 		Named("pmemvolume").
+		WithOptions(controller.Options{MaxConcurrentReconciles: concurrentReconciles}).
 		Complete(r)
 }
 

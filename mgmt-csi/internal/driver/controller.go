@@ -265,9 +265,10 @@ func compatibleVolume(vol *pmemv1.PmemVolume, size, limit int64, src *pmemv1.Pme
 	return nil
 }
 
-// waitVolumeReady waits until the node agent reports the volume ready at its current spec. A new
-// volume the node had no room for (or whose source is gone) is removed again, so that nothing
-// is left behind, and reported ResourceExhausted (NotFound).
+// waitVolumeReady waits until the node agent reports the volume ready at the spec of vol (as
+// this controller last wrote or read it) or a newer one. A new volume the node had no room for
+// (or whose source is gone) is removed again, so that nothing is left behind, and reported
+// ResourceExhausted (NotFound).
 func (s *controllerServer) waitVolumeReady(ctx context.Context, vol *pmemv1.PmemVolume) (*pmemv1.PmemVolume, error) {
 	got := &pmemv1.PmemVolume{}
 	var failure error
@@ -284,6 +285,10 @@ func (s *controllerServer) waitVolumeReady(ctx context.Context, vol *pmemv1.Pmem
 		}
 		c := meta.FindStatusCondition(got.Status.Conditions, pmemv1.ReadyCondition)
 		switch {
+		// A cache that has not seen our write yet (an expansion) reports the old generation
+		// as ready.
+		case got.Generation < vol.Generation:
+			return false, nil
 		case c == nil || c.ObservedGeneration < got.Generation:
 			return false, nil
 		case c.Status == metav1.ConditionTrue:

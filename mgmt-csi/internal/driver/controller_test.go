@@ -12,8 +12,10 @@ import (
 	"k8s.io/apimachinery/pkg/api/meta"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/utils/ptr"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 	"sigs.k8s.io/controller-runtime/pkg/client/fake"
+	"sigs.k8s.io/controller-runtime/pkg/client/interceptor"
 
 	"pvbridge.io/mgmt-csi/internal/agent"
 	pmemv1 "pvbridge.io/pkg/apis/pmem/v1alpha1"
@@ -265,4 +267,65 @@ func TestListSnapshotsPages(t *testing.T) {
 	one, err := s.ListSnapshots(t.Context(), &csi.ListSnapshotsRequest{SnapshotId: "snapshot-b"})
 	g.Expect(err).NotTo(HaveOccurred())
 	g.Expect(one.GetEntries()).To(HaveLen(1))
+}
+
+// TestControllerExpandVolumeWaitsForTheCacheToSeeTheGrowth covers an informer cache that lags
+// behind the controller's own write: the Ready condition of the old generation says nothing
+// about the new size, so the call waits (and answers DeadlineExceeded for the resizer to retry)
+// instead of reporting the old capacity as the new one.
+func TestControllerExpandVolumeWaitsForTheCacheToSeeTheGrowth(t *testing.T) {
+	tests := []struct {
+		name         string
+		staleCache   bool
+		code         codes.Code
+		wantCapacity int64
+	}{
+		{name: "the cache has not seen the growth", staleCache: true, code: codes.DeadlineExceeded},
+		{name: "the cache has seen the agent grow the volume", code: codes.OK, wantCapacity: 2 * gi},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			g := NewWithT(t)
+			scheme, err := newScheme()
+			g.Expect(err).NotTo(HaveOccurred())
+			vol := pmemVolume("pvc-1", "a", gi)
+			vol.Generation = 1
+			vol.Status.AllocatedSize = resource.NewQuantity(gi, resource.BinarySI)
+			meta.SetStatusCondition(&vol.Status.Conditions, metav1.Condition{
+				Type: pmemv1.ReadyCondition, Status: metav1.ConditionTrue, Reason: "Test", ObservedGeneration: 1,
+			})
+			// The apiserver bumps the generation of a changed spec; the node agent then grows
+			// the volume and reports it ready at that generation.
+			grow := interceptor.Funcs{Patch: func(ctx context.Context, c client.WithWatch, obj client.Object, patch client.Patch, opts ...client.PatchOption) error {
+				if err := c.Patch(ctx, obj, patch, opts...); err != nil {
+					return err
+				}
+				v := obj.(*pmemv1.PmemVolume)
+				v.Generation++
+				if err := c.Update(ctx, v); err != nil {
+					return err
+				}
+				v.Status.AllocatedSize = ptr.To(v.Spec.Size)
+				meta.SetStatusCondition(&v.Status.Conditions, metav1.Condition{
+					Type: pmemv1.ReadyCondition, Status: metav1.ConditionTrue, Reason: "Test", ObservedGeneration: v.Generation,
+				})
+				return c.Status().Update(ctx, v)
+			}}
+			c := fake.NewClientBuilder().WithScheme(scheme).WithObjects(vol.DeepCopy()).
+				WithStatusSubresource(&pmemv1.PmemVolume{}).WithInterceptorFuncs(grow).Build()
+			var reader client.Reader = c
+			if tt.staleCache {
+				reader = fake.NewClientBuilder().WithScheme(scheme).WithObjects(vol.DeepCopy()).Build()
+			}
+			s := newControllerServer(c, reader, await.NewHub())
+
+			ctx, cancel := context.WithTimeout(t.Context(), 200*time.Millisecond)
+			defer cancel()
+			resp, err := s.ControllerExpandVolume(ctx, &csi.ControllerExpandVolumeRequest{
+				VolumeId: "pvc-1", CapacityRange: &csi.CapacityRange{RequiredBytes: 2 * gi}, VolumeCapability: blockCap,
+			})
+			g.Expect(status.Code(err)).To(Equal(tt.code), "%v", err)
+			g.Expect(resp.GetCapacityBytes()).To(Equal(tt.wantCapacity))
+		})
+	}
 }

@@ -5,13 +5,16 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"path/filepath"
 	"slices"
 	"strings"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
+	"golang.org/x/sys/unix"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 	"k8s.io/klog/v2"
+	"k8s.io/mount-utils"
 
 	"pvbridge.io/mgmt-csi/internal/pmem"
 	"pvbridge.io/pkg/keylock"
@@ -195,6 +198,11 @@ func (n *nodeServer) NodePublishVolume(ctx context.Context, req *csi.NodePublish
 	if err != nil {
 		return nil, err
 	}
+	if capability.GetAccessMode().GetMode() == csi.VolumeCapability_AccessMode_SINGLE_NODE_SINGLE_WRITER {
+		if err := checkNotPublishedElsewhere(device, req.GetStagingTargetPath(), req.GetTargetPath()); err != nil {
+			return nil, err
+		}
+	}
 	readOnly := req.GetReadonly() ||
 		capability.GetAccessMode().GetMode() == csi.VolumeCapability_AccessMode_SINGLE_NODE_READER_ONLY
 	if capability.GetBlock() != nil {
@@ -206,6 +214,43 @@ func (n *nodeServer) NodePublishVolume(ctx context.Context, req *csi.NodePublish
 		return nil, statusError(err)
 	}
 	return &csi.NodePublishVolumeResponse{}, nil
+}
+
+// mountInfo is the mount table checkNotPublishedElsewhere searches.
+const mountInfo = "/proc/self/mountinfo"
+
+// checkNotPublishedElsewhere fails with FailedPrecondition when device is published at a path
+// other than target: a SINGLE_NODE_SINGLE_WRITER volume is published once. A publication is a
+// mount of the device's filesystem other than at the staging path, or a bind mount of the
+// device node itself (a block volume), which the mount table lists under the filesystem that
+// holds the node, with the node's name as its root.
+func checkNotPublishedElsewhere(device, staging, target string) error {
+	var dev unix.Stat_t
+	if err := unix.Stat(device, &dev); err != nil {
+		return statusError(fmt.Errorf("stat %s: %w", device, err))
+	}
+	node, err := filepath.EvalSymlinks(device)
+	if err != nil {
+		return statusError(fmt.Errorf("resolve %s: %w", device, err))
+	}
+	mps, err := mount.ParseMountInfo(mountInfo)
+	if err != nil {
+		return statusError(fmt.Errorf("read the mount table: %w", err))
+	}
+	for _, mp := range mps {
+		if mp.MountPoint == filepath.Clean(staging) || mp.MountPoint == filepath.Clean(target) {
+			continue
+		}
+		published := mp.Major == int(unix.Major(dev.Rdev)) && mp.Minor == int(unix.Minor(dev.Rdev))
+		if !published && mp.Root != "/" && filepath.Base(mp.Root) == filepath.Base(node) {
+			var st unix.Stat_t
+			published = unix.Stat(mp.MountPoint, &st) == nil && st.Mode&unix.S_IFMT == unix.S_IFBLK && st.Rdev == dev.Rdev
+		}
+		if published {
+			return status.Errorf(codes.FailedPrecondition, "the volume is published at %s already, and its access mode SINGLE_NODE_SINGLE_WRITER allows one publication", mp.MountPoint)
+		}
+	}
+	return nil
 }
 
 // NodeUnpublishVolume unmounts and removes the target path, a directory or a block device

@@ -453,6 +453,40 @@ func TestNodePublishVolume(t *testing.T) {
 			},
 		},
 		{
+			name: "a single-writer filesystem published at another target is a failed precondition",
+			prepare: func(t *testing.T, e *nodeEnv) *csi.NodePublishVolumeRequest {
+				c := withMode(fsCap("ext4"), csi.VolumeCapability_AccessMode_SINGLE_NODE_SINGLE_WRITER)
+				staging, _ := e.published(t, "v", c, false)
+				return &csi.NodePublishVolumeRequest{VolumeId: "v", StagingTargetPath: staging, TargetPath: e.path("other"), VolumeCapability: c}
+			},
+			code: codes.FailedPrecondition, msg: "SINGLE_NODE_SINGLE_WRITER",
+		},
+		{
+			name: "a single-writer block volume published at another target is a failed precondition",
+			prepare: func(t *testing.T, e *nodeEnv) *csi.NodePublishVolumeRequest {
+				c := withMode(rawCap(), csi.VolumeCapability_AccessMode_SINGLE_NODE_SINGLE_WRITER)
+				staging, _ := e.published(t, "v", c, false)
+				return &csi.NodePublishVolumeRequest{VolumeId: "v", StagingTargetPath: staging, TargetPath: e.path("other"), VolumeCapability: c}
+			},
+			code: codes.FailedPrecondition, msg: "SINGLE_NODE_SINGLE_WRITER",
+		},
+		{
+			name: "a single-writer volume is published again at its target",
+			prepare: func(t *testing.T, e *nodeEnv) *csi.NodePublishVolumeRequest {
+				c := withMode(fsCap("ext4"), csi.VolumeCapability_AccessMode_SINGLE_NODE_SINGLE_WRITER)
+				staging, target := e.published(t, "v", c, false)
+				return &csi.NodePublishVolumeRequest{VolumeId: "v", StagingTargetPath: staging, TargetPath: target, VolumeCapability: c}
+			},
+		},
+		{
+			name: "a multi-writer volume is published at a second target",
+			prepare: func(t *testing.T, e *nodeEnv) *csi.NodePublishVolumeRequest {
+				c := withMode(rawCap(), csi.VolumeCapability_AccessMode_SINGLE_NODE_MULTI_WRITER)
+				staging, _ := e.published(t, "v", c, false)
+				return &csi.NodePublishVolumeRequest{VolumeId: "v", StagingTargetPath: staging, TargetPath: e.path("other"), VolumeCapability: c}
+			},
+		},
+		{
 			name: "a call while another one for the volume is in progress is aborted",
 			prepare: func(t *testing.T, e *nodeEnv) *csi.NodePublishVolumeRequest {
 				staging := e.staged(t, "v", fsCap("ext4"))
