@@ -185,7 +185,7 @@ func parseSummary(out []byte) (summary, error) {
 	for i, b := range all[len(all)-1][1:] {
 		v, err := strconv.Atoi(string(b))
 		if err != nil {
-			return summary{}, fmt.Errorf("Ginkgo summary: %w", err)
+			return summary{}, fmt.Errorf("the Ginkgo summary: %w", err)
 		}
 		n[i] = v
 	}

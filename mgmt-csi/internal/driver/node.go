@@ -219,6 +219,10 @@ func (n *nodeServer) NodePublishVolume(ctx context.Context, req *csi.NodePublish
 // mountInfo is the mount table checkNotPublishedElsewhere searches.
 const mountInfo = "/proc/self/mountinfo"
 
+// unescapeMountInfo undoes the octal escapes of the characters the kernel escapes in the paths
+// of the mount table.
+var unescapeMountInfo = strings.NewReplacer(`\040`, " ", `\011`, "\t", `\012`, "\n", `\134`, `\`)
+
 // checkNotPublishedElsewhere fails with FailedPrecondition when device is published at a path
 // other than target: a SINGLE_NODE_SINGLE_WRITER volume is published once. A publication is a
 // mount of the device's filesystem other than at the staging path, or a bind mount of the
@@ -237,8 +241,10 @@ func checkNotPublishedElsewhere(device, staging, target string) error {
 	if err != nil {
 		return statusError(fmt.Errorf("read the mount table: %w", err))
 	}
+	staging, target = resolvePath(staging), resolvePath(target)
 	for _, mp := range mps {
-		if mp.MountPoint == filepath.Clean(staging) || mp.MountPoint == filepath.Clean(target) {
+		mp.MountPoint = unescapeMountInfo.Replace(mp.MountPoint)
+		if mp.MountPoint == staging || mp.MountPoint == target {
 			continue
 		}
 		published := mp.Major == int(unix.Major(dev.Rdev)) && mp.Minor == int(unix.Minor(dev.Rdev))
@@ -251,6 +257,18 @@ func checkNotPublishedElsewhere(device, staging, target string) error {
 		}
 	}
 	return nil
+}
+
+// resolvePath resolves the symbolic links in path as the mount table shows it (a target path
+// may not exist yet: then those of its directory).
+func resolvePath(path string) string {
+	if p, err := filepath.EvalSymlinks(path); err == nil {
+		return p
+	}
+	if dir, err := filepath.EvalSymlinks(filepath.Dir(path)); err == nil {
+		return filepath.Join(dir, filepath.Base(path))
+	}
+	return filepath.Clean(path)
 }
 
 // NodeUnpublishVolume unmounts and removes the target path, a directory or a block device

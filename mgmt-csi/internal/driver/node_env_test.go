@@ -218,8 +218,11 @@ func mountsUnder(t *testing.T, dir string) []string {
 	s := bufio.NewScanner(f)
 	for s.Scan() {
 		fields := strings.Fields(s.Text())
-		if len(fields) > 4 && (fields[4] == dir || strings.HasPrefix(fields[4], dir+"/")) {
-			mps = append([]string{fields[4]}, mps...)
+		if len(fields) <= 4 {
+			continue
+		}
+		if mp := unescapeMountInfo.Replace(fields[4]); mp == dir || strings.HasPrefix(mp, dir+"/") {
+			mps = append([]string{mp}, mps...)
 		}
 	}
 	return mps

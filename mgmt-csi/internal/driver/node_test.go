@@ -479,6 +479,30 @@ func TestNodePublishVolume(t *testing.T) {
 			},
 		},
 		{
+			name: "a single-writer volume is published again at a target with a space in its path",
+			prepare: func(t *testing.T, e *nodeEnv) *csi.NodePublishVolumeRequest {
+				c := withMode(fsCap("ext4"), csi.VolumeCapability_AccessMode_SINGLE_NODE_SINGLE_WRITER)
+				staging := e.staged(t, "v", c)
+				req := &csi.NodePublishVolumeRequest{VolumeId: "v", StagingTargetPath: staging, TargetPath: e.path("pod t"), VolumeCapability: c}
+				if _, err := e.n.NodePublishVolume(t.Context(), req); err != nil {
+					t.Fatal(err)
+				}
+				return req
+			},
+		},
+		{
+			name: "a single-writer volume is published through a symbolic link to its staging path",
+			prepare: func(t *testing.T, e *nodeEnv) *csi.NodePublishVolumeRequest {
+				c := withMode(fsCap("ext4"), csi.VolumeCapability_AccessMode_SINGLE_NODE_SINGLE_WRITER)
+				staging := e.staged(t, "v", c)
+				if err := os.Symlink(e.dir, e.path("link")); err != nil {
+					t.Fatal(err)
+				}
+				return &csi.NodePublishVolumeRequest{VolumeId: "v", StagingTargetPath: filepath.Join(e.path("link"), filepath.Base(staging)),
+					TargetPath: e.path("t"), VolumeCapability: c}
+			},
+		},
+		{
 			name: "a multi-writer volume is published at a second target",
 			prepare: func(t *testing.T, e *nodeEnv) *csi.NodePublishVolumeRequest {
 				c := withMode(rawCap(), csi.VolumeCapability_AccessMode_SINGLE_NODE_MULTI_WRITER)

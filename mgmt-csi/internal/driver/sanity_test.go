@@ -44,7 +44,8 @@ const (
 // Nothing is excluded: csi-sanity expands a mount volume before it stages it, so the one thing
 // this sandbox cannot do, growing a mounted ext4 (CAP_SYS_RESOURCE), never comes up.
 //
-// Ginkgo runs one suite per process: `go test -count=2` fails the second TestSanity.
+// Ginkgo flags (-ginkgo.v, -ginkgo.focus, ...) apply; Ginkgo runs one suite per process and
+// refuses `go test -count` other than 1.
 func TestSanity(t *testing.T) {
 	if os.Geteuid() != 0 {
 		t.Fatal("csi-sanity stages volumes on real loop devices and must run as root")
