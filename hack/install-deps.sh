@@ -10,6 +10,10 @@ declare -A need=(
 	[losetup]=util-linux
 	[findmnt]=util-linux
 	[jq]=jq
+	# vm-operator's qemu hypervisor driver and its tests (software emulation, no KVM needed).
+	[qemu-system-x86_64]=qemu-system-x86
+	# unpacks the test guest's kernel to a raw vmlinux for a fast PVH boot.
+	[xz]=xz-utils
 )
 missing=()
 for cmd in "${!need[@]}"; do

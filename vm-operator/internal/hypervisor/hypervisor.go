@@ -1,0 +1,72 @@
+// Package hypervisor is how the vm-operator host agent acts on the virtual machines of its host:
+// power them on and off, hot-plug a host block device into one with a disk serial, and unplug
+// it. One small interface, one implementation per hypervisor:
+//
+//   - local (the lab's): a VM is a directory on this machine, and hot-plug exposes the device
+//     in that VM's own device tree, where the guest-csi node plugin of the VM looks for it;
+//   - qemu: starts each VM as a qemu-system-x86_64 process and hot-plugs over its QMP socket.
+//
+// Every method is idempotent, so that an agent restarted at any step converges by repeating
+// what it was doing.
+package hypervisor
+
+import (
+	"context"
+	"errors"
+)
+
+// Errors a Driver returns, wrapped with details.
+var (
+	// ErrVMNotFound: the hypervisor does not know the VM (not created, or powered off for good).
+	ErrVMNotFound = errors.New("virtual machine not found")
+	// ErrBusy: the guest has not released the disk yet (an unplug in progress), or PowerOff
+	// found disks that the driver cannot drop by itself; retry later.
+	ErrBusy = errors.New("disk still held by the virtual machine")
+	// ErrConflict: the serial is attached with another device, or the device under another serial.
+	ErrConflict = errors.New("conflicting disk")
+)
+
+// MaxSerialLength is the virtio-blk limit: QEMU silently truncates a longer serial.
+const MaxSerialLength = 20
+
+// VM identifies a virtual machine on this host.
+type VM struct {
+	// Namespace and Name are those of the VirtualMachine object.
+	Namespace, Name string
+	// UID is the VirtualMachine's status.uniqueID: stable for the VM's life, never reused.
+	UID string
+}
+
+// Disk is a host block device as a virtio disk of a VM.
+type Disk struct {
+	// Serial identifies the disk inside the VM (/sys/block/vdX/serial,
+	// /dev/disk/by-id/virtio-<serial>); at most MaxSerialLength characters.
+	Serial string
+	// Device is the host block device that backs it, e.g. /dev/loop3.
+	Device string
+}
+
+// Driver acts on the VMs of this host. Implementations are safe for concurrent use.
+type Driver interface {
+	// Name names the driver ("local", "qemu").
+	Name() string
+	// PowerOn starts vm, or does nothing if it runs.
+	PowerOn(ctx context.Context, vm VM) error
+	// PowerOff stops vm, or does nothing if it is off. A stopped VM holds no disk: a driver
+	// whose guest would keep using its disks (local) returns ErrBusy naming them instead, and
+	// the caller detaches them first.
+	PowerOff(ctx context.Context, vm VM) error
+	// Running reports whether vm runs.
+	Running(ctx context.Context, vm VM) (bool, error)
+
+	// Attach hot-plugs disk into the running vm. Attaching a disk that is attached with the
+	// same serial and device is success; ErrConflict otherwise; ErrVMNotFound if vm is not
+	// running.
+	Attach(ctx context.Context, vm VM, disk Disk) error
+	// Detach unplugs the disk with serial from vm and returns nil only once the hypervisor no
+	// longer holds its device: ErrBusy while the guest has not let go yet. A disk that is not
+	// attached, or a VM that does not run, is success.
+	Detach(ctx context.Context, vm VM, serial string) error
+	// Disks lists the disks attached to vm (empty when it does not run).
+	Disks(ctx context.Context, vm VM) ([]Disk, error)
+}

@@ -1,0 +1,358 @@
+package local
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io/fs"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"syscall"
+
+	"golang.org/x/sys/unix"
+	"k8s.io/klog/v2"
+
+	"pvbridge.io/vm-operator/internal/hypervisor"
+)
+
+// Attach exposes disk.Device in the running VM as a virtio disk with disk.Serial. Repeating it
+// completes an interrupted attach and refreshes the size. The same device under the same serial
+// is the same disk whatever path names it (the record then keeps the latest path); ErrConflict
+// when the serial is attached with another device, or the device under another serial.
+func (d *Driver) Attach(ctx context.Context, vm hypervisor.VM, disk hypervisor.Disk) error {
+	if err := validateSerial(disk.Serial); err != nil {
+		return err
+	}
+	dev, err := blockDevice(disk.Device)
+	if err != nil {
+		return err
+	}
+	unlock, err := d.lock(ctx, vm)
+	if err != nil {
+		return err
+	}
+	defer unlock()
+	r, err := d.openRunning(vm)
+	if err != nil {
+		return err
+	}
+	defer r.Close()
+
+	wrap := func(err error) error { return fmt.Errorf("attach disk %s to %s: %w", disk.Serial, vmKey(vm), err) }
+	// Whatever is in the temporary directory was left by an interrupted operation.
+	if err := r.RemoveAll(tmpDir); err != nil {
+		return wrap(err)
+	}
+	if err := r.Mkdir(tmpDir, 0o755); err != nil {
+		return wrap(err)
+	}
+	rec, err := recordFor(r, disk, dev)
+	if err != nil {
+		return wrap(err)
+	}
+	sectors, err := d.sectors(rec)
+	if err != nil {
+		return wrap(err)
+	}
+	if err := plug(r, rec, sectors); err != nil {
+		return wrap(err)
+	}
+	klog.FromContext(ctx).V(2).Info("Attached disk", "vm", klog.KRef(vm.Namespace, vm.Name),
+		"serial", rec.Serial, "device", rec.Device, "disk", rec.Name)
+	return nil
+}
+
+// openRunning opens the directory of vm, completing its skeleton; ErrVMNotFound if the VM
+// does not run.
+func (d *Driver) openRunning(vm hypervisor.VM) (_ *os.Root, err error) {
+	r, err := d.openVM(vm)
+	if errors.Is(err, fs.ErrNotExist) {
+		return nil, fmt.Errorf("%w: %s does not run", hypervisor.ErrVMNotFound, vmKey(vm))
+	}
+	if err != nil {
+		return nil, fmt.Errorf("open VM %s: %w", vmKey(vm), err)
+	}
+	defer func() {
+		if err != nil {
+			_ = r.Close()
+		}
+	}()
+	running, err := isRunning(r)
+	if err != nil {
+		return nil, fmt.Errorf("open VM %s: %w", vmKey(vm), err)
+	}
+	if !running {
+		return nil, fmt.Errorf("%w: %s does not run", hypervisor.ErrVMNotFound, vmKey(vm))
+	}
+	if err := makeSkeleton(r); err != nil {
+		return nil, fmt.Errorf("open VM %s: %w", vmKey(vm), err)
+	}
+	return r, nil
+}
+
+// recordFor returns the record of disk, dev being the number of disk.Device: the existing one,
+// updated to the path disk names, or a new one with the lowest free name. It stores what it
+// returns; ErrConflict if the serial or the device is attached with another.
+func recordFor(r *os.Root, disk hypervisor.Disk, dev uint64) (record, error) {
+	records, err := readRecords(r)
+	if err != nil {
+		return record{}, err
+	}
+	var existing *record
+	for i, rec := range records {
+		switch {
+		case rec.Serial == disk.Serial && rec.dev() != dev:
+			return record{}, fmt.Errorf("%w: the serial is attached as %s with device %s (%s), not %s (%d:%d)",
+				hypervisor.ErrConflict, rec.Name, rec.Device, rec.number(), disk.Device, unix.Major(dev), unix.Minor(dev))
+		case rec.Serial != disk.Serial && rec.dev() == dev:
+			return record{}, fmt.Errorf("%w: device %s (%s) is attached as %s with serial %s",
+				hypervisor.ErrConflict, disk.Device, rec.number(), rec.Name, rec.Serial)
+		case rec.Serial == disk.Serial:
+			existing = &records[i]
+		}
+	}
+	var rec record
+	switch {
+	case existing != nil && existing.Device == disk.Device:
+		return *existing, nil
+	case existing != nil:
+		rec = *existing
+		rec.Device = disk.Device
+	default:
+		name, err := lowestFreeName(r, records)
+		if err != nil {
+			return record{}, err
+		}
+		rec = newRecord(disk.Serial, name, disk.Device, dev)
+	}
+	if err := writeRecord(r, rec); err != nil {
+		return record{}, err
+	}
+	return rec, nil
+}
+
+// plug makes what the guest sees of rec, repairing what is missing or wrong: the device node,
+// then the sys/block directory, whose serial makes the disk visible, then the by-id link.
+func plug(r *os.Root, rec record, sectors uint64) error {
+	if err := makeNode(r, rec); err != nil {
+		return err
+	}
+	if err := makeSysDir(r, rec, sectors); err != nil {
+		return err
+	}
+	return makeLink(r, rec)
+}
+
+// makeNode makes dev/vdX a block device node with the number of rec, replacing anything else.
+func makeNode(r *os.Root, rec record) error {
+	fi, err := r.Lstat(rec.node())
+	switch {
+	case err == nil && isBlockDevice(fi, rec.dev()):
+		return nil
+	case err == nil:
+		if err := r.Remove(rec.node()); err != nil {
+			return fmt.Errorf("replace device node: %w", err)
+		}
+	case !errors.Is(err, fs.ErrNotExist):
+		return fmt.Errorf("device node: %w", err)
+	}
+	dir, err := r.Open(devDir)
+	if err != nil {
+		return err
+	}
+	defer dir.Close()
+	// Mknodat relative to a directory opened through the Root stays inside the VM. The kernel's
+	// device numbers have 12+20 bits, which their 64-bit encoding keeps far below 2^63.
+	if err := unix.Mknodat(int(dir.Fd()), rec.Name, unix.S_IFBLK|0o660, int(rec.dev())); err != nil { //nolint:gosec // see above
+		return fmt.Errorf("mknod %s: %w", rec.node(), err)
+	}
+	return nil
+}
+
+// isBlockDevice reports whether fi is a block device node with number dev.
+func isBlockDevice(fi fs.FileInfo, dev uint64) bool {
+	st, ok := fi.Sys().(*syscall.Stat_t)
+	return ok && fi.Mode().Type() == fs.ModeDevice && st.Rdev == dev
+}
+
+// makeSysDir makes sys/block/vdX of rec, or only refreshes its size when it is already right.
+// The directory is built under the temporary directory and renamed into place, so that the
+// guest never sees a serial without the rest.
+func makeSysDir(r *os.Root, rec record, sectors uint64) error {
+	serial, errSerial := r.ReadFile(filepath.Join(rec.sysDir(), "serial"))
+	number, errNumber := r.ReadFile(filepath.Join(rec.sysDir(), "dev"))
+	if errSerial == nil && errNumber == nil && string(serial) == rec.Serial+"\n" && string(number) == rec.number()+"\n" {
+		return writeSize(r, rec, sectors)
+	}
+	tmp := filepath.Join(tmpDir, rec.Name)
+	if err := r.RemoveAll(tmp); err != nil {
+		return err
+	}
+	if err := r.MkdirAll(tmp, 0o755); err != nil {
+		return err
+	}
+	files := []struct{ name, content string }{
+		{"dev", rec.number()},
+		{"size", strconv.FormatUint(sectors, 10)},
+		{"serial", rec.Serial},
+	}
+	for _, f := range files {
+		if err := r.WriteFile(filepath.Join(tmp, f.name), []byte(f.content+"\n"), 0o444); err != nil {
+			return err
+		}
+	}
+	if err := r.RemoveAll(rec.sysDir()); err != nil {
+		return err
+	}
+	return r.Rename(tmp, rec.sysDir())
+}
+
+// writeSize updates the size in sys/block/vdX if it changed.
+func writeSize(r *os.Root, rec record, sectors uint64) error {
+	name := filepath.Join(rec.sysDir(), "size")
+	content := strconv.FormatUint(sectors, 10) + "\n"
+	if old, err := r.ReadFile(name); err == nil && string(old) == content {
+		return nil
+	}
+	return writeFile(r, name, []byte(content))
+}
+
+// makeLink points dev/disk/by-id/virtio-<serial> at the node of rec, atomically.
+func makeLink(r *os.Root, rec record) error {
+	target := "../../" + rec.Name
+	if cur, err := r.Readlink(rec.link()); err == nil && cur == target {
+		return nil
+	}
+	tmp := filepath.Join(tmpDir, filepath.Base(rec.link()))
+	if err := removeIfExists(r, tmp); err != nil {
+		return err
+	}
+	if err := r.Symlink(target, tmp); err != nil {
+		return err
+	}
+	return r.Rename(tmp, rec.link())
+}
+
+// sectors returns the current size of the device of rec in 512-byte sectors, from sysfs.
+func (d *Driver) sectors(rec record) (uint64, error) {
+	data, err := os.ReadFile(filepath.Join(d.sysfs, "dev", "block", rec.number(), "size"))
+	if err != nil {
+		return 0, fmt.Errorf("read size of device %s: %w", rec.number(), err)
+	}
+	n, err := strconv.ParseUint(strings.TrimSpace(string(data)), 10, 64)
+	if err != nil {
+		return 0, fmt.Errorf("parse size of device %s: %w", rec.number(), err)
+	}
+	return n, nil
+}
+
+// Detach removes the disk with serial from the VM once nothing holds its device: ErrBusy,
+// naming the holders, while it is mounted (anywhere, through any path), its node in the VM is
+// bind-mounted (a raw block volume published by the guest), a kernel device is stacked on it,
+// or something claims it exclusively (a mount in another mount namespace). A disk that is not
+// attached, or a VM that does not exist, is success.
+//
+// The check and the removal are not atomic against a guest that mounts the disk in between; the
+// guest-csi node plugin does not, since kubelet unstages a volume before it is unpublished.
+func (d *Driver) Detach(ctx context.Context, vm hypervisor.VM, serial string) error {
+	if err := validateSerial(serial); err != nil {
+		return err
+	}
+	unlock, err := d.lock(ctx, vm)
+	if err != nil {
+		return err
+	}
+	defer unlock()
+	r, err := d.openVM(vm)
+	if errors.Is(err, fs.ErrNotExist) {
+		return nil
+	}
+	if err != nil {
+		return fmt.Errorf("detach disk %s from %s: %w", serial, vmKey(vm), err)
+	}
+	defer r.Close()
+	rec, found, err := readRecord(r, serial)
+	if err != nil {
+		return fmt.Errorf("detach disk %s from %s: %w", serial, vmKey(vm), err)
+	}
+	if !found {
+		return nil
+	}
+	users, err := d.users(r, rec)
+	if err != nil {
+		return fmt.Errorf("detach disk %s from %s: %w", serial, vmKey(vm), err)
+	}
+	if len(users) > 0 {
+		return fmt.Errorf("detach disk %s from %s: %w: %s", serial, vmKey(vm), hypervisor.ErrBusy, strings.Join(users, ", "))
+	}
+	if err := unplug(r, rec); err != nil {
+		return fmt.Errorf("detach disk %s from %s: %w", serial, vmKey(vm), err)
+	}
+	klog.FromContext(ctx).V(2).Info("Detached disk", "vm", klog.KRef(vm.Namespace, vm.Name),
+		"serial", rec.Serial, "device", rec.Device, "disk", rec.Name)
+	return nil
+}
+
+// unplug removes the guest's view of rec, then the record: the by-id link, the node, the
+// sys/block directory, each of which may already be gone.
+func unplug(r *os.Root, rec record) error {
+	for _, name := range []string{rec.link(), rec.node()} {
+		if err := removeIfExists(r, name); err != nil {
+			return err
+		}
+	}
+	if err := r.RemoveAll(rec.sysDir()); err != nil {
+		return err
+	}
+	return removeIfExists(r, rec.recFile())
+}
+
+// Disks lists the disks of the VM in the order of their names, and refreshes the size the
+// guest sees of each. A disk whose attach or detach was interrupted is listed: it may hold its
+// device until Attach completes it or Detach removes it. A VM that is not running has no disks,
+// since PowerOff refuses while it has some.
+func (d *Driver) Disks(ctx context.Context, vm hypervisor.VM) ([]hypervisor.Disk, error) {
+	unlock, err := d.lock(ctx, vm)
+	if err != nil {
+		return nil, err
+	}
+	defer unlock()
+	r, err := d.openVM(vm)
+	if errors.Is(err, fs.ErrNotExist) {
+		return nil, nil
+	}
+	if err != nil {
+		return nil, fmt.Errorf("list disks of %s: %w", vmKey(vm), err)
+	}
+	defer r.Close()
+	records, err := readRecords(r)
+	if err != nil {
+		return nil, fmt.Errorf("list disks of %s: %w", vmKey(vm), err)
+	}
+	var disks []hypervisor.Disk
+	for _, rec := range records {
+		if err := d.refreshSize(r, rec); err != nil {
+			return nil, fmt.Errorf("list disks of %s: %w", vmKey(vm), err)
+		}
+		disks = append(disks, hypervisor.Disk{Serial: rec.Serial, Device: rec.Device})
+	}
+	return disks, nil
+}
+
+// refreshSize updates the size the guest sees of a complete disk to that of its device. A
+// device that no longer exists keeps its last size.
+func (d *Driver) refreshSize(r *os.Root, rec record) error {
+	if _, err := r.Stat(filepath.Join(rec.sysDir(), "serial")); errors.Is(err, fs.ErrNotExist) {
+		return nil
+	}
+	sectors, err := d.sectors(rec)
+	if errors.Is(err, fs.ErrNotExist) {
+		return nil
+	}
+	if err != nil {
+		return err
+	}
+	return writeSize(r, rec, sectors)
+}

@@ -1,0 +1,254 @@
+// Package local is the lab's hypervisor: a virtual machine is a directory on this machine, and
+// hot-plugging a disk exposes the host block device inside that directory the way a Linux guest
+// sees a virtio disk. The guest-csi node plugin of the VM runs on this machine with the VM
+// directory as its root and finds the disk by serial exactly as it would inside a real VM; the
+// device node carries the host device's number, so the plugin formats and mounts it for real.
+//
+// The VM directory <root>/<namespace>/<name> holds:
+//
+//	sys/block/vdX/serial             the serial and a newline, as the kernel writes it
+//	sys/block/vdX/size               the size in 512-byte sectors, refreshed by Attach and Disks
+//	sys/block/vdX/dev                "major:minor" of the host device, and a newline
+//	dev/vdX                          a block device node with the host device's number
+//	dev/disk/by-id/virtio-<serial>   a symbolic link to ../../vdX
+//	.hypervisor/running              the power-state marker; it holds the VM's UID
+//	.hypervisor/disks/<serial>.json  the record of a disk: its name vdX, host device and number
+//	.hypervisor/tmp/                 files being written, renamed into place when complete
+//
+// Disk names are allocated lowest-free first (vda … vdz, vdaa …) as the kernel does. The UID is
+// recorded for people reading the directory; the VM is its namespace and name.
+//
+// The namespace must be a DNS label, the name a DNS subdomain and the serial 1 to 20 characters
+// of [A-Za-z0-9_-], and every access to a VM goes through an os.Root on its directory: neither
+// an argument nor a symbolic link planted in the directory leads the driver outside it.
+//
+// The directory is the only state, so a restarted driver reads it back. Every write is
+// atomic against a crash of the process (a file or a sys/block directory is built under
+// .hypervisor/tmp and renamed into place), and the steps are ordered so that a crash leaves
+// nothing unaccounted for: Attach writes the record first, then the device node, then the
+// sys/block directory (whose serial is what makes the disk visible), then the by-id link;
+// Detach removes them in the opposite order and the record last. A disk with a record is
+// attached as far as Disks is concerned, complete or not: repeating Attach completes it, and
+// Detach removes it.
+//
+// Writes are not synced to stable storage: the loop devices of the lab do not survive a reboot
+// of the machine either.
+package local
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io/fs"
+	"os"
+	"path/filepath"
+	"sync"
+
+	"golang.org/x/sys/unix"
+	"k8s.io/klog/v2"
+
+	"pvbridge.io/vm-operator/internal/hypervisor"
+)
+
+// Options configure a Driver.
+type Options struct {
+	// Root is the directory that holds one directory per VM, <Root>/<namespace>/<name>. It is
+	// required, must be absolute, and must be on a filesystem that allows device nodes (not
+	// mounted nodev). It is created if missing.
+	Root string
+	// Sysfs is where the host's sysfs is mounted, read for device sizes and holders.
+	// Default /sys.
+	Sysfs string
+}
+
+// Driver is the local hypervisor. It is safe for concurrent use; the operations on one VM are
+// serialized, those on different VMs run in parallel. Only one Driver may act on a root at a
+// time (one agent per host): two would not serialize against each other.
+type Driver struct {
+	root  string
+	sysfs string
+	locks vmLocks
+}
+
+var _ hypervisor.Driver = (*Driver)(nil)
+
+// New validates opts and returns a Driver for the VMs under opts.Root.
+func New(opts Options) (*Driver, error) {
+	if !filepath.IsAbs(opts.Root) {
+		return nil, fmt.Errorf("root %q must be an absolute path", opts.Root)
+	}
+	if opts.Sysfs == "" {
+		opts.Sysfs = "/sys"
+	}
+	if err := os.MkdirAll(opts.Root, 0o755); err != nil {
+		return nil, fmt.Errorf("create root: %w", err)
+	}
+	var st unix.Statfs_t
+	if err := unix.Statfs(opts.Root, &st); err != nil {
+		return nil, fmt.Errorf("statfs %s: %w", opts.Root, err)
+	}
+	if st.Flags&unix.ST_NODEV != 0 {
+		return nil, fmt.Errorf("root %s is on a filesystem mounted nodev: guests could not open their disks", opts.Root)
+	}
+	return &Driver{root: filepath.Clean(opts.Root), sysfs: opts.Sysfs}, nil
+}
+
+// Name returns "local".
+func (d *Driver) Name() string { return "local" }
+
+// PowerOn creates the VM directory with its device tree and marks the VM running.
+func (d *Driver) PowerOn(ctx context.Context, vm hypervisor.VM) error {
+	unlock, err := d.lock(ctx, vm)
+	if err != nil {
+		return err
+	}
+	defer unlock()
+	r, err := d.createVM(vm)
+	if err != nil {
+		return fmt.Errorf("power on %s: %w", vmKey(vm), err)
+	}
+	defer r.Close()
+	if uid, err := r.ReadFile(runningFile); err == nil && string(uid) == vm.UID+"\n" {
+		return nil
+	}
+	if err := writeFile(r, runningFile, []byte(vm.UID+"\n")); err != nil {
+		return fmt.Errorf("power on %s: %w", vmKey(vm), err)
+	}
+	klog.FromContext(ctx).V(2).Info("Powered on VM", "vm", klog.KRef(vm.Namespace, vm.Name), "uid", vm.UID)
+	return nil
+}
+
+// PowerOff marks the VM stopped. The guest of a local VM keeps what it mounted whatever its
+// power state, so dropping its disks silently would report them detached while the guest still
+// holds them: with disks attached (complete or not) PowerOff returns ErrBusy naming them, and
+// the caller detaches them first.
+func (d *Driver) PowerOff(ctx context.Context, vm hypervisor.VM) error {
+	unlock, err := d.lock(ctx, vm)
+	if err != nil {
+		return err
+	}
+	defer unlock()
+	r, err := d.openVM(vm)
+	if errors.Is(err, fs.ErrNotExist) {
+		return nil
+	}
+	if err != nil {
+		return fmt.Errorf("power off %s: %w", vmKey(vm), err)
+	}
+	defer r.Close()
+	records, err := readRecords(r)
+	if err != nil {
+		return fmt.Errorf("power off %s: %w", vmKey(vm), err)
+	}
+	if len(records) > 0 {
+		serials := make([]string, len(records))
+		for i, rec := range records {
+			serials[i] = rec.Serial
+		}
+		return fmt.Errorf("power off %s: %w: disks %q are attached; detach them first", vmKey(vm), hypervisor.ErrBusy, serials)
+	}
+	if err := removeIfExists(r, runningFile); err != nil {
+		return fmt.Errorf("power off %s: %w", vmKey(vm), err)
+	}
+	klog.FromContext(ctx).V(2).Info("Powered off VM", "vm", klog.KRef(vm.Namespace, vm.Name))
+	return nil
+}
+
+// Running reports whether the VM's power-state marker exists.
+func (d *Driver) Running(_ context.Context, vm hypervisor.VM) (bool, error) {
+	if err := validateVM(vm); err != nil {
+		return false, err
+	}
+	r, err := d.openVM(vm)
+	if errors.Is(err, fs.ErrNotExist) {
+		return false, nil
+	}
+	if err != nil {
+		return false, fmt.Errorf("read power state of %s: %w", vmKey(vm), err)
+	}
+	defer r.Close()
+	return isRunning(r)
+}
+
+// isRunning reports whether the VM whose directory is r runs.
+func isRunning(r *os.Root) (bool, error) {
+	_, err := r.Stat(runningFile)
+	if errors.Is(err, fs.ErrNotExist) {
+		return false, nil
+	}
+	if err != nil {
+		return false, fmt.Errorf("read power state: %w", err)
+	}
+	return true, nil
+}
+
+// openVM opens the directory of vm, which must exist. Every access to the VM goes through the
+// returned Root, so that nothing in the directory (a symbolic link a guest planted) can make the
+// driver act outside it.
+func (d *Driver) openVM(vm hypervisor.VM) (*os.Root, error) {
+	top, err := os.OpenRoot(d.root)
+	if err != nil {
+		return nil, err
+	}
+	defer top.Close()
+	return top.OpenRoot(filepath.Join(vm.Namespace, vm.Name))
+}
+
+// createVM opens the directory of vm, creating it and its skeleton as needed.
+func (d *Driver) createVM(vm hypervisor.VM) (*os.Root, error) {
+	top, err := os.OpenRoot(d.root)
+	if err != nil {
+		return nil, err
+	}
+	defer top.Close()
+	dir := filepath.Join(vm.Namespace, vm.Name)
+	if err := top.MkdirAll(dir, 0o755); err != nil {
+		return nil, err
+	}
+	r, err := top.OpenRoot(dir)
+	if err != nil {
+		return nil, err
+	}
+	if err := makeSkeleton(r); err != nil {
+		_ = r.Close()
+		return nil, err
+	}
+	return r, nil
+}
+
+// lock validates vm and takes its lock, waiting at most until ctx is done.
+func (d *Driver) lock(ctx context.Context, vm hypervisor.VM) (unlock func(), err error) {
+	if err := validateVM(vm); err != nil {
+		return nil, err
+	}
+	return d.locks.lock(ctx, vmKey(vm))
+}
+
+// vmKey names vm in locks and messages.
+func vmKey(vm hypervisor.VM) string { return vm.Namespace + "/" + vm.Name }
+
+// vmLocks serializes the operations on each VM. A waiter gives up when its context is done.
+// Locks are never freed: there is one per VM this agent ever handled, a few bytes each.
+type vmLocks struct {
+	mu    sync.Mutex
+	locks map[string]chan struct{}
+}
+
+func (l *vmLocks) lock(ctx context.Context, key string) (unlock func(), err error) {
+	l.mu.Lock()
+	if l.locks == nil {
+		l.locks = make(map[string]chan struct{})
+	}
+	ch, ok := l.locks[key]
+	if !ok {
+		ch = make(chan struct{}, 1)
+		l.locks[key] = ch
+	}
+	l.mu.Unlock()
+	select {
+	case ch <- struct{}{}:
+		return func() { <-ch }, nil
+	case <-ctx.Done():
+		return nil, fmt.Errorf("wait for another operation on VM %s: %w", key, context.Cause(ctx))
+	}
+}

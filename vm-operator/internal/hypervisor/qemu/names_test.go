@@ -1,0 +1,181 @@
+package qemu
+
+import (
+	"path/filepath"
+	"strings"
+	"testing"
+
+	. "github.com/onsi/gomega"
+
+	"pvbridge.io/vm-operator/internal/hypervisor"
+)
+
+func TestNames(t *testing.T) {
+	tests := []struct {
+		name, serial         string
+		wantDevice, wantNode string
+	}{{
+		name:       "a serial that is a valid QOM id is kept readable",
+		serial:     "PVB0123456789ABCDEFG",
+		wantDevice: "pvb-disk-PVB0123456789ABCDEFG",
+		wantNode:   "pvb-node-PVB0123456789ABCDEFG",
+	}, {
+		name:       "dots, dashes and underscores are valid",
+		serial:     "pvc-a.b_c",
+		wantDevice: "pvb-disk-pvc-a.b_c",
+		wantNode:   "pvb-node-pvc-a.b_c",
+	}, {
+		name:       "a serial with other characters is hashed",
+		serial:     "disk #1",
+		wantDevice: "pvb-disk-h70aab128b94d1f88",
+		wantNode:   "pvb-node-h70aab128b94d1f88",
+	}}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			g := NewWithT(t)
+			device, node := names(tt.serial)
+			g.Expect(device).To(Equal(tt.wantDevice))
+			g.Expect(node).To(Equal(tt.wantNode))
+			g.Expect(len(node)).To(BeNumerically("<=", 31), "QEMU's limit for node names")
+		})
+	}
+}
+
+func TestDirName(t *testing.T) {
+	long := strings.Repeat("n", 253) // the longest Kubernetes name
+	tests := []struct {
+		name string
+		vm   hypervisor.VM
+		want string // "" to check the length only
+	}{{
+		name: "namespace and name, joined by a character neither may contain",
+		vm:   hypervisor.VM{Namespace: "tenant-a", Name: "vm1"},
+		want: "tenant-a_vm1",
+	}, {
+		name: "a long name is shortened with a hash, within the socket path limit",
+		vm:   hypervisor.VM{Namespace: "tenant-a", Name: long},
+	}}
+	const runDir = "/var/run/pvbridge/vms"
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			g := NewWithT(t)
+			got := dirName(runDir, tt.vm)
+			if tt.want != "" {
+				g.Expect(got).To(Equal(tt.want))
+			}
+			g.Expect(len(filepath.Join(runDir, got, serialSocket))).To(BeNumerically("<=", maxSocketPath))
+		})
+	}
+	g := NewWithT(t)
+	other := dirName(runDir, hypervisor.VM{Namespace: "tenant-a", Name: long[1:] + "x"})
+	g.Expect(other).NotTo(Equal(dirName(runDir, hypervisor.VM{Namespace: "tenant-a", Name: long})),
+		"names that share their start get different directories")
+}
+
+func TestHasVirtualizationFlag(t *testing.T) {
+	tests := []struct {
+		name    string
+		cpuinfo string
+		want    bool
+	}{
+		{"Intel VT-x", "processor\t: 0\nflags\t\t: fpu vme vmx sse\n", true},
+		{"AMD-V", "processor\t: 0\nflags\t\t: fpu svm\n", true},
+		{"none (software KVM such as kvm_pvm)", "processor\t: 0\nflags\t\t: fpu vme hypervisor\n", false},
+		{"only in another field", "model name\t: vmx svm\nflags\t\t: fpu\n", false},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			NewWithT(t).Expect(hasVirtualizationFlag(strings.NewReader(tt.cpuinfo))).To(Equal(tt.want))
+		})
+	}
+}
+
+func TestArgs(t *testing.T) {
+	tests := []struct {
+		name    string
+		opts    Options
+		vm      hypervisor.VM
+		want    []string // consecutive arguments that must appear
+		notWant string   // an argument that must not appear
+	}{{
+		name: "software emulation with the most capable CPU model",
+		opts: Options{Accel: "tcg"},
+		want: []string{"-accel", "tcg", "-cpu", "max"},
+	}, {
+		name: "KVM with the host's CPU",
+		opts: Options{Accel: "kvm"},
+		want: []string{"-accel", "kvm", "-cpu", "host"},
+	}, {
+		name: "native PCIe hot-plug",
+		want: []string{"-global", "ICH9-LPC.acpi-pci-hotplug-with-bridge-support=off"},
+	}, {
+		name: "the ninth hot-plug port opens the next slot",
+		want: []string{"-device", "pcie-root-port,id=pvb-port8,bus=pcie.0,chassis=9,slot=9,addr=0x3.0,multifunction=on"},
+	}, {
+		name: "the VM's UID is its system UUID",
+		vm:   hypervisor.VM{Namespace: "a", Name: "b", UID: "6c0c5b9e-2f59-4a51-9d67-4f7a53a1c0de"},
+		want: []string{"-uuid", "6c0c5b9e-2f59-4a51-9d67-4f7a53a1c0de"},
+	}, {
+		name:    "a UID that is no UUID is not passed",
+		vm:      hypervisor.VM{Namespace: "a", Name: "b", UID: "vm-17"},
+		notWant: "-uuid",
+	}, {
+		name: "direct kernel boot",
+		opts: Options{Kernel: "/k", Initrd: "/i", Append: "console=ttyS0"},
+		want: []string{"-kernel", "/k", "-initrd", "/i", "-append", "console=ttyS0"},
+	}}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			g := NewWithT(t)
+			opts := tt.opts
+			opts.RunDir = "/run/vms"
+			d, err := New(opts)
+			g.Expect(err).NotTo(HaveOccurred())
+			vm := tt.vm
+			if vm.Name == "" {
+				vm = hypervisor.VM{Namespace: "a", Name: "b"}
+			}
+			v, err := d.state(vm)
+			g.Expect(err).NotTo(HaveOccurred())
+			args := d.args(v, vm, 3)
+			line := strings.Join(args, "\n")
+			if tt.want != nil {
+				g.Expect(line).To(ContainSubstring(strings.Join(tt.want, "\n")))
+			}
+			if tt.notWant != "" {
+				g.Expect(args).NotTo(ContainElement(tt.notWant))
+			}
+			g.Expect(args).To(ContainElement("socket,id=qmp,fd=3,server=on,wait=off"))
+		})
+	}
+}
+
+func TestNewRejectsBadOptions(t *testing.T) {
+	tests := []struct {
+		name    string
+		opts    Options
+		wantErr string
+	}{
+		{"no run directory", Options{}, "RunDir is required"},
+		{"a run directory too long for sockets", Options{RunDir: "/" + strings.Repeat("d", 60)}, "longer than 60"},
+		{"an unknown accelerator", Options{RunDir: "/run/vms", Accel: "hvf"}, "want kvm or tcg"},
+		{"too many ports", Options{RunDir: "/run/vms", HotplugPorts: 65}, "want 1 to 64"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			_, err := New(tt.opts)
+			NewWithT(t).Expect(err).To(MatchError(ContainSubstring(tt.wantErr)))
+		})
+	}
+}
+
+func TestInvalidVMNames(t *testing.T) {
+	d, err := New(Options{RunDir: "/run/vms"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, vm := range []hypervisor.VM{{Name: "vm1"}, {Namespace: "a", Name: ".."}, {Namespace: "a", Name: "b/c"}, {Namespace: "a_b", Name: "c"}} {
+		_, err := d.state(vm)
+		NewWithT(t).Expect(err).To(MatchError(ContainSubstring("invalid VM")), "%+v", vm)
+	}
+}

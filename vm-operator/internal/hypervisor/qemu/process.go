@@ -1,0 +1,304 @@
+package qemu
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"os"
+	"os/exec"
+	"regexp"
+	"strconv"
+	"strings"
+	"syscall"
+	"time"
+
+	"k8s.io/klog/v2"
+
+	"pvbridge.io/vm-operator/internal/hypervisor"
+)
+
+// process is a QEMU this driver started; done is closed once it has been reaped.
+type process struct {
+	pid  int
+	done chan struct{}
+}
+
+// start runs QEMU for vm and waits until its QMP answers.
+//
+// The driver binds the QMP socket itself and hands the listening descriptor to QEMU: a client
+// can connect at once (the connection waits in the backlog until QEMU accepts it), so nothing
+// polls for the socket to appear, and a crash before QEMU is ready shows as a reset connection.
+func (d *Driver) start(ctx context.Context, v *vmState, vm hypervisor.VM) error {
+	if err := os.MkdirAll(v.dir, 0o750); err != nil {
+		return fmt.Errorf("VM %s: %w", v.name, err)
+	}
+	sock := v.path(qmpSocket)
+	if err := os.Remove(sock); err != nil && !errors.Is(err, os.ErrNotExist) {
+		return fmt.Errorf("VM %s: remove stale QMP socket: %w", v.name, err)
+	}
+	l, err := net.ListenUnix("unix", &net.UnixAddr{Name: sock, Net: "unix"})
+	if err != nil {
+		return fmt.Errorf("VM %s: listen on QMP socket: %w", v.name, err)
+	}
+	l.SetUnlinkOnClose(false) // the socket is QEMU's now
+	lf, err := l.File()
+	_ = l.Close()
+	if err != nil {
+		return fmt.Errorf("VM %s: QMP socket: %w", v.name, err)
+	}
+	defer lf.Close()
+	out, err := os.OpenFile(v.path(logFile), os.O_CREATE|os.O_WRONLY|os.O_TRUNC, 0o640)
+	if err != nil {
+		return fmt.Errorf("VM %s: %w", v.name, err)
+	}
+	defer out.Close()
+
+	// Not CommandContext: the VM outlives this call, and in its own session it outlives the
+	// agent too.
+	cmd := exec.Command(d.opts.Binary, d.args(v, vm, 3)...)
+	cmd.ExtraFiles = []*os.File{lf} // descriptor 3
+	cmd.Stdout, cmd.Stderr = out, out
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
+	if err := cmd.Start(); err != nil {
+		return fmt.Errorf("VM %s: start QEMU: %w", v.name, err)
+	}
+	p := &process{pid: cmd.Process.Pid, done: make(chan struct{})}
+	go func() {
+		_ = cmd.Wait()
+		close(p.done)
+	}()
+	v.monMu.Lock()
+	v.proc = p
+	v.monMu.Unlock()
+	klog.FromContext(ctx).V(2).Info("Started QEMU", "vm", v.name, "pid", p.pid, "accel", d.opts.Accel)
+
+	dialCtx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	go func() {
+		select {
+		case <-p.done:
+			cancel()
+		case <-dialCtx.Done():
+		}
+	}()
+	if _, err := v.monitor(dialCtx); err != nil {
+		select {
+		case <-p.done:
+			v.forget()
+			return fmt.Errorf("VM %s: QEMU exited at start: %s", v.name, tail(v.path(logFile), 2048))
+		default:
+		}
+		// QEMU may still come up; the next PowerOn finds it running.
+		return fmt.Errorf("VM %s: wait for QMP: %w", v.name, err)
+	}
+	return nil
+}
+
+// args is QEMU's command line for vm, with its QMP listening socket at descriptor qmpFD.
+func (d *Driver) args(v *vmState, vm hypervisor.VM, qmpFD int) []string {
+	o := d.opts
+	cpu := "max"
+	if o.Accel == "kvm" {
+		cpu = "host"
+	}
+	args := []string{
+		"-name", "guest=" + vm.Namespace + "/" + vm.Name,
+		"-machine", "q35",
+		"-accel", o.Accel,
+		"-cpu", cpu,
+		"-smp", strconv.Itoa(o.CPUs),
+		"-m", strconv.Itoa(o.MemoryMiB) + "M",
+		"-nodefaults", "-no-user-config",
+		"-display", "none",
+		"-pidfile", v.path(pidFile),
+		"-chardev", fmt.Sprintf("socket,id=qmp,fd=%d,server=on,wait=off", qmpFD),
+		"-mon", "chardev=qmp,mode=control",
+		"-chardev", fmt.Sprintf("socket,id=serial0,path=%s,server=on,wait=off,logfile=%s",
+			v.path(serialSocket), v.path(serialLog)),
+		"-serial", "chardev:serial0",
+		// Native PCIe hot-plug: unplug completes without a guest, and does not get lost when
+		// requested while a guest boots (ACPI hot-plug, q35's default, has both problems).
+		"-global", "ICH9-LPC.acpi-pci-hotplug-with-bridge-support=off",
+	}
+	if uuidRE.MatchString(vm.UID) {
+		// The guest reads it as its SMBIOS system UUID.
+		args = append(args, "-uuid", vm.UID)
+	}
+	// pcie.0 does not take hot-plugged devices: one root port per disk, eight per slot.
+	for i := range o.HotplugPorts {
+		dev := fmt.Sprintf("pcie-root-port,id=%s,bus=pcie.0,chassis=%d,slot=%d,addr=0x%x.%d",
+			portID(i), i+1, i+1, 2+i/8, i%8)
+		if i%8 == 0 {
+			dev += ",multifunction=on"
+		}
+		args = append(args, "-device", dev)
+	}
+	if o.Kernel != "" {
+		args = append(args, "-kernel", o.Kernel)
+		if o.Initrd != "" {
+			args = append(args, "-initrd", o.Initrd)
+		}
+		if o.Append != "" {
+			args = append(args, "-append", o.Append)
+		}
+	}
+	return append(args, o.ExtraArgs...)
+}
+
+var uuidRE = regexp.MustCompile(`^[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}$`)
+
+// portID is the QOM id of the i-th hot-plug port; its bus has the same name.
+func portID(i int) string { return fmt.Sprintf("pvb-port%d", i) }
+
+// waitStopped waits until the QEMU behind mon has exited, and kills it (pid, if known) when it
+// has not within StopTimeout.
+func (d *Driver) waitStopped(ctx context.Context, v *vmState, mon *Monitor, pid int) error {
+	v.monMu.Lock()
+	proc := v.proc
+	v.monMu.Unlock()
+	if proc != nil {
+		pid = proc.pid
+	}
+	exited := func(ctx context.Context) error {
+		select {
+		case <-mon.Done(): // QEMU closes QMP as it exits
+		case <-ctx.Done():
+			return ctx.Err()
+		}
+		if proc != nil {
+			select {
+			case <-proc.done:
+				return nil
+			case <-ctx.Done():
+				return ctx.Err()
+			}
+		}
+		// Not our child (we restarted since we started it): poll the pid, which no event
+		// reports on.
+		for pid > 0 && !processGone(pid) {
+			select {
+			case <-time.After(20 * time.Millisecond):
+			case <-ctx.Done():
+				return ctx.Err()
+			}
+		}
+		return nil
+	}
+
+	wctx, cancel := context.WithTimeout(ctx, d.opts.StopTimeout)
+	err := exited(wctx)
+	cancel()
+	if err == nil {
+		return nil
+	}
+	if pid <= 0 || !isQEMUOf(pid, v) {
+		return fmt.Errorf("QEMU has not exited: %w", err)
+	}
+	klog.FromContext(ctx).Info("Killing QEMU that did not exit", "vm", v.name, "pid", pid)
+	if err := syscall.Kill(pid, syscall.SIGKILL); err != nil && !errors.Is(err, syscall.ESRCH) {
+		return fmt.Errorf("kill QEMU %d: %w", pid, err)
+	}
+	// A killed process is gone at once; allow for reaping even if ctx has ended.
+	kctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
+	defer cancel()
+	if err := exited(kctx); err != nil {
+		return fmt.Errorf("QEMU %d has not exited after SIGKILL: %w", pid, err)
+	}
+	return nil
+}
+
+// readPid reads QEMU's pid file; 0 if there is none.
+func readPid(path string) int {
+	b, err := os.ReadFile(path)
+	if err != nil {
+		return 0
+	}
+	pid, err := strconv.Atoi(strings.TrimSpace(string(b)))
+	if err != nil {
+		return 0
+	}
+	return pid
+}
+
+// processGone reports whether pid has exited (a zombie counts as exited).
+func processGone(pid int) bool {
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	if err != nil {
+		return true
+	}
+	// The state follows the command name, which is in parentheses and may contain anything.
+	i := bytes.LastIndexByte(b, ')')
+	fields := strings.Fields(string(b[i+1:]))
+	return len(fields) == 0 || fields[0] == "Z" || fields[0] == "X"
+}
+
+// isQEMUOf reports whether pid is the QEMU of v (its command line names v's pid file), so that
+// a reused pid is never killed.
+func isQEMUOf(pid int, v *vmState) bool {
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/cmdline", pid))
+	if err != nil {
+		return false
+	}
+	for arg := range bytes.SplitSeq(b, []byte{0}) {
+		if string(arg) == v.path(pidFile) {
+			return true
+		}
+	}
+	return false
+}
+
+// isNotServing reports whether a dial error means that no process listens on the socket.
+func isNotServing(err error) bool {
+	return errors.Is(err, os.ErrNotExist) || errors.Is(err, syscall.ECONNREFUSED)
+}
+
+// detectAccel picks kvm if the CPU has hardware virtualization and /dev/kvm exists, else tcg.
+func detectAccel() string {
+	f, err := os.Open("/proc/cpuinfo")
+	if err != nil {
+		return "tcg"
+	}
+	defer f.Close()
+	if !hasVirtualizationFlag(f) {
+		return "tcg"
+	}
+	if _, err := os.Stat("/dev/kvm"); err != nil {
+		return "tcg"
+	}
+	return "kvm"
+}
+
+// hasVirtualizationFlag reports whether a /proc/cpuinfo lists vmx (Intel VT-x) or svm (AMD-V).
+func hasVirtualizationFlag(cpuinfo io.Reader) bool {
+	s := bufio.NewScanner(cpuinfo)
+	for s.Scan() {
+		key, value, ok := strings.Cut(s.Text(), ":")
+		if !ok || strings.TrimSpace(key) != "flags" {
+			continue
+		}
+		for _, flag := range strings.Fields(value) {
+			if flag == "vmx" || flag == "svm" {
+				return true
+			}
+		}
+	}
+	return false
+}
+
+// tail returns the last n bytes of a file, for error messages.
+func tail(path string, n int64) string {
+	f, err := os.Open(path)
+	if err != nil {
+		return err.Error()
+	}
+	defer f.Close()
+	if st, err := f.Stat(); err == nil && st.Size() > n {
+		_, _ = f.Seek(-n, io.SeekEnd)
+	}
+	b, _ := io.ReadAll(f)
+	return strings.TrimSpace(string(b))
+}
