@@ -38,6 +38,16 @@ func main() {
 		`What to run: "controller" (one per management cluster) or "host-agent" (one per host, beside its kubelet). Required.`)
 	fs.StringVar(&opts.NodeName, "node-name", "",
 		"Name of this host's Kubernetes Node; usually the pod's spec.nodeName. Required with --role=host-agent.")
+	fs.StringVar(&opts.Hypervisor, "hypervisor", "local",
+		`Host agent: the hypervisor driver, "local" (a VM is a directory whose device tree receives the hot-plugged disks; the lab) or "qemu" (QEMU VMs started and hot-plugged over QMP).`)
+	fs.StringVar(&opts.VMRoot, "vm-root", "/var/lib/pvbridge/vms",
+		"Host agent, local hypervisor: the directory holding one directory per VM, <root>/<namespace>/<name>.")
+	fs.StringVar(&opts.QEMURunDir, "qemu-run-dir", "/run/pvbridge/qemu",
+		"Host agent, qemu hypervisor: the directory holding each VM's QMP socket, pid file and logs.")
+	fs.StringVar(&opts.CSIEndpoint, "csi-endpoint", "unix:///var/lib/kubelet/plugins/pmem.csi.pvbridge.io/csi.sock",
+		"Host agent: the socket of this host's mgmt-csi node plugin, through which VM volumes are staged and published.")
+	fs.StringVar(&opts.StateDir, "state-dir", "/var/lib/pvbridge/host-agent",
+		"Host agent: where VM volumes are staged and published before they are hot-plugged.")
 	fs.StringVar(&opts.MetricsAddress, "metrics-bind-address", "0",
 		`host:port to serve Prometheus metrics on (/metrics), or "0" for none.`)
 	fs.StringVar(&opts.HealthAddress, "health-probe-bind-address", ":8081",

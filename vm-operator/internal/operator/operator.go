@@ -1,7 +1,7 @@
 // Package operator runs the vm-operator: in the controller role it places VirtualMachines and
-// drives their power state and volumes; in the host-agent role, one per host, it hot-plugs
-// volumes into the VirtualMachines on that host. Both roles are controller-runtime managers over
-// the same scheme. The reconcilers come in later.
+// manages their volumes' VolumeAttachments; in the host-agent role, one per host, it drives the
+// power state of the VirtualMachines on that host and hot-plugs their volumes. Both roles are
+// controller-runtime managers over the same scheme.
 package operator
 
 import (
@@ -9,6 +9,7 @@ import (
 	"errors"
 	"fmt"
 	"net"
+	"path/filepath"
 
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/util/validation"
@@ -20,8 +21,21 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/healthz"
 	metricsserver "sigs.k8s.io/controller-runtime/pkg/metrics/server"
 
+	"github.com/container-storage-interface/spec/lib/go/csi"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
+	"k8s.io/apimachinery/pkg/fields"
+	"sigs.k8s.io/controller-runtime/pkg/cache"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+
 	pmemv1alpha1 "pvbridge.io/pkg/apis/pmem/v1alpha1"
 	vmv1alpha1 "pvbridge.io/pkg/apis/vm/v1alpha1"
+	"pvbridge.io/pkg/csiserver"
+	"pvbridge.io/vm-operator/internal/controller"
+	"pvbridge.io/vm-operator/internal/hostagent"
+	"pvbridge.io/vm-operator/internal/hypervisor"
+	"pvbridge.io/vm-operator/internal/hypervisor/local"
+	"pvbridge.io/vm-operator/internal/hypervisor/qemu"
 )
 
 // Role selects what the process does.
@@ -47,6 +61,15 @@ type Options struct {
 	Role Role
 	// NodeName is the name of the host's Kubernetes Node. Host-agent role only.
 	NodeName string
+	// Hypervisor is the host agent's hypervisor driver: "local" (a VM is a directory, the lab)
+	// or "qemu"; VMRoot is the local driver's root, QEMURunDir the qemu driver's run directory.
+	Hypervisor string
+	VMRoot     string
+	QEMURunDir string
+	// CSIEndpoint is the unix socket of the host's mgmt-csi node plugin.
+	CSIEndpoint string
+	// StateDir is where the host agent stages and publishes VM volumes.
+	StateDir string
 }
 
 // Validate reports every problem with the options.
@@ -58,6 +81,20 @@ func (o *Options) Validate() error {
 			errs = append(errs, errors.New("node name is only used in the host-agent role"))
 		}
 	case RoleHostAgent:
+		switch {
+		case o.Hypervisor == "local" && !filepath.IsAbs(o.VMRoot):
+			errs = append(errs, fmt.Errorf("the local hypervisor needs an absolute VM root, not %q", o.VMRoot))
+		case o.Hypervisor == "qemu" && !filepath.IsAbs(o.QEMURunDir):
+			errs = append(errs, fmt.Errorf("the qemu hypervisor needs an absolute run directory, not %q", o.QEMURunDir))
+		case o.Hypervisor != "local" && o.Hypervisor != "qemu":
+			errs = append(errs, fmt.Errorf("hypervisor %q is neither local nor qemu", o.Hypervisor))
+		}
+		if _, err := csiserver.ParseEndpoint(o.CSIEndpoint); err != nil {
+			errs = append(errs, fmt.Errorf("CSI endpoint: %w", err))
+		}
+		if !filepath.IsAbs(o.StateDir) {
+			errs = append(errs, fmt.Errorf("state directory %q is not absolute", o.StateDir))
+		}
 		if o.NodeName == "" {
 			errs = append(errs, errors.New("node name is required in the host-agent role"))
 		} else if msgs := validation.IsDNS1123Subdomain(o.NodeName); len(msgs) > 0 {
@@ -106,7 +143,8 @@ type Operator struct {
 	mgr  ctrl.Manager
 }
 
-// New builds the manager for valid options. It does not contact the API server.
+// New builds the manager for valid options. In the controller role it does not contact the API
+// server; a host agent does, to set up its cache of the VMs on its host (a field selector).
 func New(opts Options) (*Operator, error) {
 	if err := opts.Validate(); err != nil {
 		return nil, err
@@ -119,13 +157,30 @@ func New(opts Options) (*Operator, error) {
 	if err != nil {
 		return nil, err
 	}
-	mgr, err := ctrl.NewManager(cfg, ctrl.Options{
+	mopts := ctrl.Options{
 		Scheme:                 scheme,
 		Metrics:                metricsserver.Options{BindAddress: opts.MetricsAddress},
 		HealthProbeBindAddress: opts.HealthAddress,
-	})
+	}
+	if opts.Role == RoleHostAgent {
+		// A host agent caches only the VMs placed on its host.
+		mopts.Cache.ByObject = map[client.Object]cache.ByObject{
+			&vmv1alpha1.VirtualMachine{}: {Field: fields.OneTermEqualSelector("status.host", opts.NodeName)},
+		}
+	}
+	mgr, err := ctrl.NewManager(cfg, mopts)
 	if err != nil {
 		return nil, fmt.Errorf("create manager: %w", err)
+	}
+	switch opts.Role {
+	case RoleController:
+		if err := controller.SetupWithManager(mgr); err != nil {
+			return nil, err
+		}
+	case RoleHostAgent:
+		if err := setupHostAgent(mgr, opts); err != nil {
+			return nil, err
+		}
 	}
 	if err := mgr.AddHealthzCheck("ping", healthz.Ping); err != nil {
 		return nil, err
@@ -134,6 +189,38 @@ func New(opts Options) (*Operator, error) {
 		return nil, err
 	}
 	return &Operator{opts: opts, mgr: mgr}, nil
+}
+
+// setupHostAgent makes the hypervisor driver and the mgmt-csi client of the host agent.
+func setupHostAgent(mgr ctrl.Manager, opts Options) error {
+	var hv hypervisor.Driver
+	var err error
+	if opts.Hypervisor == "qemu" {
+		hv, err = qemu.New(qemu.Options{RunDir: opts.QEMURunDir})
+	} else {
+		hv, err = local.New(local.Options{Root: opts.VMRoot})
+	}
+	if err != nil {
+		return fmt.Errorf("%s hypervisor: %w", opts.Hypervisor, err)
+	}
+	socket, err := csiserver.ParseEndpoint(opts.CSIEndpoint)
+	if err != nil {
+		return err
+	}
+	// grpc.NewClient connects lazily: the node plugin may start after the agent.
+	conn, err := grpc.NewClient("unix://"+socket, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		return fmt.Errorf("mgmt-csi node plugin at %s: %w", socket, err)
+	}
+	return (&hostagent.Reconciler{
+		Client:     mgr.GetClient(),
+		APIReader:  mgr.GetAPIReader(),
+		Node:       opts.NodeName,
+		Hypervisor: hv,
+		CSI:        csi.NewNodeClient(conn),
+		StateDir:   opts.StateDir,
+		Recorder:   mgr.GetEventRecorder("vm-operator-host-agent"),
+	}).SetupWithManager(mgr)
 }
 
 func restConfig(kubeconfig string) (*rest.Config, error) {

@@ -24,7 +24,8 @@ func TestOptionsValidate(t *testing.T) {
 	valid := func(role Role, change func(*Options)) Options {
 		o := Options{Role: role, MetricsAddress: "0", HealthAddress: ":8081"}
 		if role == RoleHostAgent {
-			o.NodeName = "host-a"
+			o.NodeName, o.Hypervisor, o.VMRoot = "host-a", "local", "/var/lib/pvbridge/vms"
+			o.CSIEndpoint, o.StateDir = "unix:///csi/csi.sock", "/var/lib/pvbridge/host-agent"
 		}
 		if change != nil {
 			change(&o)
@@ -45,12 +46,17 @@ func TestOptionsValidate(t *testing.T) {
 		{name: "host agent without node name", opts: valid(RoleHostAgent, func(o *Options) { o.NodeName = "" }), wantErr: []string{"node name is required"}},
 		{name: "host agent with a bad node name", opts: valid(RoleHostAgent, func(o *Options) { o.NodeName = "Host_A" }), wantErr: []string{"not a node name"}},
 		{name: "controller with node name", opts: valid(RoleController, func(o *Options) { o.NodeName = "host-a" }), wantErr: []string{"only used in the host-agent role"}},
+		{name: "host agent with qemu", opts: valid(RoleHostAgent, func(o *Options) { o.Hypervisor, o.QEMURunDir = "qemu", "/run/pvbridge/qemu" })},
+		{name: "unknown hypervisor", opts: valid(RoleHostAgent, func(o *Options) { o.Hypervisor = "xen" }), wantErr: []string{`hypervisor "xen"`}},
+		{name: "relative VM root", opts: valid(RoleHostAgent, func(o *Options) { o.VMRoot = "vms" }), wantErr: []string{"absolute VM root"}},
+		{name: "host agent without CSI endpoint", opts: valid(RoleHostAgent, func(o *Options) { o.CSIEndpoint = "" }), wantErr: []string{"CSI endpoint"}},
+		{name: "relative state directory", opts: valid(RoleHostAgent, func(o *Options) { o.StateDir = "state" }), wantErr: []string{"state directory"}},
 		{name: "metrics address without port", opts: valid(RoleController, func(o *Options) { o.MetricsAddress = "localhost" }), wantErr: []string{"metrics address"}},
 		{name: "empty health address", opts: valid(RoleController, func(o *Options) { o.HealthAddress = "" }), wantErr: []string{"health address"}},
 		{
 			name:    "every problem is reported",
 			opts:    Options{Role: RoleHostAgent, MetricsAddress: "x", HealthAddress: "y"},
-			wantErr: []string{"node name is required", "metrics address", "health address"},
+			wantErr: []string{"hypervisor", "CSI endpoint", "state directory", "node name is required", "metrics address", "health address"},
 		},
 	}
 	for _, tt := range tests {
@@ -104,8 +110,8 @@ func freeAddress(t *testing.T) string {
 	return l.Addr().String()
 }
 
-// kubeconfig writes a kubeconfig for an API server that does not exist: with no reconcilers the
-// manager never calls it.
+// kubeconfig writes a kubeconfig for an API server that does not exist: New never calls it, and
+// the reconcilers' caches of a running manager only retry in the background.
 func kubeconfig(t *testing.T) string {
 	path := filepath.Join(t.TempDir(), "kubeconfig")
 	const cfg = `apiVersion: v1
@@ -127,7 +133,6 @@ func TestRunServesHealthProbesUntilCancelled(t *testing.T) {
 		opts Options
 	}{
 		{name: "controller", opts: Options{Role: RoleController}},
-		{name: "host agent", opts: Options{Role: RoleHostAgent, NodeName: "host-a"}},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -165,4 +170,13 @@ func TestNewFailsOnAMissingKubeconfig(t *testing.T) {
 	g := NewWithT(t)
 	_, err := New(Options{Role: RoleController, MetricsAddress: "0", HealthAddress: "0", Kubeconfig: filepath.Join(t.TempDir(), "missing")})
 	g.Expect(err).To(MatchError(ContainSubstring("load kubeconfig")))
+}
+
+func TestHostAgentSaysWhenItCannotReachTheAPIServer(t *testing.T) {
+	g := NewWithT(t)
+	_, err := New(Options{
+		Role: RoleHostAgent, NodeName: "host-a", Kubeconfig: kubeconfig(t), MetricsAddress: "0", HealthAddress: "0",
+		Hypervisor: "local", VMRoot: filepath.Join(t.TempDir(), "vms"), CSIEndpoint: "unix:///csi/csi.sock", StateDir: t.TempDir(),
+	})
+	g.Expect(err).To(MatchError(ContainSubstring("create manager")))
 }

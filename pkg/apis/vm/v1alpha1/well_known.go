@@ -1,0 +1,25 @@
+package v1alpha1
+
+// Labels, annotations and finalizers that tie VirtualMachines to the objects around them. They
+// are read by several parts (the vm-operator controller and host agent, administrators' tools),
+// so they are part of the API.
+const (
+	// HostLabel, set to "true" on a Node, makes the Node a candidate host for VirtualMachines
+	// that do not name one in spec.host.
+	HostLabel = "vm.pvbridge.io/host"
+
+	// VMNamespaceLabel and VMNameLabel, on a management VolumeAttachment, name the
+	// VirtualMachine whose volume it attaches. A name longer than a label value (63 characters)
+	// is shortened to its first 22 characters, "-" and 40 hex digits of its SHA-256.
+	VMNamespaceLabel = "vm.pvbridge.io/vm-namespace"
+	// VMNameLabel: see VMNamespaceLabel.
+	VMNameLabel = "vm.pvbridge.io/vm-name"
+
+	// VolumeAnnotation, on a management VolumeAttachment, is the name of the volume
+	// (spec.volumes[].name) it attaches.
+	VolumeAnnotation = "vm.pvbridge.io/volume"
+
+	// VolumesFinalizer keeps a deleted VirtualMachine until status.volumes is empty (every disk
+	// unplugged and unstaged by the host agent) and its VolumeAttachments are gone.
+	VolumesFinalizer = "vm.pvbridge.io/volumes"
+)

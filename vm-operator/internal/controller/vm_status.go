@@ -1,0 +1,285 @@
+package controller
+
+import (
+	"fmt"
+	"slices"
+	"strings"
+	"unicode/utf8"
+
+	corev1 "k8s.io/api/core/v1"
+	storagev1 "k8s.io/api/storage/v1"
+	"k8s.io/apimachinery/pkg/api/meta"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+
+	vmv1 "pvbridge.io/pkg/apis/vm/v1alpha1"
+)
+
+// vmPhase derives status.phase, which only the controller writes, from status.host and the
+// Ready condition that the host agent keeps: Pending until the VirtualMachine has a host and the
+// host agent has reported, then Running (Ready because PoweredOn), Stopped (PoweredOff, whether
+// asked for or not) or Failed (HypervisorError).
+func vmPhase(status vmv1.VirtualMachineStatus) vmv1.Phase {
+	ready := meta.FindStatusCondition(status.Conditions, vmv1.ReadyCondition)
+	switch {
+	case status.Host == "" || ready == nil:
+		return vmv1.PhasePending
+	case ready.Reason == vmv1.HypervisorErrorReason:
+		return vmv1.PhaseFailed
+	case ready.Reason == vmv1.PoweredOffReason:
+		return vmv1.PhaseStopped
+	case ready.Reason == vmv1.PoweredOnReason && ready.Status == metav1.ConditionTrue:
+		return vmv1.PhaseRunning
+	}
+	return vmv1.PhasePending
+}
+
+// Who writes status.volumes.
+//
+// The host agent owns status.volumes: it takes up a volume once its VolumeAttachment is
+// attached, reports attached/diskSerial or its own failure (staging, hot-plug), unplugs and
+// unstages a volume that left spec.volumes, and then removes its entry. The controller must
+// still tell the guest why a volume never gets that far (the PVC is missing or unbound, the PV
+// is not a PMEM volume or lives on another host, the attach failed), and the guest only reads
+// status.volumes. So the controller writes an entry only while the host agent cannot have
+// touched the volume:
+//
+//   - the entry says attached=false, and
+//   - the volume's VolumeAttachment does not exist or is not attached (the host agent acts only
+//     on attached ones).
+//
+// In that stage the controller makes the entry say exactly its own verdict: it adds {name,
+// error} for a volume it finds an error for, rewrites or clears the error of an existing entry,
+// and removes an entry that then carries nothing (no error, no diskSerial). An entry whose volume
+// has left spec.volumes (or whose VirtualMachine is being deleted) and that has no
+// VolumeAttachment at all is removed too: there is nothing on the host to undo. Every other
+// entry is the host agent's and is left exactly as it is.
+//
+// Every write carries the resourceVersion it was computed from (a merge patch with an
+// optimistic lock), and the host agent updates the same way, so a write in between fails the
+// other's with a conflict; the loser recomputes from the new object. Neither loses an update.
+// The one known window: an attach error the controller wrote stays until the host agent writes
+// the entry, because once the VolumeAttachment is attached the controller can no longer tell its
+// own stale error from a hot-plug error of the host agent.
+
+// maxErrorLength is the API's limit on status.volumes[].error.
+const maxErrorLength = 1024
+
+// volumeInputs is what the controller knows about the volumes of one VirtualMachine.
+type volumeInputs struct {
+	// Namespace is the VirtualMachine's namespace (claims are looked up there).
+	Namespace string
+	// Host is status.host; empty while the VirtualMachine is not placed.
+	Host string
+	// Volumes are spec.volumes; nil while the VirtualMachine is being deleted.
+	Volumes []vmv1.VirtualMachineVolume
+	// Status is status.volumes as read.
+	Status []vmv1.VirtualMachineVolumeStatus
+	// Claims are the PersistentVolumeClaims named by Volumes that exist, by name.
+	Claims map[string]*corev1.PersistentVolumeClaim
+	// PVs are the PersistentVolumes those claims are bound to that exist, by name.
+	PVs map[string]*corev1.PersistentVolume
+	// Attachments are the VirtualMachine's VolumeAttachments that exist, by volume name.
+	Attachments map[string]*storagev1.VolumeAttachment
+}
+
+// volumeErrors returns, for each volume of in.Volumes that cannot be attached, why, in words a
+// tenant can act on. A volume without an entry has nothing wrong that the controller can see
+// (it may still wait for placement or for the attacher).
+func volumeErrors(in volumeInputs) map[string]string {
+	errs := map[string]string{}
+	claimedBy := map[string]string{}
+	for _, v := range in.Volumes {
+		claim := v.PersistentVolumeClaim.ClaimName
+		if first, ok := claimedBy[claim]; ok {
+			errs[v.Name] = fmt.Sprintf("PersistentVolumeClaim %s is already used by volume %s of this VirtualMachine", claim, first)
+			continue
+		}
+		claimedBy[claim] = v.Name
+		if msg := volumeError(in, v); msg != "" {
+			errs[v.Name] = truncate(msg, maxErrorLength)
+		}
+	}
+	return errs
+}
+
+// volumeError checks one volume, from the claim to the attachment.
+func volumeError(in volumeInputs, v vmv1.VirtualMachineVolume) string {
+	claimName := v.PersistentVolumeClaim.ClaimName
+	pvc, ok := in.Claims[claimName]
+	switch {
+	case !ok:
+		return fmt.Sprintf("PersistentVolumeClaim %s not found in namespace %s", claimName, in.Namespace)
+	case pvc.DeletionTimestamp != nil:
+		return fmt.Sprintf("PersistentVolumeClaim %s is being deleted", claimName)
+	case pvc.Status.Phase != corev1.ClaimBound || pvc.Spec.VolumeName == "":
+		phase := pvc.Status.Phase
+		if phase == "" {
+			phase = corev1.ClaimPending
+		}
+		return fmt.Sprintf("PersistentVolumeClaim %s is not bound (phase %s)", claimName, phase)
+	}
+	pvName := pvc.Spec.VolumeName
+	pv, ok := in.PVs[pvName]
+	switch {
+	case !ok:
+		return fmt.Sprintf("PersistentVolume %s of PersistentVolumeClaim %s not found", pvName, claimName)
+	case pv.Spec.CSI == nil:
+		return fmt.Sprintf("PersistentVolume %s is not a %s volume", pvName, driverName)
+	case pv.Spec.CSI.Driver != driverName:
+		return fmt.Sprintf("PersistentVolume %s is a %s volume, not a %s volume", pvName, pv.Spec.CSI.Driver, driverName)
+	case pv.Spec.VolumeMode == nil || *pv.Spec.VolumeMode != corev1.PersistentVolumeBlock:
+		// The host agent hands the VM the raw device; a filesystem volume would be formatted by
+		// the guest under whoever else mounts it.
+		return fmt.Sprintf("PersistentVolume %s has volumeMode Filesystem; a VirtualMachine disk needs volumeMode Block", pvName)
+	}
+	if hosts := pvHosts(pv); in.Host != "" && len(hosts) > 0 && !slices.Contains(hosts, in.Host) {
+		return fmt.Sprintf("PersistentVolume %s is on host %s, but the VirtualMachine runs on host %s; a volume cannot follow a VirtualMachine to another host",
+			pvName, strings.Join(hosts, ", "), in.Host)
+	}
+	va := in.Attachments[v.Name]
+	switch {
+	case va == nil:
+		return ""
+	case va.Spec.Source.PersistentVolumeName == nil || *va.Spec.Source.PersistentVolumeName != pvName ||
+		(in.Host != "" && va.Spec.NodeName != in.Host):
+		// The claim was recreated and bound to another volume under the same volume name (or
+		// the attachment outlived an earlier VirtualMachine of this name). A VolumeAttachment
+		// cannot change, and it is never deleted while its volume is in spec.
+		return fmt.Sprintf("VolumeAttachment %s attaches another PersistentVolume than %s or to another host than %s; remove the volume, wait until it has left status.volumes, then add it again",
+			va.Name, pvName, in.Host)
+	case va.Status.AttachError != nil && !va.Status.Attached:
+		return "attach failed: " + va.Status.AttachError.Message
+	}
+	return ""
+}
+
+// pvHosts returns the hosts a PersistentVolume's node affinity allows through driverName's
+// topology key; nil when it does not restrict it.
+func pvHosts(pv *corev1.PersistentVolume) []string {
+	if pv.Spec.NodeAffinity == nil || pv.Spec.NodeAffinity.Required == nil {
+		return nil
+	}
+	var hosts []string
+	for _, term := range pv.Spec.NodeAffinity.Required.NodeSelectorTerms {
+		for _, expr := range term.MatchExpressions {
+			if expr.Key == topologyKey && expr.Operator == corev1.NodeSelectorOpIn {
+				hosts = append(hosts, expr.Values...)
+			}
+		}
+	}
+	slices.Sort(hosts)
+	return slices.Compact(hosts)
+}
+
+// volumeStatus returns status.volumes after the controller has written what it owns under the
+// rule at the top of this file; errs comes from volumeErrors.
+func volumeStatus(in volumeInputs, errs map[string]string) []vmv1.VirtualMachineVolumeStatus {
+	inSpec := make(map[string]bool, len(in.Volumes))
+	for _, v := range in.Volumes {
+		inSpec[v.Name] = true
+	}
+	controllerOwns := func(name string, attached bool) bool {
+		va := in.Attachments[name]
+		return !attached && (va == nil || !va.Status.Attached)
+	}
+
+	var out []vmv1.VirtualMachineVolumeStatus
+	seen := make(map[string]bool, len(in.Status))
+	for _, e := range in.Status {
+		seen[e.Name] = true
+		switch {
+		case !controllerOwns(e.Name, e.Attached):
+			out = append(out, e)
+		case !inSpec[e.Name]:
+			if in.Attachments[e.Name] != nil {
+				// The host agent unstages it (if it ever staged it) and removes the entry.
+				out = append(out, e)
+			}
+		default:
+			e.Error = errs[e.Name]
+			if e.Error != "" || e.DiskSerial != "" {
+				out = append(out, e)
+			}
+		}
+	}
+	for _, v := range in.Volumes {
+		if msg := errs[v.Name]; !seen[v.Name] && msg != "" && controllerOwns(v.Name, false) {
+			out = append(out, vmv1.VirtualMachineVolumeStatus{Name: v.Name, Error: msg})
+		}
+	}
+	// Sorted by name, as the host agent writes it, so that neither reorders the other's list.
+	slices.SortStableFunc(out, func(a, b vmv1.VirtualMachineVolumeStatus) int { return strings.Compare(a.Name, b.Name) })
+	return out
+}
+
+// volumesAttachedCondition summarizes status.volumes against spec.volumes: True when every
+// volume in spec is attached and none is detaching, False with AttachFailed when any entry
+// reports an error, False with AttachPending otherwise.
+func volumesAttachedCondition(volumes []vmv1.VirtualMachineVolume, status []vmv1.VirtualMachineVolumeStatus, generation int64) metav1.Condition {
+	entries := make(map[string]vmv1.VirtualMachineVolumeStatus, len(status))
+	for _, e := range status {
+		entries[e.Name] = e
+	}
+	inSpec := make(map[string]bool, len(volumes))
+	var failed []string
+	var pending, detaching []string
+	attached := 0
+	for _, v := range volumes {
+		inSpec[v.Name] = true
+		e, ok := entries[v.Name]
+		switch {
+		case ok && e.Error != "":
+			failed = append(failed, fmt.Sprintf("volume %s: %s", v.Name, e.Error))
+		case ok && e.Attached:
+			attached++
+		default:
+			pending = append(pending, v.Name)
+		}
+	}
+	for _, e := range status {
+		if inSpec[e.Name] {
+			continue
+		}
+		if e.Error != "" {
+			failed = append(failed, fmt.Sprintf("volume %s (detaching): %s", e.Name, e.Error))
+		} else {
+			detaching = append(detaching, e.Name)
+		}
+	}
+
+	c := metav1.Condition{Type: vmv1.VolumesAttachedCondition, ObservedGeneration: generation}
+	switch {
+	case len(failed) > 0:
+		c.Status, c.Reason = metav1.ConditionFalse, vmv1.AttachFailedReason
+		c.Message = strings.Join(failed, "; ")
+	case len(pending) > 0 || len(detaching) > 0:
+		c.Status, c.Reason = metav1.ConditionFalse, vmv1.AttachPendingReason
+		var parts []string
+		if len(pending) > 0 {
+			parts = append(parts, fmt.Sprintf("%d of %d volumes attached; attaching %s", attached, len(volumes), strings.Join(pending, ", ")))
+		}
+		if len(detaching) > 0 {
+			parts = append(parts, "detaching "+strings.Join(detaching, ", "))
+		}
+		c.Message = strings.Join(parts, "; ")
+	default:
+		c.Status, c.Reason = metav1.ConditionTrue, vmv1.AttachedReason
+		c.Message = fmt.Sprintf("%d of %d volumes attached", attached, len(volumes))
+	}
+	// A condition message is limited to 32768 bytes.
+	c.Message = truncate(c.Message, 32768)
+	return c
+}
+
+// truncate shortens s to at most n bytes, marking the cut; it never splits a UTF-8 sequence.
+func truncate(s string, n int) string {
+	if len(s) <= n {
+		return s
+	}
+	const mark = "..."
+	cut := n - len(mark)
+	for cut > 0 && !utf8.RuneStart(s[cut]) {
+		cut--
+	}
+	return s[:cut] + mark
+}

@@ -1,0 +1,327 @@
+// Package hostagent is the vm-operator host agent: on one host it is the CSI consumer of the
+// volumes of the VirtualMachines placed there, the way kubelet is for pods. For each volume
+// whose management VolumeAttachment is attached it stages and publishes the volume as a raw
+// block device through the host's mgmt-csi node plugin, hot-plugs it into the VM with its disk
+// serial, and reports it in status.volumes; for a volume that left spec.volumes it unplugs,
+// unpublishes and unstages, then drops the status entry (which lets the controller delete the
+// VolumeAttachment). It also drives the VMs' power state.
+//
+// Every step is idempotent and the agent keeps no state beyond a small file per volume, so an
+// agent killed at any step converges by reconciling again.
+package hostagent
+
+import (
+	"context"
+	"crypto/sha256"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"slices"
+	"strings"
+	"time"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+	corev1 "k8s.io/api/core/v1"
+	storagev1 "k8s.io/api/storage/v1"
+	"k8s.io/apimachinery/pkg/api/meta"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/util/retry"
+	ctrl "sigs.k8s.io/controller-runtime"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+	"sigs.k8s.io/controller-runtime/pkg/handler"
+	"sigs.k8s.io/controller-runtime/pkg/reconcile"
+	"sigs.k8s.io/controller-runtime/pkg/recorder"
+
+	vmv1 "pvbridge.io/pkg/apis/vm/v1alpha1"
+	"pvbridge.io/vm-operator/internal/controller"
+	"pvbridge.io/vm-operator/internal/hypervisor"
+)
+
+// retryAfter is how soon a volume that is waiting (for the guest to let go of a disk, for a
+// busy CSI call) is tried again.
+const retryAfter = 2 * time.Second
+
+// Reconciler realizes the volumes and power state of the VirtualMachines on one host.
+type Reconciler struct {
+	Client     client.Client
+	Node       string
+	Hypervisor hypervisor.Driver
+	// CSI is the Node service of the host's mgmt-csi node plugin.
+	CSI csi.NodeClient
+	// APIReader reads around the cache, after a write conflict.
+	APIReader client.Reader
+	// StateDir holds, per volume, the staging directory, the published device file and the
+	// volume ID: <StateDir>/<VolumeAttachment name>/.
+	StateDir string
+	Recorder recorder.EventRecorder
+}
+
+// SetupWithManager registers the reconciler. The manager's cache holds only the
+// VirtualMachines placed on this host (a field selector on status.host).
+func (r *Reconciler) SetupWithManager(mgr ctrl.Manager) error {
+	return ctrl.NewControllerManagedBy(mgr).
+		For(&vmv1.VirtualMachine{}).
+		Named("hostagent").
+		Watches(&storagev1.VolumeAttachment{}, handler.EnqueueRequestsFromMapFunc(r.vmsOfAttachment)).
+		Complete(r)
+}
+
+// vmsOfAttachment maps a VolumeAttachment to the VMs on this host whose labels it carries.
+func (r *Reconciler) vmsOfAttachment(ctx context.Context, obj client.Object) []reconcile.Request {
+	vms := &vmv1.VirtualMachineList{}
+	if err := r.Client.List(ctx, vms); err != nil {
+		return nil
+	}
+	var reqs []reconcile.Request
+	for i := range vms.Items {
+		vm := &vms.Items[i]
+		matches := true
+		for k, v := range controller.AttachmentLabels(vm) {
+			matches = matches && obj.GetLabels()[k] == v
+		}
+		if matches {
+			reqs = append(reqs, reconcile.Request{NamespacedName: client.ObjectKeyFromObject(vm)})
+		}
+	}
+	return reqs
+}
+
+// SerialFor is the disk serial of a management PV inside a VM: "pvb" and the first 17 hex
+// digits of SHA-256 of the PV name, 20 characters, the virtio-blk limit.
+func SerialFor(pvName string) string {
+	sum := sha256.Sum256([]byte(pvName))
+	return "pvb" + hex.EncodeToString(sum[:])[:17]
+}
+
+// Reconcile makes the disks of a VM on this host match its spec.volumes.
+func (r *Reconciler) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Result, error) {
+	vm := &vmv1.VirtualMachine{}
+	if err := r.Client.Get(ctx, req.NamespacedName, vm); err != nil {
+		return ctrl.Result{}, client.IgnoreNotFound(err)
+	}
+	if vm.Status.Host != r.Node {
+		return ctrl.Result{}, nil
+	}
+	ref := hypervisor.VM{Namespace: vm.Namespace, Name: vm.Name, UID: vm.Status.UniqueID}
+	// A VM being deleted or powered off keeps no disk.
+	wantOn := vm.DeletionTimestamp.IsZero() && vm.Spec.PowerState != vmv1.PowerStateOff
+	ready := metav1.Condition{Type: vmv1.ReadyCondition, Status: metav1.ConditionTrue, Reason: vmv1.PoweredOnReason, ObservedGeneration: vm.Generation}
+	if wantOn {
+		if err := r.Hypervisor.PowerOn(ctx, ref); err != nil {
+			ready.Status, ready.Reason, ready.Message = metav1.ConditionFalse, vmv1.HypervisorErrorReason, "power on: "+err.Error()
+			return ctrl.Result{}, errors.Join(err, r.writeStatus(ctx, vm, nil, nil, &ready))
+		}
+	}
+
+	// The agent's decisions: entries to set and entries to drop. Only these are written, so an
+	// entry the controller wrote meanwhile (an error for a volume not attached yet) survives.
+	set := map[string]vmv1.VirtualMachineVolumeStatus{}
+	var drop []string
+	waiting := false
+	if wantOn {
+		for _, v := range vm.Spec.Volumes {
+			entry, done, err := r.attach(ctx, vm, ref, v.Name)
+			if err != nil {
+				return ctrl.Result{}, err
+			}
+			if entry != nil {
+				set[v.Name] = *entry
+			}
+			waiting = waiting || !done
+		}
+	}
+	for _, e := range vm.Status.Volumes {
+		if wantOn && slices.ContainsFunc(vm.Spec.Volumes, func(v vmv1.VirtualMachineVolume) bool { return v.Name == e.Name }) {
+			continue
+		}
+		if err := r.detach(ctx, vm, ref, e); err != nil {
+			e.Error = err.Error()
+			set[e.Name] = e
+			waiting = true
+			continue
+		}
+		drop = append(drop, e.Name)
+	}
+	if !wantOn {
+		ready.Status, ready.Reason, ready.Message = metav1.ConditionTrue, vmv1.PoweredOffReason, ""
+		if len(applyDecisions(vm.Status.Volumes, set, drop)) > 0 {
+			ready.Status, ready.Reason, ready.Message = metav1.ConditionFalse, vmv1.PoweredOnReason, "detaching volumes before powering off"
+		} else if err := r.Hypervisor.PowerOff(ctx, ref); err != nil {
+			ready.Status, ready.Reason, ready.Message = metav1.ConditionFalse, vmv1.HypervisorErrorReason, "power off: "+err.Error()
+			waiting = true
+		}
+	}
+	if err := r.writeStatus(ctx, vm, set, drop, &ready); err != nil {
+		return ctrl.Result{}, err
+	}
+	if waiting {
+		return ctrl.Result{RequeueAfter: retryAfter}, nil
+	}
+	return ctrl.Result{}, nil
+}
+
+// attach makes volume name a disk of the VM once its VolumeAttachment is attached. It returns
+// the status entry to record (nil: leave the entry as it is, the controller reports why the
+// volume is not attached yet) and whether the volume is settled; an error only when the status
+// could not be written.
+func (r *Reconciler) attach(ctx context.Context, vm *vmv1.VirtualMachine, ref hypervisor.VM, name string) (*vmv1.VirtualMachineVolumeStatus, bool, error) {
+	log := ctrl.LoggerFrom(ctx).WithValues("volume", name)
+	vaName := controller.AttachmentName(vm.Namespace, vm.Name, name)
+	va := &storagev1.VolumeAttachment{}
+	if err := r.Client.Get(ctx, client.ObjectKey{Name: vaName}, va); err != nil || !va.Status.Attached || va.Spec.Source.PersistentVolumeName == nil {
+		return nil, true, nil // the VolumeAttachment's watch brings us back
+	}
+	pv := &corev1.PersistentVolume{}
+	if err := r.Client.Get(ctx, client.ObjectKey{Name: *va.Spec.Source.PersistentVolumeName}, pv); err != nil || pv.Spec.CSI == nil {
+		return failed(name, fmt.Errorf("persistent volume %s: %w", *va.Spec.Source.PersistentVolumeName, errOr(err, "not a CSI volume"))), false, nil
+	}
+	// Claim the volume in status before staging it, as kubelet reports volumesInUse: while the
+	// entry exists the controller keeps the VolumeAttachment, so a volume removed from spec
+	// meanwhile is unstaged before it is detached.
+	if !slices.ContainsFunc(vm.Status.Volumes, func(e vmv1.VirtualMachineVolumeStatus) bool { return e.Name == name }) {
+		if err := r.writeStatus(ctx, vm, map[string]vmv1.VirtualMachineVolumeStatus{name: {Name: name}}, nil, nil); err != nil {
+			return nil, false, err
+		}
+	}
+	serial := SerialFor(pv.Name)
+	dir := filepath.Join(r.StateDir, vaName)
+	device, err := r.publish(ctx, dir, pv.Spec.CSI.VolumeHandle, va.Status.AttachmentMetadata)
+	if err != nil {
+		log.Error(err, "Cannot publish the volume on the host")
+		return failed(name, err), false, nil
+	}
+	if err := r.Hypervisor.Attach(ctx, ref, hypervisor.Disk{Serial: serial, Device: device}); err != nil {
+		log.Error(err, "Cannot hot-plug the volume")
+		r.event(vm, corev1.EventTypeWarning, "HotPlugFailed", "Hot-plug of volume %s failed: %v", name, err)
+		return failed(name, fmt.Errorf("hot-plug: %w", err)), false, nil
+	}
+	if e := vm.Status.Volumes; !slices.ContainsFunc(e, func(s vmv1.VirtualMachineVolumeStatus) bool { return s.Name == name && s.Attached }) {
+		log.Info("Hot-plugged volume", "diskSerial", serial, "device", device)
+		r.event(vm, corev1.EventTypeNormal, "Attached", "Volume %s attached as disk %s", name, serial)
+	}
+	return &vmv1.VirtualMachineVolumeStatus{Name: name, Attached: true, DiskSerial: serial}, true, nil
+}
+
+// publish stages and publishes the volume as a raw block device file <dir>/device.
+func (r *Reconciler) publish(ctx context.Context, dir, volumeID string, publishContext map[string]string) (string, error) {
+	staging, device := filepath.Join(dir, "staging"), filepath.Join(dir, "device")
+	if err := os.MkdirAll(staging, 0o750); err != nil {
+		return "", err
+	}
+	// Unstage needs the volume ID after the PV may be gone: keep it beside the paths.
+	if err := os.WriteFile(filepath.Join(dir, "volume-id"), []byte(volumeID), 0o600); err != nil {
+		return "", err
+	}
+	block := &csi.VolumeCapability{
+		AccessType: &csi.VolumeCapability_Block{Block: &csi.VolumeCapability_BlockVolume{}},
+		AccessMode: &csi.VolumeCapability_AccessMode{Mode: csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER},
+	}
+	if _, err := r.CSI.NodeStageVolume(ctx, &csi.NodeStageVolumeRequest{
+		VolumeId: volumeID, StagingTargetPath: staging, VolumeCapability: block, PublishContext: publishContext,
+	}); err != nil {
+		return "", fmt.Errorf("stage volume %s: %w", volumeID, err)
+	}
+	if _, err := r.CSI.NodePublishVolume(ctx, &csi.NodePublishVolumeRequest{
+		VolumeId: volumeID, StagingTargetPath: staging, TargetPath: device, VolumeCapability: block, PublishContext: publishContext,
+	}); err != nil {
+		return "", fmt.Errorf("publish volume %s: %w", volumeID, err)
+	}
+	return device, nil
+}
+
+// detach unplugs a volume from the VM and releases it on the host. It returns an error, to be
+// shown in the status entry, while the guest still holds the disk: the volume is never reported
+// detached before the hypervisor let go of it.
+func (r *Reconciler) detach(ctx context.Context, vm *vmv1.VirtualMachine, ref hypervisor.VM, e vmv1.VirtualMachineVolumeStatus) error {
+	if e.DiskSerial != "" {
+		err := r.Hypervisor.Detach(ctx, ref, e.DiskSerial)
+		if errors.Is(err, hypervisor.ErrBusy) {
+			return fmt.Errorf("waiting for the guest to release disk %s: %w", e.DiskSerial, err)
+		}
+		if err != nil {
+			return fmt.Errorf("hot-unplug of disk %s: %w", e.DiskSerial, err)
+		}
+	}
+	dir := filepath.Join(r.StateDir, controller.AttachmentName(vm.Namespace, vm.Name, e.Name))
+	id, err := os.ReadFile(filepath.Join(dir, "volume-id"))
+	if errors.Is(err, os.ErrNotExist) {
+		return nil // never published on this host
+	}
+	if err != nil {
+		return err
+	}
+	volumeID := strings.TrimSpace(string(id))
+	if _, err := r.CSI.NodeUnpublishVolume(ctx, &csi.NodeUnpublishVolumeRequest{VolumeId: volumeID, TargetPath: filepath.Join(dir, "device")}); err != nil {
+		return fmt.Errorf("unpublish volume %s: %w", volumeID, err)
+	}
+	if _, err := r.CSI.NodeUnstageVolume(ctx, &csi.NodeUnstageVolumeRequest{VolumeId: volumeID, StagingTargetPath: filepath.Join(dir, "staging")}); err != nil {
+		return fmt.Errorf("unstage volume %s: %w", volumeID, err)
+	}
+	ctrl.LoggerFrom(ctx).Info("Detached volume", "volume", e.Name, "diskSerial", e.DiskSerial)
+	r.event(vm, corev1.EventTypeNormal, "Detached", "Volume %s detached", e.Name)
+	return os.RemoveAll(dir)
+}
+
+// writeStatus applies the agent's decisions to status.volumes (sorted by name) and the Ready
+// condition when ready is set, and writes them with the resourceVersion it read; on a conflict
+// it reads the VM again from the API server and applies the decisions to it.
+func (r *Reconciler) writeStatus(ctx context.Context, vm *vmv1.VirtualMachine, set map[string]vmv1.VirtualMachineVolumeStatus, drop []string, ready *metav1.Condition) error {
+	reader := r.APIReader
+	if reader == nil {
+		reader = r.Client
+	}
+	first := true
+	return retry.RetryOnConflict(retry.DefaultRetry, func() error {
+		if !first {
+			if err := reader.Get(ctx, client.ObjectKeyFromObject(vm), vm); err != nil {
+				return client.IgnoreNotFound(err)
+			}
+		}
+		first = false
+		want := applyDecisions(vm.Status.Volumes, set, drop)
+		changed := !slices.Equal(want, vm.Status.Volumes)
+		vm.Status.Volumes = want
+		if ready != nil && meta.SetStatusCondition(&vm.Status.Conditions, *ready) {
+			changed = true
+		}
+		if !changed {
+			return nil
+		}
+		return client.IgnoreNotFound(r.Client.Status().Update(ctx, vm))
+	})
+}
+
+// applyDecisions returns status with the entries of set replacing or adding to those of the
+// same name and the entries named in drop removed, sorted by name.
+func applyDecisions(status []vmv1.VirtualMachineVolumeStatus, set map[string]vmv1.VirtualMachineVolumeStatus, drop []string) []vmv1.VirtualMachineVolumeStatus {
+	out := make([]vmv1.VirtualMachineVolumeStatus, 0, len(status)+len(set))
+	for _, e := range status {
+		if _, replaced := set[e.Name]; !replaced && !slices.Contains(drop, e.Name) {
+			out = append(out, e)
+		}
+	}
+	for _, e := range set {
+		out = append(out, e)
+	}
+	slices.SortFunc(out, func(a, b vmv1.VirtualMachineVolumeStatus) int { return strings.Compare(a.Name, b.Name) })
+	return out
+}
+
+func (r *Reconciler) event(vm *vmv1.VirtualMachine, eventType, reason, format string, args ...any) {
+	if r.Recorder != nil {
+		r.Recorder.Eventf(vm, nil, eventType, reason, reason, format, args...)
+	}
+}
+
+func failed(name string, err error) *vmv1.VirtualMachineVolumeStatus {
+	return &vmv1.VirtualMachineVolumeStatus{Name: name, Error: err.Error()}
+}
+
+func errOr(err error, msg string) error {
+	if err != nil {
+		return err
+	}
+	return errors.New(msg)
+}

@@ -1,0 +1,318 @@
+package hostagent
+
+import (
+	"context"
+	"path/filepath"
+	"sync"
+	"testing"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+	. "github.com/onsi/gomega"
+	"google.golang.org/grpc"
+	corev1 "k8s.io/api/core/v1"
+	storagev1 "k8s.io/api/storage/v1"
+	"k8s.io/apimachinery/pkg/api/meta"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/runtime"
+	clientgoscheme "k8s.io/client-go/kubernetes/scheme"
+	"k8s.io/utils/ptr"
+	ctrl "sigs.k8s.io/controller-runtime"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+	clientfake "sigs.k8s.io/controller-runtime/pkg/client/fake"
+
+	vmv1 "pvbridge.io/pkg/apis/vm/v1alpha1"
+	"pvbridge.io/vm-operator/internal/controller"
+	"pvbridge.io/vm-operator/internal/hypervisor"
+)
+
+// fakeCSI records the Node calls of the host agent.
+type fakeCSI struct {
+	csi.NodeClient
+	mu    sync.Mutex
+	calls []string
+}
+
+func (f *fakeCSI) record(call string) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.calls = append(f.calls, call)
+}
+
+func (f *fakeCSI) NodeStageVolume(_ context.Context, req *csi.NodeStageVolumeRequest, _ ...grpc.CallOption) (*csi.NodeStageVolumeResponse, error) {
+	f.record("stage " + req.GetVolumeId())
+	return &csi.NodeStageVolumeResponse{}, nil
+}
+
+func (f *fakeCSI) NodePublishVolume(_ context.Context, req *csi.NodePublishVolumeRequest, _ ...grpc.CallOption) (*csi.NodePublishVolumeResponse, error) {
+	f.record("publish " + req.GetVolumeId())
+	return &csi.NodePublishVolumeResponse{}, nil
+}
+
+func (f *fakeCSI) NodeUnpublishVolume(_ context.Context, req *csi.NodeUnpublishVolumeRequest, _ ...grpc.CallOption) (*csi.NodeUnpublishVolumeResponse, error) {
+	f.record("unpublish " + req.GetVolumeId())
+	return &csi.NodeUnpublishVolumeResponse{}, nil
+}
+
+func (f *fakeCSI) NodeUnstageVolume(_ context.Context, req *csi.NodeUnstageVolumeRequest, _ ...grpc.CallOption) (*csi.NodeUnstageVolumeResponse, error) {
+	f.record("unstage " + req.GetVolumeId())
+	return &csi.NodeUnstageVolumeResponse{}, nil
+}
+
+// fakeHypervisor keeps disks per VM in memory.
+type fakeHypervisor struct {
+	mu        sync.Mutex
+	on        map[string]bool
+	disks     map[string]map[string]string // vm → serial → device
+	attachErr error
+	detachErr error
+}
+
+func newFakeHypervisor() *fakeHypervisor {
+	return &fakeHypervisor{on: map[string]bool{}, disks: map[string]map[string]string{}}
+}
+
+func (h *fakeHypervisor) Name() string { return "fake" }
+
+func (h *fakeHypervisor) PowerOn(_ context.Context, vm hypervisor.VM) error {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	h.on[vm.Name] = true
+	return nil
+}
+
+func (h *fakeHypervisor) PowerOff(_ context.Context, vm hypervisor.VM) error {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if len(h.disks[vm.Name]) > 0 {
+		return hypervisor.ErrBusy
+	}
+	h.on[vm.Name] = false
+	return nil
+}
+
+func (h *fakeHypervisor) Running(_ context.Context, vm hypervisor.VM) (bool, error) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	return h.on[vm.Name], nil
+}
+
+func (h *fakeHypervisor) Attach(_ context.Context, vm hypervisor.VM, d hypervisor.Disk) error {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if h.attachErr != nil {
+		return h.attachErr
+	}
+	if h.disks[vm.Name] == nil {
+		h.disks[vm.Name] = map[string]string{}
+	}
+	h.disks[vm.Name][d.Serial] = d.Device
+	return nil
+}
+
+func (h *fakeHypervisor) Detach(_ context.Context, vm hypervisor.VM, serial string) error {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if h.detachErr != nil {
+		return h.detachErr
+	}
+	delete(h.disks[vm.Name], serial)
+	return nil
+}
+
+func (h *fakeHypervisor) Disks(_ context.Context, vm hypervisor.VM) ([]hypervisor.Disk, error) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	var out []hypervisor.Disk
+	for s, d := range h.disks[vm.Name] {
+		out = append(out, hypervisor.Disk{Serial: s, Device: d})
+	}
+	return out, nil
+}
+
+const pvName = "pvc-1"
+
+func objects(vm *vmv1.VirtualMachine, attached bool) []client.Object {
+	va := &storagev1.VolumeAttachment{
+		ObjectMeta: metav1.ObjectMeta{Name: controller.AttachmentName(vm.Namespace, vm.Name, "data"), Labels: controller.AttachmentLabels(vm)},
+		Spec: storagev1.VolumeAttachmentSpec{
+			Attacher: "pmem.csi.pvbridge.io", NodeName: "host-a",
+			Source: storagev1.VolumeAttachmentSource{PersistentVolumeName: ptr.To(pvName)},
+		},
+		Status: storagev1.VolumeAttachmentStatus{Attached: attached},
+	}
+	pv := &corev1.PersistentVolume{
+		ObjectMeta: metav1.ObjectMeta{Name: pvName},
+		Spec: corev1.PersistentVolumeSpec{PersistentVolumeSource: corev1.PersistentVolumeSource{
+			CSI: &corev1.CSIPersistentVolumeSource{Driver: "pmem.csi.pvbridge.io", VolumeHandle: pvName},
+		}},
+	}
+	return []client.Object{vm, va, pv}
+}
+
+func virtualMachine(volumes []string, status []vmv1.VirtualMachineVolumeStatus) *vmv1.VirtualMachine {
+	vm := &vmv1.VirtualMachine{
+		ObjectMeta: metav1.ObjectMeta{Namespace: "tenant", Name: "vm-1", UID: "uid-1"},
+		Spec:       vmv1.VirtualMachineSpec{PowerState: vmv1.PowerStateOn},
+		Status:     vmv1.VirtualMachineStatus{Host: "host-a", UniqueID: "uid-1", Volumes: status},
+	}
+	for _, v := range volumes {
+		vm.Spec.Volumes = append(vm.Spec.Volumes, vmv1.VirtualMachineVolume{
+			Name: v, PersistentVolumeClaim: vmv1.PersistentVolumeClaimVolumeSource{ClaimName: v},
+		})
+	}
+	return vm
+}
+
+func TestReconcile(t *testing.T) {
+	serial := SerialFor(pvName)
+	attachedEntry := vmv1.VirtualMachineVolumeStatus{Name: "data", Attached: true, DiskSerial: serial}
+	tests := []struct {
+		name        string
+		vm          *vmv1.VirtualMachine
+		vaAttached  bool
+		prepare     func(h *fakeHypervisor)
+		wantStatus  []vmv1.VirtualMachineVolumeStatus
+		wantCalls   []string
+		wantDisks   int
+		wantRequeue bool
+	}{
+		{
+			name: "an attached volume is staged, published and hot-plugged", vm: virtualMachine([]string{"data"}, nil), vaAttached: true,
+			wantStatus: []vmv1.VirtualMachineVolumeStatus{attachedEntry},
+			wantCalls:  []string{"stage pvc-1", "publish pvc-1"}, wantDisks: 1,
+		},
+		{
+			name: "a volume whose attachment is not attached yet waits", vm: virtualMachine([]string{"data"}, nil),
+			wantStatus: nil, wantCalls: nil,
+		},
+		{
+			name: "a hot-plug failure is reported and retried", vm: virtualMachine([]string{"data"}, nil), vaAttached: true,
+			prepare:    func(h *fakeHypervisor) { h.attachErr = hypervisor.ErrConflict },
+			wantStatus: []vmv1.VirtualMachineVolumeStatus{{Name: "data", Error: "hot-plug: conflicting disk"}},
+			wantCalls:  []string{"stage pvc-1", "publish pvc-1"}, wantRequeue: true,
+		},
+		{
+			name: "a removed volume is unplugged, unpublished and unstaged", vaAttached: true,
+			vm:      virtualMachine(nil, []vmv1.VirtualMachineVolumeStatus{attachedEntry}),
+			prepare: func(h *fakeHypervisor) { h.disks["vm-1"] = map[string]string{serial: "/dev/x"} },
+			// The volume was staged by an earlier reconcile: see the test body.
+			wantStatus: nil, wantCalls: []string{"unpublish pvc-1", "unstage pvc-1"},
+		},
+		{
+			name: "a disk the guest still holds stays, with the reason", vaAttached: true,
+			vm: virtualMachine(nil, []vmv1.VirtualMachineVolumeStatus{attachedEntry}),
+			prepare: func(h *fakeHypervisor) {
+				h.disks["vm-1"] = map[string]string{serial: "/dev/x"}
+				h.detachErr = hypervisor.ErrBusy
+			},
+			wantStatus: []vmv1.VirtualMachineVolumeStatus{{Name: "data", Attached: true, DiskSerial: serial,
+				Error: "waiting for the guest to release disk " + serial + ": disk still held by the virtual machine"}},
+			wantCalls: nil, wantDisks: 1, wantRequeue: true,
+		},
+		{
+			name: "a VM on another host is not touched", vaAttached: true,
+			vm: func() *vmv1.VirtualMachine {
+				vm := virtualMachine([]string{"data"}, nil)
+				vm.Status.Host = "host-b"
+				return vm
+			}(),
+			wantStatus: nil, wantCalls: nil,
+		},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			g := NewWithT(t)
+			scheme := runtime.NewScheme()
+			g.Expect(clientgoscheme.AddToScheme(scheme)).To(Succeed())
+			g.Expect(vmv1.AddToScheme(scheme)).To(Succeed())
+			c := clientfake.NewClientBuilder().WithScheme(scheme).WithObjects(objects(tt.vm, tt.vaAttached)...).
+				WithStatusSubresource(&vmv1.VirtualMachine{}).Build()
+			h, fc := newFakeHypervisor(), &fakeCSI{}
+			if tt.prepare != nil {
+				tt.prepare(h)
+			}
+			r := &Reconciler{Client: c, Node: "host-a", Hypervisor: h, CSI: fc, StateDir: t.TempDir()}
+			// A volume in status was published by an earlier run, which left its volume ID.
+			if len(tt.vm.Status.Volumes) > 0 {
+				_, err := r.publish(t.Context(), filepath.Join(r.StateDir, controller.AttachmentName("tenant", "vm-1", "data")), pvName, nil)
+				g.Expect(err).NotTo(HaveOccurred())
+				fc.calls = nil
+			}
+
+			res, err := r.Reconcile(t.Context(), ctrl.Request{NamespacedName: client.ObjectKeyFromObject(tt.vm)})
+			g.Expect(err).NotTo(HaveOccurred())
+			if tt.wantRequeue {
+				g.Expect(res.RequeueAfter).To(Equal(retryAfter))
+			} else {
+				g.Expect(res.RequeueAfter).To(BeZero())
+			}
+			got := &vmv1.VirtualMachine{}
+			g.Expect(c.Get(t.Context(), client.ObjectKeyFromObject(tt.vm), got)).To(Succeed())
+			g.Expect(got.Status.Volumes).To(Equal(tt.wantStatus))
+			g.Expect(fc.calls).To(Equal(tt.wantCalls))
+			g.Expect(h.disks["vm-1"]).To(HaveLen(tt.wantDisks))
+		})
+	}
+}
+
+func TestDeletedVMLosesItsDisksThenItsPower(t *testing.T) {
+	g := NewWithT(t)
+	serial := SerialFor(pvName)
+	vm := virtualMachine([]string{"data"}, nil)
+	vm.Finalizers = []string{vmv1.VolumesFinalizer}
+	scheme := runtime.NewScheme()
+	g.Expect(clientgoscheme.AddToScheme(scheme)).To(Succeed())
+	g.Expect(vmv1.AddToScheme(scheme)).To(Succeed())
+	c := clientfake.NewClientBuilder().WithScheme(scheme).WithObjects(objects(vm, true)...).
+		WithStatusSubresource(&vmv1.VirtualMachine{}).Build()
+	h, fc := newFakeHypervisor(), &fakeCSI{}
+	r := &Reconciler{Client: c, Node: "host-a", Hypervisor: h, CSI: fc, StateDir: t.TempDir()}
+	req := ctrl.Request{NamespacedName: client.ObjectKeyFromObject(vm)}
+
+	_, err := r.Reconcile(t.Context(), req)
+	g.Expect(err).NotTo(HaveOccurred())
+	g.Expect(h.disks["vm-1"]).To(HaveKey(serial))
+	g.Expect(h.on["vm-1"]).To(BeTrue())
+
+	g.Expect(c.Delete(t.Context(), vm)).To(Succeed()) // held by the finalizer
+	_, err = r.Reconcile(t.Context(), req)
+	g.Expect(err).NotTo(HaveOccurred())
+	got := &vmv1.VirtualMachine{}
+	g.Expect(c.Get(t.Context(), req.NamespacedName, got)).To(Succeed())
+	g.Expect(got.Status.Volumes).To(BeEmpty())
+	g.Expect(h.disks["vm-1"]).To(BeEmpty())
+
+	_, err = r.Reconcile(t.Context(), req) // with nothing attached, the VM is powered off
+	g.Expect(err).NotTo(HaveOccurred())
+	g.Expect(h.on["vm-1"]).To(BeFalse())
+	g.Expect(c.Get(t.Context(), req.NamespacedName, got)).To(Succeed())
+	ready := meta.FindStatusCondition(got.Status.Conditions, vmv1.ReadyCondition)
+	g.Expect(ready).NotTo(BeNil())
+	g.Expect(ready.Reason).To(Equal(vmv1.PoweredOffReason), "the controller derives phase Stopped from it")
+}
+
+func TestApplyDecisionsKeepsOtherWritersEntries(t *testing.T) {
+	g := NewWithT(t)
+	status := []vmv1.VirtualMachineVolumeStatus{
+		{Name: "c", Error: "PVC c is not bound"}, // the controller's
+		{Name: "a", Attached: true, DiskSerial: "s-a"},
+		{Name: "b", Attached: true, DiskSerial: "s-b"},
+	}
+	got := applyDecisions(status,
+		map[string]vmv1.VirtualMachineVolumeStatus{"d": {Name: "d", Attached: true, DiskSerial: "s-d"}},
+		[]string{"b"})
+	g.Expect(got).To(Equal([]vmv1.VirtualMachineVolumeStatus{
+		{Name: "a", Attached: true, DiskSerial: "s-a"},
+		{Name: "c", Error: "PVC c is not bound"},
+		{Name: "d", Attached: true, DiskSerial: "s-d"},
+	}))
+}
+
+func TestSerialFor(t *testing.T) {
+	g := NewWithT(t)
+	s := SerialFor("pvc-0b3f7c1e-2f7a-4d0c-9b1e-4c2e8f0a1d2c")
+	g.Expect(s).To(HaveLen(hypervisor.MaxSerialLength))
+	g.Expect(s).To(MatchRegexp(`^pvb[0-9a-f]{17}$`))
+	g.Expect(SerialFor("pvc-0b3f7c1e-2f7a-4d0c-9b1e-4c2e8f0a1d2c")).To(Equal(s), "deterministic")
+	g.Expect(SerialFor("pvc-other")).NotTo(Equal(s))
+}
