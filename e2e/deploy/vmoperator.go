@@ -1,0 +1,60 @@
+package deploy
+
+import (
+	"fmt"
+	"path/filepath"
+
+	"pvbridge.io/e2e/cluster"
+)
+
+// VMOperator is vm-operator deployed into the management cluster: its controller and, on every
+// host, a host agent with the local hypervisor (a VM is a directory below the host's VMRoot).
+type VMOperator struct {
+	Controller *cluster.Process
+	// Agents and VMRoots are keyed by host name.
+	Agents  map[string]*cluster.Process
+	VMRoots map[string]string
+}
+
+// VMHostLabels are the labels that make a management Node a VM host.
+var VMHostLabels = map[string]string{"vm.pvbridge.io/host": "true"}
+
+// StartVMOperator deploys vm-operator next to mgmt-csi: the controller, and a host agent per host
+// that stages volumes through that host's mgmt-csi node plugin.
+func StartVMOperator(lab *cluster.Lab, m *Management) (*VMOperator, error) {
+	bin, err := lab.Binaries().Own("./vm-operator/cmd/vm-operator")
+	if err != nil {
+		return nil, err
+	}
+	op := &VMOperator{Agents: map[string]*cluster.Process{}, VMRoots: map[string]string{}}
+	common := []string{"--kubeconfig=" + m.CP.Kubeconfig, "--metrics-bind-address=0", "--health-probe-bind-address=0", "--v=4"}
+	op.Controller, err = lab.Start(cluster.Command{
+		Name: m.CP.Name + "/vm-operator", Bin: bin, Dir: filepath.Join(m.CP.Dir, "vm-operator"),
+		LogPath: filepath.Join(m.CP.Dir, "logs", "vm-operator.log"),
+		Args:    append([]string{"--role=controller"}, common...),
+		Restart: true,
+	})
+	if err != nil {
+		return nil, err
+	}
+	for _, h := range m.Hosts {
+		name := h.Node.Name
+		root := filepath.Join(h.Node.Dir, "vms")
+		op.VMRoots[name] = root
+		op.Agents[name], err = lab.Start(cluster.Command{
+			Name: fmt.Sprintf("%s/%s/host-agent", m.CP.Name, name), Bin: bin,
+			Dir: filepath.Join(h.Node.Dir, "host-agent"), LogPath: filepath.Join(h.Node.Dir, "host-agent.log"),
+			Args: append([]string{
+				"--role=host-agent", "--node-name=" + name,
+				"--hypervisor=local", "--vm-root=" + root,
+				"--csi-endpoint=unix://" + filepath.Join(h.Node.PluginDir(PmemDriver), "csi.sock"),
+				"--state-dir=" + filepath.Join(h.Node.Dir, "host-agent"),
+			}, common...),
+			Restart: true,
+		})
+		if err != nil {
+			return nil, err
+		}
+	}
+	return op, nil
+}

@@ -1,0 +1,290 @@
+// Package vmoperator_test proves vm-operator against a real management control plane: two hosts,
+// each a real kubelet with mgmt-csi over emulated PMEM and a vm-operator host agent with the
+// local hypervisor, plus mgmt-csi's controller with the real sidecars and vm-operator's
+// controller. A VM's volumes go spec.volumes → VolumeAttachment → csi-attacher → host agent
+// (stage, publish, hot-plug) → status.volumes, and back.
+package vmoperator_test
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"path/filepath"
+	"testing"
+	"time"
+
+	. "github.com/onsi/gomega"
+	"golang.org/x/sys/unix"
+	corev1 "k8s.io/api/core/v1"
+	storagev1 "k8s.io/api/storage/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/runtime"
+	clientgoscheme "k8s.io/client-go/kubernetes/scheme"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+
+	"pvbridge.io/e2e/cluster"
+	"pvbridge.io/e2e/deploy"
+	pmemv1 "pvbridge.io/pkg/apis/pmem/v1alpha1"
+	vmv1 "pvbridge.io/pkg/apis/vm/v1alpha1"
+)
+
+var (
+	lab  *cluster.Lab
+	mgmt *deploy.Management
+	vmop *deploy.VMOperator
+	c    client.Client
+)
+
+func TestMain(m *testing.M) {
+	os.Exit(run(m))
+}
+
+func run(m *testing.M) int {
+	bin, err := cluster.DefaultBinaries()
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 1
+	}
+	root, err := os.MkdirTemp("", "pvb-")
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 1
+	}
+	if lab, err = cluster.NewLab(root, bin); err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 1
+	}
+	defer func() {
+		if err := lab.Stop(); err != nil {
+			fmt.Fprintln(os.Stderr, "stop lab:", err)
+		}
+	}()
+	ctx := context.Background()
+	cp, err := lab.StartControlPlane(ctx, "mgmt")
+	if err == nil {
+		mgmt, err = deploy.StartManagement(ctx, lab, cp, deploy.MgmtOptions{
+			Hosts: []string{"host-a", "host-b"}, PmemSize: 4 << 30, HostLabels: deploy.VMHostLabels,
+		})
+	}
+	if err == nil {
+		vmop, err = deploy.StartVMOperator(lab, mgmt)
+	}
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "start the management cluster:", err, "(logs below", root+")")
+		return 1
+	}
+	scheme := runtime.NewScheme()
+	_ = clientgoscheme.AddToScheme(scheme)
+	_ = pmemv1.AddToScheme(scheme)
+	_ = vmv1.AddToScheme(scheme)
+	if c, err = client.New(cp.RESTConfig(), client.Options{Scheme: scheme}); err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 1
+	}
+	code := m.Run()
+	if code == 0 && os.Getenv("PVBRIDGE_KEEP_LAB") == "" {
+		_ = os.RemoveAll(root)
+	}
+	return code
+}
+
+const timeout = 2 * time.Minute
+
+func namespace(t *testing.T) string {
+	t.Helper()
+	ns, err := deploy.CreateNamespace(t.Context(), mgmt.CP.Client(), "t")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		ctx := context.WithoutCancel(t.Context())
+		g := NewWithT(t)
+		g.Expect(c.DeleteAllOf(ctx, &vmv1.VirtualMachine{}, client.InNamespace(ns))).To(Succeed())
+		g.Expect(c.Delete(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: ns}})).To(Succeed())
+		g.Eventually(func() error {
+			return c.Get(ctx, client.ObjectKey{Name: ns}, &corev1.Namespace{})
+		}).WithTimeout(timeout).Should(MatchError(ContainSubstring("not found")))
+	})
+	return ns
+}
+
+// blockClaim creates a raw block claim provisioned at once on host.
+func blockClaim(ctx context.Context, g Gomega, ns, name, host string) *corev1.PersistentVolume {
+	pvc := deploy.PVC(ns, name, deploy.StorageClassPmemImmediate, "64Mi", true)
+	pvc.Annotations = map[string]string{"volume.kubernetes.io/selected-node": host}
+	g.Expect(c.Create(ctx, pvc)).To(Succeed())
+	g.Eventually(func(g Gomega) {
+		g.Expect(c.Get(ctx, client.ObjectKeyFromObject(pvc), pvc)).To(Succeed())
+		g.Expect(pvc.Status.Phase).To(Equal(corev1.ClaimBound))
+	}).WithContext(ctx).WithTimeout(timeout).Should(Succeed())
+	pv := &corev1.PersistentVolume{}
+	g.Expect(c.Get(ctx, client.ObjectKey{Name: pvc.Spec.VolumeName}, pv)).To(Succeed())
+	return pv
+}
+
+func virtualMachine(ns, name, host string, claims ...string) *vmv1.VirtualMachine {
+	vm := &vmv1.VirtualMachine{
+		ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: name},
+		Spec:       vmv1.VirtualMachineSpec{Host: host, PowerState: vmv1.PowerStateOn},
+	}
+	for _, claim := range claims {
+		vm.Spec.Volumes = append(vm.Spec.Volumes, vmv1.VirtualMachineVolume{
+			Name: claim, PersistentVolumeClaim: vmv1.PersistentVolumeClaimVolumeSource{ClaimName: claim},
+		})
+	}
+	return vm
+}
+
+// volumeStatus waits until the VM reports volume name satisfying match and returns the entry.
+func volumeStatus(ctx context.Context, g Gomega, vm *vmv1.VirtualMachine, name string, match func(vmv1.VirtualMachineVolumeStatus) bool) vmv1.VirtualMachineVolumeStatus {
+	var got vmv1.VirtualMachineVolumeStatus
+	g.Eventually(func(g Gomega) {
+		g.Expect(c.Get(ctx, client.ObjectKeyFromObject(vm), vm)).To(Succeed())
+		found := false
+		for _, e := range vm.Status.Volumes {
+			if e.Name == name && match(e) {
+				got, found = e, true
+			}
+		}
+		g.Expect(found).To(BeTrue(), "status.volumes: %+v", vm.Status.Volumes)
+	}).WithContext(ctx).WithTimeout(timeout).WithPolling(100 * time.Millisecond).Should(Succeed())
+	return got
+}
+
+func attached(e vmv1.VirtualMachineVolumeStatus) bool { return e.Attached && e.DiskSerial != "" }
+
+// diskInVM checks that the VM's device tree shows the disk by serial, as the device of the
+// volume on its host.
+func diskInVM(g Gomega, host string, vm *vmv1.VirtualMachine, serial, volumeID string) {
+	byID := filepath.Join(vmop.VMRoots[host], vm.Namespace, vm.Name, "dev", "disk", "by-id", "virtio-"+serial)
+	var inVM unix.Stat_t
+	g.Expect(unix.Stat(byID, &inVM)).To(Succeed())
+	g.Expect(inVM.Mode & unix.S_IFMT).To(Equal(uint32(unix.S_IFBLK)))
+	pmv := &pmemv1.PmemVolume{}
+	g.Expect(c.Get(context.Background(), client.ObjectKey{Name: volumeID}, pmv)).To(Succeed())
+	var onHost unix.Stat_t
+	g.Expect(unix.Stat(pmv.Status.Device, &onHost)).To(Succeed())
+	g.Expect(inVM.Rdev).To(Equal(onHost.Rdev), "the VM's disk is the PMEM volume's device")
+}
+
+func noDiskInVM(g Gomega, host string, vm *vmv1.VirtualMachine, serial string) {
+	byID := filepath.Join(vmop.VMRoots[host], vm.Namespace, vm.Name, "dev", "disk", "by-id", "virtio-"+serial)
+	g.Expect(byID).NotTo(BeAnExistingFile())
+}
+
+func attachmentsOf(ctx context.Context, g Gomega, vm *vmv1.VirtualMachine) []storagev1.VolumeAttachment {
+	list := &storagev1.VolumeAttachmentList{}
+	g.Expect(c.List(ctx, list, client.MatchingLabels{vmv1.VMNamespaceLabel: vm.Namespace, vmv1.VMNameLabel: vm.Name})).To(Succeed())
+	return list.Items
+}
+
+func TestAttachDetachAndReattachToASecondVM(t *testing.T) {
+	g := NewWithT(t)
+	ctx, ns := t.Context(), namespace(t)
+	pv := blockClaim(ctx, g, ns, "data", "host-a")
+
+	vm1 := virtualMachine(ns, "vm-1", "host-a", "data")
+	g.Expect(c.Create(ctx, vm1)).To(Succeed())
+	e := volumeStatus(ctx, g, vm1, "data", attached)
+	diskInVM(g, "host-a", vm1, e.DiskSerial, pv.Spec.CSI.VolumeHandle)
+	vas := attachmentsOf(ctx, g, vm1)
+	g.Expect(vas).To(HaveLen(1))
+	g.Expect(vas[0].Spec.NodeName).To(Equal("host-a"))
+	g.Expect(*vas[0].Spec.Source.PersistentVolumeName).To(Equal(pv.Name))
+
+	// Detach: remove the volume from spec.
+	g.Expect(c.Get(ctx, client.ObjectKeyFromObject(vm1), vm1)).To(Succeed())
+	vm1.Spec.Volumes = nil
+	g.Expect(c.Update(ctx, vm1)).To(Succeed())
+	g.Eventually(func(g Gomega) {
+		g.Expect(c.Get(ctx, client.ObjectKeyFromObject(vm1), vm1)).To(Succeed())
+		g.Expect(vm1.Status.Volumes).To(BeEmpty())
+		g.Expect(attachmentsOf(ctx, g, vm1)).To(BeEmpty())
+	}).WithContext(ctx).WithTimeout(timeout).Should(Succeed())
+	noDiskInVM(g, "host-a", vm1, e.DiskSerial)
+
+	// Re-attach the same volume to a second VM on the same host.
+	vm2 := virtualMachine(ns, "vm-2", "host-a", "data")
+	g.Expect(c.Create(ctx, vm2)).To(Succeed())
+	e2 := volumeStatus(ctx, g, vm2, "data", attached)
+	g.Expect(e2.DiskSerial).To(Equal(e.DiskSerial), "the serial follows the volume")
+	diskInVM(g, "host-a", vm2, e2.DiskSerial, pv.Spec.CSI.VolumeHandle)
+}
+
+func TestVolumeOnAnotherHostIsRefusedWithAClearError(t *testing.T) {
+	g := NewWithT(t)
+	ctx, ns := t.Context(), namespace(t)
+	blockClaim(ctx, g, ns, "far", "host-b")
+	vm := virtualMachine(ns, "vm-a", "host-a", "far")
+	g.Expect(c.Create(ctx, vm)).To(Succeed())
+	e := volumeStatus(ctx, g, vm, "far", func(e vmv1.VirtualMachineVolumeStatus) bool { return e.Error != "" })
+	g.Expect(e.Attached).To(BeFalse())
+	g.Expect(e.Error).To(ContainSubstring("host-b"))
+	g.Expect(attachmentsOf(ctx, g, vm)).To(BeEmpty())
+}
+
+func TestDeletingAVMDetachesItsVolumes(t *testing.T) {
+	g := NewWithT(t)
+	ctx, ns := t.Context(), namespace(t)
+	pv := blockClaim(ctx, g, ns, "data", "host-b")
+	vm := virtualMachine(ns, "doomed", "host-b", "data")
+	g.Expect(c.Create(ctx, vm)).To(Succeed())
+	e := volumeStatus(ctx, g, vm, "data", attached)
+
+	g.Expect(c.Delete(ctx, vm)).To(Succeed())
+	g.Eventually(func() error {
+		return c.Get(ctx, client.ObjectKeyFromObject(vm), &vmv1.VirtualMachine{})
+	}).WithContext(ctx).WithTimeout(timeout).Should(MatchError(ContainSubstring("not found")))
+	g.Expect(attachmentsOf(ctx, g, vm)).To(BeEmpty())
+	noDiskInVM(g, "host-b", vm, e.DiskSerial)
+	// The volume itself stays, unpublished.
+	pmv := &pmemv1.PmemVolume{}
+	g.Expect(c.Get(ctx, client.ObjectKey{Name: pv.Spec.CSI.VolumeHandle}, pmv)).To(Succeed())
+}
+
+func TestHostAgentKilledMidAttachConverges(t *testing.T) {
+	g := NewWithT(t)
+	ctx, ns := t.Context(), namespace(t)
+	var claims []string
+	for i := range 5 {
+		name := fmt.Sprintf("v%d", i)
+		blockClaim(ctx, g, ns, name, "host-a")
+		claims = append(claims, name)
+	}
+	vm := virtualMachine(ns, "crash", "host-a", claims...)
+	g.Expect(c.Create(ctx, vm)).To(Succeed())
+	volumeStatus(ctx, g, vm, "v0", func(vmv1.VirtualMachineVolumeStatus) bool { return true })
+	g.Expect(vmop.Agents["host-a"].Kill()).To(Succeed()) // it restarts, as its container would
+	for _, name := range claims {
+		volumeStatus(ctx, g, vm, name, attached)
+	}
+	g.Expect(attachmentsOf(ctx, g, vm)).To(HaveLen(len(claims)))
+}
+
+// TestControllerManagerRestartDetachesNothing restarts kube-controller-manager while a VM's
+// volume is attached. With attachRequired=true its attach-detach controller would mark the
+// VolumeAttachment it did not create as uncertain and delete it; the CSIDriver declares
+// attachRequired=false, so the volume must stay attached.
+func TestControllerManagerRestartDetachesNothing(t *testing.T) {
+	g := NewWithT(t)
+	ctx, ns := t.Context(), namespace(t)
+	blockClaim(ctx, g, ns, "data", "host-a")
+	vm := virtualMachine(ns, "steady", "host-a", "data")
+	g.Expect(c.Create(ctx, vm)).To(Succeed())
+	volumeStatus(ctx, g, vm, "data", attached)
+	vas := attachmentsOf(ctx, g, vm)
+	g.Expect(vas).To(HaveLen(1))
+
+	g.Expect(mgmt.CP.StopControllerManager()).To(Succeed())
+	g.Expect(mgmt.CP.StartControllerManager()).To(Succeed())
+	// The attach-detach controller reconciles every minute and acts at start-up; watch it through
+	// its first two passes.
+	g.Consistently(func(g Gomega) {
+		va := &storagev1.VolumeAttachment{}
+		g.Expect(c.Get(ctx, client.ObjectKey{Name: vas[0].Name}, va)).To(Succeed())
+		g.Expect(va.DeletionTimestamp).To(BeNil())
+		g.Expect(va.Status.Attached).To(BeTrue())
+		g.Expect(c.Get(ctx, client.ObjectKeyFromObject(vm), vm)).To(Succeed())
+		g.Expect(vm.Status.Volumes).To(ContainElement(HaveField("Attached", true)))
+	}).WithContext(ctx).WithTimeout(150 * time.Second).WithPolling(time.Second).Should(Succeed())
+}
