@@ -42,6 +42,10 @@ bench: deps tools ## Run the benchmarks; each figure prints as `BENCH <name> <va
 		(cd $$m && go test -run '^$$' -bench . -benchtime 1x -timeout $(TEST_TIMEOUT) ./... | { grep -E '^(BENCH|FAIL|panic|---)' || true; }) || exit 1; \
 	done
 
+.PHONY: soak
+soak: deps tools ## Restart kube-controller-manager under attached VM volumes and watch them for 10 minutes.
+	cd e2e && go test -count=1 -timeout 30m -run TestControllerManagerRestartDetachesNothing ./vmoperator/ -args -soak=10m
+
 .PHONY: sanity
 sanity: deps tools ## Run the csi-sanity binary against the lab's running drivers and print each summary.
 	go run ./e2e/cmd/sanity

@@ -7,9 +7,12 @@ package vmoperator_test
 
 import (
 	"context"
+	"flag"
 	"fmt"
 	"os"
 	"path/filepath"
+	"slices"
+	"sync"
 	"testing"
 	"time"
 
@@ -19,7 +22,9 @@ import (
 	storagev1 "k8s.io/api/storage/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/apimachinery/pkg/util/wait"
 	clientgoscheme "k8s.io/client-go/kubernetes/scheme"
+	"k8s.io/client-go/util/retry"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	"pvbridge.io/e2e/cluster"
@@ -28,14 +33,19 @@ import (
 	vmv1 "pvbridge.io/pkg/apis/vm/v1alpha1"
 )
 
+// soak is how long TestControllerManagerRestartDetachesNothing watches after the restart. CI
+// watches two passes of the attach-detach controller; `make soak` watches ten minutes.
+var soak = flag.Duration("soak", 150*time.Second, "how long to watch VM volumes after kube-controller-manager restarts")
+
 var (
 	lab  *cluster.Lab
 	mgmt *deploy.Management
 	vmop *deploy.VMOperator
-	c    client.Client
+	c    client.WithWatch
 )
 
 func TestMain(m *testing.M) {
+	flag.Parse()
 	os.Exit(run(m))
 }
 
@@ -77,7 +87,7 @@ func run(m *testing.M) int {
 	_ = clientgoscheme.AddToScheme(scheme)
 	_ = pmemv1.AddToScheme(scheme)
 	_ = vmv1.AddToScheme(scheme)
-	if c, err = client.New(cp.RESTConfig(), client.Options{Scheme: scheme}); err != nil {
+	if c, err = client.NewWithWatch(cp.RESTConfig(), client.Options{Scheme: scheme}); err != nil {
 		fmt.Fprintln(os.Stderr, err)
 		return 1
 	}
@@ -242,7 +252,7 @@ func TestDeletingAVMDetachesItsVolumes(t *testing.T) {
 	g.Expect(c.Get(ctx, client.ObjectKey{Name: pv.Spec.CSI.VolumeHandle}, pmv)).To(Succeed())
 }
 
-func TestHostAgentKilledMidAttachConverges(t *testing.T) {
+func TestHostAgentKilledMidAttachAndMidDetachConverges(t *testing.T) {
 	g := NewWithT(t)
 	ctx, ns := t.Context(), namespace(t)
 	var claims []string
@@ -255,10 +265,30 @@ func TestHostAgentKilledMidAttachConverges(t *testing.T) {
 	g.Expect(c.Create(ctx, vm)).To(Succeed())
 	volumeStatus(ctx, g, vm, "v0", func(vmv1.VirtualMachineVolumeStatus) bool { return true })
 	g.Expect(vmop.Agents["host-a"].Kill()).To(Succeed()) // it restarts, as its container would
+	serials := map[string]string{}
 	for _, name := range claims {
-		volumeStatus(ctx, g, vm, name, attached)
+		serials[name] = volumeStatus(ctx, g, vm, name, attached).DiskSerial
 	}
 	g.Expect(attachmentsOf(ctx, g, vm)).To(HaveLen(len(claims)))
+
+	// And mid-detach.
+	g.Expect(c.Get(ctx, client.ObjectKeyFromObject(vm), vm)).To(Succeed())
+	vm.Spec.Volumes = nil
+	g.Expect(c.Update(ctx, vm)).To(Succeed())
+	g.Eventually(func() int {
+		g.Expect(c.Get(ctx, client.ObjectKeyFromObject(vm), vm)).To(Succeed())
+		return len(vm.Status.Volumes)
+	}).WithContext(ctx).WithTimeout(timeout).WithPolling(10 * time.Millisecond).Should(BeNumerically("<", len(claims)))
+	g.Expect(vmop.Agents["host-a"].Kill()).To(Succeed())
+	g.Eventually(func(g Gomega) {
+		g.Expect(c.Get(ctx, client.ObjectKeyFromObject(vm), vm)).To(Succeed())
+		g.Expect(vm.Status.Volumes).To(BeEmpty())
+		g.Expect(attachmentsOf(ctx, g, vm)).To(BeEmpty())
+	}).WithContext(ctx).WithTimeout(timeout).Should(Succeed())
+	for _, serial := range serials {
+		noDiskInVM(g, "host-a", vm, serial)
+	}
+	g.Expect(cluster.MountsBelow(filepath.Join(mgmt.Hosts[0].Node.Dir, "host-agent"))).To(BeEmpty(), "nothing stays published")
 }
 
 // TestControllerManagerRestartDetachesNothing restarts kube-controller-manager while a VM's
@@ -277,8 +307,7 @@ func TestControllerManagerRestartDetachesNothing(t *testing.T) {
 
 	g.Expect(mgmt.CP.StopControllerManager()).To(Succeed())
 	g.Expect(mgmt.CP.StartControllerManager()).To(Succeed())
-	// The attach-detach controller reconciles every minute and acts at start-up; watch it through
-	// its first two passes.
+	// The attach-detach controller acts at start-up and reconciles every minute.
 	g.Consistently(func(g Gomega) {
 		va := &storagev1.VolumeAttachment{}
 		g.Expect(c.Get(ctx, client.ObjectKey{Name: vas[0].Name}, va)).To(Succeed())
@@ -286,5 +315,59 @@ func TestControllerManagerRestartDetachesNothing(t *testing.T) {
 		g.Expect(va.Status.Attached).To(BeTrue())
 		g.Expect(c.Get(ctx, client.ObjectKeyFromObject(vm), vm)).To(Succeed())
 		g.Expect(vm.Status.Volumes).To(ContainElement(HaveField("Attached", true)))
-	}).WithContext(ctx).WithTimeout(150 * time.Second).WithPolling(time.Second).Should(Succeed())
+	}).WithContext(ctx).WithTimeout(*soak).WithPolling(time.Second).Should(Succeed())
+}
+
+// TestConcurrentWritersLoseNoVolume adds 50 volumes to one VM from 50 writers at once, each with
+// optimistic concurrency (read, append, update, retry on conflict), then removes one: all 50 end
+// attached as disks of the VM, and the removal drops exactly that one.
+func TestConcurrentWritersLoseNoVolume(t *testing.T) {
+	g := NewWithT(t)
+	ctx, ns := t.Context(), namespace(t)
+	const n = 50
+	for i := range n {
+		blockClaim(ctx, g, ns, fmt.Sprintf("w%02d", i), "host-b")
+	}
+	vm := virtualMachine(ns, "busy", "host-b")
+	g.Expect(c.Create(ctx, vm)).To(Succeed())
+
+	// 50 writers and the status writers conflict far more often than client-go's default 4
+	// tries. (No Cap: wait.Backoff stops stepping once it reaches its cap.)
+	patient := wait.Backoff{Steps: 1000, Duration: 50 * time.Millisecond, Factor: 1, Jitter: 1}
+	var wg sync.WaitGroup
+	for i := range n {
+		name := fmt.Sprintf("w%02d", i)
+		wg.Go(func() {
+			err := retry.RetryOnConflict(patient, func() error {
+				cur := &vmv1.VirtualMachine{}
+				if err := c.Get(ctx, client.ObjectKeyFromObject(vm), cur); err != nil {
+					return err
+				}
+				cur.Spec.Volumes = append(cur.Spec.Volumes, vmv1.VirtualMachineVolume{
+					Name: name, PersistentVolumeClaim: vmv1.PersistentVolumeClaimVolumeSource{ClaimName: name},
+				})
+				return c.Update(ctx, cur)
+			})
+			g.Expect(err).NotTo(HaveOccurred(), "writer %s: %v", name, err)
+		})
+	}
+	wg.Wait()
+	for i := range n {
+		volumeStatus(ctx, g, vm, fmt.Sprintf("w%02d", i), attached)
+	}
+
+	g.Expect(retry.RetryOnConflict(patient, func() error {
+		if err := c.Get(ctx, client.ObjectKeyFromObject(vm), vm); err != nil {
+			return err
+		}
+		vm.Spec.Volumes = slices.DeleteFunc(vm.Spec.Volumes, func(v vmv1.VirtualMachineVolume) bool { return v.Name == "w07" })
+		return c.Update(ctx, vm)
+	})).To(Succeed())
+	g.Eventually(func(g Gomega) {
+		g.Expect(c.Get(ctx, client.ObjectKeyFromObject(vm), vm)).To(Succeed())
+		g.Expect(vm.Status.Volumes).To(HaveLen(n - 1))
+		g.Expect(vm.Status.Volumes).To(HaveEach(HaveField("Attached", true)))
+		g.Expect(vm.Status.Volumes).NotTo(ContainElement(HaveField("Name", "w07")))
+		g.Expect(attachmentsOf(ctx, g, vm)).To(HaveLen(n - 1))
+	}).WithContext(ctx).WithTimeout(timeout).Should(Succeed())
 }

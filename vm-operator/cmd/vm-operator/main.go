@@ -38,6 +38,9 @@ func main() {
 		`What to run: "controller" (one per management cluster) or "host-agent" (one per host, beside its kubelet). Required.`)
 	fs.StringVar(&opts.NodeName, "node-name", "",
 		"Name of this host's Kubernetes Node; usually the pod's spec.nodeName. Required with --role=host-agent.")
+	fs.Float32Var(&opts.KubeAPIQPS, "kube-api-qps", 50,
+		"Queries per second to the Kubernetes API (each VolumeAttachment costs a few; at 20 a burst of 100 volumes waits 20 s).")
+	fs.IntVar(&opts.KubeAPIBurst, "kube-api-burst", 100, "Burst of queries to the Kubernetes API.")
 	fs.StringVar(&opts.Hypervisor, "hypervisor", "local",
 		`Host agent: the hypervisor driver, "local" (a VM is a directory whose device tree receives the hot-plugged disks; the lab) or "qemu" (QEMU VMs started and hot-plugged over QMP).`)
 	fs.StringVar(&opts.VMRoot, "vm-root", "/var/lib/pvbridge/vms",

@@ -30,12 +30,13 @@ import (
 	"k8s.io/client-go/util/retry"
 	ctrl "sigs.k8s.io/controller-runtime"
 	"sigs.k8s.io/controller-runtime/pkg/client"
+	"sigs.k8s.io/controller-runtime/pkg/controller"
 	"sigs.k8s.io/controller-runtime/pkg/handler"
 	"sigs.k8s.io/controller-runtime/pkg/reconcile"
 	"sigs.k8s.io/controller-runtime/pkg/recorder"
 
 	vmv1 "pvbridge.io/pkg/apis/vm/v1alpha1"
-	"pvbridge.io/vm-operator/internal/controller"
+	vmcontroller "pvbridge.io/vm-operator/internal/controller"
 	"pvbridge.io/vm-operator/internal/hypervisor"
 )
 
@@ -64,6 +65,8 @@ func (r *Reconciler) SetupWithManager(mgr ctrl.Manager) error {
 	return ctrl.NewControllerManagedBy(mgr).
 		For(&vmv1.VirtualMachine{}).
 		Named("hostagent").
+		// VMs are independent; the hypervisor serializes what concerns one VM.
+		WithOptions(controller.Options{MaxConcurrentReconciles: 4}).
 		Watches(&storagev1.VolumeAttachment{}, handler.EnqueueRequestsFromMapFunc(r.vmsOfAttachment)).
 		Complete(r)
 }
@@ -78,7 +81,7 @@ func (r *Reconciler) vmsOfAttachment(ctx context.Context, obj client.Object) []r
 	for i := range vms.Items {
 		vm := &vms.Items[i]
 		matches := true
-		for k, v := range controller.AttachmentLabels(vm) {
+		for k, v := range vmcontroller.AttachmentLabels(vm) {
 			matches = matches && obj.GetLabels()[k] == v
 		}
 		if matches {
@@ -121,11 +124,22 @@ func (r *Reconciler) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Resu
 	var drop []string
 	waiting := false
 	if wantOn {
+		// Claim in status, in one write, the volumes about to be staged: while an entry exists
+		// the controller keeps the VolumeAttachment, so a volume removed from spec meanwhile is
+		// unstaged before it is detached (kubelet's volumesInUse does the same for pods).
+		claim := map[string]vmv1.VirtualMachineVolumeStatus{}
 		for _, v := range vm.Spec.Volumes {
-			entry, done, err := r.attach(ctx, vm, ref, v.Name)
-			if err != nil {
+			if !slices.ContainsFunc(vm.Status.Volumes, func(e vmv1.VirtualMachineVolumeStatus) bool { return e.Name == v.Name }) && r.attachmentReady(ctx, vm, v.Name) {
+				claim[v.Name] = vmv1.VirtualMachineVolumeStatus{Name: v.Name}
+			}
+		}
+		if len(claim) > 0 {
+			if err := r.writeStatus(ctx, vm, claim, nil, nil); err != nil {
 				return ctrl.Result{}, err
 			}
+		}
+		for _, v := range vm.Spec.Volumes {
+			entry, done := r.attach(ctx, vm, ref, v.Name)
 			if entry != nil {
 				set[v.Name] = *entry
 			}
@@ -162,46 +176,45 @@ func (r *Reconciler) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Resu
 	return ctrl.Result{}, nil
 }
 
+// attachmentReady reports whether the VolumeAttachment of volume name is attached.
+func (r *Reconciler) attachmentReady(ctx context.Context, vm *vmv1.VirtualMachine, name string) bool {
+	va := &storagev1.VolumeAttachment{}
+	err := r.Client.Get(ctx, client.ObjectKey{Name: vmcontroller.AttachmentName(vm.Namespace, vm.Name, name)}, va)
+	return err == nil && va.Status.Attached
+}
+
 // attach makes volume name a disk of the VM once its VolumeAttachment is attached. It returns
 // the status entry to record (nil: leave the entry as it is, the controller reports why the
-// volume is not attached yet) and whether the volume is settled; an error only when the status
-// could not be written.
-func (r *Reconciler) attach(ctx context.Context, vm *vmv1.VirtualMachine, ref hypervisor.VM, name string) (*vmv1.VirtualMachineVolumeStatus, bool, error) {
+// volume is not attached yet) and whether the volume is settled.
+func (r *Reconciler) attach(ctx context.Context, vm *vmv1.VirtualMachine, ref hypervisor.VM, name string) (*vmv1.VirtualMachineVolumeStatus, bool) {
 	log := ctrl.LoggerFrom(ctx).WithValues("volume", name)
-	vaName := controller.AttachmentName(vm.Namespace, vm.Name, name)
+	vaName := vmcontroller.AttachmentName(vm.Namespace, vm.Name, name)
 	va := &storagev1.VolumeAttachment{}
 	if err := r.Client.Get(ctx, client.ObjectKey{Name: vaName}, va); err != nil || !va.Status.Attached || va.Spec.Source.PersistentVolumeName == nil {
-		return nil, true, nil // the VolumeAttachment's watch brings us back
+		return nil, true // the VolumeAttachment's watch brings us back
 	}
 	pv := &corev1.PersistentVolume{}
 	if err := r.Client.Get(ctx, client.ObjectKey{Name: *va.Spec.Source.PersistentVolumeName}, pv); err != nil || pv.Spec.CSI == nil {
-		return failed(name, fmt.Errorf("persistent volume %s: %w", *va.Spec.Source.PersistentVolumeName, errOr(err, "not a CSI volume"))), false, nil
+		return failed(name, fmt.Errorf("persistent volume %s: %w", *va.Spec.Source.PersistentVolumeName, errOr(err, "not a CSI volume"))), false
 	}
-	// Claim the volume in status before staging it, as kubelet reports volumesInUse: while the
-	// entry exists the controller keeps the VolumeAttachment, so a volume removed from spec
-	// meanwhile is unstaged before it is detached.
-	if !slices.ContainsFunc(vm.Status.Volumes, func(e vmv1.VirtualMachineVolumeStatus) bool { return e.Name == name }) {
-		if err := r.writeStatus(ctx, vm, map[string]vmv1.VirtualMachineVolumeStatus{name: {Name: name}}, nil, nil); err != nil {
-			return nil, false, err
-		}
-	}
+
 	serial := SerialFor(pv.Name)
 	dir := filepath.Join(r.StateDir, vaName)
 	device, err := r.publish(ctx, dir, pv.Spec.CSI.VolumeHandle, va.Status.AttachmentMetadata)
 	if err != nil {
 		log.Error(err, "Cannot publish the volume on the host")
-		return failed(name, err), false, nil
+		return failed(name, err), false
 	}
 	if err := r.Hypervisor.Attach(ctx, ref, hypervisor.Disk{Serial: serial, Device: device}); err != nil {
 		log.Error(err, "Cannot hot-plug the volume")
 		r.event(vm, corev1.EventTypeWarning, "HotPlugFailed", "Hot-plug of volume %s failed: %v", name, err)
-		return failed(name, fmt.Errorf("hot-plug: %w", err)), false, nil
+		return failed(name, fmt.Errorf("hot-plug: %w", err)), false
 	}
 	if e := vm.Status.Volumes; !slices.ContainsFunc(e, func(s vmv1.VirtualMachineVolumeStatus) bool { return s.Name == name && s.Attached }) {
 		log.Info("Hot-plugged volume", "diskSerial", serial, "device", device)
 		r.event(vm, corev1.EventTypeNormal, "Attached", "Volume %s attached as disk %s", name, serial)
 	}
-	return &vmv1.VirtualMachineVolumeStatus{Name: name, Attached: true, DiskSerial: serial}, true, nil
+	return &vmv1.VirtualMachineVolumeStatus{Name: name, Attached: true, DiskSerial: serial}, true
 }
 
 // publish stages and publishes the volume as a raw block device file <dir>/device.
@@ -244,7 +257,7 @@ func (r *Reconciler) detach(ctx context.Context, vm *vmv1.VirtualMachine, ref hy
 			return fmt.Errorf("hot-unplug of disk %s: %w", e.DiskSerial, err)
 		}
 	}
-	dir := filepath.Join(r.StateDir, controller.AttachmentName(vm.Namespace, vm.Name, e.Name))
+	dir := filepath.Join(r.StateDir, vmcontroller.AttachmentName(vm.Namespace, vm.Name, e.Name))
 	id, err := os.ReadFile(filepath.Join(dir, "volume-id"))
 	if errors.Is(err, os.ErrNotExist) {
 		return nil // never published on this host

@@ -70,6 +70,9 @@ type Options struct {
 	CSIEndpoint string
 	// StateDir is where the host agent stages and publishes VM volumes.
 	StateDir string
+	// KubeAPIQPS and KubeAPIBurst limit the operator's API requests.
+	KubeAPIQPS   float32
+	KubeAPIBurst int
 }
 
 // Validate reports every problem with the options.
@@ -152,6 +155,12 @@ func New(opts Options) (*Operator, error) {
 	cfg, err := restConfig(opts.Kubeconfig)
 	if err != nil {
 		return nil, err
+	}
+	if opts.KubeAPIQPS > 0 {
+		cfg.QPS = opts.KubeAPIQPS
+	}
+	if opts.KubeAPIBurst > 0 {
+		cfg.Burst = opts.KubeAPIBurst
 	}
 	scheme, err := NewScheme()
 	if err != nil {
