@@ -43,48 +43,26 @@ func TestMain(m *testing.M) {
 }
 
 func run(m *testing.M) int {
-	bin, err := cluster.DefaultBinaries()
-	if err != nil {
-		fmt.Fprintln(os.Stderr, err)
-		return 1
-	}
-	root, err := os.MkdirTemp("", "pvb-")
-	if err != nil {
-		fmt.Fprintln(os.Stderr, err)
-		return 1
-	}
-	if lab, err = cluster.NewLab(root, bin); err != nil {
-		fmt.Fprintln(os.Stderr, err)
-		return 1
-	}
-	defer func() {
-		if err := lab.Stop(); err != nil {
-			fmt.Fprintln(os.Stderr, "stop lab:", err)
+	return cluster.RunTests(m, func(ctx context.Context, l *cluster.Lab) error {
+		lab = l
+		start := time.Now()
+		cp, err := lab.StartControlPlane(ctx, "mgmt")
+		if err != nil {
+			return err
 		}
-	}()
-	ctx := context.Background()
-	start := time.Now()
-	cp, err := lab.StartControlPlane(ctx, "mgmt")
-	if err == nil {
-		mgmt, err = deploy.StartManagement(ctx, lab, cp, deploy.MgmtOptions{Hosts: []string{"host-a", "host-b"}, PmemSize: pmemSize})
-	}
-	if err != nil {
-		fmt.Fprintln(os.Stderr, "start the management cluster:", err, "(logs below", root+")")
-		return 1
-	}
-	fmt.Printf("management cluster with mgmt-csi up in %.1fs (%s)\n", time.Since(start).Seconds(), root)
-	scheme := runtime.NewScheme()
-	_ = clientgoscheme.AddToScheme(scheme)
-	_ = pmemv1.AddToScheme(scheme)
-	if c, err = client.New(cp.RESTConfig(), client.Options{Scheme: scheme}); err != nil {
-		fmt.Fprintln(os.Stderr, err)
-		return 1
-	}
-	code := m.Run()
-	if code == 0 && os.Getenv("PVBRIDGE_KEEP_LAB") == "" {
-		_ = os.RemoveAll(root)
-	}
-	return code
+		if mgmt, err = deploy.StartManagement(ctx, lab, cp, deploy.MgmtOptions{Hosts: []string{"host-a", "host-b"}, PmemSize: pmemSize}); err != nil {
+			return err
+		}
+		fmt.Printf("management cluster with mgmt-csi up in %.1fs (%s)\n", time.Since(start).Seconds(), lab.Root)
+		scheme := runtime.NewScheme()
+		for _, add := range []func(*runtime.Scheme) error{clientgoscheme.AddToScheme, pmemv1.AddToScheme} {
+			if err := add(scheme); err != nil {
+				return err
+			}
+		}
+		c, err = client.New(cp.RESTConfig(), client.Options{Scheme: scheme})
+		return err
+	})
 }
 
 // namespace creates a namespace for the test and deletes it, with everything in it, when the

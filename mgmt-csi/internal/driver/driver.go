@@ -159,7 +159,7 @@ func (d *Driver) Run(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
-	csi.RegisterIdentityServer(server, &identity{name: Name, version: d.opts.Version})
+	csi.RegisterIdentityServer(server, &csiserver.Identity{Name: Name, Version: d.opts.Version})
 	switch d.opts.Mode {
 	case ModeController:
 		cs, err := setupController(ctx, mgr)

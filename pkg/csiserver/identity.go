@@ -1,4 +1,4 @@
-package driver
+package csiserver
 
 import (
 	"context"
@@ -7,20 +7,22 @@ import (
 	"google.golang.org/protobuf/types/known/wrapperspb"
 )
 
-// identity is the CSI Identity service.
-type identity struct {
+// Identity is the CSI Identity service of a pvbridge driver. Both drivers have a controller
+// service and topology, so their capabilities are the same.
+type Identity struct {
 	csi.UnimplementedIdentityServer
-	name    string
-	version string
+	Name    string
+	Version string
 }
 
-func (i *identity) GetPluginInfo(context.Context, *csi.GetPluginInfoRequest) (*csi.GetPluginInfoResponse, error) {
-	return &csi.GetPluginInfoResponse{Name: i.name, VendorVersion: i.version}, nil
+// GetPluginInfo names the driver and its version.
+func (i *Identity) GetPluginInfo(context.Context, *csi.GetPluginInfoRequest) (*csi.GetPluginInfoResponse, error) {
+	return &csi.GetPluginInfoResponse{Name: i.Name, VendorVersion: i.Version}, nil
 }
 
 // GetPluginCapabilities describes the whole driver, whatever the mode of this process: sidecars
 // of either side ask it.
-func (i *identity) GetPluginCapabilities(context.Context, *csi.GetPluginCapabilitiesRequest) (*csi.GetPluginCapabilitiesResponse, error) {
+func (i *Identity) GetPluginCapabilities(context.Context, *csi.GetPluginCapabilitiesRequest) (*csi.GetPluginCapabilitiesResponse, error) {
 	return &csi.GetPluginCapabilitiesResponse{
 		Capabilities: []*csi.PluginCapability{
 			serviceCapability(csi.PluginCapability_Service_CONTROLLER_SERVICE),
@@ -36,6 +38,6 @@ func serviceCapability(t csi.PluginCapability_Service_Type) *csi.PluginCapabilit
 }
 
 // Probe reports ready: the process serves as soon as its socket listens.
-func (i *identity) Probe(context.Context, *csi.ProbeRequest) (*csi.ProbeResponse, error) {
+func (i *Identity) Probe(context.Context, *csi.ProbeRequest) (*csi.ProbeResponse, error) {
 	return &csi.ProbeResponse{Ready: wrapperspb.Bool(true)}, nil
 }

@@ -1,4 +1,4 @@
-package driver
+package csiserver
 
 import (
 	"testing"
@@ -8,7 +8,7 @@ import (
 )
 
 func TestIdentity(t *testing.T) {
-	id := &identity{name: Name, version: "v1.2.3"}
+	id := &Identity{Name: "pmem.csi.pvbridge.io", Version: "v1.2.3"}
 	tests := []struct {
 		name  string
 		call  func() (any, error)

@@ -1,0 +1,47 @@
+package cluster
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"testing"
+)
+
+// RunTests is the TestMain of a package whose tests share one lab: it starts a lab under a short
+// temporary root, lets setup start what the tests need, runs them and stops the lab. The lab's
+// directory (logs, state) is kept when a test failed, or when PVBRIDGE_KEEP_LAB is set.
+func RunTests(m *testing.M, setup func(ctx context.Context, lab *Lab) error) int {
+	bin, err := DefaultBinaries()
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 1
+	}
+	root, err := os.MkdirTemp("", "pvb-")
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 1
+	}
+	lab, err := NewLab(root, bin)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 1
+	}
+	stop := func() {
+		if err := lab.Stop(); err != nil {
+			fmt.Fprintln(os.Stderr, "stop lab:", err)
+		}
+	}
+	if err := setup(context.Background(), lab); err != nil {
+		stop()
+		fmt.Fprintf(os.Stderr, "start the lab: %v (logs below %s)\n", err, root)
+		return 1
+	}
+	code := m.Run()
+	stop()
+	if code == 0 && os.Getenv("PVBRIDGE_KEEP_LAB") == "" {
+		_ = os.RemoveAll(root)
+	} else {
+		fmt.Fprintln(os.Stderr, "lab kept in", root)
+	}
+	return code
+}
