@@ -27,7 +27,8 @@ help: ## Show this help.
 
 .PHONY: run
 run: deps tools ## Start the lab (management + guest clusters on 127.0.0.1) until Ctrl-C.
-	go run ./e2e/cmd/lab
+	go build -o bin/lab ./e2e/cmd/lab
+	bin/lab
 
 .PHONY: test
 test: deps tools ## Run every test (unit, integration, end-to-end) with -race.
