@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"os"
 	"path/filepath"
 	"slices"
 	"strings"
@@ -17,7 +16,7 @@ import (
 	"k8s.io/mount-utils"
 
 	"pvbridge.io/mgmt-csi/internal/pmem"
-	"pvbridge.io/pkg/keylock"
+	"pvbridge.io/pkg/csinode"
 	"pvbridge.io/pkg/mounter"
 )
 
@@ -52,18 +51,14 @@ func (b BackendDevices) Device(ctx context.Context, volumeID string) (string, er
 // context: with attachRequired false, ordinary pods in the management cluster skip
 // ControllerPublishVolume and their NodeStageVolume gets no publish context at all.
 //
-// Operations on one volume are serialized: a call that finds another one in progress for the
-// same volume ID answers Aborted at once, and the CO retries. NodeGetVolumeStats only reads
-// and takes no lock, so that kubelet's periodic stats never make a mount or unmount fail.
+// Serialization, unstaging, unpublishing and the common bodies come from csinode.Base.
 type nodeServer struct {
-	csi.UnimplementedNodeServer
+	csinode.Base
 
 	nodeID string
 	// maxVolumes is what NodeGetInfo reports as max_volumes_per_node; 0 means no limit.
 	maxVolumes int64
 	devices    Devices
-	mounter    *mounter.Mounter
-	locks      keylock.Locks
 }
 
 var _ csi.NodeServer = (*nodeServer)(nil)
@@ -72,23 +67,17 @@ var _ csi.NodeServer = (*nodeServer)(nil)
 // devices and mounts them with m. maxVolumes limits the volumes the scheduler places on the
 // node (0: no limit).
 func newNodeServer(nodeID string, maxVolumes int64, devices Devices, m *mounter.Mounter) *nodeServer {
-	return &nodeServer{nodeID: nodeID, maxVolumes: maxVolumes, devices: devices, mounter: m}
+	return &nodeServer{Base: csinode.Base{Mounter: m, Codes: driverCodes}, nodeID: nodeID, maxVolumes: maxVolumes, devices: devices}
 }
 
 func (n *nodeServer) NodeGetCapabilities(context.Context, *csi.NodeGetCapabilitiesRequest) (*csi.NodeGetCapabilitiesResponse, error) {
-	var caps []*csi.NodeServiceCapability
-	for _, c := range []csi.NodeServiceCapability_RPC_Type{
+	return csinode.Capabilities(
 		csi.NodeServiceCapability_RPC_STAGE_UNSTAGE_VOLUME,
 		csi.NodeServiceCapability_RPC_GET_VOLUME_STATS,
 		csi.NodeServiceCapability_RPC_GET_VOLUME_HEALTH,
 		csi.NodeServiceCapability_RPC_EXPAND_VOLUME,
 		csi.NodeServiceCapability_RPC_SINGLE_NODE_MULTI_WRITER,
-	} {
-		caps = append(caps, &csi.NodeServiceCapability{
-			Type: &csi.NodeServiceCapability_Rpc{Rpc: &csi.NodeServiceCapability_RPC{Type: c}},
-		})
-	}
-	return &csi.NodeGetCapabilitiesResponse{Capabilities: caps}, nil
+	), nil
 }
 
 func (n *nodeServer) NodeGetInfo(context.Context, *csi.NodeGetInfoRequest) (*csi.NodeGetInfoResponse, error) {
@@ -113,7 +102,7 @@ func (n *nodeServer) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolu
 	if err := validateNodeCapability(capability); err != nil {
 		return nil, err
 	}
-	ctx, unlock, err := n.lock(ctx, req.GetVolumeId())
+	ctx, unlock, err := n.Lock(ctx, req.GetVolumeId())
 	if err != nil {
 		return nil, err
 	}
@@ -124,19 +113,19 @@ func (n *nodeServer) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolu
 		return nil, err
 	}
 	if capability.GetBlock() != nil {
-		if _, err := n.mounter.DeviceSize(device); err != nil {
-			return nil, statusError(err)
+		if _, err := n.Mounter.DeviceSize(device); err != nil {
+			return nil, n.StatusError(err)
 		}
 		return &csi.NodeStageVolumeResponse{}, nil
 	}
 
-	dax, err := n.mounter.SupportsDAX(device)
+	dax, err := n.Mounter.SupportsDAX(device)
 	if err != nil {
-		return nil, statusError(err)
+		return nil, n.StatusError(err)
 	}
 	mnt := capability.GetMount()
-	if err := n.mounter.Stage(ctx, device, req.GetStagingTargetPath(), mnt.GetFsType(), stageOptions(mnt.GetMountFlags(), dax)); err != nil {
-		return nil, statusError(err)
+	if err := n.Mounter.Stage(ctx, device, req.GetStagingTargetPath(), mnt.GetFsType(), stageOptions(mnt.GetMountFlags(), dax)); err != nil {
+		return nil, n.StatusError(err)
 	}
 	return &csi.NodeStageVolumeResponse{}, nil
 }
@@ -150,26 +139,6 @@ func stageOptions(flags []string, dax bool) []string {
 		opts = append(opts, "dax")
 	}
 	return opts
-}
-
-// NodeUnstageVolume unmounts and removes the staging path. It needs no device, so it succeeds
-// for a volume that is gone already.
-func (n *nodeServer) NodeUnstageVolume(ctx context.Context, req *csi.NodeUnstageVolumeRequest) (*csi.NodeUnstageVolumeResponse, error) {
-	switch {
-	case req.GetVolumeId() == "":
-		return nil, status.Error(codes.InvalidArgument, "volume_id is required")
-	case req.GetStagingTargetPath() == "":
-		return nil, status.Error(codes.InvalidArgument, "staging_target_path is required")
-	}
-	ctx, unlock, err := n.lock(ctx, req.GetVolumeId())
-	if err != nil {
-		return nil, err
-	}
-	defer unlock()
-	if err := n.mounter.Unmount(ctx, req.GetStagingTargetPath()); err != nil {
-		return nil, statusError(err)
-	}
-	return &csi.NodeUnstageVolumeResponse{}, nil
 }
 
 // NodePublishVolume bind-mounts a staged filesystem at the target path, or the device of a
@@ -188,7 +157,7 @@ func (n *nodeServer) NodePublishVolume(ctx context.Context, req *csi.NodePublish
 	if err := validateNodeCapability(capability); err != nil {
 		return nil, err
 	}
-	ctx, unlock, err := n.lock(ctx, req.GetVolumeId())
+	ctx, unlock, err := n.Lock(ctx, req.GetVolumeId())
 	if err != nil {
 		return nil, err
 	}
@@ -203,15 +172,8 @@ func (n *nodeServer) NodePublishVolume(ctx context.Context, req *csi.NodePublish
 			return nil, err
 		}
 	}
-	readOnly := req.GetReadonly() ||
-		capability.GetAccessMode().GetMode() == csi.VolumeCapability_AccessMode_SINGLE_NODE_READER_ONLY
-	if capability.GetBlock() != nil {
-		err = n.mounter.PublishBlock(ctx, device, req.GetTargetPath(), readOnly)
-	} else {
-		err = n.mounter.Publish(ctx, req.GetStagingTargetPath(), req.GetTargetPath(), readOnly, capability.GetMount().GetMountFlags())
-	}
-	if err != nil {
-		return nil, statusError(err)
+	if err := n.Publish(ctx, req, device); err != nil {
+		return nil, err
 	}
 	return &csi.NodePublishVolumeResponse{}, nil
 }
@@ -271,26 +233,6 @@ func resolvePath(path string) string {
 	return filepath.Clean(path)
 }
 
-// NodeUnpublishVolume unmounts and removes the target path, a directory or a block device
-// file. It needs no device, so it succeeds for a volume that is gone already.
-func (n *nodeServer) NodeUnpublishVolume(ctx context.Context, req *csi.NodeUnpublishVolumeRequest) (*csi.NodeUnpublishVolumeResponse, error) {
-	switch {
-	case req.GetVolumeId() == "":
-		return nil, status.Error(codes.InvalidArgument, "volume_id is required")
-	case req.GetTargetPath() == "":
-		return nil, status.Error(codes.InvalidArgument, "target_path is required")
-	}
-	ctx, unlock, err := n.lock(ctx, req.GetVolumeId())
-	if err != nil {
-		return nil, err
-	}
-	defer unlock()
-	if err := n.mounter.Unmount(ctx, req.GetTargetPath()); err != nil {
-		return nil, statusError(err)
-	}
-	return &csi.NodeUnpublishVolumeResponse{}, nil
-}
-
 // NodeGetVolumeStats reports a filesystem's bytes and inodes, or a block device's size. A path
 // that does not exist or holds another volume is NotFound; a volume that is not healthy (see
 // NodeGetVolumeHealth) has no usage to report and is FailedPrecondition.
@@ -306,24 +248,7 @@ func (n *nodeServer) NodeGetVolumeStats(ctx context.Context, req *csi.NodeGetVol
 	if err != nil {
 		return nil, err
 	}
-	stats, err := n.mounter.Stats(ctx, req.GetVolumePath(), device)
-	if err != nil {
-		return nil, statusError(err)
-	}
-	switch {
-	case stats.Condition != nil:
-		return nil, status.Errorf(codes.FailedPrecondition, "volume %s at %s is not healthy: %s", req.GetVolumeId(), req.GetVolumePath(), stats.Condition.Message)
-	case stats.Block:
-		return &csi.NodeGetVolumeStatsResponse{
-			Usage: []*csi.VolumeUsage{{Unit: csi.VolumeUsage_BYTES, Total: stats.TotalBytes}},
-		}, nil
-	}
-	return &csi.NodeGetVolumeStatsResponse{
-		Usage: []*csi.VolumeUsage{
-			{Unit: csi.VolumeUsage_BYTES, Total: stats.TotalBytes, Available: stats.AvailableBytes, Used: stats.UsedBytes},
-			{Unit: csi.VolumeUsage_INODES, Total: stats.TotalInodes, Available: stats.FreeInodes, Used: stats.UsedInodes},
-		},
-	}, nil
+	return n.Stats(ctx, req.GetVolumeId(), req.GetVolumePath(), device)
 }
 
 // NodeGetVolumeHealth reports a volume as INACCESSIBLE when its device is gone or its publish
@@ -361,7 +286,7 @@ func (n *nodeServer) NodeGetVolumeHealth(ctx context.Context, req *csi.NodeGetVo
 		path, published = req.GetStagingTargetPath(), false
 	}
 	if path != "" {
-		stats, err := n.mounter.Stats(ctx, path, device)
+		stats, err := n.Mounter.Stats(ctx, path, device)
 		switch {
 		case errors.Is(err, mounter.ErrNotFound):
 			if device == "" {
@@ -369,7 +294,7 @@ func (n *nodeServer) NodeGetVolumeHealth(ctx context.Context, req *csi.NodeGetVo
 			}
 			report(mounter.ReasonNotMounted, err.Error())
 		case err != nil:
-			return nil, statusError(err)
+			return nil, n.StatusError(err)
 		case stats.Condition == nil:
 		case stats.Condition.Reason == mounter.ReasonNotMounted && !published:
 		default:
@@ -397,7 +322,7 @@ func (n *nodeServer) NodeExpandVolume(ctx context.Context, req *csi.NodeExpandVo
 			return nil, err
 		}
 	}
-	ctx, unlock, err := n.lock(ctx, req.GetVolumeId())
+	ctx, unlock, err := n.Lock(ctx, req.GetVolumeId())
 	if err != nil {
 		return nil, err
 	}
@@ -407,42 +332,7 @@ func (n *nodeServer) NodeExpandVolume(ctx context.Context, req *csi.NodeExpandVo
 	if err != nil {
 		return nil, err
 	}
-	size, err := n.mounter.DeviceSize(device)
-	if err != nil {
-		return nil, statusError(err)
-	}
-	if required := req.GetCapacityRange().GetRequiredBytes(); size < required {
-		return nil, status.Errorf(codes.FailedPrecondition, "the device of volume %s has %d bytes, fewer than the required %d: the volume has not grown yet", req.GetVolumeId(), size, required)
-	}
-	block, err := isBlockVolume(req.GetVolumeCapability(), req.GetVolumePath())
-	if err != nil {
-		return nil, statusError(err)
-	}
-	if !block {
-		if err := n.mounter.Expand(ctx, req.GetVolumePath(), device); err != nil {
-			return nil, statusError(err)
-		}
-	}
-	return &csi.NodeExpandVolumeResponse{CapacityBytes: size}, nil
-}
-
-// isBlockVolume tells a block volume from a mount volume by its capability, or, since
-// NodeExpandVolume's capability is optional, by what is at the volume path.
-func isBlockVolume(c *csi.VolumeCapability, path string) (bool, error) {
-	switch {
-	case c.GetBlock() != nil:
-		return true, nil
-	case c.GetMount() != nil:
-		return false, nil
-	}
-	fi, err := os.Stat(path)
-	if errors.Is(err, os.ErrNotExist) {
-		return false, fmt.Errorf("%w: volume path %s", mounter.ErrNotFound, path)
-	}
-	if err != nil {
-		return false, fmt.Errorf("stat volume path: %w", err)
-	}
-	return fi.Mode()&os.ModeDevice != 0 && fi.Mode()&os.ModeCharDevice == 0, nil
+	return n.Expand(ctx, req, device)
 }
 
 // validateNodeCapability validates the one capability of a node RPC.
@@ -453,16 +343,6 @@ func validateNodeCapability(c *csi.VolumeCapability) error {
 	return validateCapabilities([]*csi.VolumeCapability{c})
 }
 
-// lock takes the volume's lock, or fails with Aborted while another operation on it is in
-// progress. It returns ctx with a logger that names the volume.
-func (n *nodeServer) lock(ctx context.Context, volumeID string) (context.Context, func(), error) {
-	if !n.locks.TryLock(volumeID) {
-		return ctx, nil, status.Errorf(codes.Aborted, "an operation on volume %s is in progress", volumeID)
-	}
-	ctx = klog.NewContext(ctx, klog.FromContext(ctx).WithValues("volumeID", volumeID))
-	return ctx, func() { n.locks.Unlock(volumeID) }, nil
-}
-
 // deviceIfAny looks up the volume's device on this node, "" if it has no such volume.
 func (n *nodeServer) deviceIfAny(ctx context.Context, volumeID string) (string, error) {
 	device, err := n.devices.Device(ctx, volumeID)
@@ -470,7 +350,7 @@ func (n *nodeServer) deviceIfAny(ctx context.Context, volumeID string) (string, 
 		return "", nil
 	}
 	if err != nil {
-		return "", statusError(fmt.Errorf("find the device of volume %s: %w", volumeID, err))
+		return "", n.StatusError(fmt.Errorf("find the device of volume %s: %w", volumeID, err))
 	}
 	return device, nil
 }
@@ -479,7 +359,7 @@ func (n *nodeServer) deviceIfAny(ctx context.Context, volumeID string) (string, 
 func (n *nodeServer) device(ctx context.Context, volumeID string) (string, error) {
 	device, err := n.devices.Device(ctx, volumeID)
 	if err != nil {
-		return "", statusError(fmt.Errorf("find the device of volume %s: %w", volumeID, err))
+		return "", n.StatusError(fmt.Errorf("find the device of volume %s: %w", volumeID, err))
 	}
 	klog.FromContext(ctx).V(4).Info("Found device", "device", device)
 	return device, nil

@@ -1,7 +1,6 @@
 package driver
 
 import (
-	"bufio"
 	"context"
 	"fmt"
 	"os"
@@ -12,12 +11,10 @@ import (
 	"testing"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
-	. "github.com/onsi/gomega"
 	"golang.org/x/sys/unix"
-	"google.golang.org/grpc/codes"
-	"google.golang.org/grpc/status"
 
 	"pvbridge.io/mgmt-csi/internal/pmem"
+	"pvbridge.io/pkg/csinode/csinodetest"
 	"pvbridge.io/pkg/mounter"
 )
 
@@ -147,7 +144,7 @@ func (e *nodeEnv) staged(t *testing.T, id string, c *csi.VolumeCapability) strin
 	}); err != nil {
 		t.Fatalf("stage: %v", err)
 	}
-	t.Cleanup(func() { _ = e.n.mounter.Unmount(t.Context(), staging) })
+	t.Cleanup(func() { _ = e.n.Mounter.Unmount(t.Context(), staging) })
 	return staging
 }
 
@@ -161,97 +158,27 @@ func (e *nodeEnv) published(t *testing.T, id string, c *csi.VolumeCapability, re
 	}); err != nil {
 		t.Fatalf("publish: %v", err)
 	}
-	t.Cleanup(func() { _ = e.n.mounter.Unmount(t.Context(), target) })
+	t.Cleanup(func() { _ = e.n.Mounter.Unmount(t.Context(), target) })
 	return staging, target
 }
 
 // locked holds volume id's lock for the rest of the test, as a call in progress would.
 func (e *nodeEnv) locked(t *testing.T, id string) {
 	t.Helper()
-	if !e.n.locks.TryLock(id) {
+	if !e.n.Locks.TryLock(id) {
 		t.Fatalf("volume %s is locked already", id)
 	}
-	t.Cleanup(func() { e.n.locks.Unlock(id) })
+	t.Cleanup(func() { e.n.Locks.Unlock(id) })
 }
 
-func fsCap(fsType string, flags ...string) *csi.VolumeCapability {
-	return &csi.VolumeCapability{
-		AccessType: &csi.VolumeCapability_Mount{Mount: &csi.VolumeCapability_MountVolume{FsType: fsType, MountFlags: flags}},
-		AccessMode: &csi.VolumeCapability_AccessMode{Mode: csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER},
-	}
-}
-
-func rawCap() *csi.VolumeCapability {
-	return &csi.VolumeCapability{
-		AccessType: &csi.VolumeCapability_Block{Block: &csi.VolumeCapability_BlockVolume{}},
-		AccessMode: &csi.VolumeCapability_AccessMode{Mode: csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER},
-	}
-}
-
-func withMode(c *csi.VolumeCapability, mode csi.VolumeCapability_AccessMode_Mode) *csi.VolumeCapability {
-	c.AccessMode.Mode = mode
-	return c
-}
-
-// expectCode expects err to be a gRPC status with code (nil for OK) whose message contains msg.
-func expectCode(g Gomega, err error, code codes.Code, msg string) {
-	if code == codes.OK {
-		g.Expect(err).NotTo(HaveOccurred())
-		return
-	}
-	g.Expect(err).To(HaveOccurred())
-	s, ok := status.FromError(err)
-	g.Expect(ok).To(BeTrue(), "a gRPC status, not a raw error: %v", err)
-	g.Expect(s.Code()).To(Equal(code), "%v", err)
-	g.Expect(s.Message()).To(ContainSubstring(msg))
-}
-
-// mountsUnder lists the mount points under dir, innermost first.
-func mountsUnder(t *testing.T, dir string) []string {
-	t.Helper()
-	f, err := os.Open("/proc/self/mountinfo")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer func() { _ = f.Close() }()
-	var mps []string
-	s := bufio.NewScanner(f)
-	for s.Scan() {
-		fields := strings.Fields(s.Text())
-		if len(fields) <= 4 {
-			continue
-		}
-		if mp := unescapeMountInfo.Replace(fields[4]); mp == dir || strings.HasPrefix(mp, dir+"/") {
-			mps = append([]string{mp}, mps...)
-		}
-	}
-	return mps
-}
-
-// mounts counts the mounts stacked on path.
-func mounts(t *testing.T, path string) int {
-	t.Helper()
-	n := 0
-	for _, mp := range mountsUnder(t, path) {
-		if mp == path {
-			n++
-		}
-	}
-	return n
-}
-
-// loopsOf lists the loop devices attached to file.
-func loopsOf(t *testing.T, file string) []string {
-	t.Helper()
-	out, err := exec.Command("losetup", "--associated", file, "--noheadings", "--output", "NAME").CombinedOutput()
-	if err != nil {
-		t.Fatalf("losetup --associated: %v: %s", err, out)
-	}
-	return strings.Fields(string(out))
-}
-
-func blkidType(t *testing.T, device string) string {
-	t.Helper()
-	out, _ := exec.Command("blkid", "-p", "-s", "TYPE", "-o", "value", device).Output()
-	return strings.TrimSpace(string(out))
-}
+// The helpers shared with the other driver's tests.
+var (
+	fsCap       = csinodetest.FsCap
+	rawCap      = csinodetest.RawCap
+	withMode    = csinodetest.WithMode
+	expectCode  = csinodetest.ExpectCode
+	mountsUnder = csinodetest.MountsUnder
+	loopsOf     = csinodetest.LoopsOf
+	blkidType   = csinodetest.BlkidType
+	mounts      = csinodetest.Mounts
+)

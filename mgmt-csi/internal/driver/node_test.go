@@ -220,7 +220,7 @@ func TestNodeStageVolume(t *testing.T) {
 			g := NewWithT(t)
 			e := newNodeEnv(t)
 			req := tt.prepare(t, e)
-			t.Cleanup(func() { _ = e.n.mounter.Unmount(t.Context(), req.GetStagingTargetPath()) })
+			t.Cleanup(func() { _ = e.n.Mounter.Unmount(t.Context(), req.GetStagingTargetPath()) })
 
 			_, err := e.n.NodeStageVolume(t.Context(), req)
 			expectCode(g, err, tt.code, tt.msg)
@@ -528,7 +528,7 @@ func TestNodePublishVolume(t *testing.T) {
 			g := NewWithT(t)
 			e := newNodeEnv(t)
 			req := tt.prepare(t, e)
-			t.Cleanup(func() { _ = e.n.mounter.Unmount(t.Context(), req.GetTargetPath()) })
+			t.Cleanup(func() { _ = e.n.Mounter.Unmount(t.Context(), req.GetTargetPath()) })
 
 			_, err := e.n.NodePublishVolume(t.Context(), req)
 			expectCode(g, err, tt.code, tt.msg)

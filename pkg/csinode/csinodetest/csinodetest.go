@@ -1,0 +1,105 @@
+// Package csinodetest holds the test helpers of the drivers' Node services: capabilities,
+// gRPC status expectations, and what is mounted or attached on the machine.
+package csinodetest
+
+import (
+	"bufio"
+	"os"
+	"os/exec"
+	"strings"
+	"testing"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+	"github.com/onsi/gomega"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+)
+
+// FsCap is a single-node-writer mount capability.
+func FsCap(fsType string, flags ...string) *csi.VolumeCapability {
+	return &csi.VolumeCapability{
+		AccessType: &csi.VolumeCapability_Mount{Mount: &csi.VolumeCapability_MountVolume{FsType: fsType, MountFlags: flags}},
+		AccessMode: &csi.VolumeCapability_AccessMode{Mode: csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER},
+	}
+}
+
+// RawCap is a single-node-writer raw block capability.
+func RawCap() *csi.VolumeCapability {
+	return &csi.VolumeCapability{
+		AccessType: &csi.VolumeCapability_Block{Block: &csi.VolumeCapability_BlockVolume{}},
+		AccessMode: &csi.VolumeCapability_AccessMode{Mode: csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER},
+	}
+}
+
+// WithMode sets c's access mode.
+func WithMode(c *csi.VolumeCapability, mode csi.VolumeCapability_AccessMode_Mode) *csi.VolumeCapability {
+	c.AccessMode.Mode = mode
+	return c
+}
+
+// ExpectCode expects err to be a gRPC status with code (nil for OK) whose message contains msg.
+func ExpectCode(g gomega.Gomega, err error, code codes.Code, msg string) {
+	if code == codes.OK {
+		g.Expect(err).NotTo(gomega.HaveOccurred())
+		return
+	}
+	g.Expect(err).To(gomega.HaveOccurred())
+	s, ok := status.FromError(err)
+	g.Expect(ok).To(gomega.BeTrue(), "a gRPC status, not a raw error: %v", err)
+	g.Expect(s.Code()).To(gomega.Equal(code), "%v", err)
+	g.Expect(s.Message()).To(gomega.ContainSubstring(msg))
+}
+
+// unescapeMountInfo undoes the octal escapes of the mount table's paths.
+var unescapeMountInfo = strings.NewReplacer(`\040`, " ", `\011`, "\t", `\012`, "\n", `\134`, `\`)
+
+// MountsUnder lists the mount points under dir, innermost first.
+func MountsUnder(t *testing.T, dir string) []string {
+	t.Helper()
+	f, err := os.Open("/proc/self/mountinfo")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = f.Close() }()
+	var mps []string
+	s := bufio.NewScanner(f)
+	for s.Scan() {
+		fields := strings.Fields(s.Text())
+		if len(fields) <= 4 {
+			continue
+		}
+		if mp := unescapeMountInfo.Replace(fields[4]); mp == dir || strings.HasPrefix(mp, dir+"/") {
+			mps = append([]string{mp}, mps...)
+		}
+	}
+	return mps
+}
+
+// Mounts counts the mounts stacked on path.
+func Mounts(t *testing.T, path string) int {
+	t.Helper()
+	n := 0
+	for _, mp := range MountsUnder(t, path) {
+		if mp == path {
+			n++
+		}
+	}
+	return n
+}
+
+// LoopsOf lists the loop devices attached to file.
+func LoopsOf(t *testing.T, file string) []string {
+	t.Helper()
+	out, err := exec.Command("losetup", "--associated", file, "--noheadings", "--output", "NAME").CombinedOutput()
+	if err != nil {
+		t.Fatalf("losetup --associated: %v: %s", err, out)
+	}
+	return strings.Fields(string(out))
+}
+
+// BlkidType is the filesystem blkid finds on device ("" for none).
+func BlkidType(t *testing.T, device string) string {
+	t.Helper()
+	out, _ := exec.Command("blkid", "-p", "-s", "TYPE", "-o", "value", device).Output()
+	return strings.TrimSpace(string(out))
+}
