@@ -14,6 +14,7 @@ import (
 	"k8s.io/klog/v2"
 
 	"pvbridge.io/pkg/csiserver"
+	"pvbridge.io/pkg/mounter"
 	"pvbridge.io/pkg/registration"
 )
 
@@ -42,6 +43,14 @@ type Options struct {
 	// KubeletRegistrationDir is kubelet's plugin registration directory. When set (node mode
 	// only), the driver registers itself with kubelet.
 	KubeletRegistrationDir string
+	// DeviceRoot is the root under which the node plugin looks up disks: <root>/sys/block and
+	// <root>/dev. Node mode only; "" means "/". The lab's VMs have their device tree in a
+	// directory.
+	DeviceRoot string
+	// Host tells the node plugin the management host of its VM, which NodeGetInfo reports as
+	// the node's topology. Node mode only. While it is nil, or does not know the host,
+	// NodeGetInfo answers Unavailable.
+	Host Host
 	// Version is the driver version GetPluginInfo reports.
 	Version string
 }
@@ -60,6 +69,9 @@ func (o *Options) Validate() error {
 		if o.KubeletRegistrationDir != "" {
 			errs = append(errs, errors.New("kubelet registration is only done in node mode"))
 		}
+		if o.DeviceRoot != "" {
+			errs = append(errs, errors.New("device root is only used in node mode"))
+		}
 	case ModeNode:
 		if o.NodeID == "" {
 			errs = append(errs, errors.New("node ID is required in node mode"))
@@ -68,6 +80,9 @@ func (o *Options) Validate() error {
 		}
 		if o.KubeletRegistrationDir != "" && !filepath.IsAbs(o.KubeletRegistrationDir) {
 			errs = append(errs, fmt.Errorf("kubelet registration directory %q is not absolute", o.KubeletRegistrationDir))
+		}
+		if o.DeviceRoot != "" && !filepath.IsAbs(o.DeviceRoot) {
+			errs = append(errs, fmt.Errorf("device root %q is not absolute", o.DeviceRoot))
 		}
 	default:
 		errs = append(errs, fmt.Errorf("mode %q is neither %q nor %q", o.Mode, ModeController, ModeNode))
@@ -78,7 +93,8 @@ func (o *Options) Validate() error {
 	return errors.Join(errs...)
 }
 
-// Driver serves the CSI services of guest.csi.pvbridge.io. Only Identity exists so far.
+// Driver serves the CSI services of guest.csi.pvbridge.io: Identity, and in node mode Node.
+// The Controller service does not exist yet.
 type Driver struct {
 	opts Options
 }
@@ -87,6 +103,9 @@ type Driver struct {
 func New(opts Options) (*Driver, error) {
 	if err := opts.Validate(); err != nil {
 		return nil, err
+	}
+	if opts.Mode == ModeNode && opts.DeviceRoot == "" {
+		opts.DeviceRoot = "/"
 	}
 	return &Driver{opts: opts}, nil
 }
@@ -101,6 +120,9 @@ func (d *Driver) Run(ctx context.Context) error {
 		return err
 	}
 	csi.RegisterIdentityServer(server, &csiserver.Identity{Name: Name, Version: d.opts.Version})
+	if d.opts.Mode == ModeNode {
+		csi.RegisterNodeServer(server, newNodeServer(d.opts.NodeID, d.opts.Host, d.opts.DeviceRoot, mounter.New()))
+	}
 
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()

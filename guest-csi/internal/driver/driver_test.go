@@ -10,7 +10,9 @@ import (
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	. "github.com/onsi/gomega"
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/status"
 	registerapi "k8s.io/kubelet/pkg/apis/pluginregistration/v1"
 )
 
@@ -39,6 +41,9 @@ func TestOptionsValidate(t *testing.T) {
 		{name: "unknown mode", opts: valid("all", nil), wantErr: []string{`mode "all"`}},
 		{name: "node without node ID", opts: valid(ModeNode, func(o *Options) { o.NodeID = "" }), wantErr: []string{"node ID is required"}},
 		{name: "node ID that is not a node name", opts: valid(ModeNode, func(o *Options) { o.NodeID = "Node_1" }), wantErr: []string{"not a node name"}},
+		{name: "node with a device root", opts: valid(ModeNode, func(o *Options) { o.DeviceRoot = "/var/lib/vms/vm-1" })},
+		{name: "relative device root", opts: valid(ModeNode, func(o *Options) { o.DeviceRoot = "vm-1" }), wantErr: []string{"device root \"vm-1\" is not absolute"}},
+		{name: "controller with device root", opts: valid(ModeController, func(o *Options) { o.DeviceRoot = "/" }), wantErr: []string{"device root is only used in node mode"}},
 		{name: "relative registration directory", opts: valid(ModeNode, func(o *Options) { o.KubeletRegistrationDir = "plugins_registry" }), wantErr: []string{"not absolute"}},
 		{name: "controller with node ID", opts: valid(ModeController, func(o *Options) { o.NodeID = "n" }), wantErr: []string{"only used in node mode"}},
 		{name: "controller registering with kubelet", opts: valid(ModeController, func(o *Options) { o.KubeletRegistrationDir = "/r" }), wantErr: []string{"only done in node mode"}},
@@ -119,6 +124,14 @@ func TestRunServesIdentityAndRegistersWithKubelet(t *testing.T) {
 			g.Expect(err).NotTo(HaveOccurred())
 			g.Expect(info.GetName()).To(Equal("guest.csi.pvbridge.io"))
 			g.Expect(info.GetVendorVersion()).To(Equal("v1.2.3"))
+
+			_, err = csi.NewNodeClient(dial(t, filepath.Join(dir, "csi.sock"))).
+				NodeGetCapabilities(t.Context(), &csi.NodeGetCapabilitiesRequest{})
+			if tt.mode == ModeNode {
+				g.Expect(err).NotTo(HaveOccurred(), "the Node service is served in node mode")
+			} else {
+				g.Expect(status.Code(err)).To(Equal(codes.Unimplemented), "the Node service is served only in node mode")
+			}
 
 			regSock := filepath.Join(registry, "guest.csi.pvbridge.io-reg.sock")
 			if tt.wantRegistry {

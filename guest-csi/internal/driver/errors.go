@@ -1,0 +1,20 @@
+package driver
+
+import (
+	"google.golang.org/grpc/codes"
+
+	"pvbridge.io/pkg/csinode"
+)
+
+// driverCodes are this driver's sentinel errors with the gRPC code the CSI spec asks for when
+// an RPC fails with them; csinode adds the context's and the mounter's.
+var driverCodes = []csinode.ErrorCode{
+	{Err: errInvalidSerial, Code: codes.InvalidArgument},
+	// The host of this node is not known yet: NodeGetInfo is retried by kubelet.
+	{Err: ErrHostUnknown, Code: codes.Unavailable},
+}
+
+// statusError turns an error into the gRPC status an RPC returns (see csinode.StatusError).
+func statusError(err error) error {
+	return csinode.StatusError(err, driverCodes...)
+}
