@@ -7,18 +7,14 @@ import (
 	"context"
 	"fmt"
 	"os"
-	"os/signal"
-	"syscall"
 
 	"github.com/spf13/pflag"
 	"k8s.io/apimachinery/pkg/api/resource"
-	"k8s.io/component-base/featuregate"
-	"k8s.io/component-base/logs"
-	logsapi "k8s.io/component-base/logs/api/v1"
 	"k8s.io/klog/v2"
 	ctrl "sigs.k8s.io/controller-runtime"
 
 	"pvbridge.io/mgmt-csi/internal/driver"
+	"pvbridge.io/pkg/command"
 )
 
 // version is set at build time with -ldflags "-X main.version=<version>".
@@ -26,12 +22,6 @@ var version = "devel"
 
 func main() {
 	opts := driver.Options{Version: version}
-	logging := logsapi.NewLoggingConfiguration()
-	features := featuregate.NewFeatureGate()
-	if err := logsapi.AddFeatureGates(features); err != nil {
-		panic(err) // only fails when a gate is added twice
-	}
-
 	fs := pflag.NewFlagSet(os.Args[0], pflag.ExitOnError)
 	fs.StringVar(&opts.Endpoint, "endpoint", "unix:///csi/csi.sock",
 		"CSI socket to serve, as unix:///absolute/path or an absolute path. A stale socket left by a previous run is replaced.")
@@ -53,55 +43,39 @@ func main() {
 		`PMEM back end of the node agent: "file" (sparse files on a DAX filesystem, exposed as loop devices), "lvm" (a volume group per PMEM region) or "ndctl" (a namespace per volume). Required with --mode=node.`)
 	fs.StringVar(&opts.Pmem.File.Dir, "pmem-dir", "",
 		"File mode: directory on the PMEM filesystem (in production a DAX-mounted fsdax namespace) that holds the volumes.")
-	pmemCapacity := fs.String("pmem-capacity", "",
+	fs.Var(quantity{&opts.Pmem.File.Capacity}, "pmem-capacity",
 		`File mode: PMEM to hand out, as a quantity ("64Gi"); empty means the size of the filesystem of --pmem-dir.`)
 	fs.StringSliceVar(&opts.Pmem.LVM.VolumeGroups, "lvm-volume-groups", nil,
 		"LVM mode: the volume groups to carve volumes from, one per PMEM region.")
 	fs.StringSliceVar(&opts.Pmem.Ndctl.Regions, "ndctl-regions", nil,
 		"ndctl mode: the PMEM regions to use (e.g. region0); empty means every PMEM region.")
-	logsapi.AddFlags(logging, fs)
-	features.AddFlag(fs)
-	fs.Usage = func() {
-		fmt.Fprintf(os.Stderr, "Usage: %s [flags]\n\nCSI driver %s, version %s.\n\nFlags:\n", os.Args[0], driver.Name, version)
-		fs.PrintDefaults()
-	}
-	_ = fs.Parse(os.Args[1:]) // ExitOnError: Parse exits on a bad flag.
-	if fs.NArg() > 0 {
-		fmt.Fprintf(os.Stderr, "unexpected arguments: %v\n", fs.Args())
-		fs.Usage()
-		os.Exit(2)
-	}
-
-	if *pmemCapacity != "" {
-		q, err := resource.ParseQuantity(*pmemCapacity)
+	command.Main(fs, "mgmt-csi", fmt.Sprintf("CSI driver %s, version %s.", driver.Name, version), func(ctx context.Context) error {
+		ctrl.SetLogger(klog.NewKlogr())
+		d, err := driver.New(opts)
 		if err != nil {
-			fmt.Fprintf(os.Stderr, "--pmem-capacity: %v\n", err)
-			os.Exit(2)
+			return err
 		}
-		opts.Pmem.File.Capacity = q.Value()
-	}
-
-	logs.InitLogs()
-	ctrl.SetLogger(klog.NewKlogr())
-	if err := logsapi.ValidateAndApply(logging, features); err != nil {
-		fmt.Fprintln(os.Stderr, err)
-		os.Exit(2)
-	}
-
-	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
-	err := run(ctx, opts)
-	stop()
-	if err != nil {
-		klog.Background().Error(err, "mgmt-csi failed")
-		klog.FlushAndExit(klog.ExitFlushTimeout, 1)
-	}
-	logs.FlushLogs()
+		return d.Run(ctx)
+	})
 }
 
-func run(ctx context.Context, opts driver.Options) error {
-	d, err := driver.New(opts)
+// quantity is a flag holding a Kubernetes quantity ("64Gi") as bytes.
+type quantity struct{ bytes *int64 }
+
+func (q quantity) String() string {
+	if q.bytes == nil || *q.bytes == 0 {
+		return ""
+	}
+	return resource.NewQuantity(*q.bytes, resource.BinarySI).String()
+}
+
+func (q quantity) Set(s string) error {
+	v, err := resource.ParseQuantity(s)
 	if err != nil {
 		return err
 	}
-	return d.Run(ctx)
+	*q.bytes = v.Value()
+	return nil
 }
+
+func (quantity) Type() string { return "quantity" }

@@ -5,18 +5,13 @@ package main
 
 import (
 	"context"
-	"fmt"
 	"os"
-	"os/signal"
-	"syscall"
 
 	"github.com/spf13/pflag"
-	"k8s.io/component-base/featuregate"
-	"k8s.io/component-base/logs"
-	logsapi "k8s.io/component-base/logs/api/v1"
 	"k8s.io/klog/v2"
 	ctrl "sigs.k8s.io/controller-runtime"
 
+	"pvbridge.io/pkg/command"
 	"pvbridge.io/vm-operator/internal/operator"
 )
 
@@ -25,12 +20,6 @@ var version = "devel"
 
 func main() {
 	var opts operator.Options
-	logging := logsapi.NewLoggingConfiguration()
-	features := featuregate.NewFeatureGate()
-	if err := logsapi.AddFeatureGates(features); err != nil {
-		panic(err) // only fails when a gate is added twice
-	}
-
 	fs := pflag.NewFlagSet(os.Args[0], pflag.ExitOnError)
 	fs.StringVar(&opts.Kubeconfig, "kubeconfig", "",
 		"Path of the management cluster's kubeconfig. When empty: $KUBECONFIG, the in-cluster configuration, then ~/.kube/config.")
@@ -55,40 +44,12 @@ func main() {
 		`host:port to serve Prometheus metrics on (/metrics), or "0" for none.`)
 	fs.StringVar(&opts.HealthAddress, "health-probe-bind-address", ":8081",
 		`host:port to serve the /healthz and /readyz probes on, or "0" for none.`)
-	logsapi.AddFlags(logging, fs)
-	features.AddFlag(fs)
-	fs.Usage = func() {
-		fmt.Fprintf(os.Stderr, "Usage: %s [flags]\n\npvbridge vm-operator, version %s.\n\nFlags:\n", os.Args[0], version)
-		fs.PrintDefaults()
-	}
-	_ = fs.Parse(os.Args[1:]) // ExitOnError: Parse exits on a bad flag.
-	if fs.NArg() > 0 {
-		fmt.Fprintf(os.Stderr, "unexpected arguments: %v\n", fs.Args())
-		fs.Usage()
-		os.Exit(2)
-	}
-
-	logs.InitLogs()
-	if err := logsapi.ValidateAndApply(logging, features); err != nil {
-		fmt.Fprintln(os.Stderr, err)
-		os.Exit(2)
-	}
-	ctrl.SetLogger(klog.Background())
-
-	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
-	err := run(ctx, opts)
-	stop()
-	if err != nil {
-		klog.Background().Error(err, "vm-operator failed")
-		klog.FlushAndExit(klog.ExitFlushTimeout, 1)
-	}
-	logs.FlushLogs()
-}
-
-func run(ctx context.Context, opts operator.Options) error {
-	op, err := operator.New(opts)
-	if err != nil {
-		return err
-	}
-	return op.Run(ctx)
+	command.Main(fs, "vm-operator", "pvbridge vm-operator, version "+version+".", func(ctx context.Context) error {
+		ctrl.SetLogger(klog.Background())
+		op, err := operator.New(opts)
+		if err != nil {
+			return err
+		}
+		return op.Run(ctx)
+	})
 }
