@@ -178,13 +178,6 @@ func (n *nodeServer) NodePublishVolume(ctx context.Context, req *csi.NodePublish
 	return &csi.NodePublishVolumeResponse{}, nil
 }
 
-// mountInfo is the mount table checkNotPublishedElsewhere searches.
-const mountInfo = "/proc/self/mountinfo"
-
-// unescapeMountInfo undoes the octal escapes of the characters the kernel escapes in the paths
-// of the mount table.
-var unescapeMountInfo = strings.NewReplacer(`\040`, " ", `\011`, "\t", `\012`, "\n", `\134`, `\`)
-
 // checkNotPublishedElsewhere fails with FailedPrecondition when device is published at a path
 // other than target: a SINGLE_NODE_SINGLE_WRITER volume is published once. A publication is a
 // mount of the device's filesystem other than at the staging path, or a bind mount of the
@@ -199,13 +192,13 @@ func checkNotPublishedElsewhere(device, staging, target string) error {
 	if err != nil {
 		return statusError(fmt.Errorf("resolve %s: %w", device, err))
 	}
-	mps, err := mount.ParseMountInfo(mountInfo)
+	mps, err := mount.ParseMountInfo(mounter.MountInfo)
 	if err != nil {
 		return statusError(fmt.Errorf("read the mount table: %w", err))
 	}
 	staging, target = resolvePath(staging), resolvePath(target)
 	for _, mp := range mps {
-		mp.MountPoint = unescapeMountInfo.Replace(mp.MountPoint)
+		mp.MountPoint = mounter.UnescapeMountPath(mp.MountPoint)
 		if mp.MountPoint == staging || mp.MountPoint == target {
 			continue
 		}

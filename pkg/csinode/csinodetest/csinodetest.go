@@ -3,8 +3,6 @@
 package csinodetest
 
 import (
-	"bufio"
-	"os"
 	"os/exec"
 	"strings"
 	"testing"
@@ -13,6 +11,8 @@ import (
 	"github.com/onsi/gomega"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
+
+	"pvbridge.io/pkg/mounter"
 )
 
 // FsCap is a single-node-writer mount capability.
@@ -50,27 +50,12 @@ func ExpectCode(g gomega.Gomega, err error, code codes.Code, msg string) {
 	g.Expect(s.Message()).To(gomega.ContainSubstring(msg))
 }
 
-// unescapeMountInfo undoes the octal escapes of the mount table's paths.
-var unescapeMountInfo = strings.NewReplacer(`\040`, " ", `\011`, "\t", `\012`, "\n", `\134`, `\`)
-
 // MountsUnder lists the mount points under dir, innermost first.
 func MountsUnder(t *testing.T, dir string) []string {
 	t.Helper()
-	f, err := os.Open("/proc/self/mountinfo")
+	mps, err := mounter.MountPointsBelow(dir)
 	if err != nil {
 		t.Fatal(err)
-	}
-	defer func() { _ = f.Close() }()
-	var mps []string
-	s := bufio.NewScanner(f)
-	for s.Scan() {
-		fields := strings.Fields(s.Text())
-		if len(fields) <= 4 {
-			continue
-		}
-		if mp := unescapeMountInfo.Replace(fields[4]); mp == dir || strings.HasPrefix(mp, dir+"/") {
-			mps = append([]string{mp}, mps...)
-		}
 	}
 	return mps
 }
