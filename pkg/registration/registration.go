@@ -46,6 +46,9 @@ type Registrar struct {
 	mu         sync.Mutex // guards registered and err
 	registered bool
 	err        error
+	// refused is closed when kubelet refuses the plugin.
+	refused    chan struct{}
+	refuseOnce sync.Once
 }
 
 // New listens on the registration socket. Start serving the CSI endpoint first: kubelet calls
@@ -67,7 +70,7 @@ func New(opts Options) (*Registrar, error) {
 	if err != nil {
 		return nil, err
 	}
-	r := &Registrar{driverName: opts.DriverName, endpoint: endpoint, server: server}
+	r := &Registrar{driverName: opts.DriverName, endpoint: endpoint, server: server, refused: make(chan struct{})}
 	registerapi.RegisterRegistrationServer(server, r)
 	return r, nil
 }
@@ -76,8 +79,26 @@ func New(opts Options) (*Registrar, error) {
 func (r *Registrar) Path() string { return r.server.Path() }
 
 // Serve serves until ctx ends and removes the socket, which makes kubelet deregister the plugin.
+// When kubelet refuses the plugin, Serve removes the socket and returns the reason: kubelet
+// never asks a socket again once it has refused it, so the plugin must exit and be restarted
+// (as node-driver-registrar does) to be registered anew.
 func (r *Registrar) Serve(ctx context.Context) error {
-	return r.server.Serve(ctx)
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	go func() {
+		select {
+		case <-r.refused:
+			cancel()
+		case <-ctx.Done():
+		}
+	}()
+	if err := r.server.Serve(ctx); err != nil {
+		return err
+	}
+	if _, err := r.Registered(); err != nil {
+		return err
+	}
+	return nil
 }
 
 // Registered reports kubelet's answer: false and no error until kubelet has answered, then
@@ -106,6 +127,7 @@ func (r *Registrar) NotifyRegistrationStatus(ctx context.Context, s *registerapi
 	r.registered = s.PluginRegistered
 	r.err = nil
 	if !s.PluginRegistered {
+		r.refuseOnce.Do(func() { close(r.refused) })
 		r.err = fmt.Errorf("kubelet refused the plugin: %s", s.Error)
 		logger.Error(r.err, "Plugin registration failed", "driver", r.driverName)
 		return &registerapi.RegistrationStatusResponse{}, nil

@@ -25,7 +25,12 @@ func serve(t *testing.T, opts Options) (*Registrar, registerapi.RegistrationClie
 	go func() { done <- r.Serve(ctx) }()
 	t.Cleanup(func() {
 		cancel()
-		g.Expect(<-done).To(Succeed())
+		err := <-done
+		if _, refused := r.Registered(); refused != nil {
+			g.Expect(err).To(MatchError(refused.Error()), "a refused plugin's Serve returns the reason")
+		} else {
+			g.Expect(err).To(Succeed())
+		}
 		g.Expect(r.Path()).NotTo(BeAnExistingFile(), "kubelet deregisters a plugin when its socket goes away")
 	})
 
@@ -90,14 +95,6 @@ func TestNotifyRegistrationStatusRecordsKubeletsAnswer(t *testing.T) {
 			notifications: []*registerapi.RegistrationStatus{{PluginRegistered: false, Error: "unsupported version"}},
 			wantErr:       "kubelet refused the plugin: unsupported version",
 		},
-		{
-			name: "registered after a refusal",
-			notifications: []*registerapi.RegistrationStatus{
-				{PluginRegistered: false, Error: "node not found"},
-				{PluginRegistered: true},
-			},
-			wantRegistered: true,
-		},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -117,6 +114,16 @@ func TestNotifyRegistrationStatusRecordsKubeletsAnswer(t *testing.T) {
 			}
 		})
 	}
+}
+
+// Kubelet never asks a socket again once it has refused the plugin: Serve removes the socket
+// and ends with the reason, so that the plugin exits and registers anew when restarted.
+func TestServeEndsWhenKubeletRefuses(t *testing.T) {
+	g := NewWithT(t)
+	r, client := serve(t, Options{DriverName: "guest.csi.pvbridge.io", Endpoint: "/csi/csi.sock", Dir: socketDir(t)})
+	_, err := client.NotifyRegistrationStatus(t.Context(), &registerapi.RegistrationStatus{PluginRegistered: false, Error: "node not found"}, grpc.WaitForReady(true))
+	g.Expect(err).NotTo(HaveOccurred())
+	g.Eventually(r.Path).ShouldNot(BeAnExistingFile())
 }
 
 func TestNewValidatesOptions(t *testing.T) {

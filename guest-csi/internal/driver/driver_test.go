@@ -6,6 +6,7 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	. "github.com/onsi/gomega"
@@ -14,6 +15,8 @@ import (
 	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/status"
 	registerapi "k8s.io/kubelet/pkg/apis/pluginregistration/v1"
+
+	"pvbridge.io/guest-csi/internal/mgmt"
 )
 
 func TestOptionsValidate(t *testing.T) {
@@ -21,6 +24,10 @@ func TestOptionsValidate(t *testing.T) {
 		o := Options{Endpoint: "unix:///csi/csi.sock", Mode: mode, Version: "v0.1.0"}
 		if mode == ModeNode {
 			o.NodeID = "tenant-a-md-0-x7k2p"
+		} else {
+			o.ClusterName, o.ClusterUID = "tenant-a", "4b0f3a4e-6d0c-4a43-9a39-6f1f3c1c0a11"
+			o.Mgmt = mgmt.Credentials{Kubeconfig: "/etc/pvbridge/mgmt/kubeconfig"}
+			o.CredentialPoll, o.CapacityNamespace = 10*time.Second, "pvbridge-system"
 		}
 		if change != nil {
 			change(&o)
@@ -48,6 +55,16 @@ func TestOptionsValidate(t *testing.T) {
 		{name: "controller with node ID", opts: valid(ModeController, func(o *Options) { o.NodeID = "n" }), wantErr: []string{"only used in node mode"}},
 		{name: "controller registering with kubelet", opts: valid(ModeController, func(o *Options) { o.KubeletRegistrationDir = "/r" }), wantErr: []string{"only done in node mode"}},
 		{name: "no version", opts: valid(ModeController, func(o *Options) { o.Version = "" }), wantErr: []string{"version"}},
+		{name: "controller without cluster", opts: valid(ModeController, func(o *Options) { o.ClusterUID = "" }), wantErr: []string{"name and UID are required"}},
+		{name: "controller without credential", opts: valid(ModeController, func(o *Options) { o.Mgmt = mgmt.Credentials{} }), wantErr: []string{"kubeconfig or credential directory is required"}},
+		{name: "controller with a token directory", opts: valid(ModeController, func(o *Options) {
+			o.Mgmt = mgmt.Credentials{Dir: "/var/run/secrets/pvbridge", Server: "https://mgmt:6443"}
+		})},
+		{name: "token directory without server", opts: valid(ModeController, func(o *Options) { o.Mgmt = mgmt.Credentials{Dir: "/var/run/secrets/pvbridge"} }), wantErr: []string{"needs the management apiserver's URL"}},
+		{name: "relative management kubeconfig", opts: valid(ModeController, func(o *Options) { o.Mgmt.Kubeconfig = "kubeconfig" }), wantErr: []string{"not an absolute path"}},
+		{name: "controller without poll interval", opts: valid(ModeController, func(o *Options) { o.CredentialPoll = 0 }), wantErr: []string{"poll interval"}},
+		{name: "bad default class", opts: valid(ModeController, func(o *Options) { o.StorageClass = "Fast SSD" }), wantErr: []string{`"Fast SSD" is no object name`}},
+		{name: "node with management credential", opts: valid(ModeNode, func(o *Options) { o.Mgmt.Kubeconfig = "/k" }), wantErr: []string{"holds no management credential"}},
 		{
 			name:    "every problem is reported",
 			opts:    Options{Endpoint: "csi.sock", Mode: ModeNode},
@@ -99,7 +116,6 @@ func TestRunServesIdentityAndRegistersWithKubelet(t *testing.T) {
 		register     bool
 		wantRegistry bool
 	}{
-		{name: "controller", mode: ModeController},
 		{name: "node without registration", mode: ModeNode, nodeID: "vm-1"},
 		{name: "node registering with kubelet", mode: ModeNode, nodeID: "vm-1", register: true, wantRegistry: true},
 	}
@@ -107,7 +123,10 @@ func TestRunServesIdentityAndRegistersWithKubelet(t *testing.T) {
 		t.Run(tt.name, func(t *testing.T) {
 			g := NewWithT(t)
 			dir := socketDir(t)
-			opts := Options{Endpoint: "unix://" + filepath.Join(dir, "csi.sock"), Mode: tt.mode, NodeID: tt.nodeID, Version: "v1.2.3"}
+			opts := Options{
+				Endpoint: "unix://" + filepath.Join(dir, "csi.sock"), Mode: tt.mode, NodeID: tt.nodeID, Version: "v1.2.3",
+				GuestKubeconfig: adminKubeconfig, Host: fakeHost{host: testHost},
+			}
 			registry := filepath.Join(dir, "registry")
 			if tt.register {
 				opts.KubeletRegistrationDir = registry
@@ -156,7 +175,10 @@ func TestRunFailsWhenRegistrationSocketCannotBeCreated(t *testing.T) {
 	dir := socketDir(t)
 	notADir := filepath.Join(dir, "file")
 	g.Expect(os.WriteFile(notADir, nil, 0o600)).To(Succeed())
-	d, err := New(Options{Endpoint: filepath.Join(dir, "csi.sock"), Mode: ModeNode, NodeID: "vm-1", KubeletRegistrationDir: notADir, Version: "v1"})
+	d, err := New(Options{
+		Endpoint: filepath.Join(dir, "csi.sock"), Mode: ModeNode, NodeID: "vm-1", KubeletRegistrationDir: notADir, Version: "v1",
+		GuestKubeconfig: adminKubeconfig, Host: fakeHost{host: testHost},
+	})
 	g.Expect(err).NotTo(HaveOccurred())
 
 	g.Expect(d.Run(t.Context())).To(HaveOccurred())

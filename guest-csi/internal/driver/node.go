@@ -12,16 +12,17 @@ import (
 	"k8s.io/apimachinery/pkg/util/validation"
 	"k8s.io/klog/v2"
 
+	"pvbridge.io/guest-csi/internal/topology"
 	"pvbridge.io/pkg/csinode"
 	"pvbridge.io/pkg/mounter"
 )
 
 // TopologyKey is the topology segment of a guest node and of a guest volume: the management
 // host whose PMEM holds the volume and which runs the node's VirtualMachine.
-const TopologyKey = "topology.guest.csi.pvbridge.io/host"
+const TopologyKey = topology.Key
 
 // ErrHostUnknown is what a Host returns while it does not know the node's host yet.
-var ErrHostUnknown = errors.New("the host of this node is not known yet")
+var ErrHostUnknown = topology.ErrHostUnknown
 
 // Host tells the node plugin which management host runs its VirtualMachine. Guest nodes hold no
 // management credentials: the guest-csi controller labels each guest Node with its host, and a

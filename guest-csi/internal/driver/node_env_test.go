@@ -2,6 +2,7 @@ package driver
 
 import (
 	"context"
+	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -86,46 +87,80 @@ func (e *vmEnv) path(name string) string { return filepath.Join(e.dir, name) }
 func (e *vmEnv) hotplug(t *testing.T, name, serial string, bySysfs, byID bool) string {
 	t.Helper()
 	file := e.path(serial + ".img")
-	if err := os.WriteFile(file, nil, 0o600); err != nil {
-		t.Fatal(err)
-	}
-	if err := os.Truncate(file, testDiskSize); err != nil {
-		t.Fatal(err)
-	}
-	out, err := exec.Command("losetup", "--find", "--show", file).CombinedOutput()
-	if err != nil {
-		t.Fatalf("losetup: %v: %s", err, out)
-	}
 	e.files[serial] = file
-	var loop unix.Stat_t
-	if err := unix.Stat(strings.TrimSpace(string(out)), &loop); err != nil {
+	node, err := plugDisk(e.root, file, name, serial, testDiskSize, bySysfs, byID)
+	if err != nil {
 		t.Fatal(err)
-	}
-
-	node := filepath.Join(e.root, "dev", name)
-	mkdir(t, filepath.Dir(node))
-	if err := unix.Mknod(node, unix.S_IFBLK|0o660, int(loop.Rdev)); err != nil {
-		t.Fatalf("mknod %s: %v", node, err)
-	}
-	if bySysfs {
-		sys := filepath.Join(e.root, "sys", "block", name)
-		mkdir(t, sys)
-		if err := os.WriteFile(filepath.Join(sys, "serial"), []byte(serial+"\n"), 0o444); err != nil {
-			t.Fatal(err)
-		}
-	} else {
-		// The disk is listed, without a serial file: like a disk udev has seen first.
-		mkdir(t, filepath.Join(e.root, "sys", "block", name))
-	}
-	if byID {
-		link := filepath.Join(e.root, "dev", "disk", "by-id", "virtio-"+serial)
-		mkdir(t, filepath.Dir(link))
-		if err := os.Symlink("../../"+name, link); err != nil {
-			t.Fatal(err)
-		}
 	}
 	e.nodes[serial] = node
 	return node
+}
+
+// plugDisk makes a sparse file of size bytes, attaches it to a loop device and shows that as
+// disk name with serial in the device tree at root, the way the local hypervisor does. It
+// returns the disk's node in the tree.
+func plugDisk(root, file, name, serial string, size int64, bySysfs, byID bool) (string, error) {
+	if err := os.WriteFile(file, nil, 0o600); err != nil {
+		return "", err
+	}
+	if err := os.Truncate(file, size); err != nil {
+		return "", err
+	}
+	out, err := exec.Command("losetup", "--find", "--show", file).CombinedOutput()
+	if err != nil {
+		return "", fmt.Errorf("losetup: %w: %s", err, out)
+	}
+	var loop unix.Stat_t
+	if err := unix.Stat(strings.TrimSpace(string(out)), &loop); err != nil {
+		return "", err
+	}
+	node := filepath.Join(root, "dev", name)
+	sys := filepath.Join(root, "sys", "block", name)
+	link := filepath.Join(root, "dev", "disk", "by-id", "virtio-"+serial)
+	for _, dir := range []string{filepath.Dir(node), sys, filepath.Dir(link)} {
+		if err := os.MkdirAll(dir, 0o755); err != nil {
+			return "", err
+		}
+	}
+	if err := unix.Mknod(node, unix.S_IFBLK|0o660, int(loop.Rdev)); err != nil {
+		return "", fmt.Errorf("mknod %s: %w", node, err)
+	}
+	// Without bySysfs the disk is listed without a serial file: like a disk udev has seen first.
+	if bySysfs {
+		if err := os.WriteFile(filepath.Join(sys, "serial"), []byte(serial+"\n"), 0o444); err != nil {
+			return "", err
+		}
+	}
+	if byID {
+		if err := os.Symlink("../../"+name, link); err != nil {
+			return "", err
+		}
+	}
+	return node, nil
+}
+
+// unplugDisk removes disk name with serial from the device tree at root and frees the loop
+// devices of its file.
+func unplugDisk(root, file, name, serial string) error {
+	for _, p := range []string{
+		filepath.Join(root, "dev", "disk", "by-id", "virtio-"+serial),
+		filepath.Join(root, "dev", name),
+		filepath.Join(root, "sys", "block", name),
+	} {
+		if err := os.RemoveAll(p); err != nil {
+			return err
+		}
+	}
+	out, err := exec.Command("losetup", "--associated", file, "--noheadings", "--output", "NAME").Output()
+	if err != nil {
+		return fmt.Errorf("losetup --associated %s: %w", file, err)
+	}
+	for device := range strings.FieldsSeq(string(out)) {
+		if out, err := exec.Command("losetup", "-d", device).CombinedOutput(); err != nil {
+			return fmt.Errorf("losetup -d %s: %w: %s", device, err, out)
+		}
+	}
+	return os.Remove(file)
 }
 
 // disk attaches a disk the usual way, seen through both sysfs and udev.

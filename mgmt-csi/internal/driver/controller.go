@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"slices"
 	"sort"
-	"strconv"
 	"strings"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
@@ -24,6 +23,7 @@ import (
 	"pvbridge.io/mgmt-csi/internal/agent"
 	pmemv1 "pvbridge.io/pkg/apis/pmem/v1alpha1"
 	"pvbridge.io/pkg/await"
+	"pvbridge.io/pkg/csiserver"
 	"pvbridge.io/pkg/keylock"
 )
 
@@ -34,9 +34,6 @@ const (
 	NodeLabel = "pmem.pvbridge.io/node"
 	// NameAnnotation records the CSI name a PmemVolume or PmemSnapshot was created for.
 	NameAnnotation = "pmem.pvbridge.io/csi-name"
-
-	// defaultVolumeSize is the size of a volume whose request gives none.
-	defaultVolumeSize = 1 << 30
 
 	kindVolume   = "PmemVolume"
 	kindSnapshot = "PmemSnapshot"
@@ -91,7 +88,7 @@ func (s *controllerServer) CreateVolume(ctx context.Context, req *csi.CreateVolu
 	if err := validateParameters(req.GetParameters()); err != nil {
 		return nil, err
 	}
-	size, err := requestedSize(req.GetCapacityRange())
+	size, err := csiserver.RequestedSize(req.GetCapacityRange())
 	if err != nil {
 		return nil, err
 	}
@@ -469,7 +466,7 @@ func (s *controllerServer) ControllerExpandVolume(ctx context.Context, req *csi.
 	if req.GetCapacityRange() == nil {
 		return nil, status.Error(codes.InvalidArgument, "capacity_range is required")
 	}
-	size, err := requestedSize(req.GetCapacityRange())
+	size, err := csiserver.RequestedSize(req.GetCapacityRange())
 	if err != nil {
 		return nil, err
 	}
@@ -613,23 +610,11 @@ func (s *controllerServer) ListSnapshots(ctx context.Context, req *csi.ListSnaps
 		return strings.Compare(a.GetSnapshot().GetSnapshotId(), b.GetSnapshot().GetSnapshotId())
 	})
 
-	start := 0
-	if t := req.GetStartingToken(); t != "" {
-		n, err := strconv.Atoi(t)
-		if err != nil || n < 0 || n > len(entries) {
-			return nil, status.Errorf(codes.Aborted, "starting_token %q is not valid", t)
-		}
-		start = n
+	page, next, err := csiserver.Page(entries, req.GetStartingToken(), req.GetMaxEntries())
+	if err != nil {
+		return nil, err
 	}
-	end := len(entries)
-	if m := int(req.GetMaxEntries()); m > 0 && start+m < end {
-		end = start + m
-	}
-	resp := &csi.ListSnapshotsResponse{Entries: entries[start:end]}
-	if end < len(entries) {
-		resp.NextToken = strconv.Itoa(end)
-	}
-	return resp, nil
+	return &csi.ListSnapshotsResponse{Entries: page, NextToken: next}, nil
 }
 
 // getOrNotFound reads object name from the cache; NotFound names what is missing.

@@ -54,23 +54,6 @@ func validateParameters(params map[string]string) error {
 	return nil
 }
 
-// requestedSize returns the size to allocate for a capacity range: the required bytes, or the
-// limit, or the default.
-func requestedSize(r *csi.CapacityRange) (int64, error) {
-	req, limit := r.GetRequiredBytes(), r.GetLimitBytes()
-	switch {
-	case req < 0 || limit < 0:
-		return 0, status.Error(codes.InvalidArgument, "capacity_range must not be negative")
-	case limit > 0 && req > limit:
-		return 0, status.Errorf(codes.InvalidArgument, "required_bytes %d exceed limit_bytes %d", req, limit)
-	case req > 0:
-		return req, nil
-	case limit > 0:
-		return min(limit, defaultVolumeSize), nil
-	}
-	return defaultVolumeSize, nil
-}
-
 // topologyNodes lists the nodes of the preferred, then the requisite topologies, without
 // repeats.
 func topologyNodes(req *csi.TopologyRequirement) []string {

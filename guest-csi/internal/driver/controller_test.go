@@ -1,0 +1,430 @@
+package driver
+
+import (
+	"encoding/json"
+	"fmt"
+	"sync"
+	"testing"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+	snapshotv1 "github.com/kubernetes-csi/external-snapshotter/client/v8/apis/volumesnapshot/v1"
+	. "github.com/onsi/gomega"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/protobuf/proto"
+	corev1 "k8s.io/api/core/v1"
+	storagev1 "k8s.io/api/storage/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	"k8s.io/apimachinery/pkg/api/resource"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/utils/ptr"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+
+	vmv1 "pvbridge.io/pkg/apis/vm/v1alpha1"
+	"pvbridge.io/pkg/tenancy"
+)
+
+func TestCreateVolumeMirrorsTheGuestPVC(t *testing.T) {
+	g := NewWithT(t)
+	e := newGuestEnv(t, envOptions{})
+	guestPVC := &corev1.PersistentVolumeClaim{
+		ObjectMeta: metav1.ObjectMeta{Namespace: "default", Name: "data-" + e.ns, Labels: map[string]string{"app": "db"}},
+		Spec: corev1.PersistentVolumeClaimSpec{
+			AccessModes: []corev1.PersistentVolumeAccessMode{corev1.ReadWriteOnce},
+			Resources:   corev1.VolumeResourceRequirements{Requests: corev1.ResourceList{corev1.ResourceStorage: resource.MustParse("1Mi")}},
+		},
+	}
+	g.Expect(e.admin.Create(t.Context(), guestPVC)).To(Succeed())
+	req := createReq(guestPVC.Name, envHost, envMountSize)
+
+	resp, err := retried(t, e.ctrl.CreateVolume, req)
+	g.Expect(err).NotTo(HaveOccurred())
+	vol := resp.GetVolume()
+	g.Expect(vol.GetVolumeId()).To(Equal(e.cluster.UID + "-" + req.Name[len("pvc-"):]))
+	g.Expect(vol.GetCapacityBytes()).To(Equal(envMountSize))
+	g.Expect(vol.GetAccessibleTopology()).To(HaveExactElements(HaveField("Segments", Equal(map[string]string{TopologyKey: envHost}))))
+
+	pvc := e.claimOf(t, vol.GetVolumeId())
+	g.Expect(pvc.Labels).To(Equal(e.cluster.Labels()))
+	g.Expect(pvc.Annotations).To(HaveKeyWithValue(tenancy.GuestPVCAnnotation, "default/"+guestPVC.Name))
+	g.Expect(pvc.Annotations).To(HaveKeyWithValue(tenancy.GuestPVAnnotation, "pv-"+guestPVC.Name))
+	g.Expect(pvc.Annotations).To(HaveKeyWithValue(selectedNodeAnnotation, envHost))
+	labels := map[string]string{}
+	g.Expect(json.Unmarshal([]byte(pvc.Annotations[tenancy.GuestLabelsAnnotation]), &labels)).To(Succeed())
+	g.Expect(labels).To(Equal(map[string]string{"app": "db"}))
+	g.Expect(pvc.Spec.VolumeMode).To(HaveValue(Equal(corev1.PersistentVolumeBlock)))
+	g.Expect(pvc.Spec.StorageClassName).To(HaveValue(Equal(envClass)))
+
+	again, err := call(t, e.ctrl.CreateVolume, req)
+	g.Expect(err).NotTo(HaveOccurred(), "CreateVolume is idempotent")
+	g.Expect(again.GetVolume()).To(Equal(vol))
+
+	bigger := createReq(guestPVC.Name, envHost, 2*envMountSize)
+	bigger.Name = req.Name
+	_, err = call(t, e.ctrl.CreateVolume, bigger)
+	expectCodeIn(g, err, codes.AlreadyExists, "fewer than")
+	other := createReq(guestPVC.Name, envHost, envMountSize)
+	other.Name = req.Name
+	other.Parameters[ParamMgmtStorageClass] = "premium"
+	_, err = call(t, e.ctrl.CreateVolume, other)
+	expectCodeIn(g, err, codes.AlreadyExists, `StorageClass "pmem", not "premium"`)
+
+	_, err = call(t, e.ctrl.DeleteVolume, &csi.DeleteVolumeRequest{VolumeId: vol.GetVolumeId()})
+	g.Expect(err).NotTo(HaveOccurred())
+	g.Expect(e.admin.Get(t.Context(), client.ObjectKeyFromObject(pvc), pvc)).To(MatchError(apierrors.IsNotFound, "the management PVC is deleted"))
+	_, err = call(t, e.ctrl.DeleteVolume, &csi.DeleteVolumeRequest{VolumeId: vol.GetVolumeId()})
+	g.Expect(err).NotTo(HaveOccurred(), "DeleteVolume is idempotent")
+}
+
+func TestCreateVolumeOnAFullHostLeavesNothing(t *testing.T) {
+	g := NewWithT(t)
+	e := newGuestEnv(t, envOptions{fullHosts: []string{envFullHost}})
+	req := createReq("full", envFullHost, envMountSize)
+
+	_, err := call(t, e.ctrl.CreateVolume, req)
+	expectCodeIn(g, err, codes.ResourceExhausted, "no node has room: "+envFullHost)
+	g.Eventually(func(g Gomega) []corev1.PersistentVolumeClaim {
+		pvcs := &corev1.PersistentVolumeClaimList{}
+		g.Expect(e.admin.List(t.Context(), pvcs, client.InNamespace(e.ns))).To(Succeed())
+		return pvcs.Items
+	}).WithTimeout(eventually).Should(BeEmpty(), "the claim that never had a volume is removed")
+
+	// The guest scheduler picks a VM of another host: the same volume lands there.
+	req.AccessibilityRequirements = createReq("full", envHost, envMountSize).AccessibilityRequirements
+	resp, err := retried(t, e.ctrl.CreateVolume, req)
+	g.Expect(err).NotTo(HaveOccurred())
+	g.Expect(e.claimOf(t, resp.GetVolume().GetVolumeId()).Annotations).To(HaveKeyWithValue(selectedNodeAnnotation, envHost))
+}
+
+func TestCreateVolumePendingSaysWhy(t *testing.T) {
+	g := NewWithT(t)
+	e := newGuestEnv(t, envOptions{})
+	req := createReq("pending", envHost, envMountSize)
+	req.Parameters[ParamMgmtStorageClass] = neverClass
+
+	g.Eventually(func(g Gomega) {
+		_, err := call(t, e.ctrl.CreateVolume, req)
+		expectCodeIn(g, err, codes.DeadlineExceeded, `ProvisioningFailed: storageclass.storage.k8s.io "never" not found`)
+	}).WithTimeout(eventually).Should(Succeed(), "the management side's warning reaches the guest")
+}
+
+func TestPublishFindsTheDisk(t *testing.T) {
+	g := NewWithT(t)
+	e := newGuestEnv(t, envOptions{})
+	id := e.createVolume(t, "publish")
+
+	resp, err := retried(t, e.ctrl.ControllerPublishVolume, e.publishReq(id, "vm-1"))
+	g.Expect(err).NotTo(HaveOccurred())
+	serial := resp.GetPublishContext()[PublishContextSerial]
+	g.Expect(serial).To(HavePrefix("pvb"))
+	dev, err := disks{root: e.roots["vm-1"]}.bySerial(serial)
+	g.Expect(err).NotTo(HaveOccurred(), "the disk with the serial is in the VM")
+	g.Expect(dev).To(BeAnExistingFile())
+	g.Expect(e.vmVolumes(t, "vm-1")).To(Equal([]string{id}))
+
+	again, err := call(t, e.ctrl.ControllerPublishVolume, e.publishReq(id, "vm-1"))
+	g.Expect(err).NotTo(HaveOccurred(), "ControllerPublishVolume is idempotent")
+	g.Expect(again.GetPublishContext()).To(Equal(resp.GetPublishContext()))
+	g.Expect(e.vmVolumes(t, "vm-1")).To(Equal([]string{id}), "the volume is in the VM once")
+
+	_, err = call(t, e.ctrl.ControllerPublishVolume, e.publishReq(id, "vm-2"))
+	expectCodeIn(g, err, codes.FailedPrecondition, "is attached to VirtualMachine vm-1")
+	_, err = call(t, e.ctrl.DeleteVolume, &csi.DeleteVolumeRequest{VolumeId: id})
+	expectCodeIn(g, err, codes.FailedPrecondition, "still attached to VirtualMachine vm-1")
+
+	_, err = retried(t, e.ctrl.ControllerUnpublishVolume, e.unpublishReq(id, "vm-1"))
+	g.Expect(err).NotTo(HaveOccurred())
+	g.Expect(e.vmVolumes(t, "vm-1")).To(BeEmpty())
+	g.Expect(disks{root: e.roots["vm-1"]}.bySerial(serial)).Error().To(HaveOccurred(), "the disk left the VM")
+	_, err = call(t, e.ctrl.ControllerUnpublishVolume, e.unpublishReq(id, "vm-1"))
+	g.Expect(err).NotTo(HaveOccurred(), "ControllerUnpublishVolume is idempotent")
+	_, err = call(t, e.ctrl.DeleteVolume, &csi.DeleteVolumeRequest{VolumeId: id})
+	g.Expect(err).NotTo(HaveOccurred())
+}
+
+func TestPublishErrors(t *testing.T) {
+	g := NewWithT(t)
+	e := newGuestEnv(t, envOptions{})
+	id := e.createVolume(t, "errors")
+	e.createVM(t, "vm-beta", envHost, "beta")
+
+	for _, tc := range []struct {
+		name string
+		req  *csi.ControllerPublishVolumeRequest
+		code codes.Code
+		msg  string
+	}{
+		{"unknown VM", e.publishReq(id, "vm-9"), codes.NotFound, "VirtualMachine " + e.ns + "/vm-9 of cluster alpha does not exist"},
+		{"VM of another cluster", e.publishReq(id, "vm-beta"), codes.NotFound, "vm-beta of cluster alpha does not exist"},
+		{"unknown volume", e.publishReq(e.cluster.UID+"-nothing", "vm-1"), codes.NotFound, "does not exist"},
+		{"volume handle that is no name", e.publishReq("../other/pvc", "vm-1"), codes.NotFound, "is not the name of a management"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			_, err := call(t, e.ctrl.ControllerPublishVolume, tc.req)
+			expectCodeIn(NewWithT(t), err, tc.code, tc.msg)
+		})
+	}
+	g.Expect(e.vmVolumes(t, "vm-1")).To(BeEmpty(), "failed calls change no VM")
+
+	// What vm-operator reports about the volume reaches the guest.
+	pending := &corev1.PersistentVolumeClaim{
+		ObjectMeta: metav1.ObjectMeta{Namespace: e.ns, Name: e.cluster.UID + "-pending", Labels: e.cluster.Labels()},
+		Spec: corev1.PersistentVolumeClaimSpec{
+			AccessModes:      []corev1.PersistentVolumeAccessMode{corev1.ReadWriteOnce},
+			StorageClassName: ptr.To(neverClass),
+			Resources:        corev1.VolumeResourceRequirements{Requests: corev1.ResourceList{corev1.ResourceStorage: volumeQuantity(envMountSize)}},
+		},
+	}
+	g.Expect(e.admin.Create(t.Context(), pending)).To(Succeed())
+	g.Eventually(func(g Gomega) {
+		_, err := call(t, e.ctrl.ControllerPublishVolume, e.publishReq(pending.Name, "vm-1"))
+		expectCodeIn(g, err, codes.FailedPrecondition, "cannot attach management PVC "+pending.Name+": PersistentVolumeClaim "+pending.Name+" is not bound")
+	}).WithTimeout(eventually).Should(Succeed())
+	_, err := retried(t, e.ctrl.ControllerUnpublishVolume, e.unpublishReq(pending.Name, "vm-1"))
+	g.Expect(err).NotTo(HaveOccurred())
+}
+
+// Fifty volumes published to one VM at once: every patch of spec.volumes carries the
+// resourceVersion it was made from, so conflicting writers retry and no entry is lost.
+func TestConcurrentPublishesToOneVM(t *testing.T) {
+	g := NewWithT(t)
+	e := newGuestEnv(t, envOptions{vms: []string{"vm-1"}})
+	const n = 50
+	ids := make([]string, n)
+	var wg sync.WaitGroup
+	errs := make(chan error, n)
+	for i := range n {
+		wg.Go(func() {
+			resp, err := retried(t, e.ctrl.CreateVolume, createReq(fmt.Sprintf("c-%d", i), envHost, envMountSize))
+			if err != nil {
+				errs <- err
+				return
+			}
+			ids[i] = resp.GetVolume().GetVolumeId()
+		})
+	}
+	wg.Wait()
+	g.Expect(errs).To(BeEmpty())
+
+	serials := make([]string, n)
+	for i, id := range ids {
+		wg.Go(func() {
+			resp, err := retried(t, e.ctrl.ControllerPublishVolume, e.publishReq(id, "vm-1"))
+			if err != nil {
+				errs <- err
+				return
+			}
+			serials[i] = resp.GetPublishContext()[PublishContextSerial]
+		})
+	}
+	wg.Wait()
+	g.Expect(errs).To(BeEmpty())
+	g.Expect(e.vmVolumes(t, "vm-1")).To(ConsistOf(ids), "no entry is lost")
+	for _, serial := range serials {
+		g.Expect(disks{root: e.roots["vm-1"]}.bySerial(serial)).Error().NotTo(HaveOccurred())
+	}
+
+	for _, id := range ids {
+		wg.Go(func() {
+			if _, err := retried(t, e.ctrl.ControllerUnpublishVolume, e.unpublishReq(id, "vm-1")); err != nil {
+				errs <- err
+			}
+		})
+	}
+	wg.Wait()
+	g.Expect(errs).To(BeEmpty())
+	g.Expect(e.vmVolumes(t, "vm-1")).To(BeEmpty())
+}
+
+func TestUnpublishFromADeletedVM(t *testing.T) {
+	g := NewWithT(t)
+	e := newGuestEnv(t, envOptions{})
+	id := e.createVolume(t, "gone")
+	_, err := retried(t, e.ctrl.ControllerPublishVolume, e.publishReq(id, "vm-2"))
+	g.Expect(err).NotTo(HaveOccurred())
+
+	vm := &vmv1.VirtualMachine{ObjectMeta: metav1.ObjectMeta{Namespace: e.ns, Name: "vm-2"}}
+	g.Expect(e.admin.Delete(t.Context(), vm)).To(Succeed())
+	g.Eventually(func() error {
+		return e.admin.Get(t.Context(), client.ObjectKeyFromObject(vm), vm)
+	}).Should(MatchError(apierrors.IsNotFound, "NotFound"))
+
+	_, err = retried(t, e.ctrl.ControllerUnpublishVolume, e.unpublishReq(id, "vm-2"))
+	g.Expect(err).NotTo(HaveOccurred(), "a VM that is gone has no disks")
+}
+
+// A management PVC a platform admin shared with the cluster can be attached, but a guest
+// releases it instead of deleting it and never expands it. One that is neither owned nor
+// shared is refused by every call, with the reason.
+func TestStaticVolumes(t *testing.T) {
+	g := NewWithT(t)
+	e := newGuestEnv(t, envOptions{})
+	shared := e.importClaim(t, "imported-shared", map[string]string{tenancy.SharedWithAnnotation: "beta, alpha"})
+	foreign := e.importClaim(t, "imported-foreign", map[string]string{tenancy.SharedWithAnnotation: "beta"})
+
+	resp, err := retried(t, e.ctrl.ControllerPublishVolume, e.publishReq(shared, "vm-1"))
+	g.Expect(err).NotTo(HaveOccurred())
+	g.Expect(resp.GetPublishContext()).To(HaveKey(PublishContextSerial))
+	_, err = call(t, e.ctrl.ControllerExpandVolume, &csi.ControllerExpandVolumeRequest{VolumeId: shared, CapacityRange: &csi.CapacityRange{RequiredBytes: 2 * envMountSize}})
+	expectCodeIn(g, err, codes.FailedPrecondition, "shared with cluster alpha, not owned by it")
+	_, err = retried(t, e.ctrl.ControllerUnpublishVolume, e.unpublishReq(shared, "vm-1"))
+	g.Expect(err).NotTo(HaveOccurred())
+	_, err = call(t, e.ctrl.DeleteVolume, &csi.DeleteVolumeRequest{VolumeId: shared})
+	g.Expect(err).NotTo(HaveOccurred())
+	g.Expect(e.claimOf(t, shared).DeletionTimestamp).To(BeNil(), "a shared volume is released, never deleted")
+
+	refused := "was not created for cluster alpha and is not shared with it"
+	for range 2 { // every call, not only the first
+		_, err = call(t, e.ctrl.ControllerPublishVolume, e.publishReq(foreign, "vm-1"))
+		expectCodeIn(g, err, codes.FailedPrecondition, refused)
+		_, err = call(t, e.ctrl.DeleteVolume, &csi.DeleteVolumeRequest{VolumeId: foreign})
+		expectCodeIn(g, err, codes.FailedPrecondition, refused)
+		_, err = call(t, e.ctrl.ControllerExpandVolume, &csi.ControllerExpandVolumeRequest{VolumeId: foreign, CapacityRange: &csi.CapacityRange{RequiredBytes: 2 * envMountSize}})
+		expectCodeIn(g, err, codes.FailedPrecondition, refused)
+		_, err = call(t, e.ctrl.CreateSnapshot, &csi.CreateSnapshotRequest{Name: "snap", SourceVolumeId: foreign})
+		expectCodeIn(g, err, codes.FailedPrecondition, refused)
+		clone := createReq("clone", envHost, envMountSize)
+		clone.VolumeContentSource = &csi.VolumeContentSource{Type: &csi.VolumeContentSource_Volume{Volume: &csi.VolumeContentSource_VolumeSource{VolumeId: foreign}}}
+		_, err = call(t, e.ctrl.CreateVolume, clone)
+		expectCodeIn(g, err, codes.FailedPrecondition, refused)
+		_, err = call(t, e.ctrl.ValidateVolumeCapabilities, &csi.ValidateVolumeCapabilitiesRequest{VolumeId: foreign, VolumeCapabilities: []*csi.VolumeCapability{fsCap("")}})
+		expectCodeIn(g, err, codes.FailedPrecondition, refused)
+	}
+	g.Expect(e.vmVolumes(t, "vm-1")).To(BeEmpty())
+	g.Expect(e.claimOf(t, foreign).DeletionTimestamp).To(BeNil())
+
+	// Another tenant's namespace is out of reach: the handle names a PVC of this namespace.
+	other := newGuestEnv(t, envOptions{vms: []string{"vm-x"}})
+	theirs := other.createVolume(t, "theirs")
+	_, err = call(t, e.ctrl.ControllerPublishVolume, e.publishReq(theirs, "vm-1"))
+	expectCodeIn(g, err, codes.NotFound, "does not exist")
+	_, err = call(t, e.ctrl.DeleteVolume, &csi.DeleteVolumeRequest{VolumeId: theirs})
+	g.Expect(err).NotTo(HaveOccurred())
+	g.Expect(other.claimOf(t, theirs).DeletionTimestamp).To(BeNil(), "nothing of another namespace is touched")
+}
+
+func TestExpandVolume(t *testing.T) {
+	g := NewWithT(t)
+	e := newGuestEnv(t, envOptions{})
+	id := e.createVolume(t, "grow")
+
+	resp, err := retried(t, e.ctrl.ControllerExpandVolume, &csi.ControllerExpandVolumeRequest{
+		VolumeId: id, CapacityRange: &csi.CapacityRange{RequiredBytes: 2 * envMountSize}, VolumeCapability: fsCap("ext4"),
+	})
+	g.Expect(err).NotTo(HaveOccurred())
+	g.Expect(resp.GetCapacityBytes()).To(Equal(2 * envMountSize))
+	g.Expect(resp.GetNodeExpansionRequired()).To(BeTrue(), "a filesystem grows on the node")
+	requested := e.claimOf(t, id).Spec.Resources.Requests[corev1.ResourceStorage]
+	g.Expect(requested.Value()).To(Equal(2 * envMountSize))
+
+	resp, err = call(t, e.ctrl.ControllerExpandVolume, &csi.ControllerExpandVolumeRequest{
+		VolumeId: id, CapacityRange: &csi.CapacityRange{RequiredBytes: envMountSize}, VolumeCapability: rawCap(),
+	})
+	g.Expect(err).NotTo(HaveOccurred(), "a smaller size is already there")
+	g.Expect(resp.GetNodeExpansionRequired()).To(BeFalse(), "a raw block volume needs nothing on the node")
+}
+
+func TestSnapshots(t *testing.T) {
+	g := NewWithT(t)
+	e := newGuestEnv(t, envOptions{})
+	id := e.createVolume(t, "source")
+	req := &csi.CreateSnapshotRequest{Name: "snapshot-1b4e28ba-2fa1-11d2-883f-0016d3cca427", SourceVolumeId: id,
+		Parameters: map[string]string{ParamMgmtSnapshotClass: "pmem", paramSnapName: "snap", paramSnapNamespace: "default"}}
+
+	resp, err := retried(t, e.ctrl.CreateSnapshot, req)
+	g.Expect(err).NotTo(HaveOccurred())
+	snap := resp.GetSnapshot()
+	g.Expect(snap.GetSnapshotId()).To(Equal(e.cluster.UID + "-1b4e28ba-2fa1-11d2-883f-0016d3cca427"))
+	g.Expect(snap.GetReadyToUse()).To(BeTrue())
+	g.Expect(snap.GetSizeBytes()).To(Equal(envMountSize))
+	vs := &snapshotv1.VolumeSnapshot{}
+	g.Expect(e.admin.Get(t.Context(), client.ObjectKey{Namespace: e.ns, Name: snap.GetSnapshotId()}, vs)).To(Succeed())
+	g.Expect(vs.Labels).To(Equal(e.cluster.Labels()))
+	g.Expect(vs.Annotations).To(HaveKeyWithValue(tenancy.GuestSnapshotAnnotation, "default/snap"))
+	g.Expect(vs.Spec.VolumeSnapshotClassName).To(HaveValue(Equal("pmem")))
+
+	other := proto.Clone(req).(*csi.CreateSnapshotRequest)
+	other.SourceVolumeId = e.createVolume(t, "other")
+	_, err = call(t, e.ctrl.CreateSnapshot, other)
+	expectCodeIn(g, err, codes.AlreadyExists, "exists for volume "+id)
+
+	list, err := call(t, e.ctrl.ListSnapshots, &csi.ListSnapshotsRequest{SourceVolumeId: id})
+	g.Expect(err).NotTo(HaveOccurred())
+	g.Expect(list.GetEntries()).To(HaveExactElements(HaveField("Snapshot.SnapshotId", snap.GetSnapshotId())))
+
+	restore := createReq("restored", envHost, envMountSize)
+	restore.VolumeContentSource = &csi.VolumeContentSource{Type: &csi.VolumeContentSource_Snapshot{Snapshot: &csi.VolumeContentSource_SnapshotSource{SnapshotId: snap.GetSnapshotId()}}}
+	restored, err := retried(t, e.ctrl.CreateVolume, restore)
+	g.Expect(err).NotTo(HaveOccurred())
+	g.Expect(e.claimOf(t, restored.GetVolume().GetVolumeId()).Spec.DataSource).To(Equal(&corev1.TypedLocalObjectReference{
+		APIGroup: ptr.To("snapshot.storage.k8s.io"), Kind: "VolumeSnapshot", Name: snap.GetSnapshotId(),
+	}))
+
+	_, err = call(t, e.ctrl.DeleteSnapshot, &csi.DeleteSnapshotRequest{SnapshotId: snap.GetSnapshotId()})
+	g.Expect(err).NotTo(HaveOccurred())
+	g.Expect(e.admin.Get(t.Context(), client.ObjectKeyFromObject(vs), vs)).To(MatchError(apierrors.IsNotFound, "NotFound"))
+}
+
+// GetCapacity answers from the management cluster's CSIStorageCapacity objects of the hosts
+// that run the cluster's VMs.
+func TestGetCapacity(t *testing.T) {
+	g := NewWithT(t)
+	e := newGuestEnv(t, envOptions{})
+	e.createVM(t, "vm-3", "host-b", e.cluster.Name)
+	e.createVM(t, "vm-other", "host-c", "beta")
+	ns := &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: capacityNS}}
+	if err := e.admin.Create(t.Context(), ns); err != nil && !apierrors.IsAlreadyExists(err) {
+		t.Fatal(err)
+	}
+	for _, c := range []struct {
+		host, class string
+		free        int64
+	}{{"host-a", envClass, 10 * mib}, {"host-b", envClass, 20 * mib}, {"host-c", envClass, 40 * mib}, {"host-a", "premium", 80 * mib}} {
+		obj := &storagev1.CSIStorageCapacity{
+			ObjectMeta:        metav1.ObjectMeta{Namespace: capacityNS, GenerateName: "csisc-"},
+			NodeTopology:      &metav1.LabelSelector{MatchLabels: map[string]string{MgmtTopologyKey: c.host}},
+			StorageClassName:  c.class,
+			Capacity:          ptr.To(volumeQuantity(c.free)),
+			MaximumVolumeSize: ptr.To(volumeQuantity(c.free / 2)),
+		}
+		g.Expect(e.admin.Create(t.Context(), obj)).To(Succeed())
+		t.Cleanup(func() { _ = e.admin.Delete(t.Context(), obj) })
+	}
+	topo := func(host string) *csi.Topology { return &csi.Topology{Segments: map[string]string{TopologyKey: host}} }
+	for _, tc := range []struct {
+		name          string
+		req           *csi.GetCapacityRequest
+		want, largest int64
+	}{
+		{"one host", &csi.GetCapacityRequest{AccessibleTopology: topo("host-b")}, 20 * mib, 10 * mib},
+		{"the cluster's hosts", &csi.GetCapacityRequest{}, 30 * mib, 10 * mib},
+		{"another class", &csi.GetCapacityRequest{AccessibleTopology: topo("host-a"), Parameters: map[string]string{ParamMgmtStorageClass: "premium"}}, 80 * mib, 40 * mib},
+		{"a host without capacity", &csi.GetCapacityRequest{AccessibleTopology: topo("host-z")}, 0, 0},
+		{"an unsupported capability", &csi.GetCapacityRequest{VolumeCapabilities: []*csi.VolumeCapability{withMode(fsCap(""), csi.VolumeCapability_AccessMode_MULTI_NODE_MULTI_WRITER)}}, 0, 0},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			g := NewWithT(t)
+			g.Eventually(func(g Gomega) {
+				resp, err := call(t, e.ctrl.GetCapacity, tc.req)
+				g.Expect(err).NotTo(HaveOccurred())
+				g.Expect(resp.GetAvailableCapacity()).To(Equal(tc.want))
+				g.Expect(resp.GetMaximumVolumeSize().GetValue()).To(Equal(tc.largest))
+			}).WithTimeout(eventually).Should(Succeed(), "once the cache has seen the VMs' hosts")
+		})
+	}
+}
+
+// The controller labels every guest Node with the host of its VM; the node plugin reads that.
+func TestNodesAreLabelledWithTheirHost(t *testing.T) {
+	g := NewWithT(t)
+	e := newGuestEnv(t, envOptions{vms: []string{}})
+	name := "vm-" + e.ns
+	node := &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: name}}
+	g.Expect(e.admin.Create(t.Context(), node)).To(Succeed())
+	t.Cleanup(func() { _ = e.admin.Delete(t.Context(), node) })
+	e.createVM(t, name, "host-b", e.cluster.Name)
+
+	g.Eventually(func() map[string]string {
+		g.Expect(e.admin.Get(t.Context(), client.ObjectKeyFromObject(node), node)).To(Succeed())
+		return node.Labels
+	}).WithTimeout(eventually).Should(HaveKeyWithValue(TopologyKey, "host-b"))
+}

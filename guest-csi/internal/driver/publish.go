@@ -1,0 +1,226 @@
+package driver
+
+import (
+	"context"
+	"slices"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	"k8s.io/apimachinery/pkg/util/validation"
+	"k8s.io/client-go/util/retry"
+	"k8s.io/klog/v2"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+
+	vmv1 "pvbridge.io/pkg/apis/vm/v1alpha1"
+	"pvbridge.io/pkg/tenancy"
+)
+
+// ControllerPublishVolume attaches a volume to a guest node: it adds the management PVC to the
+// node's VirtualMachine's spec.volumes and waits until vm-operator reports the disk attached,
+// with its serial, which the node finds the disk by.
+func (s *controllerServer) ControllerPublishVolume(ctx context.Context, req *csi.ControllerPublishVolumeRequest) (*csi.ControllerPublishVolumeResponse, error) {
+	id, node := req.GetVolumeId(), req.GetNodeId()
+	switch {
+	case id == "":
+		return nil, status.Error(codes.InvalidArgument, "volume_id is required")
+	case node == "":
+		return nil, status.Error(codes.InvalidArgument, "node_id is required")
+	}
+	if err := validateNodeCapability(req.GetVolumeCapability()); err != nil {
+		return nil, err
+	}
+	c, err := s.cluster()
+	if err != nil {
+		return nil, err
+	}
+	if _, _, err := s.accessible(ctx, c, kindPVC, id); err != nil {
+		return nil, err
+	}
+	vm, err := s.vm(ctx, c, node)
+	if err != nil {
+		return nil, err
+	}
+	if vm == nil || vm.DeletionTimestamp != nil {
+		return nil, status.Errorf(codes.NotFound, "VirtualMachine %s/%s of cluster %s does not exist or is being deleted", c.Namespace, node, c.Name)
+	}
+	unlock, err := s.lock(id)
+	if err != nil {
+		return nil, err
+	}
+	defer unlock()
+	ctx = klog.NewContext(ctx, klog.FromContext(ctx).WithValues("volumeID", id, "vm", node))
+	if err := s.attachedElsewhere(ctx, c, id, node); err != nil {
+		return nil, err
+	}
+	if err := s.updateVolumes(ctx, vm, func(vm *vmv1.VirtualMachine) bool {
+		if slices.ContainsFunc(vm.Spec.Volumes, func(v vmv1.VirtualMachineVolume) bool { return v.Name == id }) {
+			return false
+		}
+		vm.Spec.Volumes = append(vm.Spec.Volumes, vmv1.VirtualMachineVolume{
+			Name: id, PersistentVolumeClaim: vmv1.PersistentVolumeClaimVolumeSource{ClaimName: id},
+		})
+		return true
+	}); err != nil {
+		return nil, err
+	}
+
+	var serial string
+	got := &vmv1.VirtualMachine{}
+	if err := s.await(ctx, kindVM, node, got, func(found bool) (bool, error) {
+		switch {
+		case !found:
+			return false, status.Errorf(codes.NotFound, "VirtualMachine %s/%s is gone", c.Namespace, node)
+		case got.DeletionTimestamp != nil:
+			return false, status.Errorf(codes.NotFound, "VirtualMachine %s/%s is being deleted", c.Namespace, node)
+		}
+		e := volumeStatus(got, id)
+		switch {
+		case e == nil:
+			return false, nil
+		case e.Attached && e.DiskSerial != "":
+			serial = e.DiskSerial
+			return true, nil
+		case e.Error != "":
+			return false, status.Errorf(codes.FailedPrecondition, "VirtualMachine %s/%s cannot attach management PVC %s: %s", c.Namespace, node, id, e.Error)
+		}
+		return false, nil
+	}); err != nil {
+		return nil, err
+	}
+	klog.FromContext(ctx).V(2).Info("Attached", "diskSerial", serial)
+	return &csi.ControllerPublishVolumeResponse{PublishContext: map[string]string{PublishContextSerial: serial}}, nil
+}
+
+// ControllerUnpublishVolume detaches a volume: it removes the volume from the VM's spec.volumes
+// and waits until vm-operator has removed it from status, which it does only once the disk is
+// unplugged and released on the host. A VM that is gone has no disks: vm-operator's finalizer
+// keeps a deleted VM until every disk is detached.
+func (s *controllerServer) ControllerUnpublishVolume(ctx context.Context, req *csi.ControllerUnpublishVolumeRequest) (*csi.ControllerUnpublishVolumeResponse, error) {
+	id, node := req.GetVolumeId(), req.GetNodeId()
+	if id == "" {
+		return nil, status.Error(codes.InvalidArgument, "volume_id is required")
+	}
+	if node == "" {
+		// Detach from every VM: the CO does not know where the volume is.
+		return nil, status.Error(codes.InvalidArgument, "node_id is required: this driver does not detach a volume from all nodes at once")
+	}
+	c, err := s.cluster()
+	if err != nil {
+		return nil, err
+	}
+	vm, err := s.vm(ctx, c, node)
+	if err != nil {
+		return nil, err
+	}
+	if vm == nil {
+		return &csi.ControllerUnpublishVolumeResponse{}, nil
+	}
+	unlock, err := s.lock(id)
+	if err != nil {
+		return nil, err
+	}
+	defer unlock()
+	ctx = klog.NewContext(ctx, klog.FromContext(ctx).WithValues("volumeID", id, "vm", node))
+	if err := s.updateVolumes(ctx, vm, func(vm *vmv1.VirtualMachine) bool {
+		n := len(vm.Spec.Volumes)
+		vm.Spec.Volumes = slices.DeleteFunc(vm.Spec.Volumes, func(v vmv1.VirtualMachineVolume) bool { return v.Name == id })
+		return len(vm.Spec.Volumes) != n
+	}); err != nil {
+		return nil, err
+	}
+	var lastError string
+	got := &vmv1.VirtualMachine{}
+	err = s.await(ctx, kindVM, node, got, func(found bool) (bool, error) {
+		if !found {
+			return true, nil
+		}
+		e := volumeStatus(got, id)
+		if e != nil {
+			lastError = e.Error
+		}
+		return e == nil, nil
+	})
+	if status.Code(err) == codes.DeadlineExceeded && lastError != "" {
+		return nil, status.Errorf(codes.DeadlineExceeded, "VirtualMachine %s/%s is still detaching management PVC %s: %s", c.Namespace, node, id, lastError)
+	}
+	if err != nil {
+		return nil, err
+	}
+	klog.FromContext(ctx).V(2).Info("Detached")
+	return &csi.ControllerUnpublishVolumeResponse{}, nil
+}
+
+// vm returns the cluster's VirtualMachine name from the cache, nil if there is none.
+func (s *controllerServer) vm(ctx context.Context, c tenancy.Cluster, name string) (*vmv1.VirtualMachine, error) {
+	if len(validation.IsDNS1123Subdomain(name)) > 0 {
+		return nil, nil
+	}
+	vm := &vmv1.VirtualMachine{}
+	err := s.mgmt.Get(ctx, client.ObjectKey{Namespace: c.Namespace, Name: name}, vm)
+	switch {
+	case apierrors.IsNotFound(err):
+		return nil, nil
+	case err != nil:
+		return nil, apiError(err, "get VirtualMachine %s/%s", c.Namespace, name)
+	}
+	return vm, nil
+}
+
+// attachedElsewhere fails with FailedPrecondition when another VM of the cluster has the volume:
+// a disk is attached to one VM at a time.
+func (s *controllerServer) attachedElsewhere(ctx context.Context, c tenancy.Cluster, claim, node string) error {
+	vms := &vmv1.VirtualMachineList{}
+	if err := s.mgmt.List(ctx, vms); err != nil {
+		return apiError(err, "list the cluster's VirtualMachines")
+	}
+	for _, vm := range vms.Items {
+		if vm.Name == node {
+			continue
+		}
+		if slices.ContainsFunc(vm.Spec.Volumes, func(v vmv1.VirtualMachineVolume) bool { return v.PersistentVolumeClaim.ClaimName == claim }) ||
+			volumeStatus(&vm, claim) != nil {
+			return status.Errorf(codes.FailedPrecondition, "management PVC %s/%s is attached to VirtualMachine %s", c.Namespace, claim, vm.Name)
+		}
+	}
+	return nil
+}
+
+// updateVolumes applies change to the VM's spec.volumes with optimistic concurrency: the patch
+// carries the resourceVersion it was made from, and a conflict (another volume attached or
+// detached meanwhile) rereads the VM from the apiserver and applies change again. The list is
+// never written blind, so no concurrent change is lost. change reports whether it changed
+// anything; the VM starts as read from the cache.
+func (s *controllerServer) updateVolumes(ctx context.Context, vm *vmv1.VirtualMachine, change func(*vmv1.VirtualMachine) bool) error {
+	first := true
+	err := retry.RetryOnConflict(retry.DefaultBackoff, func() error {
+		if !first {
+			if err := s.mgmt.Live().Get(ctx, client.ObjectKeyFromObject(vm), vm); err != nil {
+				return err
+			}
+		}
+		first = false
+		base := vm.DeepCopy()
+		if !change(vm) {
+			return nil
+		}
+		return s.mgmt.Patch(ctx, vm, client.MergeFromWithOptions(base, client.MergeFromWithOptimisticLock{}))
+	})
+	switch {
+	case apierrors.IsNotFound(err):
+		return status.Errorf(codes.NotFound, "VirtualMachine %s/%s does not exist", vm.Namespace, vm.Name)
+	case err != nil:
+		return apiError(err, "update the volumes of VirtualMachine %s/%s", vm.Namespace, vm.Name)
+	}
+	return nil
+}
+
+// volumeStatus is the status entry of volume name in vm, nil if there is none.
+func volumeStatus(vm *vmv1.VirtualMachine, name string) *vmv1.VirtualMachineVolumeStatus {
+	i := slices.IndexFunc(vm.Status.Volumes, func(e vmv1.VirtualMachineVolumeStatus) bool { return e.Name == name })
+	if i < 0 {
+		return nil
+	}
+	return &vm.Status.Volumes[i]
+}

@@ -1,0 +1,83 @@
+package driver
+
+import (
+	"fmt"
+	"os"
+	"path/filepath"
+	"testing"
+
+	"k8s.io/client-go/tools/clientcmd"
+	"k8s.io/klog/v2"
+	ctrl "sigs.k8s.io/controller-runtime"
+	"sigs.k8s.io/controller-runtime/pkg/envtest"
+)
+
+// adminKubeconfig is an admin kubeconfig of the package's test apiserver: a real kube-apiserver
+// and etcd (the lab's pinned binaries) with pvbridge's and the snapshot CRDs, started once by
+// TestMain. It plays both clusters: the management one (a namespace per test) and the guest.
+var adminKubeconfig string
+
+func TestMain(m *testing.M) {
+	os.Exit(runSuite(m))
+}
+
+func runSuite(m *testing.M) int {
+	ctrl.SetLogger(klog.Background())
+	assets := os.Getenv("PVBRIDGE_BIN")
+	if assets == "" {
+		cache, err := os.UserCacheDir()
+		if err != nil {
+			fmt.Fprintln(os.Stderr, err)
+			return 1
+		}
+		assets = filepath.Join(cache, "pvbridge", "bin")
+	}
+	crds := filepath.Join("..", "..", "..", "manifests", "crd")
+	env := &envtest.Environment{
+		CRDDirectoryPaths:     []string{filepath.Join(crds, "bases"), filepath.Join(crds, "snapshot")},
+		ErrorIfCRDPathMissing: true,
+		BinaryAssetsDirectory: assets,
+	}
+	if _, err := env.Start(); err != nil {
+		fmt.Fprintf(os.Stderr, "start the test apiserver (binaries from %s; run `make tools`): %v\n", assets, err)
+		return 1
+	}
+	defer func() { _ = env.Stop() }()
+	dir, err := os.MkdirTemp("", "guest-csi-test-")
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 1
+	}
+	defer os.RemoveAll(dir)
+	admin, err := env.AddUser(envtest.User{Name: "admin", Groups: []string{"system:masters"}}, nil)
+	if err == nil {
+		var data []byte
+		if data, err = admin.KubeConfig(); err == nil {
+			adminKubeconfig = filepath.Join(dir, "kubeconfig")
+			err = os.WriteFile(adminKubeconfig, data, 0o600)
+		}
+	}
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "admin kubeconfig:", err)
+		return 1
+	}
+	return m.Run()
+}
+
+// kubeconfigIn writes a copy of the admin kubeconfig whose context names namespace, as the
+// management kubeconfig of a guest cluster does, and returns its path.
+func kubeconfigIn(t *testing.T, namespace string) string {
+	t.Helper()
+	cfg, err := clientcmd.LoadFromFile(adminKubeconfig)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, c := range cfg.Contexts {
+		c.Namespace = namespace
+	}
+	path := filepath.Join(t.TempDir(), "mgmt-kubeconfig")
+	if err := clientcmd.WriteToFile(*cfg, path); err != nil {
+		t.Fatal(err)
+	}
+	return path
+}

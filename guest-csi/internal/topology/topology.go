@@ -1,0 +1,152 @@
+// Package topology tells every guest node which management host runs its VirtualMachine. The
+// guest-csi controller, which has the management credential, labels each guest Node with the
+// host of the VM of the same name; the node plugin, which has none, reads its own Node's label
+// and reports it as its CSI topology, so that a guest PV is only used on VMs of the host that
+// holds its PMEM.
+package topology
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/apimachinery/pkg/util/validation"
+	"k8s.io/client-go/informers"
+	"k8s.io/client-go/kubernetes"
+	toolscache "k8s.io/client-go/tools/cache"
+	"k8s.io/client-go/util/workqueue"
+	"k8s.io/klog/v2"
+)
+
+// Key is the topology segment, and the guest Node label, naming the management host.
+const Key = "topology.guest.csi.pvbridge.io/host"
+
+// ErrHostUnknown is what a node's host is while the controller has not labelled the node.
+var ErrHostUnknown = errors.New("the host of this node is not known yet")
+
+// NodeHost reads the host of a guest node from the node's label.
+type NodeHost struct {
+	Client kubernetes.Interface
+	Node   string
+}
+
+// HostOf returns the node's host, or an error wrapping ErrHostUnknown while it has no label.
+func (h NodeHost) HostOf(ctx context.Context) (string, error) {
+	n, err := h.Client.CoreV1().Nodes().Get(ctx, h.Node, metav1.GetOptions{})
+	if apierrors.IsNotFound(err) {
+		return "", fmt.Errorf("%w: node %s is not registered", ErrHostUnknown, h.Node)
+	}
+	if err != nil {
+		return "", fmt.Errorf("read node %s: %w", h.Node, err)
+	}
+	host := n.Labels[Key]
+	if host == "" {
+		return "", fmt.Errorf("%w: node %s has no label %s", ErrHostUnknown, h.Node, Key)
+	}
+	return host, nil
+}
+
+// HostFunc returns the host of the VM of a guest node: "" while it has none, or when the node
+// is no VM of the cluster.
+type HostFunc func(ctx context.Context, vm string) (string, error)
+
+// Labeller labels every guest Node with the host of its VM. It reconciles a node when the node
+// or its VM changes.
+type Labeller struct {
+	guest  kubernetes.Interface
+	hostOf HostFunc
+	queue  workqueue.TypedRateLimitingInterface[string]
+}
+
+// NewLabeller returns a Labeller of the guest cluster's Nodes.
+func NewLabeller(guest kubernetes.Interface, hostOf HostFunc) *Labeller {
+	return &Labeller{
+		guest:  guest,
+		hostOf: hostOf,
+		queue: workqueue.NewTypedRateLimitingQueueWithConfig(
+			workqueue.NewTypedItemExponentialFailureRateLimiter[string](100*time.Millisecond, 30*time.Second),
+			workqueue.TypedRateLimitingQueueConfig[string]{Name: "node-labeller"}),
+	}
+}
+
+// VMHandler is the event handler for the informer of the cluster's VirtualMachines.
+func (l *Labeller) VMHandler() toolscache.ResourceEventHandler { return l.handler() }
+
+func (l *Labeller) handler() toolscache.ResourceEventHandler {
+	enqueue := func(obj any) {
+		if tomb, ok := obj.(toolscache.DeletedFinalStateUnknown); ok {
+			obj = tomb.Obj
+		}
+		if m, ok := obj.(metav1.Object); ok {
+			l.queue.Add(m.GetName())
+		}
+	}
+	return toolscache.ResourceEventHandlerFuncs{
+		AddFunc:    func(obj any) { enqueue(obj) },
+		UpdateFunc: func(_, obj any) { enqueue(obj) },
+	}
+}
+
+// Run watches the guest Nodes and labels them until ctx ends.
+func (l *Labeller) Run(ctx context.Context) error {
+	defer l.queue.ShutDown()
+	factory := informers.NewSharedInformerFactory(l.guest, 0)
+	nodes := factory.Core().V1().Nodes()
+	if _, err := nodes.Informer().AddEventHandler(l.handler()); err != nil {
+		return err
+	}
+	factory.Start(ctx.Done())
+	defer factory.Shutdown()
+	if !toolscache.WaitForCacheSync(ctx.Done(), nodes.Informer().HasSynced) {
+		return nil // ctx ended
+	}
+	lister := nodes.Lister()
+	go func() {
+		<-ctx.Done()
+		l.queue.ShutDown()
+	}()
+	logger := klog.FromContext(ctx)
+	for {
+		name, quit := l.queue.Get()
+		if quit {
+			return nil
+		}
+		node, err := lister.Get(name)
+		if err == nil {
+			err = l.label(ctx, node)
+		} else if apierrors.IsNotFound(err) {
+			err = nil // a VM that is no guest node (yet)
+		}
+		if err != nil {
+			logger.Error(err, "Cannot label guest node with its host", "node", name)
+			l.queue.AddRateLimited(name)
+		} else {
+			l.queue.Forget(name)
+		}
+		l.queue.Done(name)
+	}
+}
+
+func (l *Labeller) label(ctx context.Context, node *corev1.Node) error {
+	host, err := l.hostOf(ctx, node.Name)
+	if err != nil || host == "" || node.Labels[Key] == host {
+		return err
+	}
+	if msgs := validation.IsValidLabelValue(host); len(msgs) > 0 {
+		return fmt.Errorf("host %q of VM %s is no label value: %v", host, node.Name, msgs)
+	}
+	patch := fmt.Appendf(nil, `{"metadata":{"labels":{%q:%q}}}`, Key, host)
+	if _, err := l.guest.CoreV1().Nodes().Patch(ctx, node.Name, types.MergePatchType, patch, metav1.PatchOptions{}); err != nil {
+		if apierrors.IsNotFound(err) {
+			return nil // deleted meanwhile
+		}
+		return err
+	}
+	klog.FromContext(ctx).Info("Labelled guest node with its host", "node", node.Name, "host", host)
+	return nil
+}

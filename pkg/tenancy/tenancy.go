@@ -1,0 +1,104 @@
+// Package tenancy names what ties management objects to the guest cluster they serve, and
+// decides which of them a guest cluster may use. guest-csi applies these rules on every call;
+// the management cluster's admission policy and orphan cleanup apply the same ones.
+package tenancy
+
+import (
+	"strings"
+
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+)
+
+const (
+	// ClusterNameLabel and ClusterUIDLabel mark a management object (PVC, VolumeSnapshot)
+	// created for a guest cluster: the name and UID of its Cluster API Cluster.
+	ClusterNameLabel = "pvbridge.io/cluster"
+	// ClusterUIDLabel: see ClusterNameLabel. The UID tells a cluster from an earlier one of the
+	// same name.
+	ClusterUIDLabel = "pvbridge.io/cluster-uid"
+
+	// CAPIClusterNameLabel is Cluster API's label on the objects of a cluster, its
+	// VirtualMachines among them.
+	CAPIClusterNameLabel = "cluster.x-k8s.io/cluster-name"
+
+	// SharedWithAnnotation, set by a platform admin on a management PVC or VolumeSnapshot, is a
+	// comma-separated list of the names of the guest clusters of the namespace that may use it
+	// without owning it: attach it (a static guest PV), restore or clone from it. A guest never
+	// deletes, expands or changes a volume it does not own.
+	SharedWithAnnotation = "pvbridge.io/shared-with"
+
+	// GuestPVCAnnotation names the guest PVC (namespace/name) a management PVC was created for;
+	// GuestPVAnnotation the guest PV; GuestLabelsAnnotation holds the guest PVC's labels (JSON).
+	GuestPVCAnnotation = "pvbridge.io/guest-pvc"
+	// GuestPVAnnotation: see GuestPVCAnnotation.
+	GuestPVAnnotation = "pvbridge.io/guest-pv"
+	// GuestLabelsAnnotation: see GuestPVCAnnotation.
+	GuestLabelsAnnotation = "pvbridge.io/guest-labels"
+	// GuestSnapshotAnnotation names the guest VolumeSnapshot (namespace/name) a management
+	// VolumeSnapshot was created for.
+	GuestSnapshotAnnotation = "pvbridge.io/guest-snapshot"
+	// CSINameAnnotation records the CSI name (the guest's request) an object was created for.
+	CSINameAnnotation = "pvbridge.io/csi-name"
+)
+
+// Cluster is a guest cluster: its Cluster API Cluster's name and UID, and the management
+// namespace that holds its VirtualMachines and volumes.
+type Cluster struct {
+	Namespace, Name, UID string
+}
+
+// Labels are the labels of every management object created for the cluster.
+func (c Cluster) Labels() map[string]string {
+	return map[string]string{ClusterNameLabel: c.Name, ClusterUIDLabel: c.UID}
+}
+
+// Access is what a cluster may do with a management object.
+type Access int
+
+const (
+	// Foreign objects belong to someone else: the cluster may not use them at all.
+	Foreign Access = iota
+	// Shared objects may be attached and read (restored, cloned, snapshotted) but are only
+	// released, never deleted or changed.
+	Shared
+	// Owned objects were created for this cluster: it may delete and change them.
+	Owned
+)
+
+func (a Access) String() string {
+	switch a {
+	case Owned:
+		return "owned"
+	case Shared:
+		return "shared"
+	}
+	return "foreign"
+}
+
+// AccessOf tells what cluster c may do with obj: Owned when obj is in c's namespace and labelled
+// with c's UID, Shared when it is in c's namespace and its SharedWithAnnotation names c, Foreign
+// otherwise (another namespace, another cluster, or an earlier cluster of the same name).
+func AccessOf(obj metav1.Object, c Cluster) Access {
+	switch {
+	case obj.GetNamespace() != c.Namespace:
+		return Foreign
+	case c.UID != "" && obj.GetLabels()[ClusterUIDLabel] == c.UID:
+		return Owned
+	case SharedWith(obj.GetAnnotations()[SharedWithAnnotation], c.Name):
+		return Shared
+	}
+	return Foreign
+}
+
+// SharedWith reports whether a SharedWithAnnotation value names cluster.
+func SharedWith(value, cluster string) bool {
+	if cluster == "" {
+		return false
+	}
+	for name := range strings.SplitSeq(value, ",") {
+		if strings.TrimSpace(name) == cluster {
+			return true
+		}
+	}
+	return false
+}
