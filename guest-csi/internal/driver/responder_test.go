@@ -335,7 +335,9 @@ func (r *responder) grow(volume string, size int64) error {
 }
 
 // volumeQuantity is size bytes as a quantity.
-func volumeQuantity(size int64) resource.Quantity { return *resource.NewQuantity(size, resource.BinarySI) }
+func volumeQuantity(size int64) resource.Quantity {
+	return *resource.NewQuantity(size, resource.BinarySI)
+}
 
 // eventually is how long a test waits for the management side.
 const eventually = time.Minute
