@@ -17,6 +17,9 @@ import (
 // TestMain. It plays both clusters: the management one (a namespace per test) and the guest.
 var adminKubeconfig string
 
+// testEnv is the test apiserver, which adds users for the credential tests.
+var testEnv *envtest.Environment
+
 func TestMain(m *testing.M) {
 	os.Exit(runSuite(m))
 }
@@ -33,11 +36,12 @@ func runSuite(m *testing.M) int {
 		assets = filepath.Join(cache, "pvbridge", "bin")
 	}
 	crds := filepath.Join("..", "..", "..", "manifests", "crd")
-	env := &envtest.Environment{
+	testEnv = &envtest.Environment{
 		CRDDirectoryPaths:     []string{filepath.Join(crds, "bases"), filepath.Join(crds, "snapshot")},
 		ErrorIfCRDPathMissing: true,
 		BinaryAssetsDirectory: assets,
 	}
+	env := testEnv
 	if _, err := env.Start(); err != nil {
 		fmt.Fprintf(os.Stderr, "start the test apiserver (binaries from %s; run `make tools`): %v\n", assets, err)
 		return 1
