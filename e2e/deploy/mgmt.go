@@ -140,17 +140,25 @@ func (m *Management) installObjects(ctx context.Context) error {
 			return err
 		}
 	}
-	dyn, err := dynamic.NewForConfig(m.CP.RESTConfig())
+	return createSnapshotClass(ctx, m.CP, SnapshotClassPmem, PmemDriver, nil)
+}
+
+// createSnapshotClass creates a VolumeSnapshotClass of driver with parameters.
+func createSnapshotClass(ctx context.Context, cp *cluster.ControlPlane, name, driver string, parameters map[string]any) error {
+	dyn, err := dynamic.NewForConfig(cp.RESTConfig())
 	if err != nil {
 		return err
 	}
 	vsc := &unstructured.Unstructured{Object: map[string]any{
 		"apiVersion":     "snapshot.storage.k8s.io/v1",
 		"kind":           "VolumeSnapshotClass",
-		"metadata":       map[string]any{"name": SnapshotClassPmem},
-		"driver":         PmemDriver,
+		"metadata":       map[string]any{"name": name},
+		"driver":         driver,
 		"deletionPolicy": "Delete",
 	}}
+	if parameters != nil {
+		vsc.Object["parameters"] = parameters
+	}
 	gvr := schema.GroupVersionResource{Group: "snapshot.storage.k8s.io", Version: "v1", Resource: "volumesnapshotclasses"}
 	if _, err := dyn.Resource(gvr).Create(ctx, vsc, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
 		return err
@@ -173,13 +181,22 @@ func (m *Management) startController(ctx context.Context, lab *cluster.Lab, bin 
 	if err := cluster.WaitForFile(ctx, socket, p); err != nil {
 		return err
 	}
-	csiAddress := "--csi-address=" + socket
-	common := []string{csiAddress, "--kubeconfig=" + m.CP.Kubeconfig, "--leader-election=false", "--timeout=" + sidecarTimeout, "--v=3"}
-	sidecars := []struct {
-		name string
-		args []string
-		env  []string
-	}{
+	m.Sidecars, err = startSidecars(lab, m.CP, dir, socket, CSINamespace)
+	return err
+}
+
+// sidecar is a kubernetes-csi sidecar as a process.
+type sidecar struct {
+	name string
+	args []string
+	env  []string
+}
+
+// startSidecars starts the CSI sidecars of the driver at socket in cp, with the flags of the
+// shipped manifests; csi-provisioner publishes CSIStorageCapacity in namespace.
+func startSidecars(lab *cluster.Lab, cp *cluster.ControlPlane, dir, socket, namespace string) (map[string]*cluster.Process, error) {
+	common := []string{"--csi-address=" + socket, "--kubeconfig=" + cp.Kubeconfig, "--leader-election=false", "--timeout=" + sidecarTimeout, "--v=3"}
+	sidecars := []sidecar{
 		{"csi-provisioner", append(common,
 			// The node the scheduler selected is the only candidate of a WaitForFirstConsumer
 			// volume; an Immediate one gets no requirements and the driver picks the node
@@ -188,28 +205,29 @@ func (m *Management) startController(ctx context.Context, lab *cluster.Lab, bin 
 			"--enable-capacity", "--capacity-ownerref-level=-1", "--capacity-poll-interval=5s",
 			"--extra-create-metadata", "--default-fstype=ext4",
 			"--kube-api-qps=50", "--kube-api-burst=100"),
-			[]string{"NAMESPACE=" + CSINamespace, "POD_NAME=mgmt-csi-controller"}},
+			[]string{"NAMESPACE=" + namespace, "POD_NAME=" + filepath.Base(dir) + "-controller"}},
 		{"csi-attacher", append(common, "--kube-api-qps=50", "--kube-api-burst=100"), nil},
 		{"csi-resizer", append(common, "--handle-volume-inuse-error=false"), nil},
-		{"csi-snapshotter", common, nil},
-		{"snapshot-controller", []string{"--kubeconfig=" + m.CP.Kubeconfig, "--leader-election=false", "--v=3"}, nil},
+		{"csi-snapshotter", append(common, "--extra-create-metadata"), nil},
+		{"snapshot-controller", []string{"--kubeconfig=" + cp.Kubeconfig, "--leader-election=false", "--v=3"}, nil},
 	}
+	started := map[string]*cluster.Process{}
 	for _, sc := range sidecars {
 		path, err := lab.Binaries().Tool(sc.name)
 		if err != nil {
-			return err
+			return nil, err
 		}
 		p, err := lab.Start(cluster.Command{
-			Name: m.CP.Name + "/" + sc.name, Bin: path, Args: sc.args, Env: sc.env,
-			Dir: dir, LogPath: filepath.Join(m.CP.Dir, "logs", sc.name+".log"),
+			Name: cp.Name + "/" + sc.name, Bin: path, Args: sc.args, Env: sc.env,
+			Dir: dir, LogPath: filepath.Join(cp.Dir, "logs", sc.name+".log"),
 			Restart: true, // a sidecar exits when it loses its driver
 		})
 		if err != nil {
-			return err
+			return nil, err
 		}
-		m.Sidecars[sc.name] = p
+		started[sc.name] = p
 	}
-	return nil
+	return started, nil
 }
 
 func (m *Management) startHost(ctx context.Context, lab *cluster.Lab, bin, name string, opts MgmtOptions) (*Host, error) {

@@ -20,10 +20,12 @@ func PVC(ns, name, storageClass, size string, block bool) *corev1.PersistentVolu
 	pvc := &corev1.PersistentVolumeClaim{
 		ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: name},
 		Spec: corev1.PersistentVolumeClaimSpec{
-			StorageClassName: ptr.To(storageClass),
 			AccessModes:      []corev1.PersistentVolumeAccessMode{corev1.ReadWriteOnce},
 			Resources:        corev1.VolumeResourceRequirements{Requests: corev1.ResourceList{corev1.ResourceStorage: resource.MustParse(size)}},
 		},
+	}
+	if storageClass != "" { // "" is the default class
+		pvc.Spec.StorageClassName = ptr.To(storageClass)
 	}
 	if block {
 		pvc.Spec.VolumeMode = ptr.To(corev1.PersistentVolumeBlock)

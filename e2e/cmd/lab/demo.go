@@ -15,24 +15,25 @@ import (
 	"pvbridge.io/e2e/deploy"
 )
 
-// demo provisions a PMEM volume for a pod on host-b of the management cluster, writes to it
-// and shows the objects involved.
-func demo(ctx context.Context, m *deploy.Management, kubectl string) error {
-	const ns = "demo"
-	cp, c := m.CP, m.CP.Client()
-	fmt.Println("\ndemo: a PVC and a pod on host-b in the management cluster (StorageClass pmem)")
+// demo gives a pod of the guest cluster a volume through both layers: a guest PVC (default
+// StorageClass), mirrored into the management cluster, provisioned from host-b's PMEM,
+// hot-plugged into VM vm-2 and mounted there; it writes to it and shows the objects involved.
+func demo(ctx context.Context, g *deploy.Guest, m *deploy.Management, kubectl string) error {
+	const ns, vm = "demo", "vm-2"
+	c := g.CP.Client()
+	fmt.Printf("\ndemo: a PVC and a pod on %s in the guest cluster (default StorageClass %s)\n", vm, deploy.StorageClassGuest)
 	if _, err := c.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: ns}}, metav1.CreateOptions{}); err != nil {
 		return err
 	}
-	if _, err := c.CoreV1().PersistentVolumeClaims(ns).Create(ctx, deploy.PVC(ns, "data", deploy.StorageClassPmem, "256Mi", false), metav1.CreateOptions{}); err != nil {
+	if _, err := c.CoreV1().PersistentVolumeClaims(ns).Create(ctx, deploy.PVC(ns, "data", "", "256Mi", false), metav1.CreateOptions{}); err != nil {
 		return err
 	}
-	if _, err := c.CoreV1().Pods(ns).Create(ctx, deploy.Pod(ns, "app", "data", "host-b", false), metav1.CreateOptions{}); err != nil {
+	if _, err := c.CoreV1().Pods(ns).Create(ctx, deploy.Pod(ns, "app", "data", vm, false), metav1.CreateOptions{}); err != nil {
 		return err
 	}
 	start := time.Now()
 	var pod *corev1.Pod
-	err := wait.PollUntilContextTimeout(ctx, 100*time.Millisecond, 2*time.Minute, true, func(ctx context.Context) (bool, error) {
+	err := wait.PollUntilContextTimeout(ctx, 100*time.Millisecond, 3*time.Minute, true, func(ctx context.Context) (bool, error) {
 		var err error
 		pod, err = c.CoreV1().Pods(ns).Get(ctx, "app", metav1.GetOptions{})
 		return err == nil && pod.Status.Phase == corev1.PodRunning, nil
@@ -45,12 +46,26 @@ func demo(ctx context.Context, m *deploy.Management, kubectl string) error {
 		return err
 	}
 	fmt.Printf("demo: pod running with its volume mounted after %.1fs\n", time.Since(start).Seconds())
-	path := deploy.PodVolumePath(m.Hosts[1].Node, pod.UID, pvc.Spec.VolumeName, false)
+	path := deploy.PodVolumePath(g.Nodes[vm], pod.UID, pvc.Spec.VolumeName, false)
 	if err := os.WriteFile(filepath.Join(path, "hello.txt"), []byte("hello from pvbridge\n"), 0o644); err != nil {
 		return err
 	}
-	fmt.Printf("demo: wrote %s (the pod's /data)\n\n", filepath.Join(path, "hello.txt"))
-	cmd := exec.CommandContext(ctx, kubectl, "--kubeconfig", cp.Kubeconfig, "get", "pvc,pv,pmemvolumes,pmemnodes", "-A", "-o", "wide")
-	cmd.Stdout, cmd.Stderr = os.Stdout, os.Stderr
-	return cmd.Run()
+	fmt.Printf("demo: wrote %s (the pod's /data)\n", filepath.Join(path, "hello.txt"))
+	for _, step := range []struct {
+		title, kubeconfig string
+		args              []string
+	}{
+		{"guest cluster: the PVC, its PV and the VolumeAttachment to " + vm, g.CP.Kubeconfig, []string{"get", "pvc,pv,volumeattachments", "-A"}},
+		{"management cluster: the mirrored PVC, its PMEM volume and the attachment to host-b", m.CP.Kubeconfig, []string{"get", "pvc,volumeattachments,pmemvolumes", "-A"}},
+		{"management cluster: " + vm + "'s volumes", m.CP.Kubeconfig, []string{"get", "virtualmachine", "-n", g.Options.Namespace, vm, "-o", "jsonpath={.status.volumes}"}},
+	} {
+		fmt.Printf("\n%s:\n", step.title)
+		cmd := exec.CommandContext(ctx, kubectl, append([]string{"--kubeconfig", step.kubeconfig}, step.args...)...)
+		cmd.Stdout, cmd.Stderr = os.Stdout, os.Stderr
+		if err := cmd.Run(); err != nil {
+			return err
+		}
+	}
+	fmt.Println()
+	return nil
 }

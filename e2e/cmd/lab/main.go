@@ -36,11 +36,14 @@ func envOr(key, def string) string {
 	return def
 }
 
-// The lab: a management cluster whose hosts run mgmt-csi over emulated PMEM, and a guest
-// cluster.
+// The lab: a management cluster whose hosts run mgmt-csi over emulated PMEM and vm-operator,
+// and a guest cluster "alpha" whose nodes are VirtualMachines of namespace tenant-a.
 var (
-	mgmtHosts  = []string{"host-a", "host-b"}
-	guestNodes = []string{"vm-1", "vm-2", "vm-3"}
+	mgmtHosts = []string{"host-a", "host-b"}
+	guest     = deploy.GuestOptions{
+		Name: "alpha", Namespace: "tenant-a",
+		VMs: map[string]string{"vm-1": "host-a", "vm-2": "host-b", "vm-3": "host-a"},
+	}
 )
 
 // pmemPerHost is the size of each host's emulated PMEM region (a sparse file: it takes disk
@@ -79,24 +82,27 @@ func run(dir string) error {
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
 	start := time.Now()
-	fmt.Println("starting the management cluster: control plane, hosts host-a and host-b with mgmt-csi ...")
+	fmt.Println("starting the management cluster: control plane, hosts host-a and host-b with mgmt-csi and vm-operator ...")
 	mcp, err := lab.StartControlPlane(ctx, "mgmt")
 	if err != nil {
 		return err
 	}
-	mgmt, err := deploy.StartManagement(ctx, lab, mcp, deploy.MgmtOptions{Hosts: mgmtHosts, PmemSize: pmemPerHost})
+	mgmt, err := deploy.StartManagement(ctx, lab, mcp, deploy.MgmtOptions{Hosts: mgmtHosts, PmemSize: pmemPerHost, HostLabels: deploy.VMHostLabels})
 	if err != nil {
 		return err
 	}
-	fmt.Println("starting the guest cluster: control plane, nodes vm-1, vm-2, vm-3 ...")
+	op, err := deploy.StartVMOperator(lab, mgmt)
+	if err != nil {
+		return err
+	}
+	fmt.Println("starting the guest cluster alpha: control plane, VirtualMachines vm-1, vm-2 (host-b), vm-3 as its nodes, guest-csi ...")
 	gcp, err := lab.StartControlPlane(ctx, "guest")
 	if err != nil {
 		return err
 	}
-	for _, n := range guestNodes {
-		if _, err := gcp.AddNode(ctx, n, cluster.NodeOptions{}); err != nil {
-			return err
-		}
+	g, err := deploy.StartGuest(ctx, lab, mgmt, op, gcp, guest)
+	if err != nil {
+		return err
 	}
 	fmt.Printf("\nthe lab is up (%.1fs). Logs and state: %s\n", time.Since(start).Seconds(), dir)
 
@@ -104,11 +110,11 @@ func run(dir string) error {
 	if err != nil {
 		return err
 	}
-	if err := demo(ctx, mgmt, kubectl); err != nil {
+	if err := demo(ctx, g, mgmt, kubectl); err != nil {
 		return fmt.Errorf("demo: %w", err)
 	}
-	fmt.Printf("\nmanagement cluster:\n  export KUBECONFIG=%s\n  %s get nodes,pvc,pv,pmemvolumes,pmemnodes -A\n", mcp.Kubeconfig, kubectl)
-	fmt.Printf("\nguest cluster:\n  export KUBECONFIG=%s\n  %s get nodes,pvc,pv -A\n", gcp.Kubeconfig, kubectl)
+	fmt.Printf("\nmanagement cluster:\n  export KUBECONFIG=%s\n  %s get nodes,virtualmachines,pvc,pv,volumeattachments,pmemvolumes,pmemnodes -A\n", mcp.Kubeconfig, kubectl)
+	fmt.Printf("\nguest cluster %s:\n  export KUBECONFIG=%s\n  %s get nodes,pvc,pv,volumeattachments -A\n", guest.Name, gcp.Kubeconfig, kubectl)
 	fmt.Println("\nPress Ctrl-C to stop.")
 	<-ctx.Done()
 	return nil

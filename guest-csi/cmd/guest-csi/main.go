@@ -32,8 +32,8 @@ func main() {
 		"Name of this guest node, which is also the name of its VirtualMachine in the management cluster; usually the pod's spec.nodeName. Required with --mode=node.")
 	fs.StringVar(&opts.KubeletRegistrationDir, "kubelet-registration-dir", "",
 		"Kubelet's plugin registration directory, usually /var/lib/kubelet/plugins_registry. When set, the node plugin registers itself with kubelet there, in place of node-driver-registrar, once the controller has labelled the node with its host. Only with --mode=node.")
-	fs.StringVar(&opts.DeviceRoot, "device-root", "/",
-		"Root of the device tree in which the node plugin finds attached disks by serial (<root>/sys/block, <root>/dev). Only with --mode=node.")
+	fs.StringVar(&opts.DeviceRoot, "device-root", "",
+		"Root of the device tree in which the node plugin finds attached disks by serial (<root>/sys/block, <root>/dev); empty for /. Only with --mode=node.")
 	fs.StringVar(&opts.GuestKubeconfig, "kubeconfig", "",
 		"Kubeconfig of the guest cluster; empty for the in-cluster configuration.")
 	fs.Float32Var(&opts.KubeAPIQPS, "kube-api-qps", 20, "Queries per second to each apiserver.")
