@@ -3,6 +3,7 @@ module pvbridge.io/e2e
 go 1.26.0
 
 require (
+	github.com/container-storage-interface/spec v1.13.0
 	github.com/onsi/gomega v1.44.0
 	golang.org/x/sys v0.48.0
 	google.golang.org/grpc v1.85.0
