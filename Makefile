@@ -31,10 +31,32 @@ run: deps tools ## Start the lab (management + guest clusters on 127.0.0.1) unti
 	bin/lab
 
 .PHONY: test
-test: deps tools ## Run every test (unit, integration, end-to-end) with -race.
+test: deps tools ## Run every test (unit, integration, end-to-end) with -race, then each fuzz target briefly.
 	@for m in $(MODULES); do \
 		echo "== go test $$m"; \
 		(cd $$m && go test -race -timeout $(TEST_TIMEOUT) ./...) || exit 1; \
+	done
+	@$(MAKE) --no-print-directory fuzz
+
+# Fuzz targets of every parser of tenant-controlled input: <module> <package> <target>.
+FUZZ_TARGETS := \
+	pkg:./tenancy:FuzzSharedWith \
+	guest-csi:./internal/driver:FuzzMgmtName \
+	guest-csi:./internal/driver:FuzzParseParameters \
+	guest-csi:./internal/driver:FuzzValidHandle \
+	guest-csi:./internal/driver:FuzzSerialFrom \
+	mgmt-csi:./internal/driver:FuzzIDFor \
+	vm-operator:./internal/hypervisor/local:FuzzParseMountInfo \
+	vm-operator:./internal/hypervisor/local:FuzzValidateSerial \
+	vm-operator:./internal/hypervisor/local:FuzzValidateVM
+FUZZ_TIME ?= 10s
+
+.PHONY: fuzz
+fuzz: ## Run each fuzz target for FUZZ_TIME (10s).
+	@for t in $(FUZZ_TARGETS); do \
+		IFS=: read -r m p f <<< "$$t"; \
+		echo "== fuzz $$m $$p $$f ($(FUZZ_TIME))"; \
+		(cd $$m && go test -run '^$$' -fuzz "^$$f\$$" -fuzztime $(FUZZ_TIME) $$p) || exit 1; \
 	done
 
 .PHONY: bench

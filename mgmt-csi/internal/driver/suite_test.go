@@ -1,6 +1,7 @@
 package driver
 
 import (
+	"flag"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -18,6 +19,10 @@ func TestMain(m *testing.M) {
 }
 
 func runSuite(m *testing.M) int {
+	flag.Parse()
+	if fuzzing() {
+		return m.Run() // fuzz targets need no apiserver, and every fuzz worker runs TestMain
+	}
 	assets := os.Getenv("PVBRIDGE_BIN")
 	if assets == "" {
 		cache, err := os.UserCacheDir()
@@ -56,4 +61,14 @@ func runSuite(m *testing.M) int {
 		return 1
 	}
 	return m.Run()
+}
+
+// fuzzing reports whether the test binary runs a fuzz target (or is one of its workers).
+func fuzzing() bool {
+	for _, name := range []string{"test.fuzz", "test.fuzzworker"} {
+		if f := flag.Lookup(name); f != nil && f.Value.String() != "" && f.Value.String() != "false" {
+			return true
+		}
+	}
+	return false
 }
