@@ -187,11 +187,11 @@ func (g *Guest) createTenant(ctx context.Context, m *Management, mc client.Clien
 	}
 	capi := &unstructured.Unstructured{Object: map[string]any{
 		"apiVersion": "cluster.x-k8s.io/v1beta2", "kind": "Cluster",
-		"metadata":   map[string]any{"namespace": ns, "name": name},
-		"spec":       map[string]any{"controlPlaneEndpoint": map[string]any{"host": endpoint.Hostname(), "port": int64(port)}},
+		"metadata": map[string]any{"namespace": ns, "name": name},
+		"spec":     map[string]any{"controlPlaneEndpoint": map[string]any{"host": endpoint.Hostname(), "port": int64(port)}},
 	}}
 	if err := mc.Create(ctx, capi); err != nil {
-		return fmt.Errorf("Cluster %s/%s: %w", ns, name, err)
+		return fmt.Errorf("create the Cluster %s/%s: %w", ns, name, err)
 	}
 	g.UID = string(capi.GetUID())
 
@@ -265,7 +265,7 @@ func (g *Guest) installObjects(ctx context.Context) error {
 		isDefault    bool
 	}{{StorageClassGuest, "ext4", true}, {StorageClassGuestXFS, "xfs", false}} {
 		sc := &storagev1.StorageClass{
-			ObjectMeta: metav1.ObjectMeta{Name: class.name},
+			ObjectMeta:  metav1.ObjectMeta{Name: class.name},
 			Provisioner: GuestDriver,
 			Parameters: map[string]string{
 				"mgmtStorageClass":          StorageClassPmem,

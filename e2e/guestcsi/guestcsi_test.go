@@ -316,7 +316,9 @@ func TestStaticProvisioning(t *testing.T) {
 		mpvc := staticClaim(ctx, g, "foreign-"+ns, "")
 		t.Cleanup(func() { _ = mc.Delete(context.WithoutCancel(ctx), mpvc) })
 		staticVolume(ctx, g, ns, mpvc.Name)
-		t.Cleanup(func() { _ = gc.CoreV1().PersistentVolumes().Delete(context.WithoutCancel(ctx), "static-"+ns, metav1.DeleteOptions{}) })
+		t.Cleanup(func() {
+			_ = gc.CoreV1().PersistentVolumes().Delete(context.WithoutCancel(ctx), "static-"+ns, metav1.DeleteOptions{})
+		})
 		_, err := gc.CoreV1().Pods(ns).Create(ctx, deploy.Pod(ns, "app", "data", "vm-1", false), metav1.CreateOptions{})
 		g.Expect(err).NotTo(HaveOccurred())
 		g.Eventually(func(g Gomega) {
@@ -382,7 +384,7 @@ func TestConcurrentPublishesAndADeletedVM(t *testing.T) {
 		wg.Go(func() {
 			resp, err := retried(ctx, ctrl.CreateVolume, &csi.CreateVolumeRequest{
 				Name: fmt.Sprintf("pvc-e2e-%d", i), CapacityRange: &csi.CapacityRange{RequiredBytes: 16 << 20},
-				VolumeCapabilities: []*csi.VolumeCapability{capability},
+				VolumeCapabilities:        []*csi.VolumeCapability{capability},
 				AccessibilityRequirements: &csi.TopologyRequirement{Requisite: []*csi.Topology{{Segments: map[string]string{deploy.GuestTopologyKey: "host-b"}}}},
 			})
 			if err != nil {

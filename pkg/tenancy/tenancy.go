@@ -13,15 +13,15 @@ const (
 	// ClusterNameLabel and ClusterUIDLabel mark a management object (PVC, VolumeSnapshot)
 	// created for a guest cluster: the name and UID of its Cluster API Cluster.
 	ClusterNameLabel = "pvbridge.io/cluster"
-	// ClusterUIDLabel: see ClusterNameLabel. The UID tells a cluster from an earlier one of the
-	// same name.
+	// ClusterUIDLabel is the UID of the Cluster (see ClusterNameLabel). The UID tells a cluster
+	// from an earlier one of the same name.
 	ClusterUIDLabel = "pvbridge.io/cluster-uid"
 
 	// CAPIClusterNameLabel is Cluster API's label on the objects of a cluster, its
 	// VirtualMachines among them.
 	CAPIClusterNameLabel = "cluster.x-k8s.io/cluster-name"
 
-	// SharedWithAnnotation, set by a platform admin on a management PVC or VolumeSnapshot, is a
+	// SharedWithAnnotation is set by a platform admin on a management PVC or VolumeSnapshot: a
 	// comma-separated list of the names of the guest clusters of the namespace that may use it
 	// without owning it: attach it (a static guest PV), restore or clone from it. A guest never
 	// deletes, expands or changes a volume it does not own.
@@ -30,9 +30,9 @@ const (
 	// GuestPVCAnnotation names the guest PVC (namespace/name) a management PVC was created for;
 	// GuestPVAnnotation the guest PV; GuestLabelsAnnotation holds the guest PVC's labels (JSON).
 	GuestPVCAnnotation = "pvbridge.io/guest-pvc"
-	// GuestPVAnnotation: see GuestPVCAnnotation.
+	// GuestPVAnnotation is the guest PV's name (see GuestPVCAnnotation).
 	GuestPVAnnotation = "pvbridge.io/guest-pv"
-	// GuestLabelsAnnotation: see GuestPVCAnnotation.
+	// GuestLabelsAnnotation holds the guest PVC's labels (see GuestPVCAnnotation).
 	GuestLabelsAnnotation = "pvbridge.io/guest-labels"
 	// GuestSnapshotAnnotation names the guest VolumeSnapshot (namespace/name) a management
 	// VolumeSnapshot was created for.
