@@ -41,3 +41,14 @@ func serviceCapability(t csi.PluginCapability_Service_Type) *csi.PluginCapabilit
 func (i *Identity) Probe(context.Context, *csi.ProbeRequest) (*csi.ProbeResponse, error) {
 	return &csi.ProbeResponse{Ready: wrapperspb.Bool(true)}, nil
 }
+
+// ControllerCapabilities is a ControllerGetCapabilities answer listing types.
+func ControllerCapabilities(types ...csi.ControllerServiceCapability_RPC_Type) *csi.ControllerGetCapabilitiesResponse {
+	resp := &csi.ControllerGetCapabilitiesResponse{}
+	for _, t := range types {
+		resp.Capabilities = append(resp.Capabilities, &csi.ControllerServiceCapability{
+			Type: &csi.ControllerServiceCapability_Rpc{Rpc: &csi.ControllerServiceCapability_RPC{Type: t}},
+		})
+	}
+	return resp
+}

@@ -105,8 +105,7 @@ func (s *controllerServer) lock(id string) (func(), error) {
 }
 
 func (s *controllerServer) ControllerGetCapabilities(context.Context, *csi.ControllerGetCapabilitiesRequest) (*csi.ControllerGetCapabilitiesResponse, error) {
-	var caps []*csi.ControllerServiceCapability
-	for _, c := range []csi.ControllerServiceCapability_RPC_Type{
+	return csiserver.ControllerCapabilities(
 		csi.ControllerServiceCapability_RPC_CREATE_DELETE_VOLUME,
 		csi.ControllerServiceCapability_RPC_PUBLISH_UNPUBLISH_VOLUME,
 		csi.ControllerServiceCapability_RPC_GET_CAPACITY,
@@ -114,12 +113,7 @@ func (s *controllerServer) ControllerGetCapabilities(context.Context, *csi.Contr
 		csi.ControllerServiceCapability_RPC_LIST_SNAPSHOTS,
 		csi.ControllerServiceCapability_RPC_CLONE_VOLUME,
 		csi.ControllerServiceCapability_RPC_EXPAND_VOLUME,
-	} {
-		caps = append(caps, &csi.ControllerServiceCapability{
-			Type: &csi.ControllerServiceCapability_Rpc{Rpc: &csi.ControllerServiceCapability_RPC{Type: c}},
-		})
-	}
-	return &csi.ControllerGetCapabilitiesResponse{Capabilities: caps}, nil
+	), nil
 }
 
 // CreateVolume gets or creates the management PVC of the volume, on the host of the VM the

@@ -60,8 +60,7 @@ func newControllerServer(c client.Client, reader client.Reader, hub *await.Hub) 
 }
 
 func (s *controllerServer) ControllerGetCapabilities(context.Context, *csi.ControllerGetCapabilitiesRequest) (*csi.ControllerGetCapabilitiesResponse, error) {
-	var caps []*csi.ControllerServiceCapability
-	for _, c := range []csi.ControllerServiceCapability_RPC_Type{
+	return csiserver.ControllerCapabilities(
 		csi.ControllerServiceCapability_RPC_CREATE_DELETE_VOLUME,
 		csi.ControllerServiceCapability_RPC_PUBLISH_UNPUBLISH_VOLUME,
 		csi.ControllerServiceCapability_RPC_GET_CAPACITY,
@@ -70,12 +69,7 @@ func (s *controllerServer) ControllerGetCapabilities(context.Context, *csi.Contr
 		csi.ControllerServiceCapability_RPC_CLONE_VOLUME,
 		csi.ControllerServiceCapability_RPC_EXPAND_VOLUME,
 		csi.ControllerServiceCapability_RPC_SINGLE_NODE_MULTI_WRITER,
-	} {
-		caps = append(caps, &csi.ControllerServiceCapability{
-			Type: &csi.ControllerServiceCapability_Rpc{Rpc: &csi.ControllerServiceCapability_RPC{Type: c}},
-		})
-	}
-	return &csi.ControllerGetCapabilitiesResponse{Capabilities: caps}, nil
+	), nil
 }
 
 func (s *controllerServer) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequest) (*csi.CreateVolumeResponse, error) {
