@@ -1,9 +1,13 @@
-// Command sanity runs the csi-sanity binary against mgmt-csi as the lab runs it: a management
-// control plane with one host (a real kubelet, an emulated PMEM region and the mgmt-csi node
-// agent) and the mgmt-csi controller with its sidecars. csi-sanity talks to the host's node
-// socket and the controller socket, once with mount and once with block volumes; its output is
-// streamed, and the last line sums up the runs as `mgmt-csi: N passed, M failed, K skipped`.
-// The lab is stopped at the end, on Ctrl-C too. The exit status is non-zero if a run failed.
+// Command sanity runs the csi-sanity binary against both drivers as the lab runs them: a
+// management control plane with one host (a real kubelet, an emulated PMEM region, the mgmt-csi
+// node agent and the vm-operator host agent), the mgmt-csi controller with its sidecars and
+// vm-operator; and a guest cluster with one node, VirtualMachine vm-1 on that host, with the
+// guest-csi node plugin and the guest-csi controller with its sidecars. csi-sanity talks to each
+// driver's node and controller sockets, once with mount and once with block volumes; guest-csi's
+// calls go through the real management side (PVCs, VolumeSnapshots, VM spec.volumes, hot-plug).
+// Its output is streamed, and the last lines sum up the runs per driver as
+// `<driver>: N passed, M failed, K skipped`. The lab is stopped at the end, on Ctrl-C too. The
+// exit status is non-zero if a run failed.
 //
 // The lab has one host: csi-sanity creates the volumes of its node tests without topology and
 // stages them on the node it tests, so with a second host the controller would place some of
@@ -54,36 +58,47 @@ func main() {
 func run(verbose bool) int {
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
-	total, err := sanity(ctx, verbose)
+	totals, err := sanity(ctx, verbose)
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "sanity:", err)
 	}
-	fmt.Printf("mgmt-csi: %d passed, %d failed, %d skipped\n", total.Passed, total.Failed, total.Skipped)
-	if err != nil || total.Failed > 0 {
+	failed := err != nil
+	for _, t := range totals {
+		fmt.Printf("%s: %d passed, %d failed, %d skipped\n", t.driver, t.Passed, t.Failed, t.Skipped)
+		failed = failed || t.Failed > 0
+	}
+	if failed {
 		return 1
 	}
 	return 0
 }
 
-// sanity starts the lab, runs csi-sanity once per access type and stops the lab again. It
-// returns the sum of the runs' results and an error if a run failed or could not run.
-func sanity(ctx context.Context, verbose bool) (summary, error) {
-	var total summary
+// driverTotal is the sum of a driver's runs.
+type driverTotal struct {
+	driver string
+	summary
+}
+
+// sanity starts the lab, runs csi-sanity once per driver and access type and stops the lab
+// again. It returns the sums of each driver's runs and an error if a run failed or could not run.
+func sanity(ctx context.Context, verbose bool) ([]driverTotal, error) {
+	var totals []driverTotal
+	total := summary{}
 	bin, err := cluster.DefaultBinaries()
 	if err != nil {
-		return total, err
+		return totals, err
 	}
 	csiSanity, err := bin.Tool("csi-sanity")
 	if err != nil {
-		return total, err
+		return totals, err
 	}
 	root, err := os.MkdirTemp("/tmp", "pvb-sanity-")
 	if err != nil {
-		return total, err
+		return totals, err
 	}
 	lab, err := cluster.NewLab(root, bin)
 	if err != nil {
-		return total, err
+		return totals, err
 	}
 	failed := true
 	defer func() {
@@ -99,48 +114,95 @@ func sanity(ctx context.Context, verbose bool) (summary, error) {
 		}
 	}()
 
-	fmt.Printf("starting a management control plane with mgmt-csi on %s (logs: %s) ...\n", host, root)
+	fmt.Printf("starting a management control plane with mgmt-csi and vm-operator on %s (logs: %s) ...\n", host, root)
 	cp, err := lab.StartControlPlane(ctx, "mgmt")
 	if err != nil {
-		return total, err
+		return totals, err
 	}
-	mgmt, err := deploy.StartManagement(ctx, lab, cp, deploy.MgmtOptions{Hosts: []string{host}, PmemSize: pmemSize})
+	mgmt, err := deploy.StartManagement(ctx, lab, cp, deploy.MgmtOptions{Hosts: []string{host}, PmemSize: pmemSize, HostLabels: deploy.VMHostLabels})
 	if err != nil {
-		return total, err
+		return totals, err
 	}
-	node := mgmt.Hosts[0].Node
 	dirs := filepath.Join(root, "sanity")
 	if err := os.Mkdir(dirs, 0o755); err != nil {
+		return totals, err
+	}
+	var errs []error
+	total, err = runDriver(ctx, csiSanity, filepath.Join(dirs, "mgmt-csi"), verbose,
+		filepath.Join(mgmt.Hosts[0].Node.PluginDir(deploy.PmemDriver), "csi.sock"),
+		filepath.Join(cp.Dir, "mgmt-csi", "csi.sock"), "")
+	totals = append(totals, driverTotal{"mgmt-csi", total})
+	errs = append(errs, err)
+
+	if ctx.Err() == nil {
+		fmt.Printf("\nstarting vm-operator and a guest cluster with VirtualMachine vm-1 on %s and guest-csi ...\n", host)
+		op, err := deploy.StartVMOperator(lab, mgmt)
+		if err != nil {
+			return totals, err
+		}
+		gcp, err := lab.StartControlPlane(ctx, "guest")
+		if err != nil {
+			return totals, err
+		}
+		g, err := deploy.StartGuest(ctx, lab, mgmt, op, gcp, deploy.GuestOptions{Name: "sanity", Namespace: "sanity", VMs: map[string]string{"vm-1": host}})
+		if err != nil {
+			return totals, err
+		}
+		// Volumes without topology bind at once, on the one host.
+		params := filepath.Join(dirs, "guest-parameters.yaml")
+		if err := os.WriteFile(params, []byte("mgmtStorageClass: "+deploy.StorageClassPmemImmediate+"\n"), 0o644); err != nil {
+			return totals, err
+		}
+		total, err = runDriver(ctx, csiSanity, filepath.Join(dirs, "guest-csi"), verbose,
+			filepath.Join(g.Nodes["vm-1"].PluginDir(deploy.GuestDriver), "csi.sock"),
+			filepath.Join(gcp.Dir, "guest-csi", "csi.sock"), params)
+		totals = append(totals, driverTotal{"guest-csi", total})
+		errs = append(errs, err)
+	}
+	err = errors.Join(errs...)
+	failed = err != nil
+	for _, t := range totals {
+		failed = failed || t.Failed > 0
+	}
+	return totals, err
+}
+
+// runDriver runs csi-sanity against a driver's node and controller sockets, once per access
+// type, with its paths below dir and the volume parameters in the file params ("" for none).
+func runDriver(ctx context.Context, csiSanity, dir string, verbose bool, node, controller, params string) (summary, error) {
+	var total summary
+	if err := os.Mkdir(dir, 0o755); err != nil {
 		return total, err
 	}
-
 	var errs []error
 	for _, accessType := range []string{"mount", "block"} {
 		args := []string{
-			"--csi.endpoint=" + filepath.Join(node.PluginDir(deploy.PmemDriver), "csi.sock"),
-			"--csi.controllerendpoint=" + filepath.Join(cp.Dir, "mgmt-csi", "csi.sock"),
-			"--csi.mountdir=" + filepath.Join(dirs, accessType+"-target"),
-			"--csi.stagingdir=" + filepath.Join(dirs, accessType+"-staging"),
+			"--csi.endpoint=" + node,
+			"--csi.controllerendpoint=" + controller,
+			"--csi.mountdir=" + filepath.Join(dir, accessType+"-target"),
+			"--csi.stagingdir=" + filepath.Join(dir, accessType+"-staging"),
 			"--csi.testvolumeaccesstype=" + accessType,
 			"--csi.testvolumesize=" + strconv.Itoa(volumeSize),
 			"--csi.testvolumeexpandsize=" + strconv.Itoa(expandSize),
 			"--ginkgo.timeout=" + runTimeout.String(),
 		}
+		if params != "" {
+			args = append(args, "--csi.testvolumeparameters="+params)
+		}
 		if verbose {
 			args = append(args, "--ginkgo.v")
 		}
-		fmt.Printf("\n== csi-sanity, %s volumes\n", accessType)
+		fmt.Printf("\n== csi-sanity %s, %s volumes\n", filepath.Base(dir), accessType)
 		s, err := runSanity(ctx, csiSanity, args)
-		fmt.Printf("== %s volumes: %d passed, %d failed, %d skipped\n", accessType, s.Passed, s.Failed, s.Skipped)
+		fmt.Printf("== %s, %s volumes: %d passed, %d failed, %d skipped\n", filepath.Base(dir), accessType, s.Passed, s.Failed, s.Skipped)
 		total = total.add(s)
 		if err != nil {
-			errs = append(errs, fmt.Errorf("%s volumes: %w", accessType, err))
+			errs = append(errs, fmt.Errorf("%s, %s volumes: %w", filepath.Base(dir), accessType, err))
 		}
 		if ctx.Err() != nil {
 			break
 		}
 	}
-	failed = len(errs) > 0 || total.Failed > 0
 	return total, errors.Join(errs...)
 }
 
