@@ -70,7 +70,7 @@ soak: deps tools ## Restart kube-controller-manager under attached VM volumes an
 	cd e2e && go test -count=1 -timeout 30m -run TestControllerManagerRestartDetachesNothing ./vmoperator/ -args -soak=10m
 
 .PHONY: sanity
-sanity: deps tools ## Run the csi-sanity binary against the lab's running drivers and print each summary.
+sanity: deps tools ## Run the csi-sanity binary against both drivers as the lab runs them and print each summary.
 	go run ./e2e/cmd/sanity
 
 ##@ Development
