@@ -167,9 +167,13 @@ func (s *controllerServer) CreateVolume(ctx context.Context, req *csi.CreateVolu
 		// The guest scheduler chose another VM since the last call (csi-provisioner had no
 		// room on the former host and dropped its selection): follow it.
 		if pvc.Status.Phase == corev1.ClaimPending && host != "" && pvc.Annotations[selectedNodeAnnotation] != host {
-			patch := client.MergeFromWithOptions(pvc.DeepCopy(), client.MergeFromWithOptimisticLock{})
-			metav1.SetMetaDataAnnotation(&pvc.ObjectMeta, selectedNodeAnnotation, host)
-			if err := s.mgmt.Patch(ctx, pvc, patch); err != nil {
+			if err := s.update(ctx, pvc, func() bool {
+				if pvc.Status.Phase != corev1.ClaimPending {
+					return false
+				}
+				metav1.SetMetaDataAnnotation(&pvc.ObjectMeta, selectedNodeAnnotation, host)
+				return true
+			}); err != nil {
 				return nil, apiError(err, "move management PVC %s/%s to host %s", c.Namespace, name, host)
 			}
 		}
@@ -617,13 +621,15 @@ func (s *controllerServer) ControllerExpandVolume(ctx context.Context, req *csi.
 		return nil, status.Errorf(codes.FailedPrecondition, "management PVC %s/%s is shared with cluster %s, not owned by it: only the management cluster's admin can expand it", c.Namespace, id, c.Name)
 	}
 	pvc := obj.(*corev1.PersistentVolumeClaim)
-	if requested := pvc.Spec.Resources.Requests[corev1.ResourceStorage]; requested.Value() < size {
-		patch := client.MergeFromWithOptions(pvc.DeepCopy(), client.MergeFromWithOptimisticLock{})
-		pvc.Spec.Resources.Requests[corev1.ResourceStorage] = *resource.NewQuantity(size, resource.BinarySI)
-		if err := s.mgmt.Patch(ctx, pvc, patch); err != nil {
-			return nil, apiError(err, "expand management PVC %s/%s", c.Namespace, id)
+	if err := s.update(ctx, pvc, func() bool {
+		if requested := pvc.Spec.Resources.Requests[corev1.ResourceStorage]; requested.Value() >= size {
+			return false
 		}
+		pvc.Spec.Resources.Requests[corev1.ResourceStorage] = *resource.NewQuantity(size, resource.BinarySI)
 		klog.FromContext(ctx).V(2).Info("Expanding management PVC", "volumeID", id, "size", size)
+		return true
+	}); err != nil {
+		return nil, apiError(err, "expand management PVC %s/%s", c.Namespace, id)
 	}
 	got := &corev1.PersistentVolumeClaim{}
 	if err := s.await(ctx, kindPVC, id, got, func(found bool) (bool, error) {

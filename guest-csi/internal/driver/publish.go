@@ -187,33 +187,38 @@ func (s *controllerServer) attachedElsewhere(ctx context.Context, c tenancy.Clus
 	return nil
 }
 
-// updateVolumes applies change to the VM's spec.volumes with optimistic concurrency: the patch
-// carries the resourceVersion it was made from, and a conflict (another volume attached or
-// detached meanwhile) rereads the VM from the apiserver and applies change again. The list is
-// never written blind, so no concurrent change is lost. change reports whether it changed
-// anything; the VM starts as read from the cache.
+// updateVolumes applies change to the VM's spec.volumes (see update).
 func (s *controllerServer) updateVolumes(ctx context.Context, vm *vmv1.VirtualMachine, change func(*vmv1.VirtualMachine) bool) error {
+	err := s.update(ctx, vm, func() bool { return change(vm) })
+	if apierrors.IsNotFound(err) {
+		return status.Errorf(codes.NotFound, "VirtualMachine %s/%s does not exist", vm.Namespace, vm.Name)
+	}
+	if err != nil {
+		return apiError(err, "update the volumes of VirtualMachine %s/%s", vm.Namespace, vm.Name)
+	}
+	return nil
+}
+
+// update applies change to obj with optimistic concurrency: the patch carries the
+// resourceVersion it was made from, and a conflict (someone changed the object meanwhile, or
+// the cache was behind) rereads it from the apiserver and applies change again. A list such as
+// spec.volumes is never written blind, so no concurrent change is lost. change reports whether
+// it changed anything; obj starts as the caller read it.
+func (s *controllerServer) update(ctx context.Context, obj client.Object, change func() bool) error {
 	first := true
-	err := retry.RetryOnConflict(retry.DefaultBackoff, func() error {
+	return retry.RetryOnConflict(retry.DefaultBackoff, func() error {
 		if !first {
-			if err := s.mgmt.Live().Get(ctx, client.ObjectKeyFromObject(vm), vm); err != nil {
+			if err := s.mgmt.Live().Get(ctx, client.ObjectKeyFromObject(obj), obj); err != nil {
 				return err
 			}
 		}
 		first = false
-		base := vm.DeepCopy()
-		if !change(vm) {
+		base := obj.DeepCopyObject().(client.Object)
+		if !change() {
 			return nil
 		}
-		return s.mgmt.Patch(ctx, vm, client.MergeFromWithOptions(base, client.MergeFromWithOptimisticLock{}))
+		return s.mgmt.Patch(ctx, obj, client.MergeFromWithOptions(base, client.MergeFromWithOptimisticLock{}))
 	})
-	switch {
-	case apierrors.IsNotFound(err):
-		return status.Errorf(codes.NotFound, "VirtualMachine %s/%s does not exist", vm.Namespace, vm.Name)
-	case err != nil:
-		return apiError(err, "update the volumes of VirtualMachine %s/%s", vm.Namespace, vm.Name)
-	}
-	return nil
 }
 
 // volumeStatus is the status entry of volume name in vm, nil if there is none.
