@@ -247,17 +247,7 @@ func (g *Guest) createVMs(ctx context.Context, mc client.Client) error {
 // installObjects creates the guest's CSIDriver, StorageClasses and VolumeSnapshotClass.
 func (g *Guest) installObjects(ctx context.Context) error {
 	c := g.CP.Client()
-	driver := &storagev1.CSIDriver{
-		ObjectMeta: metav1.ObjectMeta{Name: GuestDriver},
-		Spec: storagev1.CSIDriverSpec{
-			AttachRequired:       ptr.To(true),
-			PodInfoOnMount:       ptr.To(false),
-			StorageCapacity:      ptr.To(true),
-			FSGroupPolicy:        ptr.To(storagev1.FileFSGroupPolicy),
-			VolumeLifecycleModes: []storagev1.VolumeLifecycleMode{storagev1.VolumeLifecyclePersistent},
-		},
-	}
-	if _, err := c.StorageV1().CSIDrivers().Create(ctx, driver, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
+	if err := createCSIDriver(ctx, g.CP, GuestDriver, true); err != nil {
 		return err
 	}
 	for _, class := range []struct {

@@ -106,17 +106,7 @@ func (m *Management) installObjects(ctx context.Context) error {
 	// attachRequired is false: otherwise a kube-controller-manager restart detaches the
 	// VolumeAttachments vm-operator creates for VMs (see docs/design.md). csi-attacher still
 	// handles those.
-	driver := &storagev1.CSIDriver{
-		ObjectMeta: metav1.ObjectMeta{Name: PmemDriver},
-		Spec: storagev1.CSIDriverSpec{
-			AttachRequired:       ptr.To(false),
-			PodInfoOnMount:       ptr.To(false),
-			StorageCapacity:      ptr.To(true),
-			FSGroupPolicy:        ptr.To(storagev1.FileFSGroupPolicy),
-			VolumeLifecycleModes: []storagev1.VolumeLifecycleMode{storagev1.VolumeLifecyclePersistent},
-		},
-	}
-	if _, err := c.StorageV1().CSIDrivers().Create(ctx, driver, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
+	if err := createCSIDriver(ctx, m.CP, PmemDriver, false); err != nil {
 		return err
 	}
 	for _, class := range []struct {
@@ -141,6 +131,25 @@ func (m *Management) installObjects(ctx context.Context) error {
 		}
 	}
 	return createSnapshotClass(ctx, m.CP, SnapshotClassPmem, PmemDriver, nil)
+}
+
+// createCSIDriver creates the CSIDriver object of driver: persistent volumes with storage
+// capacity tracking, attached through VolumeAttachments if attachRequired.
+func createCSIDriver(ctx context.Context, cp *cluster.ControlPlane, driver string, attachRequired bool) error {
+	obj := &storagev1.CSIDriver{
+		ObjectMeta: metav1.ObjectMeta{Name: driver},
+		Spec: storagev1.CSIDriverSpec{
+			AttachRequired:       ptr.To(attachRequired),
+			PodInfoOnMount:       ptr.To(false),
+			StorageCapacity:      ptr.To(true),
+			FSGroupPolicy:        ptr.To(storagev1.FileFSGroupPolicy),
+			VolumeLifecycleModes: []storagev1.VolumeLifecycleMode{storagev1.VolumeLifecyclePersistent},
+		},
+	}
+	if _, err := cp.Client().StorageV1().CSIDrivers().Create(ctx, obj, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
+		return err
+	}
+	return nil
 }
 
 // createSnapshotClass creates a VolumeSnapshotClass of driver with parameters.

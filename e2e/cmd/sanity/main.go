@@ -83,7 +83,6 @@ type driverTotal struct {
 // again. It returns the sums of each driver's runs and an error if a run failed or could not run.
 func sanity(ctx context.Context, verbose bool) ([]driverTotal, error) {
 	var totals []driverTotal
-	total := summary{}
 	bin, err := cluster.DefaultBinaries()
 	if err != nil {
 		return totals, err
@@ -128,7 +127,7 @@ func sanity(ctx context.Context, verbose bool) ([]driverTotal, error) {
 		return totals, err
 	}
 	var errs []error
-	total, err = runDriver(ctx, csiSanity, filepath.Join(dirs, "mgmt-csi"), verbose,
+	total, err := runDriver(ctx, csiSanity, filepath.Join(dirs, "mgmt-csi"), verbose,
 		filepath.Join(mgmt.Hosts[0].Node.PluginDir(deploy.PmemDriver), "csi.sock"),
 		filepath.Join(cp.Dir, "mgmt-csi", "csi.sock"), "")
 	totals = append(totals, driverTotal{"mgmt-csi", total})
