@@ -76,20 +76,6 @@ type Guest struct {
 	DeviceRoots map[string]string
 }
 
-// GuestRules are what guest-csi's controller needs in the guest's management namespace, and no
-// more (docs/design.md): the Role a platform admin binds a guest's identity to.
-var GuestRules = []rbacv1.PolicyRule{
-	{APIGroups: []string{""}, Resources: []string{"persistentvolumeclaims"}, Verbs: []string{"get", "list", "watch", "create", "patch", "delete"}},
-	{APIGroups: []string{"snapshot.storage.k8s.io"}, Resources: []string{"volumesnapshots"}, Verbs: []string{"get", "list", "watch", "create", "delete"}},
-	{APIGroups: []string{"vm.pvbridge.io"}, Resources: []string{"virtualmachines"}, Verbs: []string{"get", "list", "watch", "patch"}},
-	{APIGroups: []string{""}, Resources: []string{"events"}, Verbs: []string{"list"}},
-}
-
-// CapacityRules let a guest read the management cluster's capacity, in CSINamespace.
-var CapacityRules = []rbacv1.PolicyRule{
-	{APIGroups: []string{"storage.k8s.io"}, Resources: []string{"csistoragecapacities"}, Verbs: []string{"list"}},
-}
-
 // MgmtScheme holds the management objects the tests read.
 func MgmtScheme() (*runtime.Scheme, error) {
 	s := runtime.NewScheme()
@@ -158,13 +144,13 @@ func (g *Guest) createTenant(ctx context.Context, m *Management, mc client.Clien
 	objs := []client.Object{
 		&corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: ns}},
 		&corev1.ServiceAccount{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: name + "-pvbridge"}},
-		&rbacv1.Role{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "pvbridge-guest"}, Rules: GuestRules},
+		&rbacv1.Role{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "pvbridge-guest"}, Rules: tenancy.GuestRules},
 		&rbacv1.RoleBinding{
 			ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: name + "-pvbridge"},
 			Subjects:   []rbacv1.Subject{{Kind: rbacv1.ServiceAccountKind, Namespace: ns, Name: name + "-pvbridge"}},
 			RoleRef:    rbacv1.RoleRef{APIGroup: rbacv1.GroupName, Kind: "Role", Name: "pvbridge-guest"},
 		},
-		&rbacv1.Role{ObjectMeta: metav1.ObjectMeta{Namespace: CSINamespace, Name: "pvbridge-guest-capacity"}, Rules: CapacityRules},
+		&rbacv1.Role{ObjectMeta: metav1.ObjectMeta{Namespace: CSINamespace, Name: "pvbridge-guest-capacity"}, Rules: tenancy.CapacityRules},
 		&rbacv1.RoleBinding{
 			ObjectMeta: metav1.ObjectMeta{Namespace: CSINamespace, Name: ns + "-" + name + "-capacity"},
 			Subjects:   []rbacv1.Subject{{Kind: rbacv1.ServiceAccountKind, Namespace: ns, Name: name + "-pvbridge"}},

@@ -20,7 +20,9 @@ import (
 	. "github.com/onsi/gomega"
 	"golang.org/x/sys/unix"
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/status"
 	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -31,6 +33,7 @@ import (
 	"pvbridge.io/e2e/cluster"
 	"pvbridge.io/e2e/deploy"
 	vmv1 "pvbridge.io/pkg/apis/vm/v1alpha1"
+	"pvbridge.io/pkg/mounter"
 	"pvbridge.io/pkg/tenancy"
 )
 
@@ -151,32 +154,6 @@ func boundClaim(ctx context.Context, g Gomega, ns, claim string) (*corev1.Persis
 	return pvc, pv
 }
 
-// mountType returns the filesystem type mounted at path, "" if none is.
-func mountType(g Gomega, path string) string {
-	data, err := os.ReadFile("/proc/self/mounts")
-	g.Expect(err).NotTo(HaveOccurred())
-	var fsType string
-	for _, line := range splitLines(string(data)) {
-		var dev, mp, typ string
-		if _, err := fmt.Sscan(line, &dev, &mp, &typ); err == nil && mp == path {
-			fsType = typ
-		}
-	}
-	return fsType
-}
-
-func splitLines(s string) []string {
-	var lines []string
-	start := 0
-	for i, c := range s {
-		if c == '\n' {
-			lines = append(lines, s[start:i])
-			start = i + 1
-		}
-	}
-	return lines
-}
-
 func TestDynamicProvisioning(t *testing.T) {
 	for _, tc := range []struct {
 		name, class string
@@ -214,7 +191,7 @@ func TestDynamicProvisioning(t *testing.T) {
 				g.Expect(unix.Stat(path, &st)).To(Succeed())
 				g.Expect(st.Mode & unix.S_IFMT).To(Equal(uint32(unix.S_IFBLK)))
 			} else {
-				g.Expect(mountType(g, path)).To(Equal(tc.fsType))
+				g.Expect(mounter.FilesystemType(path)).To(Equal(tc.fsType))
 				g.Expect(os.WriteFile(filepath.Join(path, "data"), []byte("hello"), 0o644)).To(Succeed())
 			}
 		})
@@ -358,6 +335,15 @@ func retried[Req, Resp any](ctx context.Context, rpc func(context.Context, Req, 
 			return resp, err
 		}
 	}
+}
+
+// retryable reports whether a sidecar retries an error as work in progress.
+func retryable(err error) bool {
+	switch status.Code(err) {
+	case codes.Unavailable, codes.DeadlineExceeded, codes.Aborted:
+		return true
+	}
+	return false
 }
 
 // Fifty volumes published at once to one VM through the real vm-operator, then the VM is

@@ -135,11 +135,35 @@ func (b *Base) Stats(ctx context.Context, volumeID, path, device string) (*csi.N
 	}, nil
 }
 
-// Expand grows the filesystem at the request's volume path to fill device, which the
-// controller grew; a block volume has nothing to grow. It reports the device's size, and
-// FailedPrecondition while the device is smaller than required. The caller validated the
-// request and holds the volume's lock.
-func (b *Base) Expand(ctx context.Context, req *csi.NodeExpandVolumeRequest, device string) (*csi.NodeExpandVolumeResponse, error) {
+// Expand serves NodeExpandVolume: it validates the request (the optional capability with
+// validate), takes the volume's lock, finds the volume's device with device, and grows the
+// filesystem at the volume path to fill it; a block volume has nothing to grow. It reports the
+// device's size, and FailedPrecondition while the device is smaller than required (the
+// controller grew the volume, the node has not seen it yet).
+func (b *Base) Expand(ctx context.Context, req *csi.NodeExpandVolumeRequest, validate func(*csi.VolumeCapability) error,
+	findDevice func(context.Context) (string, error)) (*csi.NodeExpandVolumeResponse, error) {
+	switch {
+	case req.GetVolumeId() == "":
+		return nil, status.Error(codes.InvalidArgument, "volume_id is required")
+	case req.GetVolumePath() == "":
+		return nil, status.Error(codes.InvalidArgument, "volume_path is required")
+	case req.GetCapacityRange().GetRequiredBytes() < 0 || req.GetCapacityRange().GetLimitBytes() < 0:
+		return nil, status.Error(codes.InvalidArgument, "capacity_range must not be negative")
+	}
+	if c := req.GetVolumeCapability(); c != nil {
+		if err := validate(c); err != nil {
+			return nil, err
+		}
+	}
+	ctx, unlock, err := b.Lock(ctx, req.GetVolumeId())
+	if err != nil {
+		return nil, err
+	}
+	defer unlock()
+	device, err := findDevice(ctx)
+	if err != nil {
+		return nil, err
+	}
 	size, err := b.Mounter.DeviceSize(device)
 	if err != nil {
 		return nil, b.StatusError(err)

@@ -33,3 +33,18 @@ func MountPointsBelow(dir string) ([]string, error) {
 	}
 	return out, nil
 }
+
+// FilesystemType returns the type of the filesystem mounted last at path, "" if nothing is
+// mounted there.
+func FilesystemType(path string) (string, error) {
+	mps, err := mount.ParseMountInfo(MountInfo)
+	if err != nil {
+		return "", err
+	}
+	for _, mp := range slices.Backward(mps) {
+		if UnescapeMountPath(mp.MountPoint) == path {
+			return mp.FsType, nil
+		}
+	}
+	return "", nil
+}

@@ -34,3 +34,13 @@ func TestMountPointsBelowListsLatestFirstAndUnescapes(t *testing.T) {
 func TestUnescapeMountPath(t *testing.T) {
 	NewWithT(t).Expect(UnescapeMountPath(`/a\040b/c\134d`)).To(Equal(`/a b/c\d`))
 }
+
+func TestFilesystemType(t *testing.T) {
+	g := NewWithT(t)
+	dir := filepath.Join(t.TempDir(), "a dir")
+	g.Expect(os.MkdirAll(dir, 0o755)).To(Succeed())
+	g.Expect(FilesystemType(dir)).To(BeEmpty(), "nothing is mounted there")
+	g.Expect(unix.Mount("tmpfs", dir, "tmpfs", 0, "size=1m")).To(Succeed())
+	t.Cleanup(func() { _ = unix.Unmount(dir, 0) })
+	g.Expect(FilesystemType(dir)).To(Equal("tmpfs"))
+}

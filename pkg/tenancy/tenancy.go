@@ -6,6 +6,7 @@ package tenancy
 import (
 	"strings"
 
+	rbacv1 "k8s.io/api/rbac/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 )
 
@@ -101,4 +102,19 @@ func SharedWith(value, cluster string) bool {
 		}
 	}
 	return false
+}
+
+// GuestRules are what a guest cluster's guest-csi controller needs in its management
+// namespace, and no more: the Role its identity is bound to.
+var GuestRules = []rbacv1.PolicyRule{
+	{APIGroups: []string{""}, Resources: []string{"persistentvolumeclaims"}, Verbs: []string{"get", "list", "watch", "create", "patch", "delete"}},
+	{APIGroups: []string{"snapshot.storage.k8s.io"}, Resources: []string{"volumesnapshots"}, Verbs: []string{"get", "list", "watch", "create", "delete"}},
+	{APIGroups: []string{"vm.pvbridge.io"}, Resources: []string{"virtualmachines"}, Verbs: []string{"get", "list", "watch", "patch"}},
+	{APIGroups: []string{""}, Resources: []string{"events"}, Verbs: []string{"list"}},
+}
+
+// CapacityRules let a guest's identity read the management cluster's PMEM capacity, in the
+// namespace where mgmt-csi publishes it.
+var CapacityRules = []rbacv1.PolicyRule{
+	{APIGroups: []string{"storage.k8s.io"}, Resources: []string{"csistoragecapacities"}, Verbs: []string{"list"}},
 }

@@ -17,16 +17,8 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/envtest"
 
 	"pvbridge.io/guest-csi/internal/mgmt"
+	"pvbridge.io/pkg/tenancy"
 )
-
-// guestRules is what a guest cluster's controller needs in its management namespace, and no
-// more: the role a platform admin binds its identity to.
-var guestRules = []rbacv1.PolicyRule{
-	{APIGroups: []string{""}, Resources: []string{"persistentvolumeclaims"}, Verbs: []string{"get", "list", "watch", "create", "patch", "delete"}},
-	{APIGroups: []string{"snapshot.storage.k8s.io"}, Resources: []string{"volumesnapshots"}, Verbs: []string{"get", "list", "watch", "create", "delete"}},
-	{APIGroups: []string{"vm.pvbridge.io"}, Resources: []string{"virtualmachines"}, Verbs: []string{"get", "list", "watch", "patch"}},
-	{APIGroups: []string{""}, Resources: []string{"events"}, Verbs: []string{"list"}},
-}
 
 // guestIdentity makes user, bound to rules in the env's namespace, and writes its management kubeconfig to path. It returns
 // the RoleBinding, whose deletion revokes the identity.
@@ -71,7 +63,7 @@ func TestCredentialRotation(t *testing.T) {
 	}).WithTimeout(eventually).Should(Succeed())
 
 	// The first identity may do everything but take snapshots.
-	noSnapshots := slices.Clone(guestRules)
+	noSnapshots := slices.Clone(tenancy.GuestRules)
 	noSnapshots[1].Verbs = []string{"get", "list", "watch"}
 	first := e.guestIdentity(t, "guest-"+e.ns+"-1", kubeconfig, noSnapshots)
 	e.waitConnected(t)
@@ -90,7 +82,7 @@ func TestCredentialRotation(t *testing.T) {
 			}
 		})
 	}
-	e.guestIdentity(t, "guest-"+e.ns+"-2", kubeconfig, guestRules)
+	e.guestIdentity(t, "guest-"+e.ns+"-2", kubeconfig, tenancy.GuestRules)
 	wg.Wait()
 	close(errs)
 	for err := range errs {

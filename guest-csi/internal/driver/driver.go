@@ -16,7 +16,6 @@ import (
 	"k8s.io/apimachinery/pkg/labels"
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/util/validation"
-	"k8s.io/apimachinery/pkg/util/wait"
 	"k8s.io/client-go/kubernetes"
 	clientgoscheme "k8s.io/client-go/kubernetes/scheme"
 	"k8s.io/client-go/rest"
@@ -232,20 +231,16 @@ func (d *Driver) Run(ctx context.Context) error {
 }
 
 // register registers the node plugin with kubelet once the node's host is known: kubelet asks
-// NodeGetInfo once, and never again after a failure.
+// NodeGetInfo once, and never again after a failed registration.
 func (d *Driver) register(ctx context.Context, endpoint string, host Host) error {
-	logger := klog.FromContext(ctx)
-	logged := false
-	err := wait.PollUntilContextCancel(ctx, 2*time.Second, true, func(ctx context.Context) (bool, error) {
-		_, err := host.HostOf(ctx)
-		if err != nil && !logged {
-			logger.Info("Waiting for the node's host before registering with kubelet", "reason", err.Error())
-			logged = true
+	if _, err := host.HostOf(ctx); err != nil {
+		klog.FromContext(ctx).Info("Waiting for the node's host before registering with kubelet", "reason", err.Error())
+		if err := host.WaitForHost(ctx); err != nil {
+			if ctx.Err() != nil {
+				return nil
+			}
+			return err
 		}
-		return err == nil, nil
-	})
-	if err != nil {
-		return nil // ctx ended
 	}
 	registrar, err := registration.New(registration.Options{DriverName: Name, Endpoint: endpoint, Dir: d.opts.KubeletRegistrationDir})
 	if err != nil {

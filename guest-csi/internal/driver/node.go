@@ -30,6 +30,8 @@ var ErrHostUnknown = topology.ErrHostUnknown
 type Host interface {
 	// HostOf returns the host name, or an error wrapping ErrHostUnknown while it is not known.
 	HostOf(ctx context.Context) (string, error)
+	// WaitForHost returns once the host is known, or with ctx's error when ctx ends first.
+	WaitForHost(ctx context.Context) error
 }
 
 // nodeServer is the CSI Node service of a guest node: it finds the disk that the controller
@@ -197,33 +199,16 @@ func (n *nodeServer) NodeGetVolumeStats(ctx context.Context, req *csi.NodeGetVol
 // controller grew; for a block volume there is nothing to grow. It reports the disk's size, and
 // FailedPrecondition while the guest has not seen the disk grow to the required size yet.
 func (n *nodeServer) NodeExpandVolume(ctx context.Context, req *csi.NodeExpandVolumeRequest) (*csi.NodeExpandVolumeResponse, error) {
-	switch {
-	case req.GetVolumeId() == "":
-		return nil, status.Error(codes.InvalidArgument, "volume_id is required")
-	case req.GetVolumePath() == "":
-		return nil, status.Error(codes.InvalidArgument, "volume_path is required")
-	case req.GetCapacityRange().GetRequiredBytes() < 0 || req.GetCapacityRange().GetLimitBytes() < 0:
-		return nil, status.Error(codes.InvalidArgument, "capacity_range must not be negative")
-	}
-	if c := req.GetVolumeCapability(); c != nil {
-		if err := validateNodeCapability(c); err != nil {
-			return nil, err
+	return n.Expand(ctx, req, validateNodeCapability, func(context.Context) (string, error) {
+		device, err := n.deviceAt(req.GetVolumePath())
+		if err != nil {
+			return "", n.StatusError(err)
 		}
-	}
-	ctx, unlock, err := n.Lock(ctx, req.GetVolumeId())
-	if err != nil {
-		return nil, err
-	}
-	defer unlock()
-
-	device, err := n.deviceAt(req.GetVolumePath())
-	if err != nil {
-		return nil, n.StatusError(err)
-	}
-	if device == "" {
-		return nil, status.Errorf(codes.NotFound, "no disk attached to node %s is at %s", n.nodeID, req.GetVolumePath())
-	}
-	return n.Expand(ctx, req, device)
+		if device == "" {
+			return "", status.Errorf(codes.NotFound, "no disk attached to node %s is at %s", n.nodeID, req.GetVolumePath())
+		}
+		return device, nil
+	})
 }
 
 // validateNodeCapability validates the one capability of a node RPC. A disk is attached to one

@@ -33,6 +33,14 @@ type fakeHost struct {
 
 func (f fakeHost) HostOf(context.Context) (string, error) { return f.host, f.err }
 
+func (f fakeHost) WaitForHost(ctx context.Context) error {
+	if f.host == "" {
+		<-ctx.Done()
+		return ctx.Err()
+	}
+	return nil
+}
+
 // vmEnv is a node service in a fake VM: a device tree in a temporary directory laid out as the
 // local hypervisor lays out a VM's (<root>/sys/block/vdX/serial, the block node <root>/dev/vdX,
 // the link <root>/dev/disk/by-id/virtio-<serial>), with disks that are real loop devices. Its
@@ -151,11 +159,11 @@ func unplugDisk(root, file, name, serial string) error {
 			return err
 		}
 	}
-	out, err := exec.Command("losetup", "--associated", file, "--noheadings", "--output", "NAME").Output()
+	devices, err := csinodetest.LoopDevices(file)
 	if err != nil {
-		return fmt.Errorf("losetup --associated %s: %w", file, err)
+		return err
 	}
-	for device := range strings.FieldsSeq(string(out)) {
+	for _, device := range devices {
 		if out, err := exec.Command("losetup", "-d", device).CombinedOutput(); err != nil {
 			return fmt.Errorf("losetup -d %s: %w: %s", device, err, out)
 		}

@@ -8,7 +8,6 @@ import (
 	"os/exec"
 	"path/filepath"
 	"slices"
-	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -29,6 +28,7 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/reconcile"
 
 	vmv1 "pvbridge.io/pkg/apis/vm/v1alpha1"
+	"pvbridge.io/pkg/csinode/csinodetest"
 )
 
 const (
@@ -321,11 +321,11 @@ func (r *responder) grow(volume string, size int64) error {
 		if out, err := exec.Command("truncate", "-s", fmt.Sprint(size), d.file).CombinedOutput(); err != nil {
 			return fmt.Errorf("truncate: %w: %s", err, out)
 		}
-		out, err := exec.Command("losetup", "--associated", d.file, "--noheadings", "--output", "NAME").Output()
+		devices, err := csinodetest.LoopDevices(d.file)
 		if err != nil {
 			return err
 		}
-		for _, dev := range strings.Fields(string(out)) {
+		for _, dev := range devices {
 			if out, err := exec.Command("losetup", "--set-capacity", dev).CombinedOutput(); err != nil {
 				return fmt.Errorf("losetup --set-capacity: %w: %s", err, out)
 			}

@@ -14,11 +14,15 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/fields"
+	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/apimachinery/pkg/util/validation"
+	"k8s.io/apimachinery/pkg/watch"
 	"k8s.io/client-go/informers"
 	"k8s.io/client-go/kubernetes"
 	toolscache "k8s.io/client-go/tools/cache"
+	watchtools "k8s.io/client-go/tools/watch"
 	"k8s.io/client-go/util/workqueue"
 	"k8s.io/klog/v2"
 )
@@ -49,6 +53,27 @@ func (h NodeHost) HostOf(ctx context.Context) (string, error) {
 		return "", fmt.Errorf("%w: node %s has no label %s", ErrHostUnknown, h.Node, Key)
 	}
 	return host, nil
+}
+
+// WaitForHost watches the node until it has its host label, or ctx ends.
+func (h NodeHost) WaitForHost(ctx context.Context) error {
+	selector := fields.OneTermEqualSelector("metadata.name", h.Node).String()
+	lw := &toolscache.ListWatch{
+		ListWithContextFunc: func(ctx context.Context, opts metav1.ListOptions) (runtime.Object, error) {
+			opts.FieldSelector = selector
+			return h.Client.CoreV1().Nodes().List(ctx, opts)
+		},
+		WatchFuncWithContext: func(ctx context.Context, opts metav1.ListOptions) (watch.Interface, error) {
+			opts.FieldSelector = selector
+			return h.Client.CoreV1().Nodes().Watch(ctx, opts)
+		},
+	}
+	// The client tells whether it can stream the initial list (a fake cannot), as informers ask.
+	_, err := watchtools.UntilWithSync(ctx, toolscache.ToListWatcherWithWatchListSemantics(lw, h.Client), &corev1.Node{}, nil, func(ev watch.Event) (bool, error) {
+		n, ok := ev.Object.(*corev1.Node)
+		return ok && n.Name == h.Node && n.Labels[Key] != "", nil
+	})
+	return err
 }
 
 // HostFunc returns the host of the VM of a guest node: "" while it has none, or when the node

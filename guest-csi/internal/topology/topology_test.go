@@ -32,3 +32,20 @@ func TestNodeHost(t *testing.T) {
 		})
 	}
 }
+
+// The node plugin waits by watch until the controller has labelled its node.
+func TestNodeHostWaitsForTheLabel(t *testing.T) {
+	g := NewWithT(t)
+	node := &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: "vm-1"}}
+	client := fake.NewClientset(node)
+	h := NodeHost{Client: client, Node: "vm-1"}
+	done := make(chan error, 1)
+	go func() { done <- h.WaitForHost(t.Context()) }()
+	g.Consistently(done).ShouldNot(Receive(), "no host yet")
+
+	node.Labels = map[string]string{Key: "host-a"}
+	_, err := client.CoreV1().Nodes().Update(t.Context(), node, metav1.UpdateOptions{})
+	g.Expect(err).NotTo(HaveOccurred())
+	g.Eventually(done).Should(Receive(BeNil()))
+	g.Expect(h.HostOf(t.Context())).To(Equal("host-a"))
+}

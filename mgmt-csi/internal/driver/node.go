@@ -302,30 +302,9 @@ func (n *nodeServer) NodeGetVolumeHealth(ctx context.Context, req *csi.NodeGetVo
 // NodeExpandVolume grows the filesystem at the volume path to fill its device, which the
 // controller grew; for a block volume there is nothing to grow. It reports the device's size.
 func (n *nodeServer) NodeExpandVolume(ctx context.Context, req *csi.NodeExpandVolumeRequest) (*csi.NodeExpandVolumeResponse, error) {
-	switch {
-	case req.GetVolumeId() == "":
-		return nil, status.Error(codes.InvalidArgument, "volume_id is required")
-	case req.GetVolumePath() == "":
-		return nil, status.Error(codes.InvalidArgument, "volume_path is required")
-	case req.GetCapacityRange().GetRequiredBytes() < 0 || req.GetCapacityRange().GetLimitBytes() < 0:
-		return nil, status.Error(codes.InvalidArgument, "capacity_range must not be negative")
-	}
-	if c := req.GetVolumeCapability(); c != nil {
-		if err := validateNodeCapability(c); err != nil {
-			return nil, err
-		}
-	}
-	ctx, unlock, err := n.Lock(ctx, req.GetVolumeId())
-	if err != nil {
-		return nil, err
-	}
-	defer unlock()
-
-	device, err := n.device(ctx, req.GetVolumeId())
-	if err != nil {
-		return nil, err
-	}
-	return n.Expand(ctx, req, device)
+	return n.Expand(ctx, req, validateNodeCapability, func(ctx context.Context) (string, error) {
+		return n.device(ctx, req.GetVolumeId())
+	})
 }
 
 // validateNodeCapability validates the one capability of a node RPC.

@@ -3,6 +3,7 @@
 package csinodetest
 
 import (
+	"fmt"
 	"os/exec"
 	"strings"
 	"testing"
@@ -75,11 +76,21 @@ func Mounts(t *testing.T, path string) int {
 // LoopsOf lists the loop devices attached to file.
 func LoopsOf(t *testing.T, file string) []string {
 	t.Helper()
+	devices, err := LoopDevices(file)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return devices
+}
+
+// LoopDevices lists the loop devices attached to file, for helpers that run outside the
+// test's goroutine.
+func LoopDevices(file string) ([]string, error) {
 	out, err := exec.Command("losetup", "--associated", file, "--noheadings", "--output", "NAME").CombinedOutput()
 	if err != nil {
-		t.Fatalf("losetup --associated: %v: %s", err, out)
+		return nil, fmt.Errorf("losetup --associated %s: %w: %s", file, err, out)
 	}
-	return strings.Fields(string(out))
+	return strings.Fields(string(out)), nil
 }
 
 // BlkidType is the filesystem blkid finds on device ("" for none).
