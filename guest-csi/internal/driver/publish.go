@@ -123,11 +123,16 @@ func (s *controllerServer) ControllerUnpublishVolume(ctx context.Context, req *c
 	}
 	defer unlock()
 	ctx = klog.NewContext(ctx, klog.FromContext(ctx).WithValues("volumeID", id, "vm", node))
-	if err := s.updateVolumes(ctx, vm, func(vm *vmv1.VirtualMachine) bool {
+	err = s.updateVolumes(ctx, vm, func(vm *vmv1.VirtualMachine) bool {
 		n := len(vm.Spec.Volumes)
 		vm.Spec.Volumes = slices.DeleteFunc(vm.Spec.Volumes, func(v vmv1.VirtualMachineVolume) bool { return v.Name == id })
 		return len(vm.Spec.Volumes) != n
-	}); err != nil {
+	})
+	switch {
+	case status.Code(err) == codes.NotFound:
+		// The cache still had a VM that is gone by now: it has no disks.
+		return &csi.ControllerUnpublishVolumeResponse{}, nil
+	case err != nil:
 		return nil, err
 	}
 	var lastError string
