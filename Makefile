@@ -64,10 +64,15 @@ bench: deps tools ## Run the benchmarks; each figure prints as `BENCH <name> <va
 	@for m in $(MODULES); do \
 		(cd $$m && go test -run '^$$' -bench . -benchtime 1x -timeout $(TEST_TIMEOUT) ./... | { grep -E '^(BENCH|FAIL|panic|---)' || true; }) || exit 1; \
 	done
+	@cd e2e && go test -count=1 -timeout 60m ./suite -args -ginkgo.label-filter=bench | { grep -E '^(BENCH|FAIL|panic|---|\[FAIL)' || true; }
 
 .PHONY: soak
 soak: deps tools ## Restart kube-controller-manager under attached VM volumes and watch them for 10 minutes.
 	cd e2e && go test -count=1 -timeout 30m -run TestControllerManagerRestartDetachesNothing ./vmoperator/ -args -soak=10m
+
+.PHONY: e2e
+e2e: deps tools ## Run the end-to-end suite; LABELS picks a subset (e.g. LABELS='isolation || reclaim').
+	cd e2e && go test -count=1 -timeout $(TEST_TIMEOUT) ./suite -args -ginkgo.v $(if $(LABELS),-ginkgo.label-filter='$(LABELS)')
 
 .PHONY: sanity
 sanity: deps tools ## Run the csi-sanity binary against both drivers as the lab runs them and print each summary.

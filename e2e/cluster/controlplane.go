@@ -183,6 +183,29 @@ func (cp *ControlPlane) StopControllerManager() error {
 	return err
 }
 
+// StopAPIServer stops kube-apiserver, as an outage would: every client of the control plane
+// loses it until StartAPIServer. etcd keeps the state.
+func (cp *ControlPlane) StopAPIServer() error {
+	cp.mu.Lock()
+	defer cp.mu.Unlock()
+	return cp.apiserver.Stop()
+}
+
+// StartAPIServer starts the stopped kube-apiserver again, on the same address, and waits until
+// it is ready.
+func (cp *ControlPlane) StartAPIServer(ctx context.Context) error {
+	cp.mu.Lock()
+	p, err := cp.apiserver.Respawn()
+	if err == nil {
+		cp.apiserver = p
+	}
+	cp.mu.Unlock()
+	if err != nil {
+		return err
+	}
+	return cp.waitReady(ctx)
+}
+
 // RESTConfig returns an admin client configuration.
 func (cp *ControlPlane) RESTConfig() *rest.Config { return rest.CopyConfig(cp.restConfig) }
 

@@ -55,6 +55,13 @@ func (l *Lab) track(p *Process) {
 	l.processes = append(l.processes, p)
 }
 
+// Processes returns every process the lab started, oldest first.
+func (l *Lab) Processes() []*Process {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return slices.Clone(l.processes)
+}
+
 // Stop stops every process the lab started, newest first (clients before the apiserver before
 // etcd), then unmounts everything below the root and detaches the loop devices of files below
 // it. It is idempotent.

@@ -261,9 +261,12 @@ func (g *Guest) installObjects(ctx context.Context) error {
 	return createSnapshotClass(ctx, g.CP, SnapshotClassGuest, GuestDriver, map[string]any{"mgmtSnapshotClass": SnapshotClassPmem})
 }
 
+// ControllerSocket is the CSI endpoint of the guest-csi controller.
+func (g *Guest) ControllerSocket() string { return filepath.Join(g.CP.Dir, "guest-csi", "csi.sock") }
+
 func (g *Guest) startController(ctx context.Context, lab *cluster.Lab, bin string) error {
-	dir := filepath.Join(g.CP.Dir, "guest-csi")
-	socket := filepath.Join(dir, "csi.sock")
+	socket := g.ControllerSocket()
+	dir := filepath.Dir(socket)
 	p, err := lab.Start(cluster.Command{
 		Name: g.CP.Name + "/guest-csi", Bin: bin, Dir: dir, LogPath: filepath.Join(g.CP.Dir, "logs", "guest-csi.log"),
 		Args: []string{

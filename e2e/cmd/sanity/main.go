@@ -154,7 +154,7 @@ func sanity(ctx context.Context, verbose bool) ([]driverTotal, error) {
 		}
 		total, err = runDriver(ctx, csiSanity, filepath.Join(dirs, "guest-csi"), verbose,
 			filepath.Join(g.Nodes["vm-1"].PluginDir(deploy.GuestDriver), "csi.sock"),
-			filepath.Join(gcp.Dir, "guest-csi", "csi.sock"), params)
+			g.ControllerSocket(), params)
 		totals = append(totals, driverTotal{"guest-csi", total})
 		errs = append(errs, err)
 	}

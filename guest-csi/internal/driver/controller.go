@@ -473,9 +473,16 @@ func (s *controllerServer) DeleteVolume(ctx context.Context, req *csi.DeleteVolu
 	}
 	defer unlock()
 	logger := klog.FromContext(ctx).WithValues("volumeID", id)
+	// Only an owned volume is deleted. Deleting a guest PV of any other handle releases it and
+	// touches nothing: a shared volume stays for its owner, and a guest PV naming a volume the
+	// cluster may not use (or none) was never usable, so refusing would only leave the guest PV
+	// stuck behind its finalizer.
 	obj, access, err := s.accessible(ctx, c, kindPVC, id)
 	switch {
 	case status.Code(err) == codes.NotFound:
+		return &csi.DeleteVolumeResponse{}, nil
+	case access == tenancy.Foreign && status.Code(err) == codes.FailedPrecondition:
+		logger.Info("Released a guest PV naming a management PVC the cluster may not use; the PVC is not touched", "reason", status.Convert(err).Message())
 		return &csi.DeleteVolumeResponse{}, nil
 	case err != nil:
 		return nil, err

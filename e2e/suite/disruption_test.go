@@ -1,0 +1,333 @@
+package suite_test
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"os"
+	"path/filepath"
+	"regexp"
+	"slices"
+	"sync"
+	"time"
+
+	. "github.com/onsi/ginkgo/v2"
+	. "github.com/onsi/gomega"
+	corev1 "k8s.io/api/core/v1"
+	storagev1 "k8s.io/api/storage/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/watch"
+	"k8s.io/utils/ptr"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+
+	"pvbridge.io/e2e/cluster"
+	"pvbridge.io/e2e/deploy"
+	"pvbridge.io/pkg/tenancy"
+)
+
+// detachWatch records every VolumeAttachment of a cluster that, once attached, is deleted or
+// stops being attached.
+type detachWatch struct {
+	mu         sync.Mutex
+	violations []string
+	stop       func()
+	done       chan struct{}
+}
+
+func watchDetaches(ctx context.Context, cp *cluster.ControlPlane) *detachWatch {
+	GinkgoHelper()
+	w, err := cp.Client().StorageV1().VolumeAttachments().Watch(ctx, metav1.ListOptions{})
+	Expect(err).NotTo(HaveOccurred())
+	d := &detachWatch{stop: w.Stop, done: make(chan struct{})}
+	go func() {
+		defer close(d.done)
+		attached := map[string]bool{}
+		for ev := range w.ResultChan() {
+			va, ok := ev.Object.(*storagev1.VolumeAttachment)
+			if !ok {
+				continue
+			}
+			switch {
+			case !attached[va.Name]:
+				attached[va.Name] = va.Status.Attached && ev.Type != watch.Deleted
+			case ev.Type == watch.Deleted || va.DeletionTimestamp != nil:
+				d.record("%s: VolumeAttachment %s deleted", cp.Name, va.Name)
+			case !va.Status.Attached:
+				d.record("%s: VolumeAttachment %s detached", cp.Name, va.Name)
+			}
+		}
+	}()
+	return d
+}
+
+func (d *detachWatch) record(format string, args ...any) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	d.violations = append(d.violations, fmt.Sprintf(format, args...))
+}
+
+// finish stops the watch and returns what it saw.
+func (d *detachWatch) finish() []string {
+	d.stop()
+	<-d.done
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return d.violations
+}
+
+var _ = Describe("Disruption", Label("disruptive"), func() {
+	DescribeTable("restarting kube-controller-manager detaches nothing that should stay attached",
+		func(ctx SpecContext, which func() *cluster.ControlPlane) {
+			cp := which()
+			ns := alpha.namespace(ctx)
+			alpha.create(ctx, deploy.PVC(ns, "data", "", "256Mi", false))
+			pod := alpha.runPod(ctx, ns, "app", "data", "vm-2", false)
+			_, pv := alpha.bound(ctx, ns, "data")
+			want := alpha.writeBlob(pod, pv.Name, 5)
+			watches := []*detachWatch{watchDetaches(ctx, mgmt.CP), watchDetaches(ctx, alpha.CP)}
+
+			Expect(cp.StopControllerManager()).To(Succeed())
+			Expect(cp.StartControllerManager()).To(Succeed())
+			// A new volume bound and attached proves the restarted controllers (binder,
+			// attach-detach) have synced and reconciled; a wrong detach would have happened by then.
+			alpha.create(ctx, deploy.PVC(ns, "after", "", "256Mi", false))
+			alpha.runPod(ctx, ns, "after", "after", "vm-2", false)
+
+			var violations []string
+			for _, w := range watches {
+				violations = append(violations, w.finish()...)
+			}
+			Expect(violations).To(BeEmpty())
+			Expect(alpha.readBlob(pod, pv.Name)).To(Equal(want))
+		},
+		Entry("of the guest cluster", func() *cluster.ControlPlane { return alpha.CP }),
+		Entry("of the management cluster", func() *cluster.ControlPlane { return mgmt.CP }),
+	)
+
+	It("converges after the management apiserver was unreachable for 60 s during attach", func(ctx SpecContext) {
+		ns := alpha.namespace(ctx)
+		alpha.create(ctx, deploy.PVC(ns, "data", "", "256Mi", false))
+		alpha.create(ctx, deploy.Pod(ns, "app", "data", "vm-2", false))
+		_, pv := alpha.bound(ctx, ns, "data")
+
+		By("stopping the management apiserver for 60 s")
+		Expect(mgmt.CP.StopAPIServer()).To(Succeed())
+		DeferCleanup(func(ctx SpecContext) { _ = mgmt.CP.StartAPIServer(ctx) }) // idempotent if the spec already restarted it
+		outage := time.After(60 * time.Second)
+		seen := map[string]bool{}
+	during:
+		for {
+			select {
+			case <-outage:
+				break during
+			case <-ctx.Done():
+				Fail("interrupted during the outage")
+			case <-time.After(time.Second):
+				messages, err := attachErrors(ctx, alpha, pv.Name)
+				Expect(err).NotTo(HaveOccurred())
+				for _, m := range messages {
+					seen[m] = true
+				}
+			}
+		}
+		Expect(mgmt.CP.StartAPIServer(ctx)).To(Succeed())
+
+		By("the attach converges once it is back")
+		Eventually(func(g Gomega) {
+			running := &corev1.Pod{}
+			g.Expect(alpha.c.Get(ctx, client.ObjectKey{Namespace: ns, Name: "app"}, running)).To(Succeed())
+			g.Expect(running.Status.Phase).To(Equal(corev1.PodRunning))
+		}).WithContext(ctx).WithTimeout(2 * timeout).Should(Succeed())
+		retryableMessage := regexp.MustCompile(`code = (Unavailable|DeadlineExceeded|Aborted)`)
+		for m := range seen {
+			Expect(m).To(MatchRegexp(retryableMessage.String()), "only retryable errors while the apiserver was away")
+		}
+		Expect(claimsOf(ctx, pv.Name)).To(HaveLen(1), "one management PVC for the guest PV")
+		Expect(vm(ctx, alpha.Options.Namespace, "vm-2").Spec.Volumes).To(ContainElement(HaveField("PersistentVolumeClaim.ClaimName", pv.Spec.CSI.VolumeHandle)))
+	})
+})
+
+// claimsOf returns the names of the management PVCs made for alpha's guest PV pv.
+func claimsOf(ctx context.Context, pv string) ([]string, error) {
+	pvcs := &corev1.PersistentVolumeClaimList{}
+	if err := mc.List(ctx, pvcs, client.MatchingLabels{tenancy.ClusterUIDLabel: alpha.UID}); err != nil {
+		return nil, err
+	}
+	var names []string
+	for _, p := range pvcs.Items {
+		if p.Annotations[tenancy.GuestPVAnnotation] == pv {
+			names = append(names, p.Name)
+		}
+	}
+	return names, nil
+}
+
+// victims are the processes the churn kills: every pvbridge component and one of each kind of
+// sidecar, on both clusters.
+func victims() []*cluster.Process {
+	ps := []*cluster.Process{alpha.Controller, mgmt.Controller, op.Controller}
+	for _, h := range mgmt.Hosts {
+		ps = append(ps, h.Agent, op.Agents[h.Node.Name])
+	}
+	for _, p := range alpha.Plugins {
+		ps = append(ps, p)
+	}
+	for _, s := range []map[string]*cluster.Process{alpha.Sidecars, mgmt.Sidecars} {
+		for _, p := range s {
+			ps = append(ps, p)
+		}
+	}
+	return ps
+}
+
+var _ = Describe("Crashes", Label("disruptive", "churn"), func() {
+	It("converges after kill -9 of every component at random points during 200 volume lifecycles", func(ctx SpecContext) {
+		const (
+			lifecycles  = 200
+			concurrency = 20
+		)
+		ns := alpha.namespace(ctx)
+		killCtx, stopKilling := context.WithCancel(ctx)
+		killed := map[string]int{}
+		killing := make(chan struct{})
+		go func() {
+			defer GinkgoRecover()
+			defer close(killing)
+			ps := victims()
+			for {
+				select {
+				case <-killCtx.Done():
+					return
+				case <-time.After(time.Duration(2000+rand.IntN(4000)) * time.Millisecond):
+				}
+				p := ps[rand.IntN(len(ps))]
+				if err := p.Kill(); err != nil {
+					GinkgoWriter.Printf("kill %s: %v\n", p.Name, err)
+					continue
+				}
+				killed[p.Name]++
+			}
+		}()
+
+		errs := make(chan error, lifecycles)
+		slots := make(chan struct{}, concurrency)
+		var wg sync.WaitGroup
+		for i := range lifecycles {
+			slots <- struct{}{}
+			wg.Go(func() {
+				defer func() { <-slots }()
+				if err := lifecycle(ctx, ns, fmt.Sprintf("v%d", i), byte(i)); err != nil {
+					errs <- fmt.Errorf("lifecycle %d: %w", i, err)
+				}
+			})
+		}
+		wg.Wait()
+		stopKilling()
+		<-killing
+		close(errs)
+		var failed []error
+		for err := range errs {
+			failed = append(failed, err)
+		}
+		GinkgoWriter.Printf("killed: %v\n", killed)
+		Expect(errors.Join(failed...)).NotTo(HaveOccurred())
+		Expect(len(killed)).To(BeNumerically(">=", 5), "kills spread over the components")
+	})
+})
+
+// lifecycle runs one volume's life in guest alpha under churn: claim, pod, data written, pod
+// gone, a second pod on a VM of the same host reads the data back, everything deleted. It
+// checks that the claim got exactly one management PVC and one VM entry at a time.
+func lifecycle(ctx context.Context, ns, name string, seed byte) error {
+	// Kills slow every step down; give each one the suite's budget twice.
+	wait := func(what string, cond func() (bool, error)) error {
+		deadline := time.Now().Add(2 * timeout)
+		for time.Now().Before(deadline) {
+			ok, err := cond()
+			if err == nil && ok {
+				return nil
+			}
+			select {
+			case <-ctx.Done():
+				return ctx.Err()
+			case <-time.After(250 * time.Millisecond):
+			}
+		}
+		return fmt.Errorf("%s: not within %s", what, 2*timeout)
+	}
+	running := func(pod *corev1.Pod) func() (bool, error) {
+		return func() (bool, error) {
+			err := alpha.c.Get(ctx, client.ObjectKeyFromObject(pod), pod)
+			return pod.Status.Phase == corev1.PodRunning, err
+		}
+	}
+	detachedFrom := func(node string, pv string) func() (bool, error) {
+		return func() (bool, error) {
+			vas := &storagev1.VolumeAttachmentList{}
+			if err := alpha.c.List(ctx, vas); err != nil {
+				return false, err
+			}
+			return !slices.ContainsFunc(vas.Items, func(va storagev1.VolumeAttachment) bool {
+				return va.Spec.NodeName == node && ptr.Deref(va.Spec.Source.PersistentVolumeName, "") == pv
+			}), nil
+		}
+	}
+
+	pvc := deploy.PVC(ns, name, "", "64Mi", false)
+	if err := alpha.c.Create(ctx, pvc); err != nil {
+		return err
+	}
+	first := deploy.Pod(ns, name+"-w", name, "", false)
+	if err := alpha.c.Create(ctx, first); err != nil {
+		return err
+	}
+	if err := wait("writer running", running(first)); err != nil {
+		return err
+	}
+	if err := alpha.c.Get(ctx, client.ObjectKeyFromObject(pvc), pvc); err != nil {
+		return err
+	}
+	pv := pvc.Spec.VolumeName
+	if claims, err := claimsOf(ctx, pv); err != nil || len(claims) != 1 {
+		return fmt.Errorf("guest PV %s has management PVCs %v (%v)", pv, claims, err)
+	}
+	content := []byte(fmt.Sprintf("volume %s seed %d", name, seed))
+	if err := writeSynced(filepath.Join(alpha.volumePath(first, pv), "data"), content); err != nil {
+		return err
+	}
+	if err := alpha.c.Delete(ctx, first); err != nil {
+		return err
+	}
+	if err := wait("writer detached", detachedFrom(first.Spec.NodeName, pv)); err != nil {
+		return err
+	}
+	second := deploy.Pod(ns, name+"-r", name, "", false)
+	if err := alpha.c.Create(ctx, second); err != nil {
+		return err
+	}
+	if err := wait("reader running", running(second)); err != nil {
+		return err
+	}
+	got, err := os.ReadFile(filepath.Join(alpha.volumePath(second, pv), "data"))
+	if err != nil {
+		return err
+	}
+	if !bytes.Equal(got, content) {
+		return fmt.Errorf("data of %s: read %q, wrote %q", name, got, content)
+	}
+	if err := alpha.c.Delete(ctx, second); err != nil {
+		return err
+	}
+	if err := wait("reader detached", detachedFrom(second.Spec.NodeName, pv)); err != nil {
+		return err
+	}
+	if err := alpha.c.Delete(ctx, pvc); err != nil {
+		return err
+	}
+	return wait("volume deleted", func() (bool, error) {
+		claims, err := claimsOf(ctx, pv)
+		return len(claims) == 0, err
+	})
+}
