@@ -319,6 +319,22 @@ func TestGuestTenancyPolicy(t *testing.T) {
 			want: tenancyPolicy + what("PersistentVolumeClaim", newClaim) + " names no StorageClass, which guest cluster a1 may not use: it may use pmem"},
 		{name: "create a claim of a class in the allow-list of the cluster that asks", as: "tenant-a/a2",
 			do: create(claim(nsA, uidA2+"-new", labelsFor("a2", uidA2), classPremium, nil))},
+		{name: "bind a claim to a volume of its choosing", as: "tenant-a/a1",
+			do: create(func() *corev1.PersistentVolumeClaim {
+				pvc := claim(nsA, newClaim, labelsFor("a1", uidA1), classAllowed, nil)
+				pvc.Spec.VolumeName = "pv-of-another-tenant"
+				return pvc
+			}()),
+			want: tenancyPolicy + "guest cluster a1 may not bind " + what("PersistentVolumeClaim", newClaim) +
+				" to a PersistentVolume of its choosing (spec.volumeName, spec.selector): its claims are provisioned"},
+		{name: "select the volumes a claim may bind to", as: "tenant-a/a1",
+			do: create(func() *corev1.PersistentVolumeClaim {
+				pvc := claim(nsA, newClaim, labelsFor("a1", uidA1), classAllowed, nil)
+				pvc.Spec.Selector = &metav1.LabelSelector{MatchLabels: map[string]string{"tenant": "b"}}
+				return pvc
+			}()),
+			want: tenancyPolicy + "guest cluster a1 may not bind " + what("PersistentVolumeClaim", newClaim) +
+				" to a PersistentVolume of its choosing (spec.volumeName, spec.selector): its claims are provisioned"},
 		{name: "clone its own claim", as: "tenant-a/a1",
 			do: create(claim(nsA, newClaim, labelsFor("a1", uidA1), classAllowed, claimSource(ownClaim)))},
 		{name: "clone a claim shared with it", as: "tenant-a/a1",
