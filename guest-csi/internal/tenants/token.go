@@ -23,7 +23,7 @@ const (
 
 // Reasons for issuing a token, in Events and logs.
 const (
-	reasonNoCredential    = "NoCredential"
+	reasonNoCredential    = "NoCredential" //nolint:gosec // a reason, not a credential
 	reasonUnreadable      = "CredentialUnreadable"
 	reasonDue             = "TokenDue"
 	reasonAccountReplaced = "ServiceAccountReplaced"
