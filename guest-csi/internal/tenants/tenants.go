@@ -196,6 +196,8 @@ func SetupWithManager(mgr ctrl.Manager, cfg Config) error {
 	return nil
 }
 
+// +kubebuilder:rbac:groups=coordination.k8s.io,resources=leases,verbs=get;create;update
+
 // Controller is the tenants controller's manager.
 type Controller struct {
 	mgr ctrl.Manager
