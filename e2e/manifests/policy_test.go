@@ -1,0 +1,447 @@
+package manifests
+
+import (
+	"context"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	. "github.com/onsi/gomega"
+	corev1 "k8s.io/api/core/v1"
+	rbacv1 "k8s.io/api/rbac/v1"
+	storagev1 "k8s.io/api/storage/v1"
+	"k8s.io/apimachinery/pkg/api/resource"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+	"k8s.io/apimachinery/pkg/runtime"
+	clientgoscheme "k8s.io/client-go/kubernetes/scheme"
+	"k8s.io/client-go/rest"
+	"k8s.io/utils/ptr"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+
+	vmv1 "pvbridge.io/pkg/apis/vm/v1alpha1"
+	"pvbridge.io/pkg/tenancy"
+)
+
+// The tenants of the policy test. Namespace tenant-a holds clusters a1 and a2 (a2 is a1's
+// neighbour: same namespace, other cluster) and the identity of zz, a cluster that is not
+// opted in; tenant-b holds b1; plain is a namespace without tenancy.
+const (
+	nsA     = "tenant-a"
+	nsB     = "tenant-b"
+	nsPlain = "plain"
+	uidA1   = "0a1a1a1a-0000-4000-8000-000000000001"
+	uidA2   = "0a2a2a2a-0000-4000-8000-000000000002"
+	uidB1   = "0b1b1b1b-0000-4000-8000-000000000003"
+
+	classAllowed = "pmem"
+	classPremium = "pmem-premium"
+
+	// Objects of tenant-a, created by the admin: a1's and a2's claim and snapshot, and a claim
+	// and a snapshot the admin shares with a1.
+	ownClaim    = uidA1 + "-data"
+	otherClaim  = uidA2 + "-data"
+	sharedClaim = "shared-data"
+	ownSnap     = uidA1 + "-snap"
+	otherSnap   = uidA2 + "-snap"
+	sharedSnap  = "shared-snap"
+	ownVM       = "a1-vm"
+	otherVM     = "a2-vm"
+)
+
+const (
+	tenancyPolicy   = "ValidatingAdmissionPolicy 'pvbridge-guest-tenancy' with binding 'pvbridge-guest-tenancy' denied request: "
+	namespacePolicy = "ValidatingAdmissionPolicy 'pvbridge-guest-namespace' with binding 'pvbridge-guest-namespace' denied request: "
+)
+
+func scheme(g Gomega) *runtime.Scheme {
+	s := runtime.NewScheme()
+	g.Expect(clientgoscheme.AddToScheme(s)).To(Succeed())
+	g.Expect(vmv1.AddToScheme(s)).To(Succeed())
+	return s
+}
+
+// guestClient is a client that impersonates the guest identity of cluster in namespace, as the
+// apiserver authenticates a ServiceAccount token.
+func guestClient(g Gomega, namespace, cluster string) client.Client {
+	cfg := rest.CopyConfig(adminConfig)
+	cfg.Impersonate = rest.ImpersonationConfig{
+		UserName: "system:serviceaccount:" + namespace + ":" + cluster + "-pvbridge",
+		Groups:   []string{"system:serviceaccounts", "system:serviceaccounts:" + namespace, "system:authenticated"},
+	}
+	c, err := client.New(cfg, client.Options{Scheme: scheme(g)})
+	g.Expect(err).NotTo(HaveOccurred())
+	return c
+}
+
+func labelsFor(cluster, uid string) map[string]string {
+	return tenancy.Cluster{Name: cluster, UID: uid}.Labels()
+}
+
+func claim(ns, name string, labels map[string]string, class string, source *corev1.TypedObjectReference) *corev1.PersistentVolumeClaim {
+	pvc := &corev1.PersistentVolumeClaim{
+		ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: name, Labels: labels},
+		Spec: corev1.PersistentVolumeClaimSpec{
+			AccessModes: []corev1.PersistentVolumeAccessMode{corev1.ReadWriteOnce},
+			VolumeMode:  ptr.To(corev1.PersistentVolumeBlock),
+			Resources: corev1.VolumeResourceRequirements{
+				Requests: corev1.ResourceList{corev1.ResourceStorage: resource.MustParse("1Gi")},
+			},
+			DataSourceRef: source,
+		},
+	}
+	if class != "" {
+		pvc.Spec.StorageClassName = ptr.To(class)
+	}
+	return pvc
+}
+
+func claimSource(name string) *corev1.TypedObjectReference {
+	return &corev1.TypedObjectReference{Kind: "PersistentVolumeClaim", Name: name}
+}
+
+func snapshotSource(name string) *corev1.TypedObjectReference {
+	return &corev1.TypedObjectReference{APIGroup: ptr.To("snapshot.storage.k8s.io"), Kind: "VolumeSnapshot", Name: name}
+}
+
+func snapshot(ns, name string, labels map[string]string, sourceClaim string) *unstructured.Unstructured {
+	u := &unstructured.Unstructured{Object: map[string]any{
+		"apiVersion": "snapshot.storage.k8s.io/v1",
+		"kind":       "VolumeSnapshot",
+		"metadata":   map[string]any{"namespace": ns, "name": name},
+		"spec": map[string]any{
+			"volumeSnapshotClassName": "pmem",
+			"source":                  map[string]any{"persistentVolumeClaimName": sourceClaim},
+		},
+	}}
+	u.SetLabels(labels)
+	return u
+}
+
+// setUpTenants applies the admission policies of manifests/base/admission for real and creates
+// the tenants: namespaces, the pvbridge-tenancy ConfigMaps the tenants controller would write,
+// the guest identities bound to tenancy.GuestRules, and the objects the cases act on.
+func setUpTenants(ctx context.Context, g Gomega) {
+	_, err := runKubectl(ctx, nil, "apply", "--server-side", "--field-manager=pvbridge-manifests-test",
+		"-k", filepath.Join(manifestsDir, "base", "admission"))
+	g.Expect(err).NotTo(HaveOccurred())
+
+	admin, err := client.New(adminConfig, client.Options{Scheme: scheme(g)})
+	g.Expect(err).NotTo(HaveOccurred())
+	enforced := map[string]string{"pvbridge.io/tenancy": "enforced"}
+	objs := []client.Object{
+		&corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: nsA, Labels: enforced}},
+		&corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: nsB, Labels: enforced}},
+		&corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: nsPlain}},
+		&corev1.ConfigMap{ObjectMeta: metav1.ObjectMeta{Namespace: nsA, Name: "pvbridge-tenancy"}, Data: map[string]string{
+			"a1.uid": uidA1, "a1.storageClasses": classAllowed, "a1.sharedClaims": sharedClaim, "a1.sharedSnapshots": sharedSnap,
+			"a2.uid": uidA2, "a2.storageClasses": classAllowed + "," + classPremium,
+		}},
+		&corev1.ConfigMap{ObjectMeta: metav1.ObjectMeta{Namespace: nsB, Name: "pvbridge-tenancy"}, Data: map[string]string{
+			"b1.uid": uidB1, "b1.storageClasses": classAllowed,
+		}},
+	}
+	for _, name := range []string{classAllowed, classPremium} {
+		objs = append(objs, &storagev1.StorageClass{
+			ObjectMeta: metav1.ObjectMeta{Name: name}, Provisioner: "pmem.csi.pvbridge.io",
+			AllowVolumeExpansion: ptr.To(true),
+		})
+	}
+	// Identities, each bound to the guest Role. b1 is also bound in tenant-a: RBAC would let it
+	// write there, the namespace policy does not. p1 is a guest identity of plain.
+	for _, ns := range []string{nsA, nsB, nsPlain} {
+		objs = append(objs, &rbacv1.Role{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "pvbridge-guest"}, Rules: tenancy.GuestRules})
+	}
+	for _, id := range []struct{ ns, cluster, bindIn string }{
+		{nsA, "a1", nsA}, {nsA, "a2", nsA}, {nsA, "zz", nsA}, {nsB, "b1", nsB}, {nsB, "b1", nsA}, {nsPlain, "p1", nsPlain},
+	} {
+		account := id.cluster + "-pvbridge"
+		objs = append(objs, &rbacv1.RoleBinding{
+			ObjectMeta: metav1.ObjectMeta{Namespace: id.bindIn, Name: id.ns + "-" + account},
+			Subjects:   []rbacv1.Subject{{Kind: rbacv1.ServiceAccountKind, Namespace: id.ns, Name: account}},
+			RoleRef:    rbacv1.RoleRef{APIGroup: rbacv1.GroupName, Kind: "Role", Name: "pvbridge-guest"},
+		})
+		if id.ns == id.bindIn {
+			objs = append(objs, &corev1.ServiceAccount{ObjectMeta: metav1.ObjectMeta{Namespace: id.ns, Name: account}})
+		}
+	}
+	shared := map[string]string{tenancy.SharedWithAnnotation: "a1"}
+	sharedClaimObj := claim(nsA, sharedClaim, nil, classAllowed, nil)
+	sharedClaimObj.Annotations = shared
+	sharedSnapObj := snapshot(nsA, sharedSnap, nil, sharedClaim)
+	sharedSnapObj.SetAnnotations(shared)
+	claims := []*corev1.PersistentVolumeClaim{
+		claim(nsA, ownClaim, labelsFor("a1", uidA1), classAllowed, nil),
+		claim(nsA, otherClaim, labelsFor("a2", uidA2), classAllowed, nil),
+		sharedClaimObj,
+	}
+	for _, c := range claims {
+		objs = append(objs, c)
+	}
+	objs = append(objs,
+		snapshot(nsA, ownSnap, labelsFor("a1", uidA1), ownClaim),
+		snapshot(nsA, otherSnap, labelsFor("a2", uidA2), otherClaim),
+		sharedSnapObj,
+		&vmv1.VirtualMachine{
+			ObjectMeta: metav1.ObjectMeta{Namespace: nsA, Name: ownVM, Labels: map[string]string{tenancy.CAPIClusterNameLabel: "a1"}},
+			Spec: vmv1.VirtualMachineSpec{PowerState: vmv1.PowerStateOn, Volumes: []vmv1.VirtualMachineVolume{
+				{Name: ownClaim, PersistentVolumeClaim: vmv1.PersistentVolumeClaimVolumeSource{ClaimName: ownClaim}},
+			}},
+		},
+		&vmv1.VirtualMachine{
+			ObjectMeta: metav1.ObjectMeta{Namespace: nsA, Name: otherVM, Labels: map[string]string{tenancy.CAPIClusterNameLabel: "a2"}},
+			Spec:       vmv1.VirtualMachineSpec{PowerState: vmv1.PowerStateOn},
+		},
+	)
+	for _, obj := range objs {
+		g.Expect(admin.Create(ctx, obj)).To(Succeed(), "create %T %s", obj, obj.GetName())
+	}
+	// Bound claims: only a bound claim may be expanded (the apiserver's own validation, before
+	// admission policies run).
+	for _, c := range claims {
+		c.Status.Phase = corev1.ClaimBound
+		c.Status.Capacity = corev1.ResourceList{corev1.ResourceStorage: resource.MustParse("1Gi")}
+		g.Expect(admin.Status().Update(ctx, c)).To(Succeed())
+	}
+
+	// The policies are active once a request each refuses is refused, by them and for the
+	// reason (the apiserver loads policies, bindings, parameters and RBAC asynchronously).
+	// Dry runs: the probes leave nothing behind.
+	a1 := guestClient(g, nsA, "a1")
+	g.Eventually(func() error {
+		return a1.Create(ctx, claim(nsA, uidA1+"-probe", labelsFor("a2", uidA2), classAllowed, nil), client.DryRunAll)
+	}).WithTimeout(time.Minute).Should(MatchError(ContainSubstring(tenancyPolicy + "PersistentVolumeClaim tenant-a/" + uidA1 + "-probe must be labelled")))
+	b1 := guestClient(g, nsB, "b1")
+	g.Eventually(func() error {
+		return b1.Create(ctx, claim(nsA, uidB1+"-probe", labelsFor("b1", uidB1), classAllowed, nil), client.DryRunAll)
+	}).WithTimeout(time.Minute).Should(MatchError(ContainSubstring(namespacePolicy)))
+}
+
+// action is a request of a case, sent with client.DryRunAll: admission runs in full, nothing is
+// stored, so the cases do not depend on each other.
+type action func(ctx context.Context, c client.Client) error
+
+func create(obj client.Object) action {
+	return func(ctx context.Context, c client.Client) error {
+		return c.Create(ctx, obj.DeepCopyObject().(client.Object), client.DryRunAll)
+	}
+}
+
+func remove(obj client.Object) action {
+	return func(ctx context.Context, c client.Client) error {
+		return c.Delete(ctx, obj, client.DryRunAll)
+	}
+}
+
+// patch reads obj (as the guest: it may read its namespace), changes it and sends the change as
+// a merge patch, as guest-csi does.
+func patch[T client.Object](obj T, change func(T)) action {
+	return func(ctx context.Context, c client.Client) error {
+		if err := c.Get(ctx, client.ObjectKeyFromObject(obj), obj); err != nil {
+			return err
+		}
+		base := obj.DeepCopyObject().(client.Object)
+		change(obj)
+		return c.Patch(ctx, obj, client.MergeFrom(base), client.DryRunAll)
+	}
+}
+
+func claimKey(name string) *corev1.PersistentVolumeClaim {
+	return &corev1.PersistentVolumeClaim{ObjectMeta: metav1.ObjectMeta{Namespace: nsA, Name: name}}
+}
+
+func snapshotKey(name string) *unstructured.Unstructured {
+	return snapshot(nsA, name, nil, "")
+}
+
+func vmKey(name string) *vmv1.VirtualMachine {
+	return &vmv1.VirtualMachine{ObjectMeta: metav1.ObjectMeta{Namespace: nsA, Name: name}}
+}
+
+func expand(pvc *corev1.PersistentVolumeClaim) {
+	pvc.Spec.Resources.Requests[corev1.ResourceStorage] = resource.MustParse("2Gi")
+}
+
+func attach(claim string) func(*vmv1.VirtualMachine) {
+	return func(vm *vmv1.VirtualMachine) {
+		vm.Spec.Volumes = append(vm.Spec.Volumes, vmv1.VirtualMachineVolume{
+			Name: claim, PersistentVolumeClaim: vmv1.PersistentVolumeClaimVolumeSource{ClaimName: claim},
+		})
+	}
+}
+
+// TestGuestTenancyPolicy sends every cross-tenant write a guest identity could try, and the same
+// writes within its own rights, through the real apiserver with the policies of
+// manifests/base/admission and the guest Role (tenancy.GuestRules): the first are refused with
+// the reason (by the policy, or by RBAC where RBAC already forbids the verb), the second pass.
+func TestGuestTenancyPolicy(t *testing.T) {
+	ctx := t.Context()
+	setUpTenants(ctx, NewWithT(t))
+
+	// Messages name the object, the cluster and what is not allowed.
+	what := func(kind, name string) string { return kind + " " + nsA + "/" + name }
+	a1Labels := func(kind, name, cluster, uid string) string {
+		return tenancyPolicy + what(kind, name) + " must be labelled pvbridge.io/cluster=a1 and pvbridge.io/cluster-uid=" + uidA1 +
+			" for guest cluster a1, not pvbridge.io/cluster=" + cluster + " and pvbridge.io/cluster-uid=" + uid
+	}
+	notA1s := func(kind, name, owner, verb string) string {
+		return tenancyPolicy + what(kind, name) + " belongs to " + owner + ", not to guest cluster a1 (uid " + uidA1 + "): it may not " + verb + " it"
+	}
+	a2 := "cluster a2 (pvbridge.io/cluster-uid=" + uidA2 + ")"
+	neitherOwnedNorShared := " is neither owned by guest cluster a1 (named " + uidA1 + "-…) nor shared with it (annotation pvbridge.io/shared-with)"
+	newClaim := uidA1 + "-new"
+
+	tests := []struct {
+		name string
+		// as is the guest identity, namespace/cluster; "" is the admin.
+		as   string
+		do   action
+		want string // "" for allowed
+	}{
+		// Claims.
+		{name: "create a claim labelled for its cluster, named after it, of an allowed class", as: "tenant-a/a1",
+			do: create(claim(nsA, newClaim, labelsFor("a1", uidA1), classAllowed, nil))},
+		{name: "create a claim labelled for another cluster", as: "tenant-a/a1",
+			do:   create(claim(nsA, newClaim, labelsFor("a2", uidA2), classAllowed, nil)),
+			want: a1Labels("PersistentVolumeClaim", newClaim, "a2", uidA2)},
+		{name: "create a claim with the UID label of another cluster", as: "tenant-a/a1",
+			do:   create(claim(nsA, newClaim, labelsFor("a1", uidA2), classAllowed, nil)),
+			want: a1Labels("PersistentVolumeClaim", newClaim, "a1", uidA2)},
+		{name: "create a claim named after another cluster", as: "tenant-a/a1",
+			do:   create(claim(nsA, uidA2+"-new", labelsFor("a1", uidA1), classAllowed, nil)),
+			want: tenancyPolicy + "guest cluster a1 may create only objects named " + uidA1 + "-…, not " + what("PersistentVolumeClaim", uidA2+"-new")},
+		{name: "create a claim of a class outside the cluster's allow-list", as: "tenant-a/a1",
+			do:   create(claim(nsA, newClaim, labelsFor("a1", uidA1), classPremium, nil)),
+			want: tenancyPolicy + what("PersistentVolumeClaim", newClaim) + " names StorageClass pmem-premium, which guest cluster a1 may not use: it may use pmem"},
+		{name: "create a claim of no class", as: "tenant-a/a1",
+			do:   create(claim(nsA, newClaim, labelsFor("a1", uidA1), "", nil)),
+			want: tenancyPolicy + what("PersistentVolumeClaim", newClaim) + " names no StorageClass, which guest cluster a1 may not use: it may use pmem"},
+		{name: "create a claim of a class in the allow-list of the cluster that asks", as: "tenant-a/a2",
+			do: create(claim(nsA, uidA2+"-new", labelsFor("a2", uidA2), classPremium, nil))},
+		{name: "bind a claim to a volume of its choosing", as: "tenant-a/a1",
+			do: create(func() *corev1.PersistentVolumeClaim {
+				pvc := claim(nsA, newClaim, labelsFor("a1", uidA1), classAllowed, nil)
+				pvc.Spec.VolumeName = "pv-of-another-tenant"
+				return pvc
+			}()),
+			want: tenancyPolicy + "guest cluster a1 may not bind " + what("PersistentVolumeClaim", newClaim) +
+				" to a PersistentVolume of its choosing (spec.volumeName, spec.selector): its claims are provisioned"},
+		{name: "select the volumes a claim may bind to", as: "tenant-a/a1",
+			do: create(func() *corev1.PersistentVolumeClaim {
+				pvc := claim(nsA, newClaim, labelsFor("a1", uidA1), classAllowed, nil)
+				pvc.Spec.Selector = &metav1.LabelSelector{MatchLabels: map[string]string{"tenant": "b"}}
+				return pvc
+			}()),
+			want: tenancyPolicy + "guest cluster a1 may not bind " + what("PersistentVolumeClaim", newClaim) +
+				" to a PersistentVolume of its choosing (spec.volumeName, spec.selector): its claims are provisioned"},
+		{name: "clone its own claim", as: "tenant-a/a1",
+			do: create(claim(nsA, newClaim, labelsFor("a1", uidA1), classAllowed, claimSource(ownClaim)))},
+		{name: "clone a claim shared with it", as: "tenant-a/a1",
+			do: create(claim(nsA, newClaim, labelsFor("a1", uidA1), classAllowed, claimSource(sharedClaim)))},
+		{name: "clone a claim of another cluster", as: "tenant-a/a1",
+			do:   create(claim(nsA, newClaim, labelsFor("a1", uidA1), classAllowed, claimSource(otherClaim))),
+			want: tenancyPolicy + what("PersistentVolumeClaim", newClaim) + ": its data source PersistentVolumeClaim " + nsA + "/" + otherClaim + neitherOwnedNorShared},
+		{name: "restore its own snapshot", as: "tenant-a/a1",
+			do: create(claim(nsA, newClaim, labelsFor("a1", uidA1), classAllowed, snapshotSource(ownSnap)))},
+		{name: "restore a snapshot shared with it", as: "tenant-a/a1",
+			do: create(claim(nsA, newClaim, labelsFor("a1", uidA1), classAllowed, snapshotSource(sharedSnap)))},
+		{name: "restore a snapshot of another cluster", as: "tenant-a/a1",
+			do:   create(claim(nsA, newClaim, labelsFor("a1", uidA1), classAllowed, snapshotSource(otherSnap))),
+			want: tenancyPolicy + what("PersistentVolumeClaim", newClaim) + ": its data source VolumeSnapshot " + nsA + "/" + otherSnap + neitherOwnedNorShared},
+		{name: "expand its own claim", as: "tenant-a/a1", do: patch(claimKey(ownClaim), expand)},
+		{name: "expand a claim of another cluster", as: "tenant-a/a1",
+			do: patch(claimKey(otherClaim), expand), want: notA1s("PersistentVolumeClaim", otherClaim, a2, "change")},
+		{name: "expand a claim shared with it", as: "tenant-a/a1",
+			do: patch(claimKey(sharedClaim), expand), want: notA1s("PersistentVolumeClaim", sharedClaim, "no guest cluster", "change")},
+		{name: "delete its own claim", as: "tenant-a/a1", do: remove(claimKey(ownClaim))},
+		{name: "delete a claim of another cluster", as: "tenant-a/a1",
+			do: remove(claimKey(otherClaim)), want: notA1s("PersistentVolumeClaim", otherClaim, a2, "delete")},
+		{name: "delete a claim shared with it", as: "tenant-a/a1",
+			do: remove(claimKey(sharedClaim)), want: notA1s("PersistentVolumeClaim", sharedClaim, "no guest cluster", "delete")},
+		{name: "relabel its own claim for another cluster", as: "tenant-a/a1",
+			do:   patch(claimKey(ownClaim), func(pvc *corev1.PersistentVolumeClaim) { pvc.Labels = labelsFor("a2", uidA2) }),
+			want: a1Labels("PersistentVolumeClaim", ownClaim, "a2", uidA2)},
+		{name: "relabel a claim of another cluster as its own", as: "tenant-a/a1",
+			do:   patch(claimKey(otherClaim), func(pvc *corev1.PersistentVolumeClaim) { pvc.Labels = labelsFor("a1", uidA1) }),
+			want: notA1s("PersistentVolumeClaim", otherClaim, a2, "change")},
+		{name: "add a label to its own claim", as: "tenant-a/a1",
+			do:   patch(claimKey(ownClaim), func(pvc *corev1.PersistentVolumeClaim) { pvc.Labels["team"] = "x" }),
+			want: tenancyPolicy + "guest cluster a1 may not change the labels of " + what("PersistentVolumeClaim", ownClaim)},
+
+		// Snapshots.
+		{name: "snapshot its own claim", as: "tenant-a/a1",
+			do: create(snapshot(nsA, newClaim, labelsFor("a1", uidA1), ownClaim))},
+		{name: "snapshot a claim shared with it", as: "tenant-a/a1",
+			do: create(snapshot(nsA, newClaim, labelsFor("a1", uidA1), sharedClaim))},
+		{name: "snapshot a claim of another cluster", as: "tenant-a/a1",
+			do:   create(snapshot(nsA, newClaim, labelsFor("a1", uidA1), otherClaim)),
+			want: tenancyPolicy + what("VolumeSnapshot", newClaim) + ": its source PersistentVolumeClaim " + nsA + "/" + otherClaim + neitherOwnedNorShared},
+		{name: "create a snapshot labelled for another cluster", as: "tenant-a/a1",
+			do:   create(snapshot(nsA, newClaim, labelsFor("a2", uidA2), ownClaim)),
+			want: a1Labels("VolumeSnapshot", newClaim, "a2", uidA2)},
+		{name: "delete its own snapshot", as: "tenant-a/a1", do: remove(snapshotKey(ownSnap))},
+		{name: "delete a snapshot of another cluster", as: "tenant-a/a1",
+			do: remove(snapshotKey(otherSnap)), want: notA1s("VolumeSnapshot", otherSnap, a2, "delete")},
+		{name: "delete a snapshot shared with it", as: "tenant-a/a1",
+			do: remove(snapshotKey(sharedSnap)), want: notA1s("VolumeSnapshot", sharedSnap, "no guest cluster", "delete")},
+
+		// VirtualMachines.
+		{name: "attach its own claim to its VM", as: "tenant-a/a1", do: patch(vmKey(ownVM), attach(uidA1+"-data2"))},
+		{name: "attach a claim shared with it to its VM", as: "tenant-a/a1", do: patch(vmKey(ownVM), attach(sharedClaim))},
+		{name: "attach a claim of another cluster to its VM", as: "tenant-a/a1",
+			do: patch(vmKey(ownVM), attach(otherClaim)),
+			want: tenancyPolicy + "guest cluster a1 may attach to " + what("VirtualMachine", ownVM) + " only claims it owns (named " + uidA1 +
+				"-…) or that are shared with it (annotation pvbridge.io/shared-with), not " + otherClaim},
+		{name: "attach its own claim to the VM of another cluster", as: "tenant-a/a1",
+			do:   patch(vmKey(otherVM), attach(uidA1+"-data2")),
+			want: tenancyPolicy + what("VirtualMachine", otherVM) + " belongs to cluster a2 (label cluster.x-k8s.io/cluster-name), not to guest cluster a1"},
+		{name: "detach a volume from its VM", as: "tenant-a/a1",
+			do: patch(vmKey(ownVM), func(vm *vmv1.VirtualMachine) { vm.Spec.Volumes = nil })},
+		{name: "power off its VM", as: "tenant-a/a1",
+			do:   patch(vmKey(ownVM), func(vm *vmv1.VirtualMachine) { vm.Spec.PowerState = vmv1.PowerStateOff }),
+			want: tenancyPolicy + "guest cluster a1 may change only spec.volumes of " + what("VirtualMachine", ownVM) + ", not spec.powerState"},
+		{name: "relabel its VM", as: "tenant-a/a1",
+			do:   patch(vmKey(ownVM), func(vm *vmv1.VirtualMachine) { vm.Labels[tenancy.CAPIClusterNameLabel] = "a2" }),
+			want: tenancyPolicy + "guest cluster a1 may change only spec.volumes of " + what("VirtualMachine", ownVM) + ", not metadata.labels"},
+		{name: "create a VM", as: "tenant-a/a1",
+			do: create(&vmv1.VirtualMachine{
+				ObjectMeta: metav1.ObjectMeta{Namespace: nsA, Name: "a1-vm2", Labels: map[string]string{tenancy.CAPIClusterNameLabel: "a1"}},
+			}),
+			want: `virtualmachines.vm.pvbridge.io is forbidden: User "system:serviceaccount:tenant-a:a1-pvbridge" cannot create resource "virtualmachines"`},
+
+		// Identities and namespaces.
+		{name: "write in the namespace of another tenant where RBAC lets it", as: "tenant-b/b1",
+			do:   create(claim(nsA, uidB1+"-new", labelsFor("b1", uidB1), classAllowed, nil)),
+			want: namespacePolicy + "guest identity system:serviceaccount:tenant-b:b1-pvbridge may write only in its own namespace tenant-b, not in " + nsA},
+		{name: "write in its namespace when tenancy is not enforced there", as: "plain/p1",
+			do: create(claim(nsPlain, "p1-new", nil, classAllowed, nil)),
+			want: namespacePolicy + "namespace plain is not labelled pvbridge.io/tenancy=enforced, so pvbridge's tenancy policy does not guard it: " +
+				"guest identity system:serviceaccount:plain:p1-pvbridge may not write there"},
+		{name: "write in the namespace of another tenant", as: "tenant-a/a1",
+			do:   create(claim(nsB, newClaim, labelsFor("a1", uidA1), classAllowed, nil)),
+			want: `persistentvolumeclaims is forbidden: User "system:serviceaccount:tenant-a:a1-pvbridge" cannot create resource "persistentvolumeclaims" in API group "" in the namespace "tenant-b"`},
+		{name: "write as a cluster that is not opted in", as: "tenant-a/zz",
+			do: create(claim(nsA, "zz-new", nil, classAllowed, nil)),
+			want: tenancyPolicy + "guest cluster zz is not opted in to pvbridge in namespace tenant-a (no zz.uid in ConfigMap pvbridge-tenancy; " +
+				"label its Cluster pvbridge.io/enabled=true): " + what("PersistentVolumeClaim", "zz-new") + " refused"},
+		{name: "the platform admin is not bound by the policy", as: "",
+			do: create(claim(nsA, "admin-new", nil, classPremium, claimSource(otherClaim)))},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			g := NewWithT(t)
+			c, err := client.New(adminConfig, client.Options{Scheme: scheme(g)})
+			g.Expect(err).NotTo(HaveOccurred())
+			if ns, cluster, ok := strings.Cut(tt.as, "/"); ok {
+				c = guestClient(g, ns, cluster)
+			}
+			err = tt.do(t.Context(), c)
+			if tt.want == "" {
+				g.Expect(err).NotTo(HaveOccurred())
+				return
+			}
+			g.Expect(err).To(MatchError(ContainSubstring(tt.want)))
+		})
+	}
+}
