@@ -1,7 +1,8 @@
 // Command guest-csi-tenants runs in the management cluster and gives every Cluster API Cluster
 // labelled pvbridge.io/enabled=true what its guest-csi needs there: a least-privilege identity
-// whose token it delivers into the guest cluster and renews, the tenancy parameters the
-// admission policy reads, and the cleanup of the cluster's volumes when it is deleted.
+// whose token it delivers into the guest cluster and renews, guest-csi itself installed into the
+// guest cluster, the tenancy parameters the admission policy reads, and the cleanup of the
+// cluster's volumes when it is deleted.
 package main
 
 import (
@@ -31,8 +32,9 @@ func main() {
 		"CA bundle with which guests verify --mgmt-server; empty for the CA of the controller's own connection.")
 	fs.StringVar(&opts.CapacityNamespace, "capacity-namespace", "pvbridge-system",
 		"Namespace where mgmt-csi publishes CSIStorageCapacity objects; each guest identity may list them there.")
-	fs.StringVar(&opts.GuestNamespace, "guest-namespace", "kube-system",
-		"Namespace of the guest cluster that receives the Secret "+tenants.GuestSecretName+" (key "+tenants.GuestSecretKey+").")
+	fs.StringVar(&opts.GuestNamespace, "guest-namespace", "pvbridge-system",
+		"Namespace of the guest cluster that receives the Secret "+tenants.GuestSecretName+" (key "+tenants.GuestSecretKey+
+			"); the guest install's guest-csi controller runs in pvbridge-system and mounts it from there.")
 	fs.DurationVar(&opts.TokenTTL, "token-ttl", 24*time.Hour,
 		"Lifetime of a guest's token (at least 10m); it is renewed when two thirds of it have passed.")
 	fs.BoolVar(&opts.LeaderElect, "leader-elect", true, "Run one active replica, chosen by a Lease named pvbridge-tenants.")

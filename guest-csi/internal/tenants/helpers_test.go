@@ -3,6 +3,7 @@ package tenants
 import (
 	"context"
 	"fmt"
+	"maps"
 	"math/rand/v2"
 	"sort"
 	"strings"
@@ -98,8 +99,17 @@ func (e *tenantEnv) startManager(t *testing.T, cfg Config) {
 }
 
 // createCluster creates an opted-in Cluster (or not, with optIn false) in the test namespace.
+// Its guest install is off unless annotations set GuestInstallAnnotation: the guest apiserver
+// is shared, and only the install tests install into it.
 func (e *tenantEnv) createCluster(t *testing.T, name string, optIn bool, annotations map[string]string) *clusterv1.Cluster {
 	t.Helper()
+	annotations = maps.Clone(annotations)
+	if _, ok := annotations[GuestInstallAnnotation]; !ok {
+		if annotations == nil {
+			annotations = map[string]string{}
+		}
+		annotations[GuestInstallAnnotation] = "false"
+	}
 	c := &clusterv1.Cluster{
 		ObjectMeta: metav1.ObjectMeta{Namespace: e.ns, Name: name, Annotations: annotations},
 		Spec:       clusterv1.ClusterSpec{ControlPlaneEndpoint: clusterv1.APIEndpoint{Host: "127.0.0.1", Port: 6443}},

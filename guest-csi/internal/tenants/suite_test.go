@@ -16,8 +16,8 @@ import (
 
 // The package's two test apiservers, real kube-apiservers and etcds (the lab's pinned
 // binaries) started once by TestMain: mgmt plays the management cluster (pvbridge's, Cluster
-// API's and the snapshot CRDs; a namespace per test), guest a guest cluster (a namespace per
-// test receives the credential). Neither runs kube-controller-manager: no garbage collector,
+// API's and the snapshot CRDs; a namespace per test), guest a guest cluster (the snapshot CRDs;
+// a namespace per test receives the credential; the guest install's objects are shared). Neither runs kube-controller-manager: no garbage collector,
 // no PVC protection controller.
 var (
 	scheme *runtime.Scheme
@@ -58,7 +58,12 @@ func runSuite(m *testing.M) int {
 		ErrorIfCRDPathMissing: true,
 		BinaryAssetsDirectory: assets,
 	}
-	guest := &envtest.Environment{BinaryAssetsDirectory: assets}
+	// The guest serves VolumeSnapshotClasses, which the guest install includes.
+	guest := &envtest.Environment{
+		CRDDirectoryPaths:     []string{filepath.Join(crds, "snapshot")},
+		ErrorIfCRDPathMissing: true,
+		BinaryAssetsDirectory: assets,
+	}
 	for name, env := range map[string]*envtest.Environment{"management": mgmt, "guest": guest} {
 		if _, err := env.Start(); err != nil {
 			fmt.Fprintf(os.Stderr, "start the %s test apiserver (binaries from %s; run `make tools`): %v\n", name, assets, err)

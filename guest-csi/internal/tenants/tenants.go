@@ -7,13 +7,18 @@
 //     RoleBinding (tenancy.CapacityRules) in the capacity namespace — and a token of it, made
 //     into a kubeconfig and delivered into the guest cluster as the Secret
 //     pvbridge-mgmt-credentials, renewed when two thirds of its life have passed;
+//   - guest install (InstallReconciler): the guest side of pvbridge (guest/install.yaml, rendered
+//     from manifests/overlays/guest) applied into the guest cluster with the Cluster's name, UID
+//     and first allowed management StorageClass, and applied again every resync; a Cluster
+//     annotated pvbridge.io/guest-install=false is left alone;
 //   - parameters (ParamsReconciler): the ConfigMap pvbridge-tenancy of each namespace, which the
 //     admission policy reads (the contract in docs/tenants.md);
 //   - cleanup (CleanupReconciler): the finalizer pvbridge.io/cleanup; when a Cluster is deleted,
 //     once its VirtualMachines are gone, the management PVCs and VolumeSnapshots it owns are
 //     deleted, those shared with it released, and its capacity-namespace RBAC removed.
 //
-// The Cluster itself is never written but for that finalizer: its status belongs to Cluster API.
+// Nothing is removed from a guest cluster when its Cluster goes: the guest goes with it. The
+// Cluster itself is never written but for that finalizer: its status belongs to Cluster API.
 // Progress is told by Events on the Cluster and in the log.
 package tenants
 
@@ -162,23 +167,36 @@ type Config struct {
 	CapacityNamespace string
 	GuestNamespace    string
 	TokenTTL          time.Duration
+	// InstallResync is how often the guest install is applied again; zero:
+	// DefaultInstallResync.
+	InstallResync time.Duration
 	// Clock tells when a token is due for renewal; nil: the real clock.
 	Clock clock.PassiveClock
 }
 
-// SetupWithManager registers the three reconcilers with mgr.
+// SetupWithManager registers the four reconcilers with mgr.
 func SetupWithManager(mgr ctrl.Manager, cfg Config) error {
 	if cfg.Clock == nil {
 		cfg.Clock = clock.RealClock{}
 	}
+	guests := NewGuestClients(mgr.GetScheme())
 	creds := &CredentialsReconciler{
 		Client:   mgr.GetClient(),
 		Config:   cfg,
-		Guests:   NewGuestClients(mgr.GetScheme()),
+		Guests:   guests,
 		Recorder: mgr.GetEventRecorder(fieldManager),
 	}
 	if err := creds.SetupWithManager(mgr); err != nil {
 		return fmt.Errorf("set up the credentials controller: %w", err)
+	}
+	install := &InstallReconciler{
+		Client:   mgr.GetClient(),
+		Guests:   guests,
+		Recorder: mgr.GetEventRecorder(fieldManager),
+		Resync:   cfg.InstallResync,
+	}
+	if err := install.SetupWithManager(mgr); err != nil {
+		return fmt.Errorf("set up the guest install controller: %w", err)
 	}
 	params := &ParamsReconciler{Client: mgr.GetClient()}
 	if err := params.SetupWithManager(mgr); err != nil {
