@@ -42,10 +42,10 @@ const (
 
 	// clusterConfigMap is the install's ConfigMap with the cluster's identity, read by the
 	// guest-csi controller's --cluster-name and --cluster-uid (through its environment).
-	clusterConfigMap   = "pvbridge-cluster"
-	clusterNameKey     = "cluster-name"
-	clusterUIDKey      = "cluster-uid"
-	mgmtStorageClassKP = "mgmtStorageClass"
+	clusterConfigMap      = "pvbridge-cluster"
+	clusterNameKey        = "cluster-name"
+	clusterUIDKey         = "cluster-uid"
+	mgmtStorageClassParam = "mgmtStorageClass"
 	// guestDriver is the provisioner of the install's StorageClasses.
 	guestDriver = "guest.csi.pvbridge.io"
 )
@@ -105,8 +105,8 @@ func parseInstall(data []byte) ([]*unstructured.Unstructured, error) {
 			}
 			identity = true
 		case isGuestStorageClass(u):
-			if _, ok, _ := unstructured.NestedString(u.Object, "parameters", mgmtStorageClassKP); !ok {
-				return nil, fmt.Errorf("guest install: StorageClass %s has no %s parameter", u.GetName(), mgmtStorageClassKP)
+			if _, ok, _ := unstructured.NestedString(u.Object, "parameters", mgmtStorageClassParam); !ok {
+				return nil, fmt.Errorf("guest install: StorageClass %s has no %s parameter", u.GetName(), mgmtStorageClassParam)
 			}
 			classes++
 		}
@@ -159,7 +159,7 @@ func renderInstall(base []*unstructured.Unstructured, cluster *clusterv1.Cluster
 				skipped = append(skipped, "StorageClass "+u.GetName())
 				continue
 			}
-			err = unstructured.SetNestedField(u.Object, mgmtClass, "parameters", mgmtStorageClassKP)
+			err = unstructured.SetNestedField(u.Object, mgmtClass, "parameters", mgmtStorageClassParam)
 		case readsClusterConfigMap(u):
 			annotations, _, _ := unstructured.NestedStringMap(u.Object, "spec", "template", "metadata", "annotations")
 			if annotations == nil {
@@ -317,7 +317,7 @@ func (r *InstallReconciler) Reconcile(ctx context.Context, req ctrl.Request) (ct
 	if classes := allowedClasses(cluster, namespace); len(classes) > 0 {
 		mgmtClass = classes[0]
 	} else {
-		skipReason = fmt.Sprintf("the cluster may use no management StorageClass (annotation %s on neither the Cluster nor its Namespace names one)",
+		skipReason = fmt.Sprintf("the cluster may use no management StorageClass (annotation %s of the Cluster, else of its Namespace, names none)",
 			StorageClassesAnnotation)
 	}
 	objs, skipped, err := renderInstall(base, cluster, mgmtClass)

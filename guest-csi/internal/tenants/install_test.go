@@ -112,7 +112,7 @@ func TestRenderInstall(t *testing.T) {
 				}
 				if obj.GetKind() == "StorageClass" {
 					classes = append(classes, obj.GetName())
-					param, _, _ := unstructured.NestedString(obj.Object, "parameters", mgmtStorageClassKP)
+					param, _, _ := unstructured.NestedString(obj.Object, "parameters", mgmtStorageClassParam)
 					g.Expect(param).To(Equal(tc.class))
 				}
 			}
@@ -242,7 +242,7 @@ func TestGuestInstall(t *testing.T) {
 	for _, key := range []client.ObjectKey{defaultClassKey, xfsClassKey} {
 		sc := &storagev1.StorageClass{}
 		g.Expect(guestAdmin.Get(ctx, key, sc)).To(Succeed())
-		g.Expect(sc.Parameters).To(HaveKeyWithValue(mgmtStorageClassKP, "fast"), "the Namespace's first allowed class")
+		g.Expect(sc.Parameters).To(HaveKeyWithValue(mgmtStorageClassParam, "fast"), "the Namespace's first allowed class")
 	}
 	g.Expect(guestAdmin.Get(ctx, snapshotClassKey, &snapshotv1.VolumeSnapshotClass{})).To(Succeed())
 	eventually(g, reasons).WithContext(ctx).Should(ContainElement(eventGuestInstalled))
@@ -271,7 +271,7 @@ func TestGuestInstall(t *testing.T) {
 		for _, key := range []client.ObjectKey{defaultClassKey, xfsClassKey} {
 			sc := &storagev1.StorageClass{}
 			g.Expect(guestAdmin.Get(ctx, key, sc)).To(Succeed())
-			g.Expect(sc.Parameters).To(HaveKeyWithValue(mgmtStorageClassKP, "pmem"))
+			g.Expect(sc.Parameters).To(HaveKeyWithValue(mgmtStorageClassParam, "pmem"))
 		}
 	}).WithContext(ctx).Should(Succeed())
 	replaced := &storagev1.StorageClass{}
