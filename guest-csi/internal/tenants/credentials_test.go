@@ -1,0 +1,251 @@
+package tenants
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	. "github.com/onsi/gomega"
+	authenticationv1 "k8s.io/api/authentication/v1"
+	corev1 "k8s.io/api/core/v1"
+	rbacv1 "k8s.io/api/rbac/v1"
+	storagev1 "k8s.io/api/storage/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/tools/clientcmd"
+	"k8s.io/client-go/tools/events"
+	clocktesting "k8s.io/utils/clock/testing"
+	clusterv1 "sigs.k8s.io/cluster-api/api/core/v1beta2"
+	ctrl "sigs.k8s.io/controller-runtime"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+
+	vmv1 "pvbridge.io/pkg/apis/vm/v1alpha1"
+	"pvbridge.io/pkg/tenancy"
+)
+
+// TestCredentialsGrantGuestRulesOnly: an opted-in Cluster gets its ServiceAccount, Roles and
+// RoleBindings, owned by the Cluster where ownership is possible, and the guest cluster a
+// kubeconfig that works as that identity: what tenancy.GuestRules and CapacityRules allow
+// succeeds against the management apiserver, the rest is Forbidden. A Cluster that does not
+// opt in gets nothing.
+func TestCredentialsGrantGuestRulesOnly(t *testing.T) {
+	g := NewWithT(t)
+	ctx := t.Context()
+	e := newTenantEnv(t, nil)
+	e.startManager(t, e.config())
+	other := e.createCluster(t, "other", false, nil)
+	e.createKubeconfigSecret(t, other)
+	c := e.createCluster(t, "alpha", true, nil)
+	e.createKubeconfigSecret(t, c)
+
+	var secret *corev1.Secret
+	eventually(g, func() error {
+		var err error
+		secret, err = e.guestSecret(ctx)
+		return err
+	}).Should(Succeed())
+	kubeconfig := secret.Data[GuestSecretKey]
+	cfg, err := clientcmd.Load(kubeconfig)
+	g.Expect(err).NotTo(HaveOccurred())
+	g.Expect(cfg.Contexts[cfg.CurrentContext].Namespace).To(Equal(e.ns), "the context names the guest's namespace")
+	g.Expect(secret.Annotations).To(HaveKey(TokenExpiresAnnotation))
+
+	owner := metav1.OwnerReference{APIVersion: clusterv1.GroupVersion.String(), Kind: "Cluster", Name: c.Name, UID: c.UID}
+	ownedBy := HaveExactElements(And(
+		HaveField("APIVersion", owner.APIVersion), HaveField("Kind", owner.Kind), HaveField("Name", owner.Name),
+		HaveField("UID", owner.UID), HaveField("Controller", HaveValue(BeTrue()))))
+	sa := &corev1.ServiceAccount{}
+	g.Expect(mgmtClient.Get(ctx, client.ObjectKey{Namespace: e.ns, Name: "alpha-pvbridge"}, sa)).To(Succeed())
+	g.Expect(sa.OwnerReferences).To(ownedBy)
+	role := &rbacv1.Role{}
+	g.Expect(mgmtClient.Get(ctx, client.ObjectKey{Namespace: e.ns, Name: "alpha-pvbridge"}, role)).To(Succeed())
+	g.Expect(role.Rules).To(Equal(tenancy.GuestRules))
+	g.Expect(role.OwnerReferences).To(ownedBy)
+	binding := &rbacv1.RoleBinding{}
+	g.Expect(mgmtClient.Get(ctx, client.ObjectKey{Namespace: e.ns, Name: "alpha-pvbridge"}, binding)).To(Succeed())
+	g.Expect(binding.OwnerReferences).To(ownedBy)
+	g.Expect(binding.RoleRef.Name).To(Equal("alpha-pvbridge"))
+	// The capacity namespace's RBAC cannot be owned across namespaces; it is labelled for the
+	// cleanup instead.
+	capRole := &rbacv1.Role{}
+	g.Expect(mgmtClient.Get(ctx, client.ObjectKey{Namespace: e.capacityNS, Name: e.ns + ".alpha-pvbridge"}, capRole)).To(Succeed())
+	g.Expect(capRole.Rules).To(Equal(tenancy.CapacityRules))
+	g.Expect(capRole.OwnerReferences).To(BeEmpty())
+	g.Expect(capRole.Labels).To(HaveKeyWithValue(tenancy.ClusterUIDLabel, string(c.UID)))
+
+	err = mgmtClient.Get(ctx, client.ObjectKey{Namespace: e.ns, Name: "other-pvbridge"}, &corev1.ServiceAccount{})
+	g.Expect(apierrors.IsNotFound(err)).To(BeTrue(), "a Cluster without the opt-in label gets no identity: %v", err)
+
+	guest := identityClient(t, kubeconfig)
+	create(t, &vmv1.VirtualMachine{ObjectMeta: metav1.ObjectMeta{Namespace: e.ns, Name: "vm-0"}})
+	for _, tc := range []struct {
+		name    string
+		call    func(ctx context.Context) error
+		allowed bool
+	}{
+		{"list PVCs of its namespace", func(ctx context.Context) error {
+			return guest.List(ctx, &corev1.PersistentVolumeClaimList{}, client.InNamespace(e.ns))
+		}, true},
+		{"create a PVC in its namespace", func(ctx context.Context) error {
+			return guest.Create(ctx, e.pvc("claim", nil, ""))
+		}, true},
+		{"patch a VirtualMachine of its namespace", func(ctx context.Context) error {
+			vm := &vmv1.VirtualMachine{ObjectMeta: metav1.ObjectMeta{Namespace: e.ns, Name: "vm-0"}}
+			return guest.Patch(ctx, vm, client.RawPatch("application/merge-patch+json", []byte(`{"metadata":{"annotations":{"a":"b"}}}`)))
+		}, true},
+		{"list CSIStorageCapacities of the capacity namespace", func(ctx context.Context) error {
+			return guest.List(ctx, &storagev1.CSIStorageCapacityList{}, client.InNamespace(e.capacityNS))
+		}, true},
+		{"list PVCs of another namespace", func(ctx context.Context) error {
+			return guest.List(ctx, &corev1.PersistentVolumeClaimList{}, client.InNamespace(e.capacityNS))
+		}, false},
+		{"read Secrets of its namespace", func(ctx context.Context) error {
+			return guest.List(ctx, &corev1.SecretList{}, client.InNamespace(e.ns))
+		}, false},
+		{"delete a VirtualMachine", func(ctx context.Context) error {
+			return guest.Delete(ctx, &vmv1.VirtualMachine{ObjectMeta: metav1.ObjectMeta{Namespace: e.ns, Name: "vm-0"}})
+		}, false},
+		{"change its own Cluster", func(ctx context.Context) error {
+			return guest.Patch(ctx, c.DeepCopy(), client.RawPatch("application/merge-patch+json", []byte(`{"metadata":{"labels":{"x":"y"}}}`)))
+		}, false},
+		{"write its own Role", func(ctx context.Context) error {
+			return guest.Delete(ctx, role.DeepCopy())
+		}, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			g := NewWithT(t)
+			err := tc.call(t.Context())
+			if tc.allowed {
+				g.Expect(err).NotTo(HaveOccurred())
+			} else {
+				g.Expect(apierrors.IsForbidden(err)).To(BeTrue(), "want Forbidden, got %v", err)
+			}
+		})
+	}
+	review := &authenticationv1.SelfSubjectReview{}
+	g.Expect(guest.Create(ctx, review)).To(Succeed())
+	g.Expect(review.Status.UserInfo.Username).To(Equal("system:serviceaccount:" + e.ns + ":alpha-pvbridge"))
+}
+
+// TestCredentialsRenewedAfterTwoThirds drives the credentials reconciler by a fake clock with
+// 10-minute tokens: a fresh credential is kept (requeued for 2/3 of its life), one that is due
+// is replaced in the guest Secret by a new token, and the old and the new token both work.
+func TestCredentialsRenewedAfterTwoThirds(t *testing.T) {
+	g := NewWithT(t)
+	ctx := t.Context()
+	e := newTenantEnv(t, nil)
+	clock := clocktesting.NewFakeClock(time.Now())
+	cfg := e.config()
+	cfg.Clock = clock
+	r := &CredentialsReconciler{Client: mgmtClient, Config: cfg, Guests: NewGuestClients(scheme), Recorder: recorder(t)}
+	c := e.createCluster(t, "rotating", true, nil)
+	e.createKubeconfigSecret(t, c)
+	req := ctrl.Request{NamespacedName: client.ObjectKeyFromObject(c)}
+	third := MinTokenTTL / 3
+
+	res, err := r.Reconcile(ctx, req)
+	g.Expect(err).NotTo(HaveOccurred())
+	g.Expect(res.RequeueAfter).To(BeNumerically("~", 2*third, 5*time.Second), "renewal is due after two thirds")
+	first, err := e.guestSecret(ctx)
+	g.Expect(err).NotTo(HaveOccurred())
+
+	for _, step := range []struct {
+		name    string
+		advance time.Duration
+		renewed bool
+		requeue time.Duration
+	}{
+		{"fresh credential is kept", 0, false, 2 * third},
+		{"one third in, kept", third, false, third},
+		{"just before two thirds, kept", third - 10*time.Second, false, 10 * time.Second},
+		// The fake clock now runs ahead of the apiserver's, which sets the new token's
+		// expiry: its life as the controller sees it is shorter, and so is the requeue.
+		{"two thirds passed, renewed", 15 * time.Second, true, 0},
+	} {
+		clock.Step(step.advance)
+		res, err := r.Reconcile(ctx, req)
+		g.Expect(err).NotTo(HaveOccurred(), step.name)
+		now, err := e.guestSecret(ctx)
+		g.Expect(err).NotTo(HaveOccurred())
+		if step.renewed {
+			expires, err := time.Parse(time.RFC3339, now.Annotations[TokenExpiresAnnotation])
+			g.Expect(err).NotTo(HaveOccurred())
+			step.requeue = expires.Sub(clock.Now()) * 2 / 3
+			g.Expect(now.Annotations[TokenIssuedAnnotation]).To(Equal(clock.Now().UTC().Format(time.RFC3339)))
+		}
+		g.Expect(res.RequeueAfter).To(BeNumerically("~", step.requeue, 2*time.Second), step.name)
+		if step.renewed {
+			g.Expect(tokenOf(now.Data[GuestSecretKey])).NotTo(Equal(tokenOf(first.Data[GuestSecretKey])), step.name)
+			g.Expect(now.Annotations[TokenIssuedAnnotation]).NotTo(Equal(first.Annotations[TokenIssuedAnnotation]), step.name)
+		} else {
+			g.Expect(now.Data).To(Equal(first.Data), step.name)
+		}
+	}
+	renewed, err := e.guestSecret(ctx)
+	g.Expect(err).NotTo(HaveOccurred())
+	for name, kubeconfig := range map[string][]byte{"old": first.Data[GuestSecretKey], "new": renewed.Data[GuestSecretKey]} {
+		err := identityClient(t, kubeconfig).List(ctx, &corev1.PersistentVolumeClaimList{}, client.InNamespace(e.ns))
+		g.Expect(err).NotTo(HaveOccurred(), "the %s token works until it expires", name)
+	}
+	eventually(g, func() ([]string, error) { return eventReasons(ctx, c) }).
+		Should(HaveExactElements(eventCredentialsIssued, eventCredentialsRenewed))
+}
+
+// TestCredentialsReissuedWhenStale: a credential is replaced, whatever its age, when the
+// guest Secret lost it, or when its ServiceAccount was recreated (the old token died with it).
+func TestCredentialsReissuedWhenStale(t *testing.T) {
+	for _, tc := range []struct {
+		name  string
+		spoil func(t *testing.T, e *tenantEnv, secret *corev1.Secret)
+	}{
+		{"guest Secret deleted", func(t *testing.T, e *tenantEnv, secret *corev1.Secret) {
+			if err := guestAdmin.Delete(t.Context(), secret); err != nil {
+				t.Fatal(err)
+			}
+		}},
+		{"ServiceAccount recreated", func(t *testing.T, e *tenantEnv, _ *corev1.Secret) {
+			sa := &corev1.ServiceAccount{ObjectMeta: metav1.ObjectMeta{Namespace: e.ns, Name: "stale-pvbridge"}}
+			if err := mgmtClient.Delete(t.Context(), sa); err != nil {
+				t.Fatal(err)
+			}
+		}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			g := NewWithT(t)
+			ctx := t.Context()
+			e := newTenantEnv(t, nil)
+			r := &CredentialsReconciler{Client: mgmtClient, Config: e.config(), Guests: NewGuestClients(scheme), Recorder: recorder(t)}
+			r.Config.Clock = clocktesting.NewFakeClock(time.Now())
+			c := e.createCluster(t, "stale", true, nil)
+			e.createKubeconfigSecret(t, c)
+			req := ctrl.Request{NamespacedName: client.ObjectKeyFromObject(c)}
+			_, err := r.Reconcile(ctx, req)
+			g.Expect(err).NotTo(HaveOccurred())
+			before, err := e.guestSecret(ctx)
+			g.Expect(err).NotTo(HaveOccurred())
+
+			tc.spoil(t, e, before)
+			_, err = r.Reconcile(ctx, req)
+			g.Expect(err).NotTo(HaveOccurred())
+			after, err := e.guestSecret(ctx)
+			g.Expect(err).NotTo(HaveOccurred())
+			g.Expect(tokenOf(after.Data[GuestSecretKey])).NotTo(Equal(tokenOf(before.Data[GuestSecretKey])))
+			err = identityClient(t, after.Data[GuestSecretKey]).List(ctx, &corev1.PersistentVolumeClaimList{}, client.InNamespace(e.ns))
+			g.Expect(err).NotTo(HaveOccurred(), "the new token works")
+		})
+	}
+}
+
+// recorder is a real Event recorder writing to the management apiserver until the test ends.
+func recorder(t *testing.T) events.EventRecorder {
+	t.Helper()
+	cs, err := kubernetes.NewForConfig(mgmtConfig)
+	if err != nil {
+		t.Fatal(err)
+	}
+	b := events.NewBroadcaster(&events.EventSinkImpl{Interface: cs.EventsV1()})
+	b.StartRecordingToSink(t.Context().Done())
+	t.Cleanup(b.Shutdown)
+	return b.NewRecorder(scheme, fieldManager)
+}

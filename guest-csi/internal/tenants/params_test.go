@@ -1,0 +1,162 @@
+package tenants
+
+import (
+	"context"
+	"testing"
+
+	. "github.com/onsi/gomega"
+	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	clusterv1 "sigs.k8s.io/cluster-api/api/core/v1beta2"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+
+	"pvbridge.io/pkg/tenancy"
+)
+
+// TestParamsData: the contract's keys, per opted-in Cluster.
+func TestParamsData(t *testing.T) {
+	shared := func(name, with string) metav1.PartialObjectMetadata {
+		m := metav1.PartialObjectMetadata{ObjectMeta: metav1.ObjectMeta{Name: name}}
+		if with != "" {
+			m.Annotations = map[string]string{tenancy.SharedWithAnnotation: with}
+		}
+		return m
+	}
+	for _, tc := range []struct {
+		name             string
+		clusters         []paramsCluster
+		namespaceClasses string
+		claims, snaps    []metav1.PartialObjectMetadata
+		want             map[string]string
+	}{
+		{
+			name:     "no classes anywhere: none allowed",
+			clusters: []paramsCluster{{name: "a", uid: "u-a"}},
+			want:     map[string]string{"a.uid": "u-a", "a.storageClasses": "", "a.sharedClaims": "", "a.sharedSnapshots": ""},
+		},
+		{
+			name:             "namespace classes, normalized",
+			clusters:         []paramsCluster{{name: "a", uid: "u-a"}},
+			namespaceClasses: " silver,gold,, silver ",
+			want:             map[string]string{"a.uid": "u-a", "a.storageClasses": "gold,silver", "a.sharedClaims": "", "a.sharedSnapshots": ""},
+		},
+		{
+			name: "the Cluster's classes win, even empty",
+			clusters: []paramsCluster{
+				{name: "a", uid: "u-a", storageClasses: "bronze", hasStorageClasses: true},
+				{name: "b", uid: "u-b", storageClasses: "", hasStorageClasses: true},
+			},
+			namespaceClasses: "gold",
+			want: map[string]string{
+				"a.uid": "u-a", "a.storageClasses": "bronze", "a.sharedClaims": "", "a.sharedSnapshots": "",
+				"b.uid": "u-b", "b.storageClasses": "", "b.sharedClaims": "", "b.sharedSnapshots": "",
+			},
+		},
+		{
+			name:     "shared claims and snapshots by name, exact cluster names only",
+			clusters: []paramsCluster{{name: "a", uid: "u-a"}, {name: "b", uid: "u-b"}},
+			claims:   []metav1.PartialObjectMetadata{shared("p2", "a, b"), shared("p1", "a"), shared("p3", ""), shared("p4", "ab,c")},
+			snaps:    []metav1.PartialObjectMetadata{shared("s1", "b")},
+			want: map[string]string{
+				"a.uid": "u-a", "a.storageClasses": "", "a.sharedClaims": "p1,p2", "a.sharedSnapshots": "",
+				"b.uid": "u-b", "b.storageClasses": "", "b.sharedClaims": "p2", "b.sharedSnapshots": "s1",
+			},
+		},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			NewWithT(t).Expect(paramsData(tc.clusters, tc.namespaceClasses, tc.claims, tc.snaps)).To(Equal(tc.want))
+		})
+	}
+}
+
+// TestParamsFollowAnnotations: the ConfigMap pvbridge-tenancy follows the Clusters' opt-in
+// labels and annotations, the Namespace's annotation and the shared-with annotations of the
+// namespace's PVCs and VolumeSnapshots, and goes when no Cluster opts in any more.
+func TestParamsFollowAnnotations(t *testing.T) {
+	g := NewWithT(t)
+	ctx := t.Context()
+	e := newTenantEnv(t, map[string]string{StorageClassesAnnotation: "gold,silver"})
+	e.startManager(t, e.config())
+	a := e.createCluster(t, "a", true, nil)
+	b := e.createCluster(t, "b", true, map[string]string{StorageClassesAnnotation: "bronze"})
+	x := e.createCluster(t, "x", false, nil)
+	p1, p2 := e.pvc("p1", nil, "a"), e.pvc("p2", nil, "a,b")
+	s1 := e.snapshot("s1", nil, "b")
+	create(t, p1, p2, e.pvc("p3", nil, ""), s1, e.snapshot("s2", nil, ""))
+
+	params := func(ctx context.Context) (map[string]string, error) {
+		cm := &corev1.ConfigMap{}
+		err := mgmtClient.Get(ctx, client.ObjectKey{Namespace: e.ns, Name: ParamsConfigMap}, cm)
+		return cm.Data, err
+	}
+	eventually(g, params).WithContext(ctx).Should(Equal(map[string]string{
+		"a.uid": string(a.UID), "a.storageClasses": "gold,silver", "a.sharedClaims": "p1,p2", "a.sharedSnapshots": "",
+		"b.uid": string(b.UID), "b.storageClasses": "bronze", "b.sharedClaims": "p2", "b.sharedSnapshots": "s1",
+	}))
+
+	annotate := func(obj client.Object, key string, value *string) {
+		t.Helper()
+		patch := client.MergeFrom(obj.DeepCopyObject().(client.Object))
+		ann := obj.GetAnnotations()
+		if ann == nil {
+			ann = map[string]string{}
+		}
+		if value == nil {
+			delete(ann, key)
+		} else {
+			ann[key] = *value
+		}
+		obj.SetAnnotations(ann)
+		if err := mgmtClient.Patch(ctx, obj, patch); err != nil {
+			t.Fatal(err)
+		}
+	}
+	str := func(s string) *string { return &s }
+	annotate(p1, tenancy.SharedWithAnnotation, str("b"))
+	annotate(s1, tenancy.SharedWithAnnotation, nil)
+	annotate(a, StorageClassesAnnotation, str("platinum"))
+	ns := &corev1.Namespace{}
+	g.Expect(mgmtClient.Get(ctx, client.ObjectKey{Name: e.ns}, ns)).To(Succeed())
+	annotate(ns, StorageClassesAnnotation, str("iron"))
+	g.Expect(mgmtClient.Delete(ctx, p2)).To(Succeed())
+	xPatch := client.MergeFrom(x.DeepCopy())
+	x.Labels = map[string]string{EnabledLabel: "true"}
+	g.Expect(mgmtClient.Patch(ctx, x, xPatch)).To(Succeed())
+	// envtest has no PVC protection controller; the PVC goes unless the admission plugin
+	// added its finalizer, which is lifted here as kube-controller-manager would.
+	liftFinalizers(t, p2)
+
+	eventually(g, params).WithContext(ctx).Should(Equal(map[string]string{
+		"a.uid": string(a.UID), "a.storageClasses": "platinum", "a.sharedClaims": "", "a.sharedSnapshots": "",
+		"b.uid": string(b.UID), "b.storageClasses": "bronze", "b.sharedClaims": "p1", "b.sharedSnapshots": "",
+		"x.uid": string(x.UID), "x.storageClasses": "iron", "x.sharedClaims": "", "x.sharedSnapshots": "",
+	}))
+
+	// Tampering is repaired.
+	cm := &corev1.ConfigMap{}
+	g.Expect(mgmtClient.Get(ctx, client.ObjectKey{Namespace: e.ns, Name: ParamsConfigMap}, cm)).To(Succeed())
+	cm.Data["b.storageClasses"] = "gold"
+	g.Expect(mgmtClient.Update(ctx, cm)).To(Succeed())
+	eventually(g, params).WithContext(ctx).Should(HaveKeyWithValue("b.storageClasses", "bronze"))
+
+	for _, c := range []*clusterv1.Cluster{a, b, x} {
+		patch := client.MergeFrom(c.DeepCopy())
+		delete(c.Labels, EnabledLabel)
+		g.Expect(mgmtClient.Patch(ctx, c, patch)).To(Succeed())
+	}
+	eventually(g, func(ctx context.Context) bool {
+		_, err := params(ctx)
+		return apierrors.IsNotFound(err)
+	}).WithContext(ctx).Should(BeTrue(), "no opted-in Cluster left: no parameters, the policy denies")
+}
+
+// liftFinalizers removes the finalizers of obj, if it still exists: what the controllers
+// envtest does not run would do once their work is done.
+func liftFinalizers(t *testing.T, obj client.Object) {
+	t.Helper()
+	patch := client.RawPatch("application/merge-patch+json", []byte(`{"metadata":{"finalizers":null}}`))
+	if err := mgmtClient.Patch(t.Context(), obj, patch); err != nil && !apierrors.IsNotFound(err) {
+		t.Fatal(err)
+	}
+}
