@@ -14,6 +14,7 @@ export PVBRIDGE_ROOT := $(CURDIR)
 MODULES := pkg guest-csi mgmt-csi vm-operator e2e
 CONTROLLER_GEN := $(PVBRIDGE_BIN)/controller-gen
 GOLANGCI_LINT := $(PVBRIDGE_BIN)/golangci-lint
+KUBECTL := $(PVBRIDGE_BIN)/kubectl
 # The end-to-end and integration tests start real clusters; give them room on a loaded 2-core machine.
 TEST_TIMEOUT ?= 30m
 
@@ -81,13 +82,14 @@ sanity: deps tools ## Run the csi-sanity binary against both drivers as the lab 
 ##@ Development
 
 .PHONY: generate
-generate: $(CONTROLLER_GEN) ## Generate deepcopy code and CRDs, and copy the snapshot CRDs.
+generate: $(CONTROLLER_GEN) $(KUBECTL) ## Generate deepcopy code and CRDs, copy the snapshot CRDs, render the guest install.
 	cd pkg && $(CONTROLLER_GEN) object:headerFile=../hack/boilerplate.go.txt paths=./apis/...
 	cd pkg && $(CONTROLLER_GEN) crd paths=./apis/... output:crd:artifacts:config=../manifests/crd/bases
 	hack/update-snapshot-crds.sh
+	hack/render-guest-install.sh
 
 .PHONY: verify
-verify: $(CONTROLLER_GEN) ## Fail if generated files, formatting or go.mod files drift.
+verify: $(CONTROLLER_GEN) $(KUBECTL) ## Fail if generated files, formatting or go.mod files drift.
 	hack/verify.sh
 
 .PHONY: lint
@@ -110,6 +112,9 @@ $(CONTROLLER_GEN):
 
 $(GOLANGCI_LINT):
 	hack/build-tools.sh golangci-lint
+
+$(KUBECTL):
+	hack/build-tools.sh kubernetes
 
 .PHONY: deps
 deps: ## Install the system packages the lab needs (Debian).

@@ -8,6 +8,6 @@ dir=$(cd "$root/hack/tools/csi-snapshotter" &&
 	GOWORK=off go mod download -json github.com/kubernetes-csi/external-snapshotter/client/v8 | jq -r .Dir)
 out="$root/manifests/crd/snapshot"
 mkdir -p "$out"
-rm -f "$out"/*.yaml
+rm -f "$out"/*storage.k8s.io_*.yaml
 cp "$dir"/config/crd/*storage.k8s.io_*.yaml "$out"/
-chmod 644 "$out"/*.yaml
+chmod 644 "$out"/*storage.k8s.io_*.yaml
