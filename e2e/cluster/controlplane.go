@@ -109,6 +109,7 @@ func (l *Lab) StartControlPlane(ctx context.Context, name string) (*ControlPlane
 		"--service-account-signing-key-file="+filepath.Join(cp.Dir, "pki", "sa.key"),
 		"--token-auth-file="+filepath.Join(cp.Dir, "pki", "tokens.csv"),
 		"--authorization-mode=RBAC",
+		"--allow-privileged=true", // CSI node plugins are privileged; kubeadm clusters allow it too
 		// A loopback advertise address needs the endpoint reconciler off. The rest halves the
 		// idle CPU of a lab apiserver (measured in shared/reference/lab-fit.md).
 		"--endpoint-reconciler-type=none",

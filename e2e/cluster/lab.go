@@ -8,6 +8,7 @@
 package cluster
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"os"
@@ -24,6 +25,10 @@ type Lab struct {
 	pidDir string
 	reaper *reaper
 
+	// ctx ends when the lab stops: the lifetime of what runs beside the processes.
+	ctx    context.Context
+	cancel context.CancelFunc
+
 	mu        sync.Mutex
 	processes []*Process
 	stopped   bool
@@ -37,6 +42,7 @@ func NewLab(root string, bin *Binaries) (*Lab, error) {
 		return nil, err
 	}
 	l := &Lab{Root: root, bin: bin, pidDir: filepath.Join(root, "pids")}
+	l.ctx, l.cancel = context.WithCancel(context.Background())
 	if err := os.MkdirAll(l.pidDir, 0o755); err != nil {
 		return nil, err
 	}
@@ -45,6 +51,10 @@ func NewLab(root string, bin *Binaries) (*Lab, error) {
 	}
 	return l, nil
 }
+
+// Context ends when the lab stops; helpers that run beside the lab's processes (as a kubelet's
+// Secret volume sync runs beside its containers) live as long as it.
+func (l *Lab) Context() context.Context { return l.ctx }
 
 // Binaries returns where the lab finds its executables.
 func (l *Lab) Binaries() *Binaries { return l.bin }
@@ -74,6 +84,7 @@ func (l *Lab) Stop() error {
 	l.stopped = true
 	procs := slices.Clone(l.processes)
 	l.mu.Unlock()
+	l.cancel()
 
 	var errs []error
 	for _, p := range slices.Backward(procs) {

@@ -9,19 +9,15 @@ import (
 	"strconv"
 	"time"
 
-	authenticationv1 "k8s.io/api/authentication/v1"
 	corev1 "k8s.io/api/core/v1"
-	rbacv1 "k8s.io/api/rbac/v1"
-	storagev1 "k8s.io/api/storage/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/apimachinery/pkg/runtime/schema"
 	"k8s.io/apimachinery/pkg/util/wait"
+	"k8s.io/client-go/dynamic"
 	clientgoscheme "k8s.io/client-go/kubernetes/scheme"
-	"k8s.io/client-go/tools/clientcmd"
-	clientcmdapi "k8s.io/client-go/tools/clientcmd/api"
-	"k8s.io/utils/ptr"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	"pvbridge.io/e2e/cluster"
@@ -43,11 +39,10 @@ const (
 	SnapshotClassGuest = "pvbridge"
 	// guestCSINamespace is where the guest's csi-provisioner publishes CSIStorageCapacity.
 	guestCSINamespace = "kube-system"
+	// GuestInstallNamespace is the guest namespace of the installed guest side, which holds the
+	// management credential.
+	GuestInstallNamespace = "pvbridge-system"
 )
-
-// authTokenRequest asks for a token of a day: the lab lives shorter, a real deployment rotates
-// the credential (docs/operations.md).
-var authTokenRequest = authenticationv1.TokenRequest{Spec: authenticationv1.TokenRequestSpec{ExpirationSeconds: ptr.To(int64(24 * 3600))}}
 
 // GuestOptions describe a guest cluster.
 type GuestOptions struct {
@@ -55,7 +50,14 @@ type GuestOptions struct {
 	Name, Namespace string
 	// VMs are its nodes: VirtualMachine name → management host.
 	VMs map[string]string
+	// StorageClasses is the cluster's allow-list of management StorageClasses
+	// (DefaultAllowedClasses when empty).
+	StorageClasses string
 }
+
+// DefaultAllowedClasses are the management StorageClasses a lab guest may use; the first is
+// the one its installed StorageClasses name.
+const DefaultAllowedClasses = StorageClassPmem + "," + StorageClassPmemXFS + "," + StorageClassPmemImmediate
 
 // Guest is a guest cluster whose nodes are VirtualMachines of the management cluster, with
 // guest-csi deployed as the manifests deploy it.
@@ -64,8 +66,8 @@ type Guest struct {
 	Options GuestOptions
 	// UID is the UID of the Cluster object: the guest's identity.
 	UID string
-	// MgmtKubeconfig is guest-csi's management credential: a ServiceAccount token of the
-	// guest's namespace, bound to the least-privilege Role.
+	// MgmtKubeconfig is guest-csi's management credential, as the tenants controller delivered
+	// it: a token of the guest's ServiceAccount, bound to the least-privilege Role.
 	MgmtKubeconfig string
 	Controller     *cluster.Process
 	Sidecars       map[string]*cluster.Process
@@ -88,9 +90,10 @@ func MgmtScheme() (*runtime.Scheme, error) {
 }
 
 // StartGuest makes a guest cluster of gcp: in the management cluster its namespace, Cluster
-// object, identity and VirtualMachines (placed on their hosts by vm-operator); in the guest
-// cluster a node per VM with the guest-csi node plugin looking at that VM's device tree, the
-// guest-csi controller with its sidecars, the CSIDriver and the classes.
+// object and VirtualMachines (placed on their hosts by vm-operator); in the guest cluster a
+// node per VM with the guest-csi node plugin looking at that VM's device tree, and the guest-csi
+// controller with its sidecars. The tenants controller (StartTenants) must be running: it makes
+// the guest's identity, delivers its credential and installs the CSIDriver and the classes.
 func StartGuest(ctx context.Context, lab *cluster.Lab, m *Management, op *VMOperator, gcp *cluster.ControlPlane, opts GuestOptions) (*Guest, error) {
 	bin, err := lab.Binaries().Own("./guest-csi/cmd/guest-csi")
 	if err != nil {
@@ -108,7 +111,10 @@ func StartGuest(ctx context.Context, lab *cluster.Lab, m *Management, op *VMOper
 	if err != nil {
 		return nil, err
 	}
-	if err := g.createTenant(ctx, m, mc); err != nil {
+	if err := g.createTenant(ctx, mc); err != nil {
+		return nil, err
+	}
+	if err := g.syncCredential(ctx, lab); err != nil {
 		return nil, err
 	}
 	if err := g.createVMs(ctx, mc); err != nil {
@@ -117,7 +123,7 @@ func StartGuest(ctx context.Context, lab *cluster.Lab, m *Management, op *VMOper
 	for vm, host := range opts.VMs {
 		g.DeviceRoots[vm] = filepath.Join(op.VMRoots[host], opts.Namespace, vm)
 	}
-	if err := g.installObjects(ctx); err != nil {
+	if err := g.waitInstalled(ctx); err != nil {
 		return nil, err
 	}
 	if err := g.startController(ctx, lab, bin); err != nil {
@@ -136,31 +142,16 @@ func StartGuest(ctx context.Context, lab *cluster.Lab, m *Management, op *VMOper
 	return g, nil
 }
 
-// createTenant creates the guest's namespace, Cluster object and identity in the management
-// cluster: a ServiceAccount bound to GuestRules there and to CapacityRules in CSINamespace,
-// whose token goes into a kubeconfig naming the namespace.
-func (g *Guest) createTenant(ctx context.Context, m *Management, mc client.Client) error {
+// createTenant does in the management cluster what a platform admin and Cluster API do for a
+// new guest: its namespace, with the tenancy admission policy on; its Cluster object, opted in
+// to the tenants controller with its allow-list of management StorageClasses; and Cluster API's
+// Secret with the guest's admin kubeconfig. The tenants controller does the rest: identity,
+// credential (delivered into the guest), policy parameters, guest install.
+func (g *Guest) createTenant(ctx context.Context, mc client.Client) error {
 	ns, name := g.Options.Namespace, g.Options.Name
-	objs := []client.Object{
-		&corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: ns}},
-		&corev1.ServiceAccount{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: name + "-pvbridge"}},
-		&rbacv1.Role{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "pvbridge-guest"}, Rules: tenancy.GuestRules},
-		&rbacv1.RoleBinding{
-			ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: name + "-pvbridge"},
-			Subjects:   []rbacv1.Subject{{Kind: rbacv1.ServiceAccountKind, Namespace: ns, Name: name + "-pvbridge"}},
-			RoleRef:    rbacv1.RoleRef{APIGroup: rbacv1.GroupName, Kind: "Role", Name: "pvbridge-guest"},
-		},
-		&rbacv1.Role{ObjectMeta: metav1.ObjectMeta{Namespace: CSINamespace, Name: "pvbridge-guest-capacity"}, Rules: tenancy.CapacityRules},
-		&rbacv1.RoleBinding{
-			ObjectMeta: metav1.ObjectMeta{Namespace: CSINamespace, Name: ns + "-" + name + "-capacity"},
-			Subjects:   []rbacv1.Subject{{Kind: rbacv1.ServiceAccountKind, Namespace: ns, Name: name + "-pvbridge"}},
-			RoleRef:    rbacv1.RoleRef{APIGroup: rbacv1.GroupName, Kind: "Role", Name: "pvbridge-guest-capacity"},
-		},
-	}
-	for _, obj := range objs {
-		if err := mc.Create(ctx, obj); err != nil && !apierrors.IsAlreadyExists(err) {
-			return fmt.Errorf("management %T %s: %w", obj, obj.GetName(), err)
-		}
+	namespace := &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: ns, Labels: map[string]string{tenancy.TenancyNamespaceLabel: "enforced"}}}
+	if err := mc.Create(ctx, namespace); err != nil && !apierrors.IsAlreadyExists(err) {
+		return fmt.Errorf("namespace %s: %w", ns, err)
 	}
 	// The Cluster names the guest's apiserver, as a Cluster API provider would fill it in.
 	endpoint, err := url.Parse(g.CP.RESTConfig().Host)
@@ -171,33 +162,76 @@ func (g *Guest) createTenant(ctx context.Context, m *Management, mc client.Clien
 	if err != nil {
 		return fmt.Errorf("guest apiserver %s: %w", endpoint, err)
 	}
+	classes := g.Options.StorageClasses
+	if classes == "" {
+		classes = DefaultAllowedClasses
+	}
 	capi := &unstructured.Unstructured{Object: map[string]any{
 		"apiVersion": "cluster.x-k8s.io/v1beta2", "kind": "Cluster",
-		"metadata": map[string]any{"namespace": ns, "name": name},
-		"spec":     map[string]any{"controlPlaneEndpoint": map[string]any{"host": endpoint.Hostname(), "port": int64(port)}},
+		"metadata": map[string]any{
+			"namespace": ns, "name": name,
+			"labels":      map[string]any{tenancy.EnabledLabel: "true"},
+			"annotations": map[string]any{tenancy.StorageClassesAnnotation: classes},
+		},
+		"spec": map[string]any{"controlPlaneEndpoint": map[string]any{"host": endpoint.Hostname(), "port": int64(port)}},
 	}}
 	if err := mc.Create(ctx, capi); err != nil {
 		return fmt.Errorf("create the Cluster %s/%s: %w", ns, name, err)
 	}
 	g.UID = string(capi.GetUID())
-
-	token, err := m.CP.Client().CoreV1().ServiceAccounts(ns).CreateToken(ctx, name+"-pvbridge", &authTokenRequest, metav1.CreateOptions{})
-	if err != nil {
-		return fmt.Errorf("token of %s/%s-pvbridge: %w", ns, name, err)
-	}
-	admin, err := clientcmd.LoadFromFile(m.CP.Kubeconfig)
+	kubeconfig, err := os.ReadFile(g.CP.Kubeconfig)
 	if err != nil {
 		return err
 	}
-	cfg := clientcmdapi.NewConfig()
-	for n, c := range admin.Clusters {
-		cfg.Clusters[n] = c
-		cfg.AuthInfos["guest"] = &clientcmdapi.AuthInfo{Token: token.Status.Token}
-		cfg.Contexts["guest"] = &clientcmdapi.Context{Cluster: n, AuthInfo: "guest", Namespace: ns}
+	secret := &corev1.Secret{
+		ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: name + "-kubeconfig", Labels: map[string]string{tenancy.CAPIClusterNameLabel: name}},
+		Type:       "cluster.x-k8s.io/secret",
+		Data:       map[string][]byte{"value": kubeconfig},
 	}
-	cfg.CurrentContext = "guest"
-	g.MgmtKubeconfig = filepath.Join(g.CP.Dir, "mgmt-kubeconfig")
-	return clientcmd.WriteToFile(*cfg, g.MgmtKubeconfig)
+	if err := mc.Create(ctx, secret); err != nil {
+		return fmt.Errorf("the kubeconfig Secret of %s/%s: %w", ns, name, err)
+	}
+	return nil
+}
+
+// syncCredential does for the lab's guest-csi controller what kubelet's Secret volume does for
+// the installed one: it copies the credential the tenants controller delivered into the guest
+// (Secret pvbridge-system/pvbridge-mgmt-credentials) to the file guest-csi reads, now and then
+// every second for as long as the lab runs. It returns once the file is there.
+func (g *Guest) syncCredential(ctx context.Context, lab *cluster.Lab) error {
+	g.MgmtKubeconfig = filepath.Join(g.CP.Dir, "mgmt-credentials", "kubeconfig")
+	if err := os.MkdirAll(filepath.Dir(g.MgmtKubeconfig), 0o700); err != nil {
+		return err
+	}
+	var last []byte
+	sync := func(ctx context.Context) (bool, error) {
+		secret, err := g.CP.Client().CoreV1().Secrets(GuestInstallNamespace).Get(ctx, tenancy.GuestCredentialsSecret, metav1.GetOptions{})
+		if err != nil || len(secret.Data["kubeconfig"]) == 0 || string(secret.Data["kubeconfig"]) == string(last) {
+			return last != nil, nil //nolint:nilerr // not delivered yet, or the guest apiserver is briefly away: keep the last copy
+		}
+		tmp := g.MgmtKubeconfig + ".tmp"
+		if err := os.WriteFile(tmp, secret.Data["kubeconfig"], 0o600); err != nil {
+			return false, err
+		}
+		if err := os.Rename(tmp, g.MgmtKubeconfig); err != nil {
+			return false, err
+		}
+		last = secret.Data["kubeconfig"]
+		return true, nil
+	}
+	wctx, cancel := context.WithTimeout(ctx, 2*time.Minute)
+	defer cancel()
+	if err := wait.PollUntilContextCancel(wctx, 200*time.Millisecond, true, sync); err != nil {
+		return fmt.Errorf("guest %s: no credential from the tenants controller in the guest's Secret %s/%s: %w",
+			g.Options.Name, GuestInstallNamespace, tenancy.GuestCredentialsSecret, err)
+	}
+	go func() {
+		_ = wait.PollUntilContextCancel(lab.Context(), time.Second, false, func(ctx context.Context) (bool, error) {
+			_, err := sync(ctx)
+			return false, err
+		})
+	}()
+	return nil
 }
 
 // createVMs creates the guest's VirtualMachines on their hosts and waits until they run.
@@ -230,35 +264,33 @@ func (g *Guest) createVMs(ctx context.Context, mc client.Client) error {
 	})
 }
 
-// installObjects creates the guest's CSIDriver, StorageClasses and VolumeSnapshotClass.
-func (g *Guest) installObjects(ctx context.Context) error {
+// waitInstalled waits until the tenants controller has installed the guest side: the
+// CSIDriver, the StorageClasses and the VolumeSnapshotClass (the manifests' guest overlay).
+func (g *Guest) waitInstalled(ctx context.Context) error {
 	c := g.CP.Client()
-	if err := createCSIDriver(ctx, g.CP, GuestDriver, true); err != nil {
+	dyn, err := dynamic.NewForConfig(g.CP.RESTConfig())
+	if err != nil {
 		return err
 	}
-	for _, class := range []struct {
-		name, fsType string
-		isDefault    bool
-	}{{StorageClassGuest, "ext4", true}, {StorageClassGuestXFS, "xfs", false}} {
-		sc := &storagev1.StorageClass{
-			ObjectMeta:  metav1.ObjectMeta{Name: class.name},
-			Provisioner: GuestDriver,
-			Parameters: map[string]string{
-				"mgmtStorageClass":          StorageClassPmem,
-				"csi.storage.k8s.io/fstype": class.fsType,
-			},
-			ReclaimPolicy:        ptr.To(corev1.PersistentVolumeReclaimDelete),
-			VolumeBindingMode:    ptr.To(storagev1.VolumeBindingWaitForFirstConsumer),
-			AllowVolumeExpansion: ptr.To(true),
+	snapshotClasses := schema.GroupVersionResource{Group: "snapshot.storage.k8s.io", Version: "v1", Resource: "volumesnapshotclasses"}
+	ctx, cancel := context.WithTimeout(ctx, 2*time.Minute)
+	defer cancel()
+	err = wait.PollUntilContextCancel(ctx, 200*time.Millisecond, true, func(ctx context.Context) (bool, error) {
+		if _, err := c.StorageV1().CSIDrivers().Get(ctx, GuestDriver, metav1.GetOptions{}); err != nil {
+			return false, nil
 		}
-		if class.isDefault {
-			sc.Annotations = map[string]string{"storageclass.kubernetes.io/is-default-class": "true"}
+		for _, sc := range []string{StorageClassGuest, StorageClassGuestXFS} {
+			if _, err := c.StorageV1().StorageClasses().Get(ctx, sc, metav1.GetOptions{}); err != nil {
+				return false, nil
+			}
 		}
-		if _, err := c.StorageV1().StorageClasses().Create(ctx, sc, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
-			return err
-		}
+		_, err := dyn.Resource(snapshotClasses).Get(ctx, SnapshotClassGuest, metav1.GetOptions{})
+		return err == nil, nil
+	})
+	if err != nil {
+		return fmt.Errorf("guest %s: the tenants controller did not install the guest side: %w", g.Options.Name, err)
 	}
-	return createSnapshotClass(ctx, g.CP, SnapshotClassGuest, GuestDriver, map[string]any{"mgmtSnapshotClass": SnapshotClassPmem})
+	return nil
 }
 
 // ControllerSocket is the CSI endpoint of the guest-csi controller.

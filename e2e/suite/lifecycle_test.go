@@ -61,6 +61,7 @@ var _ = Describe("Reclaim policy", Label("reclaim"), func() {
 			suffix := strings.ToLower(fmt.Sprintf("%s-%s", guestPolicy, mgmtPolicy))
 			mgmtClass, guestClass := "pmem-"+suffix, "pvbridge-"+suffix
 			reclaimClass(ctx, mc, mgmtClass, deploy.PmemDriver, mgmtPolicy, map[string]string{"csi.storage.k8s.io/fstype": "ext4"})
+			allowClass(ctx, alpha, mgmtClass)
 			reclaimClass(ctx, alpha.c, guestClass, deploy.GuestDriver, guestPolicy, map[string]string{"mgmtStorageClass": mgmtClass})
 
 			ns := alpha.namespace(ctx)

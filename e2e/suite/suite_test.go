@@ -99,6 +99,10 @@ var _ = BeforeSuite(func(ctx SpecContext) {
 	Expect(err).NotTo(HaveOccurred())
 	op, err = deploy.StartVMOperator(lab, mgmt)
 	Expect(err).NotTo(HaveOccurred())
+	// The shortest credential life the apiserver grants: every guest credential is renewed
+	// (after 6m40s) while the suite runs.
+	_, err = deploy.StartTenants(ctx, lab, mgmt, deploy.TenantsOptions{TokenTTL: "10m"})
+	Expect(err).NotTo(HaveOccurred())
 	mc, err = client.New(mcp.RESTConfig(), client.Options{Scheme: scheme()})
 	Expect(err).NotTo(HaveOccurred())
 	alpha = startGuest(ctx, "guest-a", alphaOptions)

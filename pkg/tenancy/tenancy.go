@@ -38,6 +38,24 @@ const (
 	// GuestSnapshotAnnotation names the guest VolumeSnapshot (namespace/name) a management
 	// VolumeSnapshot was created for.
 	GuestSnapshotAnnotation = "pvbridge.io/guest-snapshot"
+	// EnabledLabel opts a Cluster API Cluster in to the tenants controller (guest-csi-tenants):
+	// pvbridge.io/enabled=true.
+	EnabledLabel = "pvbridge.io/enabled"
+	// StorageClassesAnnotation lists the management StorageClasses a guest cluster may name
+	// (comma-separated), on its Cluster or else on its Namespace. Absent on both: none.
+	StorageClassesAnnotation = "pvbridge.io/storage-classes"
+	// GuestInstallAnnotation "false" on a Cluster keeps the tenants controller from installing
+	// the guest side into the guest cluster.
+	GuestInstallAnnotation = "pvbridge.io/guest-install"
+	// TenancyNamespaceLabel=enforced turns the tenancy admission policy on for a namespace.
+	TenancyNamespaceLabel = "pvbridge.io/tenancy"
+	// ParamsConfigMap is the ConfigMap of each tenant namespace that the tenants controller
+	// writes and the admission policy reads (see docs/tenants.md).
+	ParamsConfigMap = "pvbridge-tenancy"
+	// GuestCredentialsSecret is the Secret of the guest cluster (namespace pvbridge-system)
+	// that holds guest-csi's management kubeconfig under the key "kubeconfig".
+	GuestCredentialsSecret = "pvbridge-mgmt-credentials" //nolint:gosec // a Secret's name, not a credential
+
 	// CSINameAnnotation records the CSI name (the guest's request) an object was created for.
 	CSINameAnnotation = "pvbridge.io/csi-name"
 )

@@ -95,6 +95,9 @@ func run(dir string) error {
 	if err != nil {
 		return err
 	}
+	if _, err := deploy.StartTenants(ctx, lab, mgmt, deploy.TenantsOptions{}); err != nil {
+		return err
+	}
 	fmt.Println("starting the guest cluster alpha: control plane, VirtualMachines vm-1, vm-2 (host-b), vm-3 as its nodes, guest-csi ...")
 	gcp, err := lab.StartControlPlane(ctx, "guest")
 	if err != nil {

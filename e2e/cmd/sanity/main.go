@@ -139,6 +139,9 @@ func sanity(ctx context.Context, verbose bool) ([]driverTotal, error) {
 		if err != nil {
 			return totals, err
 		}
+		if _, err := deploy.StartTenants(ctx, lab, mgmt, deploy.TenantsOptions{}); err != nil {
+			return totals, err
+		}
 		gcp, err := lab.StartControlPlane(ctx, "guest")
 		if err != nil {
 			return totals, err

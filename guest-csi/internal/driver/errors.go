@@ -30,8 +30,9 @@ func statusError(err error) error {
 // apiError turns an error of a management API call into the gRPC status a controller RPC
 // returns. The management side's refusals keep their reason in the message: RBAC and the
 // admission policy (PermissionDenied, InvalidArgument), a ResourceQuota (ResourceExhausted);
-// everything that may pass by itself (no session yet, the apiserver unreachable or
-// overloaded, a conflict) is retryable.
+// everything that may pass by itself (no session yet, a credential not accepted while a
+// rotation reaches the guest, the apiserver unreachable or overloaded, a conflict) is
+// retryable.
 func apiError(err error, format string, args ...any) error {
 	msg := fmt.Sprintf(format, args...) + ": " + err.Error()
 	switch {
@@ -43,8 +44,12 @@ func apiError(err error, format string, args ...any) error {
 		return status.Error(codes.Unavailable, msg)
 	case apierrors.IsForbidden(err) && strings.Contains(err.Error(), "exceeded quota"):
 		return status.Error(codes.ResourceExhausted, msg)
-	case apierrors.IsForbidden(err), apierrors.IsUnauthorized(err):
+	case apierrors.IsForbidden(err):
 		return status.Error(codes.PermissionDenied, msg)
+	case apierrors.IsUnauthorized(err):
+		// The credential is not accepted (yet): it was rotated or revoked and the new one is
+		// on its way (the Secret volume, then the next reread).
+		return status.Error(codes.Unavailable, msg)
 	case apierrors.IsInvalid(err), apierrors.IsBadRequest(err):
 		return status.Error(codes.InvalidArgument, msg)
 	case apierrors.IsNotFound(err):

@@ -52,13 +52,14 @@ type CredentialsReconciler struct {
 
 // +kubebuilder:rbac:groups=cluster.x-k8s.io,resources=clusters,verbs=get;list;watch
 // +kubebuilder:rbac:groups="",resources=secrets,verbs=get;list;watch
-// +kubebuilder:rbac:groups="",resources=serviceaccounts,verbs=get;create;patch
+// +kubebuilder:rbac:groups="",resources=serviceaccounts,verbs=get;list;watch;create;patch
 // +kubebuilder:rbac:groups="",resources=serviceaccounts/token,verbs=create
 // +kubebuilder:rbac:groups=rbac.authorization.k8s.io,resources=roles;rolebindings,verbs=get;create;patch;delete;escalate;bind
 // +kubebuilder:rbac:groups=events.k8s.io,resources=events,verbs=create;patch
 
-// SetupWithManager watches opted-in Clusters and Cluster API's kubeconfig Secrets, so that a
-// guest gets its credential as soon as its apiserver can be reached.
+// SetupWithManager watches opted-in Clusters, Cluster API's kubeconfig Secrets and the guests'
+// ServiceAccounts, so that a guest gets its credential as soon as its apiserver can be reached
+// and a new one as soon as its account was replaced.
 func (r *CredentialsReconciler) SetupWithManager(mgr ctrl.Manager) error {
 	return ctrl.NewControllerManagedBy(mgr).
 		Named("credentials").
@@ -67,6 +68,9 @@ func (r *CredentialsReconciler) SetupWithManager(mgr ctrl.Manager) error {
 		For(&clusterv1.Cluster{}, optedInClusters, builder.WithPredicates(predicate.Or(
 			predicate.GenerationChangedPredicate{}, predicate.LabelChangedPredicate{}, predicate.AnnotationChangedPredicate{}))).
 		Watches(&corev1.Secret{}, handler.EnqueueRequestsFromMapFunc(clusterOfKubeconfig)).
+		// A deleted ServiceAccount (how an admin revokes every token of a guest) is made anew,
+		// with a new token, at once.
+		Owns(&corev1.ServiceAccount{}).
 		Complete(r)
 }
 

@@ -35,7 +35,7 @@ import (
 const (
 	// GuestInstallAnnotation set to "false" on a Cluster leaves its guest cluster alone: for
 	// guests installed by a ClusterResourceSet or GitOps from manifests/overlays/guest.
-	GuestInstallAnnotation = "pvbridge.io/guest-install"
+	GuestInstallAnnotation = tenancy.GuestInstallAnnotation
 	// DefaultInstallResync is how often the guest install is applied again, putting back what
 	// was changed or deleted in the guest.
 	DefaultInstallResync = 10 * time.Minute

@@ -55,20 +55,16 @@ import (
 )
 
 const (
-	// EnabledLabel opts a Cluster in: the controller acts only on Clusters labelled
-	// pvbridge.io/enabled=true.
-	EnabledLabel = "pvbridge.io/enabled"
-	// StorageClassesAnnotation lists the management StorageClasses a cluster may name
-	// (comma-separated), on its Cluster or else on its Namespace. Absent on both: none.
-	StorageClassesAnnotation = "pvbridge.io/storage-classes"
-	// ParamsConfigMap is the name of the tenancy parameters ConfigMap of each namespace with
-	// opted-in Clusters, read by the admission policy.
-	ParamsConfigMap = "pvbridge-tenancy"
-	// CleanupFinalizer holds a deleted Cluster until its management volumes are cleaned up.
-	CleanupFinalizer = "pvbridge.io/cleanup"
+	// EnabledLabel, StorageClassesAnnotation and ParamsConfigMap: see pkg/tenancy, where the
+	// lab, the manifests and the docs find them too.
+	EnabledLabel             = tenancy.EnabledLabel
+	StorageClassesAnnotation = tenancy.StorageClassesAnnotation
+	ParamsConfigMap          = tenancy.ParamsConfigMap
 	// GuestSecretName is the Secret in the guest cluster holding guest-csi's management
 	// kubeconfig under GuestSecretKey.
-	GuestSecretName = "pvbridge-mgmt-credentials" //nolint:gosec // a Secret's name, not a credential
+	GuestSecretName = tenancy.GuestCredentialsSecret
+	// CleanupFinalizer holds a deleted Cluster until its management volumes are cleaned up.
+	CleanupFinalizer = "pvbridge.io/cleanup"
 	// GuestSecretKey is the key of the kubeconfig in GuestSecretName.
 	GuestSecretKey = "kubeconfig"
 	// IdentitySuffix makes the name of a guest's ServiceAccount, Role and RoleBinding:
@@ -285,8 +281,9 @@ func CacheOptions() cache.Options {
 		panic(err) // a constant, valid label key
 	}
 	return cache.Options{ByObject: map[client.Object]cache.ByObject{
-		&corev1.Secret{}:    {Label: labels.NewSelector().Add(*capi)},
-		&corev1.ConfigMap{}: {Label: labels.SelectorFromSet(labels.Set{ManagedByLabel: fieldManager})},
+		&corev1.Secret{}:         {Label: labels.NewSelector().Add(*capi)},
+		&corev1.ConfigMap{}:      {Label: labels.SelectorFromSet(labels.Set{ManagedByLabel: fieldManager})},
+		&corev1.ServiceAccount{}: {Label: labels.SelectorFromSet(labels.Set{ManagedByLabel: fieldManager})},
 	}}
 }
 

@@ -200,7 +200,7 @@ func (r *Reconciler) attach(ctx context.Context, vm *vmv1.VirtualMachine, ref hy
 
 	serial := SerialFor(pv.Name)
 	dir := filepath.Join(r.StateDir, vaName)
-	device, err := r.publish(ctx, dir, pv.Spec.CSI.VolumeHandle, va.Status.AttachmentMetadata)
+	device, err := r.publish(ctx, dir, pv.Spec.CSI.VolumeHandle, serial, va.Status.AttachmentMetadata)
 	if err != nil {
 		log.Error(err, "Cannot publish the volume on the host")
 		return failed(name, err), false
@@ -217,15 +217,19 @@ func (r *Reconciler) attach(ctx context.Context, vm *vmv1.VirtualMachine, ref hy
 	return &vmv1.VirtualMachineVolumeStatus{Name: name, Attached: true, DiskSerial: serial}, true
 }
 
-// publish stages and publishes the volume as a raw block device file <dir>/device.
-func (r *Reconciler) publish(ctx context.Context, dir, volumeID string, publishContext map[string]string) (string, error) {
+// publish stages and publishes the volume as a raw block device file <dir>/device, to be
+// plugged into the VM as disk serial.
+func (r *Reconciler) publish(ctx context.Context, dir, volumeID, serial string, publishContext map[string]string) (string, error) {
 	staging, device := filepath.Join(dir, "staging"), filepath.Join(dir, "device")
 	if err := os.MkdirAll(staging, 0o750); err != nil {
 		return "", err
 	}
-	// Unstage needs the volume ID after the PV may be gone: keep it beside the paths.
-	if err := os.WriteFile(filepath.Join(dir, "volume-id"), []byte(volumeID), 0o600); err != nil {
-		return "", err
+	// Detach needs the volume ID after the PV may be gone, and the serial when the agent died
+	// between the hot-plug and the status write that records it: keep both beside the paths.
+	for name, value := range map[string]string{volumeIDFile: volumeID, diskSerialFile: serial} {
+		if err := os.WriteFile(filepath.Join(dir, name), []byte(value), 0o600); err != nil {
+			return "", err
+		}
 	}
 	block := &csi.VolumeCapability{
 		AccessType: &csi.VolumeCapability_Block{Block: &csi.VolumeCapability_BlockVolume{}},
@@ -244,21 +248,37 @@ func (r *Reconciler) publish(ctx context.Context, dir, volumeID string, publishC
 	return device, nil
 }
 
+// Files of a volume's state directory.
+const (
+	volumeIDFile   = "volume-id"
+	diskSerialFile = "disk-serial"
+)
+
 // detach unplugs a volume from the VM and releases it on the host. It returns an error, to be
 // shown in the status entry, while the guest still holds the disk: the volume is never reported
 // detached before the hypervisor let go of it.
 func (r *Reconciler) detach(ctx context.Context, vm *vmv1.VirtualMachine, ref hypervisor.VM, e vmv1.VirtualMachineVolumeStatus) error {
-	if e.DiskSerial != "" {
-		err := r.Hypervisor.Detach(ctx, ref, e.DiskSerial)
+	dir := filepath.Join(r.StateDir, vmcontroller.AttachmentName(vm.Namespace, vm.Name, e.Name))
+	serial := e.DiskSerial
+	if serial == "" {
+		// An entry without a serial may still have a disk: the agent plugged it and died
+		// before writing the status. Unplug it, or it outlives its volume in the VM.
+		b, err := os.ReadFile(filepath.Join(dir, diskSerialFile))
+		if err != nil && !errors.Is(err, os.ErrNotExist) {
+			return err
+		}
+		serial = strings.TrimSpace(string(b))
+	}
+	if serial != "" {
+		err := r.Hypervisor.Detach(ctx, ref, serial)
 		if errors.Is(err, hypervisor.ErrBusy) {
-			return fmt.Errorf("waiting for the guest to release disk %s: %w", e.DiskSerial, err)
+			return fmt.Errorf("waiting for the guest to release disk %s: %w", serial, err)
 		}
 		if err != nil {
-			return fmt.Errorf("hot-unplug of disk %s: %w", e.DiskSerial, err)
+			return fmt.Errorf("hot-unplug of disk %s: %w", serial, err)
 		}
 	}
-	dir := filepath.Join(r.StateDir, vmcontroller.AttachmentName(vm.Namespace, vm.Name, e.Name))
-	id, err := os.ReadFile(filepath.Join(dir, "volume-id"))
+	id, err := os.ReadFile(filepath.Join(dir, volumeIDFile))
 	if errors.Is(err, os.ErrNotExist) {
 		return nil // never published on this host
 	}
@@ -272,7 +292,7 @@ func (r *Reconciler) detach(ctx context.Context, vm *vmv1.VirtualMachine, ref hy
 	if _, err := r.CSI.NodeUnstageVolume(ctx, &csi.NodeUnstageVolumeRequest{VolumeId: volumeID, StagingTargetPath: filepath.Join(dir, "staging")}); err != nil {
 		return fmt.Errorf("unstage volume %s: %w", volumeID, err)
 	}
-	ctrl.LoggerFrom(ctx).Info("Detached volume", "volume", e.Name, "diskSerial", e.DiskSerial)
+	ctrl.LoggerFrom(ctx).Info("Detached volume", "volume", e.Name, "diskSerial", serial)
 	r.event(vm, corev1.EventTypeNormal, "Detached", "Volume %s detached", e.Name)
 	return os.RemoveAll(dir)
 }

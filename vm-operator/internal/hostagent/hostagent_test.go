@@ -199,6 +199,13 @@ func TestReconcile(t *testing.T) {
 			wantStatus: nil, wantCalls: []string{"unpublish pvc-1", "unstage pvc-1"},
 		},
 		{
+			name: "a disk plugged by an agent that died before recording it is unplugged", vaAttached: true,
+			vm:      virtualMachine(nil, []vmv1.VirtualMachineVolumeStatus{{Name: "data"}}),
+			prepare: func(h *fakeHypervisor) { h.disks["vm-1"] = map[string]string{serial: "/dev/x"} },
+			// No serial in status: the one recorded when it was published is unplugged.
+			wantStatus: nil, wantCalls: []string{"unpublish pvc-1", "unstage pvc-1"}, wantDisks: 0,
+		},
+		{
 			name: "a disk the guest still holds stays, with the reason", vaAttached: true,
 			vm: virtualMachine(nil, []vmv1.VirtualMachineVolumeStatus{attachedEntry}),
 			prepare: func(h *fakeHypervisor) {
@@ -234,7 +241,7 @@ func TestReconcile(t *testing.T) {
 			r := &Reconciler{Client: c, Node: "host-a", Hypervisor: h, CSI: fc, StateDir: t.TempDir()}
 			// A volume in status was published by an earlier run, which left its volume ID.
 			if len(tt.vm.Status.Volumes) > 0 {
-				_, err := r.publish(t.Context(), filepath.Join(r.StateDir, controller.AttachmentName("tenant", "vm-1", "data")), pvName, nil)
+				_, err := r.publish(t.Context(), filepath.Join(r.StateDir, controller.AttachmentName("tenant", "vm-1", "data")), pvName, serial, nil)
 				g.Expect(err).NotTo(HaveOccurred())
 				fc.calls = nil
 			}

@@ -1,0 +1,203 @@
+package suite_test
+
+import (
+	"context"
+	"os"
+	"strings"
+
+	. "github.com/onsi/ginkgo/v2"
+	. "github.com/onsi/gomega"
+	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	"k8s.io/apimachinery/pkg/api/resource"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+	"k8s.io/client-go/tools/clientcmd"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+
+	"pvbridge.io/e2e/deploy"
+	vmv1 "pvbridge.io/pkg/apis/vm/v1alpha1"
+	"pvbridge.io/pkg/tenancy"
+)
+
+// identity is a client of the management cluster as guest g's guest-csi: with the credential
+// the tenants controller delivered into the guest.
+func identity(g *guestCluster) client.Client {
+	GinkgoHelper()
+	cfg, err := clientcmd.BuildConfigFromFlags("", g.MgmtKubeconfig)
+	Expect(err).NotTo(HaveOccurred())
+	c, err := client.New(cfg, client.Options{Scheme: mc.Scheme()})
+	Expect(err).NotTo(HaveOccurred())
+	return c
+}
+
+// allowClass adds a management StorageClass to guest g's allow-list (its Cluster's annotation)
+// for the spec, and waits until the admission policy's parameters have it.
+func allowClass(ctx context.Context, g *guestCluster, class string) {
+	GinkgoHelper()
+	capi := &unstructured.Unstructured{}
+	capi.SetAPIVersion("cluster.x-k8s.io/v1beta2")
+	capi.SetKind("Cluster")
+	Expect(mc.Get(ctx, client.ObjectKey{Namespace: g.Options.Namespace, Name: g.Options.Name}, capi)).To(Succeed())
+	set := func(ctx context.Context, classes string) {
+		GinkgoHelper()
+		patch := client.MergeFrom(capi.DeepCopy())
+		annotations := capi.GetAnnotations()
+		annotations[tenancy.StorageClassesAnnotation] = classes
+		capi.SetAnnotations(annotations)
+		Expect(mc.Patch(ctx, capi, patch)).To(Succeed())
+	}
+	before := capi.GetAnnotations()[tenancy.StorageClassesAnnotation]
+	set(ctx, before+","+class)
+	DeferCleanup(func(ctx SpecContext) { set(ctx, before) })
+	Eventually(func(g2 Gomega) {
+		params := &corev1.ConfigMap{}
+		g2.Expect(mc.Get(ctx, client.ObjectKey{Namespace: g.Options.Namespace, Name: tenancy.ParamsConfigMap}, params)).To(Succeed())
+		g2.Expect(strings.Split(params.Data[g.Options.Name+".storageClasses"], ",")).To(ContainElement(class))
+	}).WithContext(ctx).WithTimeout(timeout).Should(Succeed())
+}
+
+var _ = Describe("Tenancy", Label("tenancy"), func() {
+	It("refuses, with the reason on the guest PVC, a management StorageClass outside the allow-list and a claim beyond the quota", func(ctx SpecContext) {
+		ns := alpha.namespace(ctx)
+		By("a guest StorageClass naming a management class the cluster may not use")
+		// The premium class exists (so the guest sees its capacity and schedules the pod); it is
+		// only not on alpha's allow-list.
+		reclaimClass(ctx, mc, "pmem-premium", deploy.PmemDriver, corev1.PersistentVolumeReclaimDelete, map[string]string{"csi.storage.k8s.io/fstype": "ext4"})
+		reclaimClass(ctx, alpha.c, "premium", deploy.GuestDriver, corev1.PersistentVolumeReclaimDelete, map[string]string{"mgmtStorageClass": "pmem-premium"})
+		alpha.create(ctx, deploy.PVC(ns, "premium", "premium", "64Mi", false))
+		alpha.create(ctx, deploy.Pod(ns, "premium", "premium", "vm-1", false))
+		Eventually(events).WithContext(ctx).WithArguments(alpha, ns, "premium").WithTimeout(timeout).Should(ContainElement(And(
+			ContainSubstring("ProvisioningFailed"), ContainSubstring("names StorageClass pmem-premium, which guest cluster alpha may not use"))))
+
+		By("a claim beyond the tenant's quota of the class")
+		quota := &corev1.ResourceQuota{
+			ObjectMeta: metaName(alpha.Options.Namespace, "pmem"),
+			Spec: corev1.ResourceQuotaSpec{Hard: corev1.ResourceList{
+				corev1.ResourceName(deploy.StorageClassPmem + ".storageclass.storage.k8s.io/requests.storage"): resource.MustParse("1Gi"),
+			}},
+		}
+		Expect(mc.Create(ctx, quota)).To(Succeed())
+		DeferCleanup(func(ctx SpecContext) { Expect(mc.Delete(ctx, quota)).To(Succeed()) })
+		Eventually(func(g Gomega) {
+			g.Expect(mc.Get(ctx, client.ObjectKeyFromObject(quota), quota)).To(Succeed())
+			g.Expect(quota.Status.Hard).NotTo(BeEmpty(), "the quota controller has counted the namespace")
+		}).WithContext(ctx).WithTimeout(timeout).Should(Succeed())
+		alpha.create(ctx, deploy.PVC(ns, "big", "", "2Gi", false))
+		alpha.create(ctx, deploy.Pod(ns, "big", "big", "vm-1", false))
+		Eventually(events).WithContext(ctx).WithArguments(alpha, ns, "big").WithTimeout(timeout).Should(ContainElement(And(
+			ContainSubstring("ProvisioningFailed"), ContainSubstring("exceeded quota"))))
+		Expect(ownedClaims(ctx, alpha)).To(BeEmpty(), "nothing half-created")
+	})
+
+	It("refuses a guest identity's writes labelled for another cluster and attaches of claims it may not use", func(ctx SpecContext) {
+		me := identity(alpha)
+		stolen := deploy.PVC(alpha.Options.Namespace, alpha.UID+"-stolen", deploy.StorageClassPmem, "64Mi", true)
+		stolen.Labels = map[string]string{tenancy.ClusterNameLabel: "beta", tenancy.ClusterUIDLabel: beta.UID}
+		err := me.Create(ctx, stolen)
+		Expect(apierrors.IsForbidden(err)).To(BeTrue(), "%v", err)
+		Expect(err.Error()).To(ContainSubstring("must be labelled pvbridge.io/cluster=alpha"))
+
+		foreign := staticClaim(ctx, alpha.Options.Namespace, "not-shared", "")
+		target := vm(ctx, alpha.Options.Namespace, "vm-1")
+		patch := client.MergeFrom(target.DeepCopy())
+		target.Spec.Volumes = append(target.Spec.Volumes, vmv1.VirtualMachineVolume{Name: foreign.Name, PersistentVolumeClaim: vmv1.PersistentVolumeClaimVolumeSource{ClaimName: foreign.Name}})
+		err = me.Patch(ctx, target, patch)
+		Expect(apierrors.IsForbidden(err)).To(BeTrue(), "%v", err)
+		Expect(err.Error()).To(ContainSubstring("only claims it owns"))
+	})
+
+	It("rotates a revoked credential without a failed RPC beyond retries", func(ctx SpecContext) {
+		switched := func() int {
+			log, err := os.ReadFile(alpha.Controller.LogPath)
+			Expect(err).NotTo(HaveOccurred())
+			return strings.Count(string(log), "The management credential changed; switched to a new session")
+		}
+		before, restarts := switched(), alpha.Controller.Restarts()
+		ns := alpha.namespace(ctx)
+		alpha.create(ctx, deploy.PVC(ns, "before", "", "64Mi", false))
+		alpha.runPod(ctx, ns, "before", "before", "vm-3", false)
+
+		By("revoking every token of alpha's identity: its ServiceAccount is deleted")
+		sa := &corev1.ServiceAccount{ObjectMeta: metaName(alpha.Options.Namespace, alpha.Options.Name+"-pvbridge")}
+		Expect(mc.Get(ctx, client.ObjectKeyFromObject(sa), sa)).To(Succeed())
+		old := sa.UID
+		Expect(mc.Delete(ctx, sa)).To(Succeed())
+		alpha.create(ctx, deploy.PVC(ns, "during", "", "64Mi", false))
+		alpha.create(ctx, deploy.Pod(ns, "during", "during", "vm-3", false))
+
+		By("the tenants controller makes a new identity, delivers its token, and guest-csi switches")
+		Eventually(func(g Gomega) {
+			g.Expect(mc.Get(ctx, client.ObjectKeyFromObject(sa), sa)).To(Succeed())
+			g.Expect(sa.UID).NotTo(Equal(old))
+		}).WithContext(ctx).WithTimeout(timeout).Should(Succeed())
+		Eventually(switched).WithContext(ctx).WithTimeout(timeout).Should(BeNumerically(">", before))
+		Eventually(func(g Gomega) {
+			pod := &corev1.Pod{}
+			g.Expect(alpha.c.Get(ctx, client.ObjectKey{Namespace: ns, Name: "during"}, pod)).To(Succeed())
+			g.Expect(pod.Status.Phase).To(Equal(corev1.PodRunning))
+		}).WithContext(ctx).WithTimeout(timeout).Should(Succeed())
+		Expect(alpha.Controller.Restarts()).To(Equal(restarts), "guest-csi was not restarted")
+	})
+
+	It("cleans up after a deleted guest Cluster once its VMs are gone, and touches nothing else", func(ctx SpecContext) {
+		const ns, name = "tenant-c", "gamma"
+		Expect(mc.Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: ns, Labels: map[string]string{tenancy.TenancyNamespaceLabel: "enforced"}}})).To(Succeed())
+		DeferCleanup(func(ctx SpecContext) {
+			Expect(mc.Delete(ctx, &corev1.Namespace{ObjectMeta: metaName("", ns)})).To(Succeed())
+		})
+		capi := &unstructured.Unstructured{Object: map[string]any{
+			"apiVersion": "cluster.x-k8s.io/v1beta2", "kind": "Cluster",
+			"metadata": map[string]any{
+				"namespace": ns, "name": name,
+				"labels":      map[string]any{tenancy.EnabledLabel: "true"},
+				"annotations": map[string]any{tenancy.StorageClassesAnnotation: deploy.StorageClassPmemImmediate},
+			},
+		}}
+		Expect(mc.Create(ctx, capi)).To(Succeed())
+		uid := string(capi.GetUID())
+		Eventually(func(g Gomega) {
+			g.Expect(mc.Get(ctx, client.ObjectKeyFromObject(capi), capi)).To(Succeed())
+			g.Expect(capi.GetFinalizers()).To(ContainElement("pvbridge.io/cleanup"))
+		}).WithContext(ctx).WithTimeout(timeout).Should(Succeed())
+
+		By("a VM of the cluster with a volume it owns attached, and a volume shared with it")
+		machine := &vmv1.VirtualMachine{
+			ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "vm-c1", Labels: map[string]string{tenancy.CAPIClusterNameLabel: name}},
+			Spec:       vmv1.VirtualMachineSpec{Host: "host-a", PowerState: vmv1.PowerStateOn}, // where staticClaim puts volumes
+		}
+		owned := staticClaim(ctx, ns, uid+"-data", "")
+		owned.Labels = map[string]string{tenancy.ClusterNameLabel: name, tenancy.ClusterUIDLabel: uid}
+		Expect(mc.Update(ctx, owned)).To(Succeed())
+		shared := staticClaim(ctx, ns, "shared", name+",delta")
+		machine.Spec.Volumes = []vmv1.VirtualMachineVolume{{Name: "data", PersistentVolumeClaim: vmv1.PersistentVolumeClaimVolumeSource{ClaimName: owned.Name}}}
+		Expect(mc.Create(ctx, machine)).To(Succeed())
+		Eventually(func(g Gomega) {
+			g.Expect(mc.Get(ctx, client.ObjectKeyFromObject(machine), machine)).To(Succeed())
+			g.Expect(machine.Status.Volumes).To(ContainElement(HaveField("Attached", BeTrue())))
+		}).WithContext(ctx).WithTimeout(timeout).Should(Succeed())
+		alphaClaims := len(ownedClaims(ctx, alpha))
+
+		By("deleting the Cluster: its volumes stay while its VM runs")
+		Expect(mc.Delete(ctx, capi)).To(Succeed())
+		Eventually(func(g Gomega) {
+			l := &corev1.EventList{}
+			g.Expect(mc.List(ctx, l, client.InNamespace(ns))).To(Succeed())
+			g.Expect(l.Items).To(ContainElement(HaveField("Reason", "WaitingForVirtualMachines")))
+		}).WithContext(ctx).WithTimeout(timeout).Should(Succeed())
+		Expect(mc.Get(ctx, client.ObjectKeyFromObject(owned), owned)).To(Succeed())
+		Expect(owned.DeletionTimestamp).To(BeNil())
+
+		By("once Cluster API has deleted the VM, the owned volume goes (PVC, PV, PMEM) and the shared one is released")
+		pv := &corev1.PersistentVolume{ObjectMeta: metaName("", owned.Spec.VolumeName)}
+		Expect(mc.Delete(ctx, machine)).To(Succeed())
+		gone(ctx, mc, capi)
+		gone(ctx, mc, owned)
+		gone(ctx, mc, pv)
+		// Its PMEM is free again: the leak check after the spec compares every host's.
+		Expect(mc.Get(ctx, client.ObjectKeyFromObject(shared), shared)).To(Succeed())
+		Expect(shared.DeletionTimestamp).To(BeNil())
+		Expect(shared.Annotations).To(HaveKeyWithValue(tenancy.SharedWithAnnotation, "delta"))
+		Expect(ownedClaims(ctx, alpha)).To(HaveLen(alphaClaims), "another cluster's volumes are untouched")
+	})
+})
