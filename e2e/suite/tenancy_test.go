@@ -153,6 +153,8 @@ var _ = Describe("Tenancy", Label("tenancy"), func() {
 				"labels":      map[string]any{tenancy.EnabledLabel: "true"},
 				"annotations": map[string]any{tenancy.StorageClassesAnnotation: deploy.StorageClassPmemImmediate},
 			},
+			// A guest whose control plane never came up: no kubeconfig Secret, nothing delivered.
+			"spec": map[string]any{"controlPlaneEndpoint": map[string]any{"host": "127.0.0.1", "port": int64(1)}},
 		}}
 		Expect(mc.Create(ctx, capi)).To(Succeed())
 		uid := string(capi.GetUID())

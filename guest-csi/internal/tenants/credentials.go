@@ -105,6 +105,14 @@ func (r *CredentialsReconciler) Reconcile(ctx context.Context, req ctrl.Request)
 		r.Recorder.Eventf(cluster, nil, corev1.EventTypeWarning, eventCredentialsFailed, credentialsRBACAction, "grant the guest identity its access: %v", err)
 		return ctrl.Result{}, err
 	}
+	// No token before the admission policy knows the cluster: a namespace's parameters are what
+	// the policy checks a guest's writes against, and without them it checks nothing.
+	if known, err := r.policyKnows(ctx, cluster); err != nil || !known {
+		if err == nil {
+			log.V(2).Info("Waiting for the tenancy parameters of the cluster", "configMap", ParamsConfigMap)
+		}
+		return ctrl.Result{RequeueAfter: time.Second}, err
+	}
 	guest, err := r.Guests.For(ctx, r.Client, req.NamespacedName)
 	if errors.Is(err, errNoKubeconfig) {
 		log.V(2).Info("Waiting for Cluster API's kubeconfig Secret", "secret", kubeconfigSecretName(cluster.Name))
@@ -117,6 +125,16 @@ func (r *CredentialsReconciler) Reconcile(ctx context.Context, req ctrl.Request)
 		return ctrl.Result{}, err
 	}
 	return r.deliver(ctx, cluster, account, guest)
+}
+
+// policyKnows reports whether the namespace's tenancy parameters name the cluster with its UID.
+func (r *CredentialsReconciler) policyKnows(ctx context.Context, cluster *clusterv1.Cluster) (bool, error) {
+	cm := &corev1.ConfigMap{}
+	err := r.Client.Get(ctx, client.ObjectKey{Namespace: cluster.Namespace, Name: ParamsConfigMap}, cm)
+	if apierrors.IsNotFound(err) {
+		return false, nil
+	}
+	return err == nil && cm.Data[cluster.Name+paramUID] == string(cluster.UID), err
 }
 
 // reconcileIdentity applies the ServiceAccount, Roles and RoleBindings of a Cluster and returns
