@@ -210,7 +210,10 @@ func SetupWithManager(mgr ctrl.Manager, cfg Config) error {
 	return nil
 }
 
-// +kubebuilder:rbac:groups=coordination.k8s.io,resources=leases,verbs=get;create;update
+// Leader election, in the Lease's namespace (--leader-election-namespace; pvbridge-system in
+// manifests/base/tenants): the Lease, and the core Events controller-runtime records on it.
+// +kubebuilder:rbac:groups=coordination.k8s.io,resources=leases,verbs=get;create;update,namespace=pvbridge-system
+// +kubebuilder:rbac:groups="",resources=events,verbs=create;patch,namespace=pvbridge-system
 
 // Controller is the tenants controller's manager.
 type Controller struct {
