@@ -122,7 +122,10 @@ func TestTenantsRBAC(t *testing.T) {
 	g := NewWithT(t)
 	ctx := t.Context()
 	const tenantNS = "tenants-rbac"
-	cs, err := kubernetes.NewForConfig(adminConfig)
+	// A SubjectAccessReview per request: more than the client's default 5 per second.
+	fast := rest.CopyConfig(adminConfig)
+	fast.QPS, fast.Burst = 100, 200
+	cs, err := kubernetes.NewForConfig(fast)
 	g.Expect(err).NotTo(HaveOccurred())
 	for _, ns := range []string{tenantsNamespace, tenantNS} {
 		_, err := cs.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: ns}}, metav1.CreateOptions{})

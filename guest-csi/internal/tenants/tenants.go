@@ -55,11 +55,13 @@ import (
 )
 
 const (
-	// EnabledLabel, StorageClassesAnnotation and ParamsConfigMap: see pkg/tenancy, where the
-	// lab, the manifests and the docs find them too.
-	EnabledLabel             = tenancy.EnabledLabel
+	// EnabledLabel opts a Cluster in (pkg/tenancy, where the lab, the manifests and the docs
+	// find it too).
+	EnabledLabel = tenancy.EnabledLabel
+	// StorageClassesAnnotation is a Cluster's or Namespace's allow-list (pkg/tenancy).
 	StorageClassesAnnotation = tenancy.StorageClassesAnnotation
-	ParamsConfigMap          = tenancy.ParamsConfigMap
+	// ParamsConfigMap is the namespace's tenancy parameters for the admission policy (pkg/tenancy).
+	ParamsConfigMap = tenancy.ParamsConfigMap
 	// GuestSecretName is the Secret in the guest cluster holding guest-csi's management
 	// kubeconfig under GuestSecretKey.
 	GuestSecretName = tenancy.GuestCredentialsSecret
