@@ -82,9 +82,10 @@ sanity: deps tools ## Run the csi-sanity binary against both drivers as the lab 
 ##@ Development
 
 .PHONY: generate
-generate: $(CONTROLLER_GEN) $(KUBECTL) ## Generate deepcopy code and CRDs, copy the snapshot CRDs, render the guest install.
+generate: $(CONTROLLER_GEN) $(KUBECTL) ## Generate deepcopy code, CRDs and the tenants RBAC, copy the snapshot CRDs, render the guest install.
 	cd pkg && $(CONTROLLER_GEN) object:headerFile=../hack/boilerplate.go.txt paths=./apis/...
 	cd pkg && $(CONTROLLER_GEN) crd paths=./apis/... output:crd:artifacts:config=../manifests/crd/bases
+	cd guest-csi && $(CONTROLLER_GEN) rbac:roleName=pvbridge-tenants paths=./internal/tenants/... output:rbac:artifacts:config=../manifests/base/tenants/rbac
 	hack/update-snapshot-crds.sh
 	hack/render-guest-install.sh
 

@@ -60,6 +60,14 @@ func build(ctx context.Context, g Gomega, dir string) ([]byte, []*unstructured.U
 	return out, objs
 }
 
+// objectKey names an object of an overlay: Kind/name, or Kind/namespace/name when namespaced.
+func objectKey(obj *unstructured.Unstructured) string {
+	if obj.GetNamespace() == "" {
+		return obj.GetKind() + "/" + obj.GetName()
+	}
+	return obj.GetKind() + "/" + obj.GetNamespace() + "/" + obj.GetName()
+}
+
 // TestOverlaysApplyWithServerSideDryRun builds every overlay and applies it with a server-side
 // dry run: each object is validated by the real apiserver (schemas, CEL rules of the CRDs, the
 // admission policies' expressions) without being stored. The namespaces the objects live in are
@@ -69,18 +77,20 @@ func TestOverlaysApplyWithServerSideDryRun(t *testing.T) {
 		overlay string
 		// wantKinds are kinds the overlay must contain (at least one object each).
 		wantKinds []string
+		// wantObjects are objects the overlay must contain, as objectKey makes them.
+		wantObjects []string
 	}{
 		{overlay: "management", wantKinds: []string{
 			"Namespace", "CustomResourceDefinition", "CSIDriver", "StorageClass", "VolumeSnapshotClass",
 			"Deployment", "DaemonSet", "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding",
 			"ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding",
-		}},
+		}, wantObjects: tenantsObjects},
 		{overlay: "guest", wantKinds: []string{
 			"Namespace", "CustomResourceDefinition", "CSIDriver", "StorageClass", "VolumeSnapshotClass",
 			"Deployment", "DaemonSet", "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding",
 			"ConfigMap",
 		}},
-		{overlay: "dev", wantKinds: []string{"Deployment", "DaemonSet", "ValidatingAdmissionPolicy"}},
+		{overlay: "dev", wantKinds: []string{"Deployment", "DaemonSet", "ValidatingAdmissionPolicy"}, wantObjects: tenantsObjects},
 	}
 	cs, err := kubernetes.NewForConfig(adminConfig)
 	NewWithT(t).Expect(err).NotTo(HaveOccurred())
@@ -90,8 +100,10 @@ func TestOverlaysApplyWithServerSideDryRun(t *testing.T) {
 			ctx := t.Context()
 			yamlDoc, objs := build(ctx, g, filepath.Join(manifestsDir, "overlays", tt.overlay))
 			kinds := map[string]int{}
+			keys := map[string]bool{}
 			for _, obj := range objs {
 				kinds[obj.GetKind()]++
+				keys[objectKey(obj)] = true
 				if obj.GetKind() == "Namespace" {
 					_, err := cs.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: obj.GetName()}}, metav1.CreateOptions{})
 					if !apierrors.IsAlreadyExists(err) {
@@ -101,6 +113,9 @@ func TestOverlaysApplyWithServerSideDryRun(t *testing.T) {
 			}
 			for _, kind := range tt.wantKinds {
 				g.Expect(kinds).To(HaveKey(kind), "overlay %s has no %s", tt.overlay, kind)
+			}
+			for _, key := range tt.wantObjects {
+				g.Expect(keys).To(HaveKey(key), "overlay %s has no %s", tt.overlay, key)
 			}
 
 			out, err := runKubectl(ctx, yamlDoc, "apply", "--server-side", "--dry-run=server",

@@ -123,7 +123,9 @@ func SharedWith(value, cluster string) bool {
 }
 
 // GuestRules are what a guest cluster's guest-csi controller needs in its management
-// namespace, and no more: the Role its identity is bound to.
+// namespace, and no more: the Role its identity is bound to. The tenants controller grants them
+// without escalate or bind, so its RBAC markers (guest-csi/internal/tenants/credentials.go) must
+// hold them, as those of CapacityRules; e2e/manifests TestTenantsRBAC proves it.
 var GuestRules = []rbacv1.PolicyRule{
 	{APIGroups: []string{""}, Resources: []string{"persistentvolumeclaims"}, Verbs: []string{"get", "list", "watch", "create", "patch", "delete"}},
 	{APIGroups: []string{"snapshot.storage.k8s.io"}, Resources: []string{"volumesnapshots"}, Verbs: []string{"get", "list", "watch", "create", "delete"}},

@@ -54,8 +54,23 @@ type CredentialsReconciler struct {
 // +kubebuilder:rbac:groups="",resources=secrets,verbs=get;list;watch
 // +kubebuilder:rbac:groups="",resources=serviceaccounts,verbs=get;list;watch;create;patch
 // +kubebuilder:rbac:groups="",resources=serviceaccounts/token,verbs=create
-// +kubebuilder:rbac:groups=rbac.authorization.k8s.io,resources=roles;rolebindings,verbs=get;create;patch;delete;escalate;bind
+// +kubebuilder:rbac:groups=rbac.authorization.k8s.io,resources=roles;rolebindings,verbs=create;patch;delete
 // +kubebuilder:rbac:groups=events.k8s.io,resources=events,verbs=create;patch
+//
+// Owner references with blockOwnerDeletion to a Cluster, where the apiserver enforces them
+// (admission plugin OwnerReferencesPermissionEnforcement):
+// +kubebuilder:rbac:groups=cluster.x-k8s.io,resources=clusters/finalizers,verbs=update
+//
+// The controller holds the rules it grants, rather than escalate and bind on Roles: the
+// apiserver lets it create a Role only with rules it holds in that namespace, and a RoleBinding
+// only to a Role whose rules it holds. So tenancy.GuestRules in every namespace (a Cluster's
+// namespace can be any) and tenancy.CapacityRules in the capacity namespace (pvbridge-system in
+// manifests/base/tenants). With escalate and bind it could grant anything, itself included.
+// +kubebuilder:rbac:groups="",resources=persistentvolumeclaims,verbs=get;list;watch;create;patch;delete
+// +kubebuilder:rbac:groups=snapshot.storage.k8s.io,resources=volumesnapshots,verbs=get;list;watch;create;delete
+// +kubebuilder:rbac:groups=vm.pvbridge.io,resources=virtualmachines,verbs=get;list;watch;patch
+// +kubebuilder:rbac:groups="",resources=events,verbs=list
+// +kubebuilder:rbac:groups=storage.k8s.io,resources=csistoragecapacities,verbs=list,namespace=pvbridge-system
 
 // SetupWithManager watches opted-in Clusters, Cluster API's kubeconfig Secrets and the guests'
 // ServiceAccounts, so that a guest gets its credential as soon as its apiserver can be reached

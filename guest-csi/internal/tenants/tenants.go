@@ -55,11 +55,13 @@ import (
 )
 
 const (
-	// EnabledLabel, StorageClassesAnnotation and ParamsConfigMap: see pkg/tenancy, where the
-	// lab, the manifests and the docs find them too.
-	EnabledLabel             = tenancy.EnabledLabel
+	// EnabledLabel opts a Cluster in (pkg/tenancy, where the lab, the manifests and the docs
+	// find it too).
+	EnabledLabel = tenancy.EnabledLabel
+	// StorageClassesAnnotation is a Cluster's or Namespace's allow-list (pkg/tenancy).
 	StorageClassesAnnotation = tenancy.StorageClassesAnnotation
-	ParamsConfigMap          = tenancy.ParamsConfigMap
+	// ParamsConfigMap is the namespace's tenancy parameters for the admission policy (pkg/tenancy).
+	ParamsConfigMap = tenancy.ParamsConfigMap
 	// GuestSecretName is the Secret in the guest cluster holding guest-csi's management
 	// kubeconfig under GuestSecretKey.
 	GuestSecretName = tenancy.GuestCredentialsSecret
@@ -210,7 +212,10 @@ func SetupWithManager(mgr ctrl.Manager, cfg Config) error {
 	return nil
 }
 
-// +kubebuilder:rbac:groups=coordination.k8s.io,resources=leases,verbs=get;create;update
+// Leader election, in the Lease's namespace (--leader-election-namespace; pvbridge-system in
+// manifests/base/tenants): the Lease, and the core Events controller-runtime records on it.
+// +kubebuilder:rbac:groups=coordination.k8s.io,resources=leases,verbs=get;create;update,namespace=pvbridge-system
+// +kubebuilder:rbac:groups="",resources=events,verbs=create;patch,namespace=pvbridge-system
 
 // Controller is the tenants controller's manager.
 type Controller struct {
