@@ -140,6 +140,7 @@ func TestCredentialsRenewedAfterTwoThirds(t *testing.T) {
 	cfg.Clock = clock
 	r := &CredentialsReconciler{Client: mgmtClient, Config: cfg, Guests: NewGuestClients(scheme), Recorder: recorder(t)}
 	c := e.createCluster(t, "rotating", true, nil)
+	e.writeParams(t)
 	e.createKubeconfigSecret(t, c)
 	req := ctrl.Request{NamespacedName: client.ObjectKeyFromObject(c)}
 	third := MinTokenTTL / 3
@@ -218,6 +219,7 @@ func TestCredentialsReissuedWhenStale(t *testing.T) {
 			r := &CredentialsReconciler{Client: mgmtClient, Config: e.config(), Guests: NewGuestClients(scheme), Recorder: recorder(t)}
 			r.Config.Clock = clocktesting.NewFakeClock(time.Now())
 			c := e.createCluster(t, "stale", true, nil)
+			e.writeParams(t)
 			e.createKubeconfigSecret(t, c)
 			req := ctrl.Request{NamespacedName: client.ObjectKeyFromObject(c)}
 			_, err := r.Reconcile(ctx, req)
@@ -248,4 +250,28 @@ func recorder(t *testing.T) events.EventRecorder {
 	b.StartRecordingToSink(t.Context().Done())
 	t.Cleanup(b.Shutdown)
 	return b.NewRecorder(scheme, fieldManager)
+}
+
+// TestNoTokenBeforeThePolicyKnowsTheCluster: a guest gets no credential while the admission
+// policy's parameters do not name its cluster, since the policy checks nothing without them.
+func TestNoTokenBeforeThePolicyKnowsTheCluster(t *testing.T) {
+	g := NewWithT(t)
+	e := newTenantEnv(t, nil)
+	r := &CredentialsReconciler{Client: mgmtClient, Config: e.config(), Guests: NewGuestClients(scheme), Recorder: recorder(t)}
+	r.Config.Clock = clocktesting.NewFakeClock(time.Now())
+	c := e.createCluster(t, "early", true, nil)
+	e.createKubeconfigSecret(t, c)
+	req := ctrl.Request{NamespacedName: client.ObjectKeyFromObject(c)}
+
+	res, err := r.Reconcile(t.Context(), req)
+	g.Expect(err).NotTo(HaveOccurred())
+	g.Expect(res.RequeueAfter).To(Equal(time.Second))
+	_, err = e.guestSecret(t.Context())
+	g.Expect(apierrors.IsNotFound(err)).To(BeTrue(), "no credential delivered: %v", err)
+
+	e.writeParams(t)
+	_, err = r.Reconcile(t.Context(), req)
+	g.Expect(err).NotTo(HaveOccurred())
+	_, err = e.guestSecret(t.Context())
+	g.Expect(err).NotTo(HaveOccurred())
 }

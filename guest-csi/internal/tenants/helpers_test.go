@@ -125,6 +125,15 @@ func (e *tenantEnv) createCluster(t *testing.T, name string, optIn bool, annotat
 
 // createKubeconfigSecret writes the guest's admin kubeconfig into <cluster>-kubeconfig as
 // Cluster API does.
+// writeParams runs the parameters reconciler once for the namespace, as the manager would
+// after a Cluster opted in: the credentials reconciler waits for it.
+func (e *tenantEnv) writeParams(t *testing.T) {
+	t.Helper()
+	if _, err := (&ParamsReconciler{Client: mgmtClient}).Reconcile(t.Context(), ctrl.Request{NamespacedName: client.ObjectKey{Namespace: e.ns, Name: ParamsConfigMap}}); err != nil {
+		t.Fatal(err)
+	}
+}
+
 func (e *tenantEnv) createKubeconfigSecret(t *testing.T, c *clusterv1.Cluster) {
 	t.Helper()
 	secret := &corev1.Secret{
