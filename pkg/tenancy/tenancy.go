@@ -47,7 +47,8 @@ const (
 	// GuestInstallAnnotation "false" on a Cluster keeps the tenants controller from installing
 	// the guest side into the guest cluster.
 	GuestInstallAnnotation = "pvbridge.io/guest-install"
-	// TenancyNamespaceLabel=enforced turns the tenancy admission policy on for a namespace.
+	// TenancyNamespaceLabel set to "enforced" turns the tenancy admission policy on for a
+	// namespace.
 	TenancyNamespaceLabel = "pvbridge.io/tenancy"
 	// ParamsConfigMap is the ConfigMap of each tenant namespace that the tenants controller
 	// writes and the admission policy reads (see docs/tenants.md).
