@@ -65,7 +65,7 @@ bench: deps tools ## Run the benchmarks; each figure prints as `BENCH <name> <va
 	@for m in $(MODULES); do \
 		(cd $$m && go test -run '^$$' -bench . -benchtime 1x -timeout $(TEST_TIMEOUT) ./... | { grep -E '^(BENCH|FAIL|panic|---)' || true; }) || exit 1; \
 	done
-	@cd e2e && go test -count=1 -timeout 60m ./suite -args -ginkgo.label-filter=bench | { grep -E '^(BENCH|FAIL|panic|---|\[FAIL)' || true; }
+	@cd e2e && go test -v -count=1 -timeout 60m ./suite -args -ginkgo.label-filter=bench | { grep -E '^(BENCH|FAIL|panic|---|\[FAIL)' || true; }
 
 .PHONY: soak
 soak: deps tools ## Restart kube-controller-manager under attached VM volumes and watch them for 10 minutes.

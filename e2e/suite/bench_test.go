@@ -38,14 +38,14 @@ var _ = Describe("Benchmarks", Label("bench"), Ordered, func() {
 		bridge = podStart(ctx, alpha.CP, alpha.c, deploy.StorageClassGuest, n)
 		perVolume := float64(apiWrites(ctx, mgmt.CP)-writes) / n
 		bridge.print("guest")
-		fmt.Printf("BENCH mgmt_api_writes_per_volume %.1f writes\n", perVolume)
+		benchf("mgmt_api_writes_per_volume %.1f writes\n", perVolume)
 	}, NodeTimeout(30*time.Minute))
 
 	It("starts 100 pods with new volumes at once directly against mgmt-csi", func(ctx SpecContext) {
 		direct = podStart(ctx, mgmt.CP, mc, deploy.StorageClassPmem, n)
 		direct.print("direct")
-		fmt.Printf("BENCH bridge_over_direct_pod_running_p50 %.2f x\n", bridge.running.percentile(0.5)/direct.running.percentile(0.5))
-		fmt.Printf("BENCH bridge_over_direct_pod_running_p99 %.2f x\n", bridge.running.percentile(0.99)/direct.running.percentile(0.99))
+		benchf("bridge_over_direct_pod_running_p50 %.2f x\n", bridge.running.percentile(0.5)/direct.running.percentile(0.5))
+		benchf("bridge_over_direct_pod_running_p99 %.2f x\n", bridge.running.percentile(0.99)/direct.running.percentile(0.99))
 	}, NodeTimeout(30*time.Minute))
 
 	It("reports the peak memory of every component", func() {
@@ -60,10 +60,15 @@ var _ = Describe("Benchmarks", Label("bench"), Ordered, func() {
 			peak[c] = max(peak[c], kib)
 		}
 		for _, c := range slices.Sorted(maps.Keys(peak)) {
-			fmt.Printf("BENCH peak_rss_%s %.1f MiB\n", c, float64(peak[c])/1024)
+			benchf("peak_rss_%s %.1f MiB\n", c, float64(peak[c])/1024)
 		}
 	})
 })
+
+// benchf prints one figure on a line of its own (Ginkgo's progress marks share stdout).
+func benchf(format string, args ...any) {
+	fmt.Printf("\nBENCH "+format, args...)
+}
 
 // podStartFigures are the latencies of one pod-start run.
 type podStartFigures struct {
@@ -72,15 +77,15 @@ type podStartFigures struct {
 }
 
 func (f *podStartFigures) print(prefix string) {
-	fmt.Printf("BENCH %s_pvc_bound_p50 %.3f s\n", prefix, f.bound.percentile(0.5))
-	fmt.Printf("BENCH %s_pvc_bound_p99 %.3f s\n", prefix, f.bound.percentile(0.99))
+	benchf("%s_pvc_bound_p50 %.3f s\n", prefix, f.bound.percentile(0.5))
+	benchf("%s_pvc_bound_p99 %.3f s\n", prefix, f.bound.percentile(0.99))
 	if f.attached.count() > 0 {
-		fmt.Printf("BENCH %s_attach_p50 %.3f s\n", prefix, f.attached.percentile(0.5))
-		fmt.Printf("BENCH %s_attach_p99 %.3f s\n", prefix, f.attached.percentile(0.99))
+		benchf("%s_attach_p50 %.3f s\n", prefix, f.attached.percentile(0.5))
+		benchf("%s_attach_p99 %.3f s\n", prefix, f.attached.percentile(0.99))
 	}
-	fmt.Printf("BENCH %s_pod_running_p50 %.3f s\n", prefix, f.running.percentile(0.5))
-	fmt.Printf("BENCH %s_pod_running_p99 %.3f s\n", prefix, f.running.percentile(0.99))
-	fmt.Printf("BENCH %s_provisioning_throughput %.2f volumes/s\n", prefix, f.throughput)
+	benchf("%s_pod_running_p50 %.3f s\n", prefix, f.running.percentile(0.5))
+	benchf("%s_pod_running_p99 %.3f s\n", prefix, f.running.percentile(0.99))
+	benchf("%s_provisioning_throughput %.2f volumes/s\n", prefix, f.throughput)
 }
 
 // podStart creates n PVCs of class and n pods using them at once in cluster cp and measures

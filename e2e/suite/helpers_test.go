@@ -6,12 +6,14 @@ import (
 	"os"
 	"path/filepath"
 
+	snapshotv1 "github.com/kubernetes-csi/external-snapshotter/client/v8/apis/volumesnapshot/v1"
 	. "github.com/onsi/ginkgo/v2"
 	. "github.com/onsi/gomega"
 	corev1 "k8s.io/api/core/v1"
 	storagev1 "k8s.io/api/storage/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/utils/ptr"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	"pvbridge.io/e2e/deploy"
@@ -81,6 +83,25 @@ func (g *guestCluster) bound(ctx context.Context, ns, claim string) (*corev1.Per
 	pv := &corev1.PersistentVolume{}
 	Expect(g.c.Get(ctx, client.ObjectKey{Name: pvc.Spec.VolumeName}, pv)).To(Succeed())
 	return pvc, pv
+}
+
+// snapshot creates VolumeSnapshot name of claim in guest g (the guest's class), deleted when
+// the spec ends.
+func (g *guestCluster) snapshot(ctx context.Context, ns, name, claim string) *snapshotv1.VolumeSnapshot {
+	GinkgoHelper()
+	snap := &snapshotv1.VolumeSnapshot{
+		ObjectMeta: metaName(ns, name),
+		Spec: snapshotv1.VolumeSnapshotSpec{
+			Source:                  snapshotv1.VolumeSnapshotSource{PersistentVolumeClaimName: ptr.To(claim)},
+			VolumeSnapshotClassName: ptr.To(deploy.SnapshotClassGuest),
+		},
+	}
+	g.create(ctx, snap)
+	DeferCleanup(func(ctx SpecContext) {
+		Expect(client.IgnoreNotFound(g.c.Delete(ctx, snap))).To(Succeed())
+		gone(ctx, g.c, snap)
+	})
+	return snap
 }
 
 // volumePath is where the pod's filesystem volume is mounted, as its container would see it.

@@ -72,18 +72,7 @@ var _ = Describe("Isolation between guest clusters", Label("isolation"), func() 
 		untouched(ctx)
 
 		By("taking a snapshot")
-		snap := &snapshotv1.VolumeSnapshot{
-			ObjectMeta: metaName(ns, "snap"),
-			Spec: snapshotv1.VolumeSnapshotSpec{
-				Source:                  snapshotv1.VolumeSnapshotSource{PersistentVolumeClaimName: ptr.To("data")},
-				VolumeSnapshotClassName: ptr.To(deploy.SnapshotClassGuest),
-			},
-		}
-		beta.create(ctx, snap)
-		DeferCleanup(func(ctx SpecContext) {
-			Expect(client.IgnoreNotFound(beta.c.Delete(ctx, snap))).To(Succeed())
-			gone(ctx, beta.c, snap)
-		})
+		beta.snapshot(ctx, ns, "snap", "data")
 		Eventually(func(g Gomega) {
 			contents := &snapshotv1.VolumeSnapshotContentList{}
 			g.Expect(beta.c.List(ctx, contents)).To(Succeed())

@@ -141,18 +141,7 @@ var _ = Describe("Snapshots and clones", Label("snapshot"), func() {
 		want := alpha.writeBlob(writer, pv.Name, 4)
 
 		By("taking a snapshot")
-		snap := &snapshotv1.VolumeSnapshot{
-			ObjectMeta: metaName(ns, "snap"),
-			Spec: snapshotv1.VolumeSnapshotSpec{
-				Source:                  snapshotv1.VolumeSnapshotSource{PersistentVolumeClaimName: ptr.To("data")},
-				VolumeSnapshotClassName: ptr.To(deploy.SnapshotClassGuest),
-			},
-		}
-		alpha.create(ctx, snap)
-		DeferCleanup(func(ctx SpecContext) {
-			Expect(client.IgnoreNotFound(alpha.c.Delete(ctx, snap))).To(Succeed())
-			gone(ctx, alpha.c, snap)
-		})
+		snap := alpha.snapshot(ctx, ns, "snap", "data")
 		Eventually(func(g Gomega) {
 			g.Expect(alpha.c.Get(ctx, client.ObjectKeyFromObject(snap), snap)).To(Succeed())
 			g.Expect(snap.Status).NotTo(BeNil())
