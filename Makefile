@@ -33,10 +33,9 @@ run: deps tools ## Start the lab (management + guest clusters on 127.0.0.1) unti
 
 .PHONY: test
 test: deps tools ## Run every test (unit, integration, end-to-end) with -race, then each fuzz target briefly.
-	@for m in $(MODULES); do \
-		echo "== go test $$m"; \
-		(cd $$m && go test -race -timeout $(TEST_TIMEOUT) ./...) || exit 1; \
-	done
+	@# One invocation over every module of the workspace: the end-to-end suites, which mostly
+	@# wait, run beside the unit tests instead of after them.
+	go test -race -timeout $(TEST_TIMEOUT) $(MODULES:%=./%/...)
 	@$(MAKE) --no-print-directory fuzz
 
 # Fuzz targets of every parser of tenant-controlled input: <module> <package> <target>.

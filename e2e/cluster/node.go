@@ -142,6 +142,9 @@ resolvConf: ""
 podLogsDir: %[4]s/podlogs
 volumePluginDir: %[4]s/volplugins
 nodeStatusUpdateFrequency: 1s
+# A pod is synced every 10 s, not every minute: kubelet notices an online expansion (and
+# calls NodeExpandVolume) when it syncs the pod.
+syncFrequency: 10s
 nodeStatusReportFrequency: 5m
 makeIPTablesUtilChains: false
 `, port, healthzPort, criSocket, dir)

@@ -215,7 +215,8 @@ func startSidecars(lab *cluster.Lab, cp *cluster.ControlPlane, dir, socket, name
 			"--extra-create-metadata", "--default-fstype=ext4",
 			"--kube-api-qps=50", "--kube-api-burst=100"),
 			[]string{"NAMESPACE=" + namespace, "POD_NAME=" + filepath.Base(dir) + "-controller"}},
-		{"csi-attacher", append(common, "--kube-api-qps=50", "--kube-api-burst=100"), nil},
+		// As the manifests: a failed attach or detach is retried within 30 s, not 5 min.
+		{"csi-attacher", append(common, "--kube-api-qps=50", "--kube-api-burst=100", "--retry-interval-max=30s"), nil},
 		{"csi-resizer", append(common, "--handle-volume-inuse-error=false"), nil},
 		{"csi-snapshotter", append(common, "--extra-create-metadata"), nil},
 		{"snapshot-controller", []string{"--kubeconfig=" + cp.Kubeconfig, "--leader-election=false", "--v=3"}, nil},
