@@ -169,8 +169,9 @@ var _ = Describe("Tenancy", Label("tenancy"), func() {
 			Spec:       vmv1.VirtualMachineSpec{Host: "host-a", PowerState: vmv1.PowerStateOn}, // where staticClaim puts volumes
 		}
 		owned := staticClaim(ctx, ns, uid+"-data", "")
+		labelled := client.MergeFrom(owned.DeepCopy())
 		owned.Labels = map[string]string{tenancy.ClusterNameLabel: name, tenancy.ClusterUIDLabel: uid}
-		Expect(mc.Update(ctx, owned)).To(Succeed())
+		Expect(mc.Patch(ctx, owned, labelled)).To(Succeed())
 		shared := staticClaim(ctx, ns, "shared", name+",delta")
 		machine.Spec.Volumes = []vmv1.VirtualMachineVolume{{Name: "data", PersistentVolumeClaim: vmv1.PersistentVolumeClaimVolumeSource{ClaimName: owned.Name}}}
 		Expect(mc.Create(ctx, machine)).To(Succeed())
