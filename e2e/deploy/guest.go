@@ -166,15 +166,7 @@ func (g *Guest) createTenant(ctx context.Context, mc client.Client) error {
 	if classes == "" {
 		classes = DefaultAllowedClasses
 	}
-	capi := &unstructured.Unstructured{Object: map[string]any{
-		"apiVersion": "cluster.x-k8s.io/v1beta2", "kind": "Cluster",
-		"metadata": map[string]any{
-			"namespace": ns, "name": name,
-			"labels":      map[string]any{tenancy.EnabledLabel: "true"},
-			"annotations": map[string]any{tenancy.StorageClassesAnnotation: classes},
-		},
-		"spec": map[string]any{"controlPlaneEndpoint": map[string]any{"host": endpoint.Hostname(), "port": int64(port)}},
-	}}
+	capi := NewCluster(ns, name, classes, endpoint.Hostname(), port)
 	if err := mc.Create(ctx, capi); err != nil {
 		return fmt.Errorf("create the Cluster %s/%s: %w", ns, name, err)
 	}
@@ -192,6 +184,20 @@ func (g *Guest) createTenant(ctx context.Context, mc client.Client) error {
 		return fmt.Errorf("the kubeconfig Secret of %s/%s: %w", ns, name, err)
 	}
 	return nil
+}
+
+// NewCluster returns a Cluster API Cluster opted in to the tenants controller with the
+// allow-list classes, whose control plane is at host:port.
+func NewCluster(ns, name, classes, host string, port int) *unstructured.Unstructured {
+	return &unstructured.Unstructured{Object: map[string]any{
+		"apiVersion": "cluster.x-k8s.io/v1beta2", "kind": "Cluster",
+		"metadata": map[string]any{
+			"namespace": ns, "name": name,
+			"labels":      map[string]any{tenancy.EnabledLabel: "true"},
+			"annotations": map[string]any{tenancy.StorageClassesAnnotation: classes},
+		},
+		"spec": map[string]any{"controlPlaneEndpoint": map[string]any{"host": host, "port": int64(port)}},
+	}}
 }
 
 // syncCredential does for the lab's guest-csi controller what kubelet's Secret volume does for

@@ -13,7 +13,8 @@ import (
 	"k8s.io/client-go/rest"
 	"k8s.io/klog/v2"
 	ctrl "sigs.k8s.io/controller-runtime"
-	"sigs.k8s.io/controller-runtime/pkg/envtest"
+
+	"pvbridge.io/pkg/testenv"
 )
 
 // The package's test apiserver, started once by TestMain: a real kube-apiserver and etcd (the
@@ -36,49 +37,22 @@ func TestMain(m *testing.M) {
 
 func runSuite(m *testing.M) int {
 	ctrl.SetLogger(klog.Background())
-	bin := os.Getenv("PVBRIDGE_BIN")
-	if bin == "" {
-		cache, err := os.UserCacheDir()
-		if err != nil {
-			fmt.Fprintln(os.Stderr, err)
-			return 1
-		}
-		bin = filepath.Join(cache, "pvbridge", "bin")
+	bin, err := testenv.BinDir()
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 1
 	}
 	kubectl = filepath.Join(bin, "kubectl")
 	if _, err := os.Stat(kubectl); err != nil {
 		fmt.Fprintf(os.Stderr, "kubectl is not built (run `make tools`): %v\n", err)
 		return 1
 	}
-	crds := filepath.Join(manifestsDir, "crd")
-	env := &envtest.Environment{
-		CRDDirectoryPaths:     []string{filepath.Join(crds, "bases"), filepath.Join(crds, "snapshot")},
-		ErrorIfCRDPathMissing: true,
-		BinaryAssetsDirectory: bin,
-	}
-	if _, err := env.Start(); err != nil {
-		fmt.Fprintf(os.Stderr, "start the test apiserver (binaries from %s; run `make tools`): %v\n", bin, err)
-		return 1
-	}
-	defer func() { _ = env.Stop() }()
-	dir, err := os.MkdirTemp("", "pvbridge-manifests-test-")
+	srv, err := testenv.Start("bases", "snapshot")
 	if err != nil {
 		fmt.Fprintln(os.Stderr, err)
 		return 1
 	}
-	defer os.RemoveAll(dir)
-	admin, err := env.AddUser(envtest.User{Name: "admin", Groups: []string{"system:masters"}}, nil)
-	if err == nil {
-		var data []byte
-		if data, err = admin.KubeConfig(); err == nil {
-			adminKubeconfig = filepath.Join(dir, "kubeconfig")
-			err = os.WriteFile(adminKubeconfig, data, 0o600)
-		}
-	}
-	if err != nil {
-		fmt.Fprintln(os.Stderr, "admin kubeconfig:", err)
-		return 1
-	}
-	adminConfig = admin.Config()
+	defer srv.Stop()
+	adminConfig, adminKubeconfig = srv.Admin.Config(), srv.AdminKubeconfig
 	return m.Run()
 }

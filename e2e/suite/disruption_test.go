@@ -18,6 +18,7 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	storagev1 "k8s.io/api/storage/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/util/wait"
 	"k8s.io/apimachinery/pkg/watch"
 	"k8s.io/utils/ptr"
 	"sigs.k8s.io/controller-runtime/pkg/client"
@@ -246,20 +247,16 @@ var _ = Describe("Crashes", Label("disruptive", "churn"), func() {
 // checks that the claim got exactly one management PVC and one VM entry at a time.
 func lifecycle(ctx context.Context, ns, name string, seed byte) error {
 	// Kills slow every step down; give each one the suite's budget twice.
-	wait := func(what string, cond func() (bool, error)) error {
-		deadline := time.Now().Add(2 * timeout)
-		for time.Now().Before(deadline) {
+	// A failed read (a component just killed) is retried like an unmet condition.
+	waitFor := func(what string, cond func() (bool, error)) error {
+		err := wait.PollUntilContextTimeout(ctx, 250*time.Millisecond, 2*timeout, true, func(context.Context) (bool, error) {
 			ok, err := cond()
-			if err == nil && ok {
-				return nil
-			}
-			select {
-			case <-ctx.Done():
-				return ctx.Err()
-			case <-time.After(250 * time.Millisecond):
-			}
+			return err == nil && ok, nil
+		})
+		if err != nil {
+			return fmt.Errorf("%s: not within %s: %w", what, 2*timeout, err)
 		}
-		return fmt.Errorf("%s: not within %s", what, 2*timeout)
+		return nil
 	}
 	running := func(pod *corev1.Pod) func() (bool, error) {
 		return func() (bool, error) {
@@ -287,7 +284,7 @@ func lifecycle(ctx context.Context, ns, name string, seed byte) error {
 	if err := alpha.c.Create(ctx, first); err != nil {
 		return err
 	}
-	if err := wait("writer running", running(first)); err != nil {
+	if err := waitFor("writer running", running(first)); err != nil {
 		return err
 	}
 	if err := alpha.c.Get(ctx, client.ObjectKeyFromObject(pvc), pvc); err != nil {
@@ -308,14 +305,14 @@ func lifecycle(ctx context.Context, ns, name string, seed byte) error {
 	if err := alpha.c.Delete(ctx, first); err != nil {
 		return err
 	}
-	if err := wait("writer detached", detachedFrom(first.Spec.NodeName, pv)); err != nil {
+	if err := waitFor("writer detached", detachedFrom(first.Spec.NodeName, pv)); err != nil {
 		return err
 	}
 	second := deploy.Pod(ns, name+"-r", name, "", false)
 	if err := alpha.c.Create(ctx, second); err != nil {
 		return err
 	}
-	if err := wait("reader running", running(second)); err != nil {
+	if err := waitFor("reader running", running(second)); err != nil {
 		return err
 	}
 	got, err := os.ReadFile(filepath.Join(alpha.volumePath(second, pv), "data"))
@@ -328,13 +325,13 @@ func lifecycle(ctx context.Context, ns, name string, seed byte) error {
 	if err := alpha.c.Delete(ctx, second); err != nil {
 		return err
 	}
-	if err := wait("reader detached", detachedFrom(second.Spec.NodeName, pv)); err != nil {
+	if err := waitFor("reader detached", detachedFrom(second.Spec.NodeName, pv)); err != nil {
 		return err
 	}
 	if err := alpha.c.Delete(ctx, pvc); err != nil {
 		return err
 	}
-	return wait("volume deleted", func() (bool, error) {
+	return waitFor("volume deleted", func() (bool, error) {
 		claims, err := claimsOf(ctx, pv)
 		return len(claims) == 0, err
 	})

@@ -12,7 +12,6 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/api/resource"
-	"k8s.io/client-go/tools/clientcmd"
 	"k8s.io/utils/ptr"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
@@ -103,10 +102,7 @@ var _ = Describe("Isolation between guest clusters", Label("isolation"), func() 
 		Expect(ownedClaims(ctx, beta)).To(BeEmpty())
 
 		By("beta's management identity, used directly")
-		cfg, err := clientcmd.BuildConfigFromFlags("", beta.MgmtKubeconfig)
-		Expect(err).NotTo(HaveOccurred())
-		bc, err := client.New(cfg, client.Options{Scheme: mc.Scheme()})
-		Expect(err).NotTo(HaveOccurred())
+		bc := identity(beta)
 		key := client.ObjectKey{Namespace: alpha.Options.Namespace, Name: handle}
 		mpvc := &corev1.PersistentVolumeClaim{}
 		Expect(bc.Get(ctx, key, mpvc)).To(Satisfy(apierrors.IsForbidden), "read")

@@ -16,6 +16,8 @@ import (
 	. "github.com/onsi/gomega"
 	corev1 "k8s.io/api/core/v1"
 	storagev1 "k8s.io/api/storage/v1"
+	"k8s.io/apimachinery/pkg/api/meta"
+	"k8s.io/apimachinery/pkg/runtime"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 	"sigs.k8s.io/yaml"
 
@@ -31,38 +33,41 @@ import (
 func storageState(ctx context.Context) ([]string, error) {
 	var lines []string
 	add := func(format string, args ...any) { lines = append(lines, fmt.Sprintf(format, args...)) }
-	list := func(c client.Client, l client.ObjectList) error { return c.List(ctx, l) }
-
-	pvcs := &corev1.PersistentVolumeClaimList{}
-	pvs := &corev1.PersistentVolumeList{}
-	vas := &storagev1.VolumeAttachmentList{}
-	snaps := &snapshotv1.VolumeSnapshotList{}
-	pmemVolumes := &pmemv1.PmemVolumeList{}
-	pmemSnapshots := &pmemv1.PmemSnapshotList{}
-	pmemNodes := &pmemv1.PmemNodeList{}
-	vms := &vmv1.VirtualMachineList{}
-	for _, l := range []client.ObjectList{pvcs, pvs, vas, snaps, pmemVolumes, pmemSnapshots, pmemNodes, vms} {
-		if err := list(mc, l); err != nil {
+	// each lists l in c and adds a line per object: what, then its namespace/name.
+	each := func(c client.Client, what string, l client.ObjectList) error {
+		if err := c.List(ctx, l); err != nil {
+			return err
+		}
+		return meta.EachListItem(l, func(o runtime.Object) error {
+			add("%s %s", what, client.ObjectKeyFromObject(o.(client.Object)))
+			return nil
+		})
+	}
+	for what, l := range map[string]client.ObjectList{
+		"mgmt PVC": &corev1.PersistentVolumeClaimList{}, "mgmt PV": &corev1.PersistentVolumeList{},
+		"mgmt VolumeAttachment": &storagev1.VolumeAttachmentList{}, "mgmt VolumeSnapshot": &snapshotv1.VolumeSnapshotList{},
+		"PmemVolume": &pmemv1.PmemVolumeList{}, "PmemSnapshot": &pmemv1.PmemSnapshotList{},
+	} {
+		if err := each(mc, what, l); err != nil {
 			return nil, err
 		}
 	}
-	for _, o := range pvcs.Items {
-		add("mgmt PVC %s/%s", o.Namespace, o.Name)
+	for _, g := range []*guestCluster{alpha, beta} {
+		for what, l := range map[string]client.ObjectList{
+			"PV": &corev1.PersistentVolumeList{}, "VolumeAttachment": &storagev1.VolumeAttachmentList{},
+			"VolumeSnapshotContent": &snapshotv1.VolumeSnapshotContentList{},
+		} {
+			if err := each(g.c, "guest "+g.Options.Name+" "+what, l); err != nil {
+				return nil, err
+			}
+		}
 	}
-	for _, o := range pvs.Items {
-		add("mgmt PV %s", o.Name)
-	}
-	for _, o := range vas.Items {
-		add("mgmt VolumeAttachment %s", o.Name)
-	}
-	for _, o := range snaps.Items {
-		add("mgmt VolumeSnapshot %s/%s", o.Namespace, o.Name)
-	}
-	for _, o := range pmemVolumes.Items {
-		add("PmemVolume %s", o.Name)
-	}
-	for _, o := range pmemSnapshots.Items {
-		add("PmemSnapshot %s", o.Name)
+	pmemNodes := &pmemv1.PmemNodeList{}
+	vms := &vmv1.VirtualMachineList{}
+	for _, l := range []client.ObjectList{pmemNodes, vms} {
+		if err := mc.List(ctx, l); err != nil {
+			return nil, err
+		}
 	}
 	for _, o := range pmemNodes.Items {
 		add("PMEM free on %s: %v", o.Name, o.Status.Free)
@@ -73,25 +78,6 @@ func storageState(ctx context.Context) ([]string, error) {
 		}
 		for _, v := range vm.Status.Volumes {
 			add("VM %s/%s status volume %s", vm.Namespace, vm.Name, v.Name)
-		}
-	}
-	for _, g := range []*guestCluster{alpha, beta} {
-		gpvs := &corev1.PersistentVolumeList{}
-		gvas := &storagev1.VolumeAttachmentList{}
-		contents := &snapshotv1.VolumeSnapshotContentList{}
-		for _, l := range []client.ObjectList{gpvs, gvas, contents} {
-			if err := list(g.c, l); err != nil {
-				return nil, err
-			}
-		}
-		for _, o := range gpvs.Items {
-			add("guest %s PV %s", g.Options.Name, o.Name)
-		}
-		for _, o := range gvas.Items {
-			add("guest %s VolumeAttachment %s", g.Options.Name, o.Name)
-		}
-		for _, o := range contents.Items {
-			add("guest %s VolumeSnapshotContent %s", g.Options.Name, o.Name)
 		}
 	}
 	loops, err := cluster.LoopsBelow(lab.Root)

@@ -19,8 +19,9 @@ import (
 	"pvbridge.io/pkg/tenancy"
 )
 
-// reclaimClass creates a StorageClass with the reclaim policy in c for the spec.
-func reclaimClass(ctx context.Context, c client.Client, name, provisioner string, policy corev1.PersistentVolumeReclaimPolicy, params map[string]string) {
+// storageClass creates a StorageClass (WaitForFirstConsumer, with the reclaim policy) in c
+// for the spec.
+func storageClass(ctx context.Context, c client.Client, name, provisioner string, policy corev1.PersistentVolumeReclaimPolicy, params map[string]string) {
 	GinkgoHelper()
 	sc := &storagev1.StorageClass{
 		ObjectMeta:        metaName("", name),
@@ -60,9 +61,9 @@ var _ = Describe("Reclaim policy", Label("reclaim"), func() {
 		func(ctx SpecContext, guestPolicy, mgmtPolicy corev1.PersistentVolumeReclaimPolicy) {
 			suffix := strings.ToLower(fmt.Sprintf("%s-%s", guestPolicy, mgmtPolicy))
 			mgmtClass, guestClass := "pmem-"+suffix, "pvbridge-"+suffix
-			reclaimClass(ctx, mc, mgmtClass, deploy.PmemDriver, mgmtPolicy, map[string]string{"csi.storage.k8s.io/fstype": "ext4"})
+			storageClass(ctx, mc, mgmtClass, deploy.PmemDriver, mgmtPolicy, map[string]string{"csi.storage.k8s.io/fstype": "ext4"})
 			allowClass(ctx, alpha, mgmtClass)
-			reclaimClass(ctx, alpha.c, guestClass, deploy.GuestDriver, guestPolicy, map[string]string{"mgmtStorageClass": mgmtClass})
+			storageClass(ctx, alpha.c, guestClass, deploy.GuestDriver, guestPolicy, map[string]string{"mgmtStorageClass": mgmtClass})
 
 			ns := alpha.namespace(ctx)
 			alpha.create(ctx, deploy.PVC(ns, "data", guestClass, "256Mi", false))

@@ -63,8 +63,8 @@ var _ = Describe("Tenancy", Label("tenancy"), func() {
 		By("a guest StorageClass naming a management class the cluster may not use")
 		// The premium class exists (so the guest sees its capacity and schedules the pod); it is
 		// only not on alpha's allow-list.
-		reclaimClass(ctx, mc, "pmem-premium", deploy.PmemDriver, corev1.PersistentVolumeReclaimDelete, map[string]string{"csi.storage.k8s.io/fstype": "ext4"})
-		reclaimClass(ctx, alpha.c, "premium", deploy.GuestDriver, corev1.PersistentVolumeReclaimDelete, map[string]string{"mgmtStorageClass": "pmem-premium"})
+		storageClass(ctx, mc, "pmem-premium", deploy.PmemDriver, corev1.PersistentVolumeReclaimDelete, map[string]string{"csi.storage.k8s.io/fstype": "ext4"})
+		storageClass(ctx, alpha.c, "premium", deploy.GuestDriver, corev1.PersistentVolumeReclaimDelete, map[string]string{"mgmtStorageClass": "pmem-premium"})
 		alpha.create(ctx, deploy.PVC(ns, "premium", "premium", "64Mi", false))
 		alpha.create(ctx, deploy.Pod(ns, "premium", "premium", "vm-1", false))
 		Eventually(events).WithContext(ctx).WithArguments(alpha, ns, "premium").WithTimeout(timeout).Should(ContainElement(And(
@@ -146,16 +146,8 @@ var _ = Describe("Tenancy", Label("tenancy"), func() {
 		DeferCleanup(func(ctx SpecContext) {
 			Expect(mc.Delete(ctx, &corev1.Namespace{ObjectMeta: metaName("", ns)})).To(Succeed())
 		})
-		capi := &unstructured.Unstructured{Object: map[string]any{
-			"apiVersion": "cluster.x-k8s.io/v1beta2", "kind": "Cluster",
-			"metadata": map[string]any{
-				"namespace": ns, "name": name,
-				"labels":      map[string]any{tenancy.EnabledLabel: "true"},
-				"annotations": map[string]any{tenancy.StorageClassesAnnotation: deploy.StorageClassPmemImmediate},
-			},
-			// A guest whose control plane never came up: no kubeconfig Secret, nothing delivered.
-			"spec": map[string]any{"controlPlaneEndpoint": map[string]any{"host": "127.0.0.1", "port": int64(1)}},
-		}}
+		// A guest whose control plane never came up: no kubeconfig Secret, nothing delivered.
+		capi := deploy.NewCluster(ns, name, deploy.StorageClassPmemImmediate, "127.0.0.1", 1)
 		Expect(mc.Create(ctx, capi)).To(Succeed())
 		uid := string(capi.GetUID())
 		Eventually(func(g Gomega) {

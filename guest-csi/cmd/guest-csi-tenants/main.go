@@ -16,6 +16,7 @@ import (
 
 	"pvbridge.io/guest-csi/internal/tenants"
 	"pvbridge.io/pkg/command"
+	"pvbridge.io/pkg/tenancy"
 )
 
 // version is set at build time with -ldflags "-X main.version=<version>".
@@ -33,7 +34,7 @@ func main() {
 	fs.StringVar(&opts.CapacityNamespace, "capacity-namespace", "pvbridge-system",
 		"Namespace where mgmt-csi publishes CSIStorageCapacity objects; each guest identity may list them there.")
 	fs.StringVar(&opts.GuestNamespace, "guest-namespace", "pvbridge-system",
-		"Namespace of the guest cluster that receives the Secret "+tenants.GuestSecretName+" (key "+tenants.GuestSecretKey+
+		"Namespace of the guest cluster that receives the Secret "+tenancy.GuestCredentialsSecret+" (key "+tenants.GuestSecretKey+
 			"); the guest install's guest-csi controller runs in pvbridge-system and mounts it from there.")
 	fs.DurationVar(&opts.TokenTTL, "token-ttl", 24*time.Hour,
 		"Lifetime of a guest's token (at least 10m); it is renewed when two thirds of it have passed.")

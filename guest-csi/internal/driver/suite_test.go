@@ -11,6 +11,8 @@ import (
 	"k8s.io/klog/v2"
 	ctrl "sigs.k8s.io/controller-runtime"
 	"sigs.k8s.io/controller-runtime/pkg/envtest"
+
+	"pvbridge.io/pkg/testenv"
 )
 
 // adminKubeconfig is an admin kubeconfig of the package's test apiserver: a real kube-apiserver
@@ -28,59 +30,17 @@ func TestMain(m *testing.M) {
 func runSuite(m *testing.M) int {
 	ctrl.SetLogger(klog.Background())
 	flag.Parse()
-	if fuzzing() {
-		return m.Run() // fuzz targets need no apiserver, and every fuzz worker runs TestMain
+	if testenv.Fuzzing() {
+		return m.Run()
 	}
-	assets := os.Getenv("PVBRIDGE_BIN")
-	if assets == "" {
-		cache, err := os.UserCacheDir()
-		if err != nil {
-			fmt.Fprintln(os.Stderr, err)
-			return 1
-		}
-		assets = filepath.Join(cache, "pvbridge", "bin")
-	}
-	crds := filepath.Join("..", "..", "..", "manifests", "crd")
-	testEnv = &envtest.Environment{
-		CRDDirectoryPaths:     []string{filepath.Join(crds, "bases"), filepath.Join(crds, "snapshot")},
-		ErrorIfCRDPathMissing: true,
-		BinaryAssetsDirectory: assets,
-	}
-	env := testEnv
-	if _, err := env.Start(); err != nil {
-		fmt.Fprintf(os.Stderr, "start the test apiserver (binaries from %s; run `make tools`): %v\n", assets, err)
-		return 1
-	}
-	defer func() { _ = env.Stop() }()
-	dir, err := os.MkdirTemp("", "guest-csi-test-")
+	srv, err := testenv.Start("bases", "snapshot")
 	if err != nil {
 		fmt.Fprintln(os.Stderr, err)
 		return 1
 	}
-	defer os.RemoveAll(dir)
-	admin, err := env.AddUser(envtest.User{Name: "admin", Groups: []string{"system:masters"}}, nil)
-	if err == nil {
-		var data []byte
-		if data, err = admin.KubeConfig(); err == nil {
-			adminKubeconfig = filepath.Join(dir, "kubeconfig")
-			err = os.WriteFile(adminKubeconfig, data, 0o600)
-		}
-	}
-	if err != nil {
-		fmt.Fprintln(os.Stderr, "admin kubeconfig:", err)
-		return 1
-	}
+	defer srv.Stop()
+	testEnv, adminKubeconfig = srv.Environment, srv.AdminKubeconfig
 	return m.Run()
-}
-
-// fuzzing reports whether the test binary runs a fuzz target (or is one of its workers).
-func fuzzing() bool {
-	for _, name := range []string{"test.fuzz", "test.fuzzworker"} {
-		if f := flag.Lookup(name); f != nil && f.Value.String() != "" && f.Value.String() != "false" {
-			return true
-		}
-	}
-	return false
 }
 
 // kubeconfigIn writes a copy of the admin kubeconfig whose context names namespace, as the

@@ -124,7 +124,7 @@ func (r *CredentialsReconciler) Reconcile(ctx context.Context, req ctrl.Request)
 	// the policy checks a guest's writes against, and without them it checks nothing.
 	if known, err := r.policyKnows(ctx, cluster); err != nil || !known {
 		if err == nil {
-			log.V(2).Info("Waiting for the tenancy parameters of the cluster", "configMap", ParamsConfigMap)
+			log.V(2).Info("Waiting for the tenancy parameters of the cluster", "configMap", tenancy.ParamsConfigMap)
 		}
 		return ctrl.Result{RequeueAfter: time.Second}, err
 	}
@@ -145,7 +145,7 @@ func (r *CredentialsReconciler) Reconcile(ctx context.Context, req ctrl.Request)
 // policyKnows reports whether the namespace's tenancy parameters name the cluster with its UID.
 func (r *CredentialsReconciler) policyKnows(ctx context.Context, cluster *clusterv1.Cluster) (bool, error) {
 	cm := &corev1.ConfigMap{}
-	err := r.Client.Get(ctx, client.ObjectKey{Namespace: cluster.Namespace, Name: ParamsConfigMap}, cm)
+	err := r.Client.Get(ctx, client.ObjectKey{Namespace: cluster.Namespace, Name: tenancy.ParamsConfigMap}, cm)
 	if apierrors.IsNotFound(err) {
 		return false, nil
 	}
@@ -201,7 +201,7 @@ func roleRef(name string) *rbacv1ac.RoleRefApplyConfiguration {
 func (r *CredentialsReconciler) deliver(ctx context.Context, cluster *clusterv1.Cluster, account *corev1.ServiceAccount, guest client.Client) (ctrl.Result, error) {
 	log := ctrl.LoggerFrom(ctx)
 	want := target{server: r.Config.MgmtServer, ca: r.Config.MgmtCA, namespace: cluster.Namespace}
-	key := client.ObjectKey{Namespace: r.Config.GuestNamespace, Name: GuestSecretName}
+	key := client.ObjectKey{Namespace: r.Config.GuestNamespace, Name: tenancy.GuestCredentialsSecret}
 	secret := &corev1.Secret{}
 	if err := guest.Get(ctx, key, secret); apierrors.IsNotFound(err) {
 		secret = nil

@@ -99,23 +99,23 @@ func (e *tenantEnv) startManager(t *testing.T, cfg Config) {
 }
 
 // createCluster creates an opted-in Cluster (or not, with optIn false) in the test namespace.
-// Its guest install is off unless annotations set GuestInstallAnnotation: the guest apiserver
+// Its guest install is off unless annotations set tenancy.GuestInstallAnnotation: the guest apiserver
 // is shared, and only the install tests install into it.
 func (e *tenantEnv) createCluster(t *testing.T, name string, optIn bool, annotations map[string]string) *clusterv1.Cluster {
 	t.Helper()
 	annotations = maps.Clone(annotations)
-	if _, ok := annotations[GuestInstallAnnotation]; !ok {
+	if _, ok := annotations[tenancy.GuestInstallAnnotation]; !ok {
 		if annotations == nil {
 			annotations = map[string]string{}
 		}
-		annotations[GuestInstallAnnotation] = "false"
+		annotations[tenancy.GuestInstallAnnotation] = "false"
 	}
 	c := &clusterv1.Cluster{
 		ObjectMeta: metav1.ObjectMeta{Namespace: e.ns, Name: name, Annotations: annotations},
 		Spec:       clusterv1.ClusterSpec{ControlPlaneEndpoint: clusterv1.APIEndpoint{Host: "127.0.0.1", Port: 6443}},
 	}
 	if optIn {
-		c.Labels = map[string]string{EnabledLabel: "true"}
+		c.Labels = map[string]string{tenancy.EnabledLabel: "true"}
 	}
 	if err := mgmtClient.Create(t.Context(), c); err != nil {
 		t.Fatal(err)
@@ -129,7 +129,7 @@ func (e *tenantEnv) createCluster(t *testing.T, name string, optIn bool, annotat
 // after a Cluster opted in: the credentials reconciler waits for it.
 func (e *tenantEnv) writeParams(t *testing.T) {
 	t.Helper()
-	if _, err := (&ParamsReconciler{Client: mgmtClient}).Reconcile(t.Context(), ctrl.Request{NamespacedName: client.ObjectKey{Namespace: e.ns, Name: ParamsConfigMap}}); err != nil {
+	if _, err := (&ParamsReconciler{Client: mgmtClient}).Reconcile(t.Context(), ctrl.Request{NamespacedName: client.ObjectKey{Namespace: e.ns, Name: tenancy.ParamsConfigMap}}); err != nil {
 		t.Fatal(err)
 	}
 }
@@ -155,7 +155,7 @@ func (e *tenantEnv) createKubeconfigSecret(t *testing.T, c *clusterv1.Cluster) {
 // guestSecret reads the credential delivered into the guest cluster.
 func (e *tenantEnv) guestSecret(ctx context.Context) (*corev1.Secret, error) {
 	s := &corev1.Secret{}
-	return s, guestAdmin.Get(ctx, client.ObjectKey{Namespace: e.guestNS, Name: GuestSecretName}, s)
+	return s, guestAdmin.Get(ctx, client.ObjectKey{Namespace: e.guestNS, Name: tenancy.GuestCredentialsSecret}, s)
 }
 
 // identityClient is a management client with the credential of a guest Secret.

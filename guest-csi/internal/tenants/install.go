@@ -33,9 +33,6 @@ import (
 )
 
 const (
-	// GuestInstallAnnotation set to "false" on a Cluster leaves its guest cluster alone: for
-	// guests installed by a ClusterResourceSet or GitOps from manifests/overlays/guest.
-	GuestInstallAnnotation = tenancy.GuestInstallAnnotation
 	// DefaultInstallResync is how often the guest install is applied again, putting back what
 	// was changed or deleted in the guest.
 	DefaultInstallResync = 10 * time.Minute
@@ -195,12 +192,12 @@ func readsClusterConfigMap(u *unstructured.Unstructured) bool {
 }
 
 // allowedClasses is the cluster's allow-list of management StorageClasses in its written order:
-// the Cluster's StorageClassesAnnotation, else the Namespace's (the same source as the tenancy
+// the Cluster's tenancy.StorageClassesAnnotation, else the Namespace's (the same source as the tenancy
 // parameters).
 func allowedClasses(cluster *clusterv1.Cluster, namespace *corev1.Namespace) []string {
-	list, ok := cluster.Annotations[StorageClassesAnnotation]
+	list, ok := cluster.Annotations[tenancy.StorageClassesAnnotation]
 	if !ok {
-		list = namespace.Annotations[StorageClassesAnnotation]
+		list = namespace.Annotations[tenancy.StorageClassesAnnotation]
 	}
 	var classes []string
 	for item := range strings.SplitSeq(list, ",") {
@@ -259,7 +256,7 @@ func (r *InstallReconciler) SetupWithManager(mgr ctrl.Manager) error {
 // clustersOfNamespace maps a Namespace to its opted-in Clusters, whose allow-list may come from it.
 func (r *InstallReconciler) clustersOfNamespace(ctx context.Context, obj client.Object) []reconcile.Request {
 	var clusters clusterv1.ClusterList
-	if err := r.Client.List(ctx, &clusters, client.InNamespace(obj.GetName()), client.MatchingLabels{EnabledLabel: "true"}); err != nil {
+	if err := r.Client.List(ctx, &clusters, client.InNamespace(obj.GetName()), client.MatchingLabels{tenancy.EnabledLabel: "true"}); err != nil {
 		ctrl.LoggerFrom(ctx).Error(err, "List the Clusters of a Namespace", "namespace", obj.GetName())
 		return nil
 	}
@@ -285,11 +282,11 @@ func (r *InstallReconciler) Reconcile(ctx context.Context, req ctrl.Request) (ct
 	if !optedIn(cluster) || !cluster.DeletionTimestamp.IsZero() {
 		return ctrl.Result{}, nil
 	}
-	if cluster.Annotations[GuestInstallAnnotation] == "false" {
-		log.V(2).Info("The guest install is off for this Cluster", "annotation", GuestInstallAnnotation)
+	if cluster.Annotations[tenancy.GuestInstallAnnotation] == "false" {
+		log.V(2).Info("The guest install is off for this Cluster", "annotation", tenancy.GuestInstallAnnotation)
 		if r.forget(req.NamespacedName) {
 			r.Recorder.Eventf(cluster, nil, corev1.EventTypeNormal, eventGuestInstallOff, installAction,
-				"%s=false: the guest cluster is left as it is; nothing is applied to it or removed from it", GuestInstallAnnotation)
+				"%s=false: the guest cluster is left as it is; nothing is applied to it or removed from it", tenancy.GuestInstallAnnotation)
 		}
 		return ctrl.Result{}, nil
 	}
@@ -318,7 +315,7 @@ func (r *InstallReconciler) Reconcile(ctx context.Context, req ctrl.Request) (ct
 		mgmtClass = classes[0]
 	} else {
 		skipReason = fmt.Sprintf("the cluster may use no management StorageClass (annotation %s of the Cluster, else of its Namespace, names none)",
-			StorageClassesAnnotation)
+			tenancy.StorageClassesAnnotation)
 	}
 	objs, skipped, err := renderInstall(base, cluster, mgmtClass)
 	if err != nil {

@@ -186,11 +186,11 @@ func TestAllowedClasses(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			c := &clusterv1.Cluster{}
 			if tc.cluster != nil {
-				c.Annotations = map[string]string{StorageClassesAnnotation: tc.cluster[0]}
+				c.Annotations = map[string]string{tenancy.StorageClassesAnnotation: tc.cluster[0]}
 			}
 			ns := &corev1.Namespace{}
 			if tc.ns != nil {
-				ns.Annotations = map[string]string{StorageClassesAnnotation: tc.ns[0]}
+				ns.Annotations = map[string]string{tenancy.StorageClassesAnnotation: tc.ns[0]}
 			}
 			NewWithT(t).Expect(allowedClasses(c, ns)).To(Equal(tc.want))
 		})
@@ -206,11 +206,11 @@ func TestAllowedClasses(t *testing.T) {
 func TestGuestInstall(t *testing.T) {
 	g := NewWithT(t)
 	ctx := t.Context()
-	e := newTenantEnv(t, map[string]string{StorageClassesAnnotation: "fast, pmem"})
+	e := newTenantEnv(t, map[string]string{tenancy.StorageClassesAnnotation: "fast, pmem"})
 	cfg := e.config()
 	cfg.InstallResync = 300 * time.Millisecond
 	e.startManager(t, cfg)
-	c := e.createCluster(t, "alpha", true, map[string]string{GuestInstallAnnotation: "true"})
+	c := e.createCluster(t, "alpha", true, map[string]string{tenancy.GuestInstallAnnotation: "true"})
 	e.createKubeconfigSecret(t, c)
 	reasons := func(ctx context.Context) ([]string, error) { return eventReasons(ctx, c) }
 
@@ -266,7 +266,7 @@ func TestGuestInstall(t *testing.T) {
 	// replaced.
 	old := &storagev1.StorageClass{}
 	g.Expect(guestAdmin.Get(ctx, defaultClassKey, old)).To(Succeed())
-	annotateCluster(t, c, StorageClassesAnnotation, "pmem,fast")
+	annotateCluster(t, c, tenancy.StorageClassesAnnotation, "pmem,fast")
 	eventually(g, func(g Gomega, ctx context.Context) {
 		for _, key := range []client.ObjectKey{defaultClassKey, xfsClassKey} {
 			sc := &storagev1.StorageClass{}
@@ -281,7 +281,7 @@ func TestGuestInstall(t *testing.T) {
 
 	// An empty allow-list: the StorageClasses are left out, with an Event; the rest is still
 	// applied.
-	annotateCluster(t, c, StorageClassesAnnotation, "")
+	annotateCluster(t, c, tenancy.StorageClassesAnnotation, "")
 	eventually(g, func(ctx context.Context) ([]string, error) { return eventNotes(ctx, c, eventGuestClassSkipped) }).
 		WithContext(ctx).Should(ContainElement(HavePrefix(installSkipReason)))
 	for _, key := range []client.ObjectKey{defaultClassKey, xfsClassKey} {
@@ -302,7 +302,7 @@ func TestGuestInstall(t *testing.T) {
 		"no StorageClass without an allowed management class")
 
 	// Opt-out: the guest is left as it is.
-	annotateCluster(t, c, GuestInstallAnnotation, "false")
+	annotateCluster(t, c, tenancy.GuestInstallAnnotation, "false")
 	eventually(g, reasons).WithContext(ctx).Should(ContainElement(eventGuestInstallOff))
 	patch = client.MergeFrom(deployment.DeepCopy())
 	deployment.Spec.Replicas = ptr.To[int32](5)
@@ -317,8 +317,8 @@ func TestGuestInstall(t *testing.T) {
 	}).WithContext(ctx).WithTimeout(2 * time.Second).WithPolling(100 * time.Millisecond).Should(Succeed())
 
 	// Back on, then the Cluster is deleted: the guest keeps everything.
-	annotateCluster(t, c, GuestInstallAnnotation, "true")
-	annotateCluster(t, c, StorageClassesAnnotation, "pmem")
+	annotateCluster(t, c, tenancy.GuestInstallAnnotation, "true")
+	annotateCluster(t, c, tenancy.StorageClassesAnnotation, "pmem")
 	eventually(g, func(ctx context.Context) error {
 		return guestAdmin.Get(ctx, client.ObjectKey{Name: guestDriver}, &storagev1.CSIDriver{})
 	}).WithContext(ctx).Should(Succeed())

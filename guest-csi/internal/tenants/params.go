@@ -58,7 +58,7 @@ func (r *ParamsReconciler) SetupWithManager(mgr ctrl.Manager) error {
 		Watches(&snapshotv1.VolumeSnapshot{}, handler.EnqueueRequestsFromMapFunc(paramsOfNamespace),
 			builder.OnlyMetadata, builder.WithPredicates(sharedChanged)).
 		Watches(&corev1.ConfigMap{}, handler.EnqueueRequestsFromMapFunc(paramsOfNamespace),
-			builder.WithPredicates(predicate.NewPredicateFuncs(func(obj client.Object) bool { return obj.GetName() == ParamsConfigMap }))).
+			builder.WithPredicates(predicate.NewPredicateFuncs(func(obj client.Object) bool { return obj.GetName() == tenancy.ParamsConfigMap }))).
 		Complete(r)
 }
 
@@ -68,7 +68,7 @@ func paramsOfNamespace(_ context.Context, obj client.Object) []reconcile.Request
 	if _, isNamespace := obj.(*corev1.Namespace); isNamespace {
 		ns = obj.GetName()
 	}
-	return []reconcile.Request{{NamespacedName: client.ObjectKey{Namespace: ns, Name: ParamsConfigMap}}}
+	return []reconcile.Request{{NamespacedName: client.ObjectKey{Namespace: ns, Name: tenancy.ParamsConfigMap}}}
 }
 
 // sharedChanged passes PVCs and VolumeSnapshots whose SharedWithAnnotation is, or was, set.
@@ -100,10 +100,10 @@ func (r *ParamsReconciler) Reconcile(ctx context.Context, req ctrl.Request) (ctr
 		if !optedIn(c) {
 			continue
 		}
-		classes, ok := c.Annotations[StorageClassesAnnotation]
+		classes, ok := c.Annotations[tenancy.StorageClassesAnnotation]
 		tenants = append(tenants, paramsCluster{name: c.Name, uid: string(c.UID), storageClasses: classes, hasStorageClasses: ok})
 	}
-	key := client.ObjectKey{Namespace: ns, Name: ParamsConfigMap}
+	key := client.ObjectKey{Namespace: ns, Name: tenancy.ParamsConfigMap}
 	if len(tenants) == 0 {
 		// Looked up in the cache first: most namespaces never had parameters.
 		cm := &corev1.ConfigMap{}
@@ -129,8 +129,8 @@ func (r *ParamsReconciler) Reconcile(ctx context.Context, req ctrl.Request) (ctr
 	if err != nil {
 		return ctrl.Result{}, err
 	}
-	data := paramsData(tenants, namespace.Annotations[StorageClassesAnnotation], claims, snapshots)
-	cm := corev1ac.ConfigMap(ParamsConfigMap, ns).WithLabels(map[string]string{ManagedByLabel: fieldManager}).WithData(data)
+	data := paramsData(tenants, namespace.Annotations[tenancy.StorageClassesAnnotation], claims, snapshots)
+	cm := corev1ac.ConfigMap(tenancy.ParamsConfigMap, ns).WithLabels(map[string]string{ManagedByLabel: fieldManager}).WithData(data)
 	if err := r.Client.Apply(ctx, cm, client.FieldOwner(fieldManager), client.ForceOwnership); err != nil {
 		return ctrl.Result{}, fmt.Errorf("apply ConfigMap %s: %w", key, err)
 	}
@@ -141,7 +141,7 @@ func (r *ParamsReconciler) Reconcile(ctx context.Context, req ctrl.Request) (ctr
 // paramsCluster is what the parameters say of one opted-in Cluster.
 type paramsCluster struct {
 	name, uid string
-	// storageClasses is the Cluster's StorageClassesAnnotation, if hasStorageClasses.
+	// storageClasses is the Cluster's tenancy.StorageClassesAnnotation, if hasStorageClasses.
 	storageClasses    string
 	hasStorageClasses bool
 }

@@ -76,10 +76,10 @@ func TestParamsData(t *testing.T) {
 func TestParamsFollowAnnotations(t *testing.T) {
 	g := NewWithT(t)
 	ctx := t.Context()
-	e := newTenantEnv(t, map[string]string{StorageClassesAnnotation: "gold,silver"})
+	e := newTenantEnv(t, map[string]string{tenancy.StorageClassesAnnotation: "gold,silver"})
 	e.startManager(t, e.config())
 	a := e.createCluster(t, "a", true, nil)
-	b := e.createCluster(t, "b", true, map[string]string{StorageClassesAnnotation: "bronze"})
+	b := e.createCluster(t, "b", true, map[string]string{tenancy.StorageClassesAnnotation: "bronze"})
 	x := e.createCluster(t, "x", false, nil)
 	p1, p2 := e.pvc("p1", nil, "a"), e.pvc("p2", nil, "a,b")
 	s1 := e.snapshot("s1", nil, "b")
@@ -87,7 +87,7 @@ func TestParamsFollowAnnotations(t *testing.T) {
 
 	params := func(ctx context.Context) (map[string]string, error) {
 		cm := &corev1.ConfigMap{}
-		err := mgmtClient.Get(ctx, client.ObjectKey{Namespace: e.ns, Name: ParamsConfigMap}, cm)
+		err := mgmtClient.Get(ctx, client.ObjectKey{Namespace: e.ns, Name: tenancy.ParamsConfigMap}, cm)
 		return cm.Data, err
 	}
 	eventually(g, params).WithContext(ctx).Should(Equal(map[string]string{
@@ -115,13 +115,13 @@ func TestParamsFollowAnnotations(t *testing.T) {
 	str := func(s string) *string { return &s }
 	annotate(p1, tenancy.SharedWithAnnotation, str("b"))
 	annotate(s1, tenancy.SharedWithAnnotation, nil)
-	annotate(a, StorageClassesAnnotation, str("platinum"))
+	annotate(a, tenancy.StorageClassesAnnotation, str("platinum"))
 	ns := &corev1.Namespace{}
 	g.Expect(mgmtClient.Get(ctx, client.ObjectKey{Name: e.ns}, ns)).To(Succeed())
-	annotate(ns, StorageClassesAnnotation, str("iron"))
+	annotate(ns, tenancy.StorageClassesAnnotation, str("iron"))
 	g.Expect(mgmtClient.Delete(ctx, p2)).To(Succeed())
 	xPatch := client.MergeFrom(x.DeepCopy())
-	x.Labels = map[string]string{EnabledLabel: "true"}
+	x.Labels = map[string]string{tenancy.EnabledLabel: "true"}
 	g.Expect(mgmtClient.Patch(ctx, x, xPatch)).To(Succeed())
 	// envtest has no PVC protection controller; the PVC goes unless the admission plugin
 	// added its finalizer, which is lifted here as kube-controller-manager would.
@@ -135,14 +135,14 @@ func TestParamsFollowAnnotations(t *testing.T) {
 
 	// Tampering is repaired.
 	cm := &corev1.ConfigMap{}
-	g.Expect(mgmtClient.Get(ctx, client.ObjectKey{Namespace: e.ns, Name: ParamsConfigMap}, cm)).To(Succeed())
+	g.Expect(mgmtClient.Get(ctx, client.ObjectKey{Namespace: e.ns, Name: tenancy.ParamsConfigMap}, cm)).To(Succeed())
 	cm.Data["b.storageClasses"] = "gold"
 	g.Expect(mgmtClient.Update(ctx, cm)).To(Succeed())
 	eventually(g, params).WithContext(ctx).Should(HaveKeyWithValue("b.storageClasses", "bronze"))
 
 	for _, c := range []*clusterv1.Cluster{a, b, x} {
 		patch := client.MergeFrom(c.DeepCopy())
-		delete(c.Labels, EnabledLabel)
+		delete(c.Labels, tenancy.EnabledLabel)
 		g.Expect(mgmtClient.Patch(ctx, c, patch)).To(Succeed())
 	}
 	eventually(g, func(ctx context.Context) bool {

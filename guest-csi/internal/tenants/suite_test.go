@@ -3,7 +3,6 @@ package tenants
 import (
 	"fmt"
 	"os"
-	"path/filepath"
 	"testing"
 
 	"k8s.io/apimachinery/pkg/runtime"
@@ -11,7 +10,8 @@ import (
 	"k8s.io/klog/v2"
 	ctrl "sigs.k8s.io/controller-runtime"
 	"sigs.k8s.io/controller-runtime/pkg/client"
-	"sigs.k8s.io/controller-runtime/pkg/envtest"
+
+	"pvbridge.io/pkg/testenv"
 )
 
 // The package's two test apiservers, real kube-apiservers and etcds (the lab's pinned
@@ -41,47 +41,27 @@ func runSuite(m *testing.M) int {
 		fmt.Fprintln(os.Stderr, err)
 		return 1
 	}
-	assets := os.Getenv("PVBRIDGE_BIN")
-	if assets == "" {
-		cache, err := os.UserCacheDir()
-		if err != nil {
-			fmt.Fprintln(os.Stderr, err)
-			return 1
-		}
-		assets = filepath.Join(cache, "pvbridge", "bin")
+	mgmt, err := testenv.Start("bases", "capi", "snapshot")
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "management:", err)
+		return 1
 	}
-	crds := filepath.Join("..", "..", "..", "manifests", "crd")
-	mgmt := &envtest.Environment{
-		CRDDirectoryPaths: []string{
-			filepath.Join(crds, "bases"), filepath.Join(crds, "capi"), filepath.Join(crds, "snapshot"),
-		},
-		ErrorIfCRDPathMissing: true,
-		BinaryAssetsDirectory: assets,
-	}
+	defer mgmt.Stop()
 	// The guest serves VolumeSnapshotClasses, which the guest install includes.
-	guest := &envtest.Environment{
-		CRDDirectoryPaths:     []string{filepath.Join(crds, "snapshot")},
-		ErrorIfCRDPathMissing: true,
-		BinaryAssetsDirectory: assets,
+	guest, err := testenv.Start("snapshot")
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "guest:", err)
+		return 1
 	}
-	for name, env := range map[string]*envtest.Environment{"management": mgmt, "guest": guest} {
-		if _, err := env.Start(); err != nil {
-			fmt.Fprintf(os.Stderr, "start the %s test apiserver (binaries from %s; run `make tools`): %v\n", name, assets, err)
-			return 1
-		}
-		defer func() { _ = env.Stop() }()
-	}
+	defer guest.Stop()
 	mgmtConfig = mgmt.Config
 	if mgmtClient, err = client.New(mgmtConfig, client.Options{Scheme: scheme}); err != nil {
 		fmt.Fprintln(os.Stderr, err)
 		return 1
 	}
-	admin, err := guest.AddUser(envtest.User{Name: "capi-admin", Groups: []string{"system:masters"}}, nil)
-	if err == nil {
-		guestKubeconfig, err = admin.KubeConfig()
-	}
-	if err == nil {
-		guestAdmin, err = client.New(admin.Config(), client.Options{Scheme: scheme})
+	// The guest's admin, as Cluster API writes its kubeconfig.
+	if guestKubeconfig, err = guest.Admin.KubeConfig(); err == nil {
+		guestAdmin, err = client.New(guest.Admin.Config(), client.Options{Scheme: scheme})
 	}
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "guest admin:", err)

@@ -55,19 +55,9 @@ import (
 )
 
 const (
-	// EnabledLabel opts a Cluster in (pkg/tenancy, where the lab, the manifests and the docs
-	// find it too).
-	EnabledLabel = tenancy.EnabledLabel
-	// StorageClassesAnnotation is a Cluster's or Namespace's allow-list (pkg/tenancy).
-	StorageClassesAnnotation = tenancy.StorageClassesAnnotation
-	// ParamsConfigMap is the namespace's tenancy parameters for the admission policy (pkg/tenancy).
-	ParamsConfigMap = tenancy.ParamsConfigMap
-	// GuestSecretName is the Secret in the guest cluster holding guest-csi's management
-	// kubeconfig under GuestSecretKey.
-	GuestSecretName = tenancy.GuestCredentialsSecret
 	// CleanupFinalizer holds a deleted Cluster until its management volumes are cleaned up.
 	CleanupFinalizer = "pvbridge.io/cleanup"
-	// GuestSecretKey is the key of the kubeconfig in GuestSecretName.
+	// GuestSecretKey is the key of the kubeconfig in tenancy.GuestCredentialsSecret.
 	GuestSecretKey = "kubeconfig"
 	// IdentitySuffix makes the name of a guest's ServiceAccount, Role and RoleBinding:
 	// <cluster>-pvbridge.
@@ -96,7 +86,7 @@ type Options struct {
 	MgmtCAFile string
 	// CapacityNamespace is where mgmt-csi publishes CSIStorageCapacity objects.
 	CapacityNamespace string
-	// GuestNamespace is the namespace of the guest cluster that receives GuestSecretName.
+	// GuestNamespace is the namespace of the guest cluster that receives tenancy.GuestCredentialsSecret.
 	GuestNamespace string
 	// TokenTTL is the requested lifetime of a guest's token; it is renewed after two thirds.
 	TokenTTL time.Duration
@@ -321,9 +311,9 @@ func mgmtCA(file string, rc *rest.Config) ([]byte, error) {
 	return rc.CAData, nil
 }
 
-// optedIn is true for Clusters labelled EnabledLabel=true.
+// optedIn is true for Clusters labelled tenancy.EnabledLabel=true.
 func optedIn(obj client.Object) bool {
-	return obj.GetLabels()[EnabledLabel] == "true"
+	return obj.GetLabels()[tenancy.EnabledLabel] == "true"
 }
 
 // optedInClusters filters the Cluster watch of the credentials controller.

@@ -3,13 +3,13 @@ package controller
 import (
 	"fmt"
 	"os"
-	"path/filepath"
 	"testing"
 
 	"k8s.io/client-go/rest"
 	"k8s.io/klog/v2"
 	ctrl "sigs.k8s.io/controller-runtime"
-	"sigs.k8s.io/controller-runtime/pkg/envtest"
+
+	"pvbridge.io/pkg/testenv"
 )
 
 // testEnv is the package's test apiserver: a real kube-apiserver and etcd (the lab's pinned
@@ -23,26 +23,12 @@ func TestMain(m *testing.M) {
 
 func runSuite(m *testing.M) int {
 	ctrl.SetLogger(klog.Background())
-	assets := os.Getenv("PVBRIDGE_BIN")
-	if assets == "" {
-		cache, err := os.UserCacheDir()
-		if err != nil {
-			fmt.Fprintln(os.Stderr, err)
-			return 1
-		}
-		assets = filepath.Join(cache, "pvbridge", "bin")
-	}
-	env := &envtest.Environment{
-		CRDDirectoryPaths:     []string{filepath.Join("..", "..", "..", "manifests", "crd", "bases")},
-		ErrorIfCRDPathMissing: true,
-		BinaryAssetsDirectory: assets,
-	}
-	cfg, err := env.Start()
+	srv, err := testenv.Start("bases")
 	if err != nil {
-		fmt.Fprintf(os.Stderr, "start the test apiserver (binaries from %s; run `make tools`): %v\n", assets, err)
+		fmt.Fprintln(os.Stderr, err)
 		return 1
 	}
-	defer func() { _ = env.Stop() }()
-	testEnv = cfg
+	defer srv.Stop()
+	testEnv = srv.Config
 	return m.Run()
 }

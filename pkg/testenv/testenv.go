@@ -1,0 +1,100 @@
+// Package testenv starts the test apiservers of pvbridge's integration tests: a real
+// kube-apiserver and etcd (the lab's pinned binaries, through controller-runtime's envtest) with
+// CRDs of the repository's manifests/crd and a system:masters user. Only tests import it.
+package testenv
+
+import (
+	"errors"
+	"flag"
+	"fmt"
+	"os"
+	"path/filepath"
+	"runtime"
+
+	"sigs.k8s.io/controller-runtime/pkg/envtest"
+)
+
+// BinDir is the directory of the pinned third-party binaries: $PVBRIDGE_BIN, else
+// <user cache directory>/pvbridge/bin, where `make tools` builds them.
+func BinDir() (string, error) {
+	if dir := os.Getenv("PVBRIDGE_BIN"); dir != "" {
+		return dir, nil
+	}
+	cache, err := os.UserCacheDir()
+	if err != nil {
+		return "", err
+	}
+	return filepath.Join(cache, "pvbridge", "bin"), nil
+}
+
+// Server is a running test apiserver.
+type Server struct {
+	*envtest.Environment
+	// Admin is a system:masters user; AdminKubeconfig is its kubeconfig file.
+	Admin           *envtest.AuthenticatedUser
+	AdminKubeconfig string
+
+	dir string
+}
+
+// Start starts a test apiserver serving the CRDs of the named directories of manifests/crd
+// (bases, snapshot, capi). Stop it with Stop.
+func Start(crds ...string) (*Server, error) {
+	bin, err := BinDir()
+	if err != nil {
+		return nil, err
+	}
+	_, self, _, ok := runtime.Caller(0)
+	if !ok {
+		return nil, errors.New("cannot find the repository's manifests/crd")
+	}
+	root := filepath.Join(filepath.Dir(self), "..", "..", "manifests", "crd")
+	env := &envtest.Environment{ErrorIfCRDPathMissing: true, BinaryAssetsDirectory: bin}
+	for _, name := range crds {
+		env.CRDDirectoryPaths = append(env.CRDDirectoryPaths, filepath.Join(root, name))
+	}
+	if _, err := env.Start(); err != nil {
+		return nil, fmt.Errorf("start the test apiserver (binaries from %s; run `make tools`): %w", bin, err)
+	}
+	s := &Server{Environment: env}
+	if err := s.addAdmin(); err != nil {
+		s.Stop()
+		return nil, fmt.Errorf("admin of the test apiserver: %w", err)
+	}
+	return s, nil
+}
+
+func (s *Server) addAdmin() error {
+	var err error
+	if s.Admin, err = s.AddUser(envtest.User{Name: "admin", Groups: []string{"system:masters"}}, nil); err != nil {
+		return err
+	}
+	data, err := s.Admin.KubeConfig()
+	if err != nil {
+		return err
+	}
+	if s.dir, err = os.MkdirTemp("", "pvbridge-testenv-"); err != nil {
+		return err
+	}
+	s.AdminKubeconfig = filepath.Join(s.dir, "kubeconfig")
+	return os.WriteFile(s.AdminKubeconfig, data, 0o600)
+}
+
+// Stop stops the apiserver and etcd and removes the admin's kubeconfig.
+func (s *Server) Stop() {
+	_ = s.Environment.Stop()
+	if s.dir != "" {
+		_ = os.RemoveAll(s.dir)
+	}
+}
+
+// Fuzzing reports whether the test binary runs a fuzz target (or is one of its workers): every
+// fuzz worker runs TestMain again, and fuzz targets need no apiserver. Call it after flag.Parse.
+func Fuzzing() bool {
+	for _, name := range []string{"test.fuzz", "test.fuzzworker"} {
+		if f := flag.Lookup(name); f != nil && f.Value.String() != "" && f.Value.String() != "false" {
+			return true
+		}
+	}
+	return false
+}
