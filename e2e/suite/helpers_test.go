@@ -29,14 +29,16 @@ func (g *guestCluster) namespace(ctx context.Context) string {
 	DeferCleanup(func(ctx SpecContext) {
 		Expect(g.c.DeleteAllOf(ctx, &corev1.Pod{}, client.InNamespace(ns))).To(Succeed())
 		Expect(g.c.DeleteAllOf(ctx, &corev1.PersistentVolumeClaim{}, client.InNamespace(ns))).To(Succeed())
+		// A pod whose volume was never attached terminates only once kubelet's wait for its
+		// volumes gives up (about two minutes); only then is the VolumeAttachment deleted.
 		Eventually(func(g2 Gomega) {
 			pvs := &corev1.PersistentVolumeList{}
 			g2.Expect(g.c.List(ctx, pvs)).To(Succeed())
 			for _, pv := range pvs.Items {
 				g2.Expect(pv.Spec.ClaimRef).NotTo(HaveField("Namespace", ns), "guest PV %s", pv.Name)
 			}
-		}).WithContext(ctx).WithTimeout(timeout).Should(Succeed())
-	}, NodeTimeout(timeout+30e9))
+		}).WithContext(ctx).WithTimeout(2 * timeout).Should(Succeed())
+	}, NodeTimeout(2*timeout+30e9))
 	return ns
 }
 
