@@ -12,6 +12,10 @@ export PVBRIDGE_BIN := $(CACHE)/bin
 export PVBRIDGE_ROOT := $(CURDIR)
 
 MODULES := pkg guest-csi mgmt-csi vm-operator e2e
+COMPONENTS := pkg guest-csi mgmt-csi vm-operator
+# The pinned third-party components (hack/build-tools.sh) the lab runs, and the tests.
+LAB_TOOLS := etcd kubernetes csi-provisioner csi-attacher csi-resizer csi-snapshotter
+TEST_TOOLS := $(LAB_TOOLS) csi-sanity
 CONTROLLER_GEN := $(PVBRIDGE_BIN)/controller-gen
 GOLANGCI_LINT := $(PVBRIDGE_BIN)/golangci-lint
 KUBECTL := $(PVBRIDGE_BIN)/kubectl
@@ -27,17 +31,19 @@ help: ## Show this help.
 		/^##@/ { printf "\n%s\n", substr($$0, 5) }' $(MAKEFILE_LIST)
 
 .PHONY: run
-run: deps tools ## Start the lab (management + guest clusters on 127.0.0.1) until Ctrl-C.
+run: deps lab-tools ## Start the lab (management + guest clusters on 127.0.0.1) until Ctrl-C.
 	go build -o bin/lab ./e2e/cmd/lab
 	bin/lab
 
 .PHONY: test
-test: deps tools ## Run every test (unit, integration, end-to-end) with -race, then each fuzz target briefly.
-	@# One invocation over every module of the workspace: the end-to-end suites, which mostly
-	@# wait, run beside the unit tests instead of after them. -count=1: the end-to-end tests
-	@# start binaries built at run time, which the test cache cannot see change.
-	go test -race -count=1 -timeout $(TEST_TIMEOUT) $(MODULES:%=./%/...)
-	@$(MAKE) --no-print-directory fuzz
+test: deps test-tools ## Run every test: unit and integration (-race), end-to-end, fuzz, csi-sanity.
+	@# -count=1: the end-to-end tests start binaries built at run time, which the test cache
+	@# cannot see change. The end-to-end packages run pvbridge's binaries as processes built
+	@# without -race (the unit and integration tests cover that code under -race).
+	hack/phase.sh unit go test -race -count=1 -timeout $(TEST_TIMEOUT) $(COMPONENTS:%=./%/...)
+	hack/phase.sh e2e go test -count=1 -timeout $(TEST_TIMEOUT) ./e2e/...
+	hack/phase.sh fuzz $(MAKE) --no-print-directory fuzz
+	hack/phase.sh sanity go run ./e2e/cmd/sanity
 
 # Fuzz targets of every parser of tenant-controlled input: <module> <package> <target>.
 FUZZ_TARGETS := \
@@ -63,22 +69,23 @@ fuzz: ## Run each fuzz target for FUZZ_TIME (10000 inputs).
 	done
 
 .PHONY: bench
-bench: deps tools ## Run the benchmarks; each figure prints as `BENCH <name> <value> <unit>`.
+bench: deps lab-tools ## Run the benchmarks; each figure prints as `BENCH <name> <value> <unit>`.
 	@for m in $(MODULES); do \
 		(cd $$m && go test -run '^$$' -bench . -benchtime 1x -timeout $(TEST_TIMEOUT) ./... | { grep -E '^(BENCH|FAIL|panic|---)' || true; }) || exit 1; \
 	done
 	@cd e2e && go test -v -count=1 -timeout 60m ./suite -args -ginkgo.label-filter=bench | { grep -E '^(BENCH|FAIL|panic|---|\[FAIL)' || true; }
 
 .PHONY: soak
-soak: deps tools ## Restart kube-controller-manager under attached VM volumes and watch them for 10 minutes.
+soak: deps lab-tools ## The long runs: the kill -9 churn over 200 volume lifecycles; a controller-manager restart watched for 10 minutes.
+	cd e2e && go test -count=1 -timeout $(TEST_TIMEOUT) ./suite -args -ginkgo.v -ginkgo.label-filter=churn -churn-lifecycles=200
 	cd e2e && go test -count=1 -timeout 30m -run TestControllerManagerRestartDetachesNothing ./vmoperator/ -args -soak=10m
 
 .PHONY: e2e
-e2e: deps tools ## Run the end-to-end suite; LABELS picks a subset (e.g. LABELS='isolation || reclaim').
+e2e: deps lab-tools ## Run the end-to-end suite; LABELS picks a subset (e.g. LABELS='isolation || reclaim').
 	cd e2e && go test -count=1 -timeout $(TEST_TIMEOUT) ./suite -args -ginkgo.v $(if $(LABELS),-ginkgo.label-filter='$(LABELS)')
 
 .PHONY: sanity
-sanity: deps tools ## Run the csi-sanity binary against both drivers as the lab runs them and print each summary.
+sanity: deps test-tools ## Run the csi-sanity binary against both drivers as the lab runs them and print each summary.
 	go run ./e2e/cmd/sanity
 
 ##@ Development
@@ -93,10 +100,14 @@ generate: $(CONTROLLER_GEN) $(KUBECTL) ## Generate deepcopy code, CRDs and the t
 
 .PHONY: verify
 verify: $(CONTROLLER_GEN) $(KUBECTL) ## Fail if generated files, formatting or go.mod files drift.
-	hack/verify.sh
+	hack/phase.sh verify hack/verify.sh
 
 .PHONY: lint
 lint: $(GOLANGCI_LINT) ## Run golangci-lint on every module.
+	hack/phase.sh lint $(MAKE) --no-print-directory lint-modules
+
+.PHONY: lint-modules
+lint-modules:
 	@for m in $(MODULES); do \
 		echo "== golangci-lint $$m"; \
 		(cd $$m && $(GOLANGCI_LINT) run --config $(CURDIR)/.golangci.yml ./...) || exit 1; \
@@ -106,9 +117,15 @@ lint: $(GOLANGCI_LINT) ## Run golangci-lint on every module.
 build: ## Build pvbridge's binaries into ./bin.
 	go build -o bin/ ./guest-csi/cmd/... ./mgmt-csi/cmd/... ./vm-operator/cmd/... ./e2e/cmd/...
 
-.PHONY: tools
+.PHONY: tools lab-tools test-tools
 tools: ## Build the pinned Kubernetes, etcd, CSI sidecar and tool binaries into $(CACHE) (once).
-	hack/build-tools.sh
+	hack/phase.sh tools hack/build-tools.sh
+
+lab-tools:
+	hack/phase.sh tools hack/build-tools.sh $(LAB_TOOLS)
+
+test-tools:
+	hack/phase.sh tools hack/build-tools.sh $(TEST_TOOLS)
 
 $(CONTROLLER_GEN):
 	hack/build-tools.sh controller-gen

@@ -18,6 +18,7 @@ import (
 	"k8s.io/apimachinery/pkg/util/wait"
 	"k8s.io/client-go/dynamic"
 	clientgoscheme "k8s.io/client-go/kubernetes/scheme"
+	"k8s.io/utils/ptr"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	"pvbridge.io/e2e/cluster"
@@ -149,7 +150,7 @@ func StartGuest(ctx context.Context, lab *cluster.Lab, m *Management, op *VMOper
 // credential (delivered into the guest), policy parameters, guest install.
 func (g *Guest) createTenant(ctx context.Context, mc client.Client) error {
 	ns, name := g.Options.Namespace, g.Options.Name
-	namespace := &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: ns, Labels: map[string]string{tenancy.TenancyNamespaceLabel: "enforced"}}}
+	namespace := &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: ns, Labels: map[string]string{tenancy.TenancyNamespaceLabel: tenancy.TenancyEnforced}}}
 	if err := mc.Create(ctx, namespace); err != nil && !apierrors.IsAlreadyExists(err) {
 		return fmt.Errorf("namespace %s: %w", ns, err)
 	}
@@ -176,9 +177,12 @@ func (g *Guest) createTenant(ctx context.Context, mc client.Client) error {
 		return err
 	}
 	secret := &corev1.Secret{
-		ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: name + "-kubeconfig", Labels: map[string]string{tenancy.CAPIClusterNameLabel: name}},
-		Type:       "cluster.x-k8s.io/secret",
-		Data:       map[string][]byte{"value": kubeconfig},
+		// Owned by the Cluster, as Cluster API's cluster controller writes it: the tenants
+		// controller accepts no other.
+		ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: name + "-kubeconfig", Labels: map[string]string{tenancy.CAPIClusterNameLabel: name},
+			OwnerReferences: []metav1.OwnerReference{{APIVersion: capi.GetAPIVersion(), Kind: capi.GetKind(), Name: name, UID: capi.GetUID(), Controller: ptr.To(true)}}},
+		Type: "cluster.x-k8s.io/secret",
+		Data: map[string][]byte{"value": kubeconfig},
 	}
 	if err := mc.Create(ctx, secret); err != nil {
 		return fmt.Errorf("the kubeconfig Secret of %s/%s: %w", ns, name, err)

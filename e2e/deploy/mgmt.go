@@ -44,6 +44,9 @@ const (
 	// sidecarTimeout is the sidecars' --timeout: the longest a single CSI call may wait before
 	// the driver answers DeadlineExceeded and the sidecar retries.
 	sidecarTimeout = "30s"
+	// sidecarRetryMax is the sidecars' --retry-interval-max: the longest backoff after a failed
+	// call.
+	sidecarRetryMax = "30s"
 )
 
 // MgmtOptions configure the management side.
@@ -204,7 +207,11 @@ type sidecar struct {
 // startSidecars starts the CSI sidecars of the driver at socket in cp, with the flags of the
 // shipped manifests; csi-provisioner publishes CSIStorageCapacity in namespace.
 func startSidecars(lab *cluster.Lab, cp *cluster.ControlPlane, dir, socket, namespace string) (map[string]*cluster.Process, error) {
-	common := []string{"--csi-address=" + socket, "--kubeconfig=" + cp.Kubeconfig, "--leader-election=false", "--timeout=" + sidecarTimeout, "--v=3"}
+	// Every sidecar retries a failed call within 30 s, as in the manifests: the default cap of 5
+	// minutes held a released volume's deletion (csi-provisioner refuses while a
+	// VolumeAttachment exists, then backs off) for minutes after its attachment was gone.
+	common := []string{"--csi-address=" + socket, "--kubeconfig=" + cp.Kubeconfig, "--leader-election=false", "--timeout=" + sidecarTimeout,
+		"--retry-interval-max=" + sidecarRetryMax, "--v=3"}
 	sidecars := []sidecar{
 		{"csi-provisioner", append(common,
 			// The node the scheduler selected is the only candidate of a WaitForFirstConsumer
@@ -215,11 +222,10 @@ func startSidecars(lab *cluster.Lab, cp *cluster.ControlPlane, dir, socket, name
 			"--extra-create-metadata", "--default-fstype=ext4",
 			"--kube-api-qps=50", "--kube-api-burst=100"),
 			[]string{"NAMESPACE=" + namespace, "POD_NAME=" + filepath.Base(dir) + "-controller"}},
-		// As the manifests: a failed attach or detach is retried within 30 s, not 5 min.
-		{"csi-attacher", append(common, "--kube-api-qps=50", "--kube-api-burst=100", "--retry-interval-max=30s"), nil},
+		{"csi-attacher", append(common, "--kube-api-qps=50", "--kube-api-burst=100"), nil},
 		{"csi-resizer", append(common, "--handle-volume-inuse-error=false"), nil},
 		{"csi-snapshotter", append(common, "--extra-create-metadata"), nil},
-		{"snapshot-controller", []string{"--kubeconfig=" + cp.Kubeconfig, "--leader-election=false", "--v=3"}, nil},
+		{"snapshot-controller", []string{"--kubeconfig=" + cp.Kubeconfig, "--leader-election=false", "--retry-interval-max=" + sidecarRetryMax, "--v=3"}, nil},
 	}
 	started := map[string]*cluster.Process{}
 	for _, sc := range sidecars {

@@ -31,6 +31,8 @@ const (
 	nsA     = "tenant-a"
 	nsB     = "tenant-b"
 	nsPlain = "plain"
+	// nsBare is enforced but has no parameters (no tenants controller wrote them).
+	nsBare = "tenant-bare"
 	uidA1   = "0a1a1a1a-0000-4000-8000-000000000001"
 	uidA2   = "0a2a2a2a-0000-4000-8000-000000000002"
 	uidB1   = "0b1b1b1b-0000-4000-8000-000000000003"
@@ -48,11 +50,16 @@ const (
 	sharedSnap  = "shared-snap"
 	ownVM       = "a1-vm"
 	otherVM     = "a2-vm"
+	// staleClaim was shared with a1 and attached to its VM, then unshared.
+	staleClaim = "stale-data"
+	hostA1     = "host-a"
 )
 
 const (
 	tenancyPolicy   = "ValidatingAdmissionPolicy 'pvbridge-guest-tenancy' with binding 'pvbridge-guest-tenancy' denied request: "
 	namespacePolicy = "ValidatingAdmissionPolicy 'pvbridge-guest-namespace' with binding 'pvbridge-guest-namespace' denied request: "
+	// paramsMissing is the apiserver's refusal when a Deny binding finds no parameters.
+	paramsMissing = "no params found for policy binding with `Deny` parameterNotFoundAction"
 )
 
 func scheme(g Gomega) *runtime.Scheme {
@@ -97,6 +104,12 @@ func claim(ns, name string, labels map[string]string, class string, source *core
 	return pvc
 }
 
+// annotated sets an annotation of pvc.
+func annotated(pvc *corev1.PersistentVolumeClaim, key, value string) *corev1.PersistentVolumeClaim {
+	metav1.SetMetaDataAnnotation(&pvc.ObjectMeta, key, value)
+	return pvc
+}
+
 func claimSource(name string) *corev1.TypedObjectReference {
 	return &corev1.TypedObjectReference{Kind: "PersistentVolumeClaim", Name: name}
 }
@@ -134,8 +147,9 @@ func setUpTenants(ctx context.Context, g Gomega) {
 		&corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: nsA, Labels: enforced}},
 		&corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: nsB, Labels: enforced}},
 		&corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: nsPlain}},
+		&corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: nsBare, Labels: enforced}},
 		&corev1.ConfigMap{ObjectMeta: metav1.ObjectMeta{Namespace: nsA, Name: "pvbridge-tenancy"}, Data: map[string]string{
-			"a1.uid": uidA1, "a1.storageClasses": classAllowed, "a1.sharedClaims": sharedClaim, "a1.sharedSnapshots": sharedSnap,
+			"a1.uid": uidA1, "a1.storageClasses": classAllowed, "a1.hosts": hostA1, "a1.sharedClaims": sharedClaim, "a1.sharedSnapshots": sharedSnap,
 			"a2.uid": uidA2, "a2.storageClasses": classAllowed + "," + classPremium,
 		}},
 		&corev1.ConfigMap{ObjectMeta: metav1.ObjectMeta{Namespace: nsB, Name: "pvbridge-tenancy"}, Data: map[string]string{
@@ -150,11 +164,11 @@ func setUpTenants(ctx context.Context, g Gomega) {
 	}
 	// Identities, each bound to the guest Role. b1 is also bound in tenant-a: RBAC would let it
 	// write there, the namespace policy does not. p1 is a guest identity of plain.
-	for _, ns := range []string{nsA, nsB, nsPlain} {
+	for _, ns := range []string{nsA, nsB, nsPlain, nsBare} {
 		objs = append(objs, &rbacv1.Role{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "pvbridge-guest"}, Rules: tenancy.GuestRules})
 	}
 	for _, id := range []struct{ ns, cluster, bindIn string }{
-		{nsA, "a1", nsA}, {nsA, "a2", nsA}, {nsA, "zz", nsA}, {nsB, "b1", nsB}, {nsB, "b1", nsA}, {nsPlain, "p1", nsPlain},
+		{nsA, "a1", nsA}, {nsA, "a2", nsA}, {nsA, "zz", nsA}, {nsB, "b1", nsB}, {nsB, "b1", nsA}, {nsPlain, "p1", nsPlain}, {nsBare, "c1", nsBare},
 	} {
 		account := id.cluster + "-pvbridge"
 		objs = append(objs, &rbacv1.RoleBinding{
@@ -187,6 +201,7 @@ func setUpTenants(ctx context.Context, g Gomega) {
 			ObjectMeta: metav1.ObjectMeta{Namespace: nsA, Name: ownVM, Labels: map[string]string{tenancy.CAPIClusterNameLabel: "a1"}},
 			Spec: vmv1.VirtualMachineSpec{PowerState: vmv1.PowerStateOn, Volumes: []vmv1.VirtualMachineVolume{
 				{Name: ownClaim, PersistentVolumeClaim: vmv1.PersistentVolumeClaimVolumeSource{ClaimName: ownClaim}},
+				{Name: staleClaim, PersistentVolumeClaim: vmv1.PersistentVolumeClaimVolumeSource{ClaimName: staleClaim}},
 			}},
 		},
 		&vmv1.VirtualMachine{
@@ -369,6 +384,43 @@ func TestGuestTenancyPolicy(t *testing.T) {
 			do:   patch(claimKey(ownClaim), func(pvc *corev1.PersistentVolumeClaim) { pvc.Labels["team"] = "x" }),
 			want: tenancyPolicy + "guest cluster a1 may not change the labels of " + what("PersistentVolumeClaim", ownClaim)},
 
+		// Annotations: the class is the spec field only, sharing is an admin's act, a claim is
+		// provisioned on a host of the cluster's VMs.
+		{name: "name an allowed class but another one in the beta class annotation", as: "tenant-a/a1",
+			do:   create(annotated(claim(nsA, newClaim, labelsFor("a1", uidA1), classAllowed, nil), "volume.beta.kubernetes.io/storage-class", classPremium)),
+			want: tenancyPolicy + "guest cluster a1 may not set, change or remove annotation volume.beta.kubernetes.io/storage-class of " + what("PersistentVolumeClaim", newClaim)},
+		{name: "bind to any volume without a class through an empty class annotation", as: "tenant-a/a1",
+			do:   create(annotated(claim(nsA, newClaim, labelsFor("a1", uidA1), classAllowed, nil), "volume.beta.kubernetes.io/storage-class", "")),
+			want: tenancyPolicy + "guest cluster a1 may not set, change or remove annotation volume.beta.kubernetes.io/storage-class of " + what("PersistentVolumeClaim", newClaim)},
+		{name: "share its own claim", as: "tenant-a/a1",
+			do: patch(claimKey(ownClaim), func(pvc *corev1.PersistentVolumeClaim) {
+				metav1.SetMetaDataAnnotation(&pvc.ObjectMeta, tenancy.SharedWithAnnotation, "a2")
+			}),
+			want: tenancyPolicy + "guest cluster a1 may not set, change or remove annotation pvbridge.io/shared-with of " + what("PersistentVolumeClaim", ownClaim)},
+		{name: "create a claim with a storage provisioner annotation", as: "tenant-a/a1",
+			do:   create(annotated(claim(nsA, newClaim, labelsFor("a1", uidA1), classAllowed, nil), "volume.kubernetes.io/storage-provisioner", "x")),
+			want: tenancyPolicy + "guest cluster a1 may not set, change or remove annotation volume.kubernetes.io/storage-provisioner of " + what("PersistentVolumeClaim", newClaim)},
+		{name: "create a snapshot shared with another cluster", as: "tenant-a/a1",
+			do: create(func() *unstructured.Unstructured {
+				snap := snapshot(nsA, newClaim, labelsFor("a1", uidA1), ownClaim)
+				snap.SetAnnotations(map[string]string{tenancy.SharedWithAnnotation: "a2"})
+				return snap
+			}()),
+			want: tenancyPolicy + "guest cluster a1 may not set, change or remove annotation pvbridge.io/shared-with of " + what("VolumeSnapshot", newClaim)},
+		{name: "create a claim with every annotation guest-csi writes, on a host of its VMs", as: "tenant-a/a1",
+			do: create(func() *corev1.PersistentVolumeClaim {
+				pvc := claim(nsA, newClaim, labelsFor("a1", uidA1), classAllowed, nil)
+				pvc.Annotations = map[string]string{
+					tenancy.CSINameAnnotation: "pvc-x", tenancy.GuestPVCAnnotation: "default/data", tenancy.GuestPVAnnotation: "pvc-x",
+					tenancy.GuestLabelsAnnotation: "{}", "volume.kubernetes.io/selected-node": hostA1,
+				}
+				return pvc
+			}())},
+		{name: "provision a claim on a host where it runs no VM", as: "tenant-a/a1",
+			do: create(annotated(claim(nsA, newClaim, labelsFor("a1", uidA1), classAllowed, nil), "volume.kubernetes.io/selected-node", "host-b")),
+			want: tenancyPolicy + what("PersistentVolumeClaim", newClaim) + " selects host host-b (annotation volume.kubernetes.io/selected-node), " +
+				"where guest cluster a1 runs no VirtualMachine: it may select " + hostA1},
+
 		// Snapshots.
 		{name: "snapshot its own claim", as: "tenant-a/a1",
 			do: create(snapshot(nsA, newClaim, labelsFor("a1", uidA1), ownClaim))},
@@ -396,6 +448,25 @@ func TestGuestTenancyPolicy(t *testing.T) {
 		{name: "attach its own claim to the VM of another cluster", as: "tenant-a/a1",
 			do:   patch(vmKey(otherVM), attach(uidA1+"-data2")),
 			want: tenancyPolicy + what("VirtualMachine", otherVM) + " belongs to cluster a2 (label cluster.x-k8s.io/cluster-name), not to guest cluster a1"},
+		{name: "name a VM's volume entry after another cluster's claim", as: "tenant-a/a1",
+			do: patch(vmKey(ownVM), func(vm *vmv1.VirtualMachine) {
+				vm.Spec.Volumes = append(vm.Spec.Volumes, vmv1.VirtualMachineVolume{
+					Name: otherClaim, PersistentVolumeClaim: vmv1.PersistentVolumeClaimVolumeSource{ClaimName: uidA1 + "-data2"},
+				})
+			}),
+			want: tenancyPolicy + "guest cluster a1 must name each spec.volumes entry of " + what("VirtualMachine", ownVM) +
+				" after its claim (persistentVolumeClaim.claimName), not " + otherClaim},
+		{name: "re-point a stale entry to a claim no longer shared", as: "tenant-a/a1",
+			// One patch removes the entry and adds another for the same claim: the claim was in the
+			// old spec, but not under this name.
+			do: patch(vmKey(ownVM), func(vm *vmv1.VirtualMachine) {
+				vm.Spec.Volumes = []vmv1.VirtualMachineVolume{vm.Spec.Volumes[0], {
+					Name: uidA1 + "-v2", PersistentVolumeClaim: vmv1.PersistentVolumeClaimVolumeSource{ClaimName: staleClaim},
+				}}
+			}),
+			want: tenancyPolicy + "guest cluster a1 must name each spec.volumes entry of " + what("VirtualMachine", ownVM) +
+				" after its claim (persistentVolumeClaim.claimName), not " + uidA1 + "-v2"},
+		{name: "attach its own claim beside a stale entry it keeps", as: "tenant-a/a1", do: patch(vmKey(ownVM), attach(uidA1+"-data2"))},
 		{name: "detach a volume from its VM", as: "tenant-a/a1",
 			do: patch(vmKey(ownVM), func(vm *vmv1.VirtualMachine) { vm.Spec.Volumes = nil })},
 		{name: "power off its VM", as: "tenant-a/a1",
@@ -425,6 +496,10 @@ func TestGuestTenancyPolicy(t *testing.T) {
 			do: create(claim(nsA, "zz-new", nil, classAllowed, nil)),
 			want: tenancyPolicy + "guest cluster zz is not opted in to pvbridge in namespace tenant-a (no zz.uid in ConfigMap pvbridge-tenancy; " +
 				"label its Cluster pvbridge.io/enabled=true): " + what("PersistentVolumeClaim", "zz-new") + " refused"},
+		{name: "write in an enforced namespace without parameters", as: nsBare + "/c1",
+			do: create(claim(nsBare, "c1-new", nil, classAllowed, nil)), want: paramsMissing},
+		{name: "even the admin writes nothing guarded in an enforced namespace without parameters", as: "",
+			do: create(claim(nsBare, "admin-new", nil, classAllowed, nil)), want: paramsMissing},
 		{name: "the platform admin is not bound by the policy", as: "",
 			do: create(claim(nsA, "admin-new", nil, classPremium, claimSource(otherClaim)))},
 	}

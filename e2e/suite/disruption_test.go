@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"flag"
 	"fmt"
 	"math/rand/v2"
 	"os"
@@ -183,16 +184,19 @@ func victims() []*cluster.Process {
 	return ps
 }
 
+// churnLifecycles is how many volume lifecycles the kill -9 churn runs at least; it goes on until
+// every component was killed once. CI runs this size, `make soak` 200.
+var churnLifecycles = flag.Int("churn-lifecycles", 40, "volume lifecycles of the kill -9 churn (at least; it runs until every component was killed once)")
+
 var _ = Describe("Crashes", Label("disruptive", "churn"), func() {
-	It("converges after kill -9 of every component at random points during 200 volume lifecycles", func(ctx SpecContext) {
-		const (
-			lifecycles  = 200
-			concurrency = 20
-		)
+	It("converges after kill -9 of every component at random points during volume lifecycles", func(ctx SpecContext) {
+		const concurrency = 20
 		ns := alpha.namespace(ctx)
 		killCtx, stopKilling := context.WithCancel(ctx)
 		killed := map[string]int{}
 		killing := make(chan struct{})
+		// everyKilled is closed once every component was killed at least once.
+		everyKilled := make(chan struct{})
 		go func() {
 			defer GinkgoRecover()
 			defer close(killing)
@@ -213,30 +217,46 @@ var _ = Describe("Crashes", Label("disruptive", "churn"), func() {
 					continue
 				}
 				killed[p.Name]++
+				if len(killed) == len(ps) && killed[p.Name] == 1 {
+					close(everyKilled)
+				}
 			}
 		}()
 
-		errs := make(chan error, lifecycles)
+		var (
+			mu     sync.Mutex
+			failed []error
+			wg     sync.WaitGroup
+		)
 		slots := make(chan struct{}, concurrency)
-		var wg sync.WaitGroup
-		for i := range lifecycles {
+		started := 0
+	launch:
+		for ; ; started++ {
+			if started >= *churnLifecycles {
+				select {
+				case <-everyKilled:
+					break launch
+				default:
+					if started >= 4**churnLifecycles { // a component that cannot be killed fails below
+						break launch
+					}
+				}
+			}
 			slots <- struct{}{}
+			i := started
 			wg.Go(func() {
 				defer func() { <-slots }()
 				if err := lifecycle(ctx, ns, fmt.Sprintf("v%d", i), byte(i)); err != nil {
-					errs <- fmt.Errorf("lifecycle %d: %w", i, err)
+					mu.Lock()
+					failed = append(failed, fmt.Errorf("lifecycle %d: %w", i, err))
+					mu.Unlock()
 				}
 			})
 		}
 		wg.Wait()
 		stopKilling()
 		<-killing
-		close(errs)
-		var failed []error
-		for err := range errs {
-			failed = append(failed, err)
-		}
-		GinkgoWriter.Printf("killed: %v\n", killed)
+		GinkgoWriter.Printf("lifecycles: %d, killed: %v\n", started, killed)
 		Expect(errors.Join(failed...)).NotTo(HaveOccurred())
 		Expect(killed).To(HaveLen(len(victims())), "every component was killed at least once")
 	})

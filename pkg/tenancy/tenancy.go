@@ -47,9 +47,11 @@ const (
 	// GuestInstallAnnotation "false" on a Cluster keeps the tenants controller from installing
 	// the guest side into the guest cluster.
 	GuestInstallAnnotation = "pvbridge.io/guest-install"
-	// TenancyNamespaceLabel set to "enforced" turns the tenancy admission policy on for a
+	// TenancyNamespaceLabel set to TenancyEnforced turns the tenancy admission policy on for a
 	// namespace.
 	TenancyNamespaceLabel = "pvbridge.io/tenancy"
+	// TenancyEnforced is the value of TenancyNamespaceLabel that turns the policy on.
+	TenancyEnforced = "enforced"
 	// ParamsConfigMap is the ConfigMap of each tenant namespace that the tenants controller
 	// writes and the admission policy reads (see docs/tenants.md).
 	ParamsConfigMap = "pvbridge-tenancy"

@@ -36,23 +36,27 @@ const (
 	eventWaitingKubeconfig  = "WaitingForKubeconfig"
 	eventGuestUnreachable   = "GuestUnreachable"
 	eventCredentialsFailed  = "CredentialsFailed"
+	eventCredentialsRevoked = "CredentialsRevoked"
+	eventForeignIdentity    = "ForeignIdentityDeleted"
 	unreachableGuestRetry   = 30 * time.Second
 	credentialsAction       = "DeliverCredentials"
 	credentialsRBACAction   = "GrantAccess"
 )
 
 // CredentialsReconciler gives each opted-in Cluster its management identity and delivers a
-// token of it into the guest cluster.
+// token of it into the guest cluster; it revokes the identity of a Cluster that opts out.
 type CredentialsReconciler struct {
-	Client   client.Client
-	Config   Config
-	Guests   *GuestClients
-	Recorder events.EventRecorder
+	Client client.Client
+	// APIReader reads ServiceAccounts the cache does not hold (not labelled as the controller's).
+	APIReader client.Reader
+	Config    Config
+	Guests    *GuestClients
+	Recorder  events.EventRecorder
 }
 
 // +kubebuilder:rbac:groups=cluster.x-k8s.io,resources=clusters,verbs=get;list;watch
 // +kubebuilder:rbac:groups="",resources=secrets,verbs=get;list;watch
-// +kubebuilder:rbac:groups="",resources=serviceaccounts,verbs=get;list;watch;create;patch
+// +kubebuilder:rbac:groups="",resources=serviceaccounts,verbs=get;list;watch;create;patch;delete
 // +kubebuilder:rbac:groups="",resources=serviceaccounts/token,verbs=create
 // +kubebuilder:rbac:groups=rbac.authorization.k8s.io,resources=roles;rolebindings,verbs=create;patch;delete
 // +kubebuilder:rbac:groups=events.k8s.io,resources=events,verbs=create;patch
@@ -79,8 +83,9 @@ func (r *CredentialsReconciler) SetupWithManager(mgr ctrl.Manager) error {
 	return ctrl.NewControllerManagedBy(mgr).
 		Named("credentials").
 		// Cluster API writes a Cluster's status often; only spec, label and annotation changes
-		// matter here. Renewals come from RequeueAfter.
-		For(&clusterv1.Cluster{}, optedInClusters, builder.WithPredicates(predicate.Or(
+		// matter here. Renewals come from RequeueAfter. A Cluster that opts out is seen through
+		// its update (and, after a restart, through its ServiceAccount).
+		For(&clusterv1.Cluster{}, builder.WithPredicates(optedInBefore, predicate.Or(
 			predicate.GenerationChangedPredicate{}, predicate.LabelChangedPredicate{}, predicate.AnnotationChangedPredicate{}))).
 		Watches(&corev1.Secret{}, handler.EnqueueRequestsFromMapFunc(clusterOfKubeconfig)).
 		// A deleted ServiceAccount (how an admin revokes every token of a guest) is made anew,
@@ -112,8 +117,11 @@ func (r *CredentialsReconciler) Reconcile(ctx context.Context, req ctrl.Request)
 	// A deleted Cluster keeps the credential it has (a third of its life at least) while its
 	// VMs drain; the cleanup controller removes the identity's capacity access at the end and
 	// the garbage collector the rest with the Cluster.
-	if !optedIn(cluster) || !cluster.DeletionTimestamp.IsZero() {
+	if !cluster.DeletionTimestamp.IsZero() {
 		return ctrl.Result{}, nil
+	}
+	if !optedIn(cluster) {
+		return ctrl.Result{}, r.revoke(ctx, cluster)
 	}
 	account, err := r.reconcileIdentity(ctx, cluster)
 	if err != nil {
@@ -128,7 +136,7 @@ func (r *CredentialsReconciler) Reconcile(ctx context.Context, req ctrl.Request)
 		}
 		return ctrl.Result{RequeueAfter: time.Second}, err
 	}
-	guest, err := r.Guests.For(ctx, r.Client, req.NamespacedName)
+	guest, err := r.Guests.For(ctx, r.Client, cluster)
 	if errors.Is(err, errNoKubeconfig) {
 		log.V(2).Info("Waiting for Cluster API's kubeconfig Secret", "secret", kubeconfigSecretName(cluster.Name))
 		r.Recorder.Eventf(cluster, nil, corev1.EventTypeNormal, eventWaitingKubeconfig, credentialsAction,
@@ -153,9 +161,25 @@ func (r *CredentialsReconciler) policyKnows(ctx context.Context, cluster *cluste
 }
 
 // reconcileIdentity applies the ServiceAccount, Roles and RoleBindings of a Cluster and returns
-// the ServiceAccount.
+// the ServiceAccount. A ServiceAccount of that name that this Cluster does not control (an
+// earlier Cluster's of the same name, or anyone else's) is deleted first: the admission policy
+// knows a guest by its account's name, and adopting the account would keep every token issued
+// for it valid.
 func (r *CredentialsReconciler) reconcileIdentity(ctx context.Context, cluster *clusterv1.Cluster) (*corev1.ServiceAccount, error) {
 	name, ns := identityName(cluster.Name), cluster.Namespace
+	existing := &corev1.ServiceAccount{}
+	switch err := r.APIReader.Get(ctx, client.ObjectKey{Namespace: ns, Name: name}, existing); {
+	case apierrors.IsNotFound(err):
+	case err != nil:
+		return nil, fmt.Errorf("read ServiceAccount %s/%s: %w", ns, name, err)
+	case !metav1.IsControlledBy(existing, cluster):
+		if err := r.Client.Delete(ctx, existing, client.Preconditions{UID: &existing.UID}); err != nil && !apierrors.IsNotFound(err) {
+			return nil, fmt.Errorf("delete ServiceAccount %s not controlled by the Cluster: %w", klog.KObj(existing), err)
+		}
+		ctrl.LoggerFrom(ctx).Info("Deleted a ServiceAccount of the guest identity's name that the Cluster does not control", "serviceAccount", klog.KObj(existing))
+		r.Recorder.Eventf(cluster, nil, corev1.EventTypeWarning, eventForeignIdentity, credentialsRBACAction,
+			"deleted ServiceAccount %s (uid %s), which this Cluster (uid %s) does not control; a new one is made", name, existing.UID, cluster.UID)
+	}
 	labels := managedLabels(cluster)
 	owner := metav1ac.OwnerReference().
 		WithAPIVersion(clusterv1.GroupVersion.String()).WithKind("Cluster").
@@ -182,6 +206,40 @@ func (r *CredentialsReconciler) reconcileIdentity(ctx context.Context, cluster *
 	}
 	// The apply answers with the object as stored: its UID tells a recreated account.
 	return &corev1.ServiceAccount{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: name, UID: ptr.Deref(sa.UID, "")}}, nil
+}
+
+// revoke deletes the identity of a Cluster that opted out: its ServiceAccount (which ends every
+// token of it at once), Roles and RoleBindings. The policy's parameters drop the cluster too.
+func (r *CredentialsReconciler) revoke(ctx context.Context, cluster *clusterv1.Cluster) error {
+	name, ns := identityName(cluster.Name), cluster.Namespace
+	capacity := capacityName(cluster)
+	objs := []client.Object{
+		&corev1.ServiceAccount{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: name}},
+		&rbacv1.RoleBinding{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: name}},
+		&rbacv1.Role{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: name}},
+		&rbacv1.RoleBinding{ObjectMeta: metav1.ObjectMeta{Namespace: r.Config.CapacityNamespace, Name: capacity}},
+		&rbacv1.Role{ObjectMeta: metav1.ObjectMeta{Namespace: r.Config.CapacityNamespace, Name: capacity}},
+	}
+	account := &corev1.ServiceAccount{}
+	err := r.Client.Get(ctx, client.ObjectKeyFromObject(objs[0]), account)
+	if apierrors.IsNotFound(err) {
+		return nil // revoked already, or never opted in
+	}
+	if err != nil {
+		return err
+	}
+	if !metav1.IsControlledBy(account, cluster) {
+		return nil
+	}
+	for _, obj := range objs {
+		if err := r.Client.Delete(ctx, obj); err != nil && !apierrors.IsNotFound(err) {
+			return fmt.Errorf("revoke the guest identity: delete %T %s: %w", obj, klog.KObj(obj), err)
+		}
+	}
+	ctrl.LoggerFrom(ctx).Info("Revoked the guest identity of a Cluster that opted out", "serviceAccount", klog.KObj(account))
+	r.Recorder.Eventf(cluster, nil, corev1.EventTypeNormal, eventCredentialsRevoked, credentialsRBACAction,
+		"the Cluster no longer has %s=true: deleted ServiceAccount %s, which ends every token of it, and its Roles", tenancy.EnabledLabel, name)
+	return nil
 }
 
 // namedApplyConfiguration is an apply configuration of a kind with ObjectMeta.

@@ -12,10 +12,12 @@ import (
 	storagev1 "k8s.io/api/storage/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/tools/clientcmd"
 	"k8s.io/client-go/tools/events"
 	clocktesting "k8s.io/utils/clock/testing"
+	"k8s.io/utils/ptr"
 	clusterv1 "sigs.k8s.io/cluster-api/api/core/v1beta2"
 	ctrl "sigs.k8s.io/controller-runtime"
 	"sigs.k8s.io/controller-runtime/pkg/client"
@@ -138,7 +140,7 @@ func TestCredentialsRenewedAfterTwoThirds(t *testing.T) {
 	clock := clocktesting.NewFakeClock(time.Now())
 	cfg := e.config()
 	cfg.Clock = clock
-	r := &CredentialsReconciler{Client: mgmtClient, Config: cfg, Guests: NewGuestClients(scheme), Recorder: recorder(t)}
+	r := &CredentialsReconciler{Client: mgmtClient, APIReader: mgmtClient, Config: cfg, Guests: NewGuestClients(scheme), Recorder: recorder(t)}
 	c := e.createCluster(t, "rotating", true, nil)
 	e.writeParams(t)
 	e.createKubeconfigSecret(t, c)
@@ -216,7 +218,7 @@ func TestCredentialsReissuedWhenStale(t *testing.T) {
 			g := NewWithT(t)
 			ctx := t.Context()
 			e := newTenantEnv(t, nil)
-			r := &CredentialsReconciler{Client: mgmtClient, Config: e.config(), Guests: NewGuestClients(scheme), Recorder: recorder(t)}
+			r := &CredentialsReconciler{Client: mgmtClient, APIReader: mgmtClient, Config: e.config(), Guests: NewGuestClients(scheme), Recorder: recorder(t)}
 			r.Config.Clock = clocktesting.NewFakeClock(time.Now())
 			c := e.createCluster(t, "stale", true, nil)
 			e.writeParams(t)
@@ -257,7 +259,7 @@ func recorder(t *testing.T) events.EventRecorder {
 func TestNoTokenBeforeThePolicyKnowsTheCluster(t *testing.T) {
 	g := NewWithT(t)
 	e := newTenantEnv(t, nil)
-	r := &CredentialsReconciler{Client: mgmtClient, Config: e.config(), Guests: NewGuestClients(scheme), Recorder: recorder(t)}
+	r := &CredentialsReconciler{Client: mgmtClient, APIReader: mgmtClient, Config: e.config(), Guests: NewGuestClients(scheme), Recorder: recorder(t)}
 	r.Config.Clock = clocktesting.NewFakeClock(time.Now())
 	c := e.createCluster(t, "early", true, nil)
 	e.createKubeconfigSecret(t, c)
@@ -274,4 +276,103 @@ func TestNoTokenBeforeThePolicyKnowsTheCluster(t *testing.T) {
 	g.Expect(err).NotTo(HaveOccurred())
 	_, err = e.guestSecret(t.Context())
 	g.Expect(err).NotTo(HaveOccurred())
+}
+
+// TestIdentityRevokedOnOptOutAndNeverAdopted: a Cluster that opts out loses its ServiceAccount
+// (every token of it ends) and Roles; a ServiceAccount of the identity's name that the Cluster
+// does not control (an earlier Cluster's of the same name) is deleted, not adopted.
+func TestIdentityRevokedOnOptOutAndNeverAdopted(t *testing.T) {
+	g := NewWithT(t)
+	ctx := t.Context()
+	e := newTenantEnv(t, nil)
+	r := &CredentialsReconciler{Client: mgmtClient, APIReader: mgmtClient, Config: e.config(), Guests: NewGuestClients(scheme), Recorder: recorder(t)}
+	r.Config.Clock = clocktesting.NewFakeClock(time.Now())
+	c := e.createCluster(t, "again", true, nil)
+	key := client.ObjectKey{Namespace: e.ns, Name: identityName(c.Name)}
+	stale := &corev1.ServiceAccount{ObjectMeta: metav1.ObjectMeta{Namespace: e.ns, Name: key.Name, OwnerReferences: []metav1.OwnerReference{{
+		APIVersion: clusterv1.GroupVersion.String(), Kind: "Cluster", Name: c.Name, UID: "an-earlier-cluster", Controller: ptr.To(true),
+	}}}}
+	create(t, stale)
+	e.writeParams(t)
+	e.createKubeconfigSecret(t, c)
+	req := ctrl.Request{NamespacedName: client.ObjectKeyFromObject(c)}
+	_, err := r.Reconcile(ctx, req)
+	g.Expect(err).NotTo(HaveOccurred())
+	account := &corev1.ServiceAccount{}
+	g.Expect(mgmtClient.Get(ctx, key, account)).To(Succeed())
+	g.Expect(account.UID).NotTo(Equal(stale.UID), "a new account, not the earlier Cluster's")
+	g.Expect(metav1.IsControlledBy(account, c)).To(BeTrue())
+
+	patch := client.MergeFrom(c.DeepCopy())
+	delete(c.Labels, tenancy.EnabledLabel)
+	g.Expect(mgmtClient.Patch(ctx, c, patch)).To(Succeed())
+	_, err = r.Reconcile(ctx, req)
+	g.Expect(err).NotTo(HaveOccurred())
+	for _, obj := range []client.Object{&corev1.ServiceAccount{}, &rbacv1.Role{}, &rbacv1.RoleBinding{}} {
+		err := mgmtClient.Get(ctx, key, obj)
+		g.Expect(apierrors.IsNotFound(err)).To(BeTrue(), "%T %s revoked: %v", obj, key, err)
+	}
+}
+
+// TestKubeconfigSecretChecks: only Cluster API's Secret of the Cluster, with inline credentials,
+// makes a guest client.
+func TestKubeconfigSecretChecks(t *testing.T) {
+	cluster := &clusterv1.Cluster{ObjectMeta: metav1.ObjectMeta{Name: "c", UID: "uid-c"}, Spec: clusterv1.ClusterSpec{
+		ControlPlaneRef: clusterv1.ContractVersionedObjectReference{APIGroup: "controlplane.cluster.x-k8s.io", Kind: "KubeadmControlPlane", Name: "c-cp"},
+	}}
+	owner := func(apiVersion, kind, name, uid string) []metav1.OwnerReference {
+		return []metav1.OwnerReference{{APIVersion: apiVersion, Kind: kind, Name: name, UID: types.UID(uid)}}
+	}
+	for _, tc := range []struct {
+		name    string
+		typ     corev1.SecretType
+		owners  []metav1.OwnerReference
+		wantErr string
+	}{
+		{name: "owned by the Cluster", typ: clusterv1.ClusterSecretType, owners: owner(clusterv1.GroupVersion.String(), "Cluster", "c", "uid-c")},
+		{name: "owned by its control plane", typ: clusterv1.ClusterSecretType, owners: owner("controlplane.cluster.x-k8s.io/v1beta2", "KubeadmControlPlane", "c-cp", "x")},
+		{name: "an Opaque Secret", typ: corev1.SecretTypeOpaque, owners: owner(clusterv1.GroupVersion.String(), "Cluster", "c", "uid-c"),
+			wantErr: `type "Opaque" is not Cluster API's "cluster.x-k8s.io/secret"`},
+		{name: "owned by an earlier Cluster of the name", typ: clusterv1.ClusterSecretType, owners: owner(clusterv1.GroupVersion.String(), "Cluster", "c", "uid-old"),
+			wantErr: "owned neither by Cluster c (uid uid-c) nor by its control plane"},
+		{name: "owned by nothing", typ: clusterv1.ClusterSecretType,
+			wantErr: "owned neither by Cluster c (uid uid-c) nor by its control plane"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			g := NewWithT(t)
+			err := checkKubeconfigSecret(&corev1.Secret{ObjectMeta: metav1.ObjectMeta{OwnerReferences: tc.owners}, Type: tc.typ}, cluster)
+			if tc.wantErr == "" {
+				g.Expect(err).NotTo(HaveOccurred())
+				return
+			}
+			g.Expect(err).To(MatchError(ContainSubstring(tc.wantErr)))
+		})
+	}
+
+	kubeconfig := func(cluster, user string) []byte {
+		return []byte("apiVersion: v1\nkind: Config\ncurrent-context: c\ncontexts:\n- name: c\n  context: {cluster: c, user: u}\n" +
+			"clusters:\n- name: c\n  cluster:\n    server: https://127.0.0.1:6443\n" + cluster +
+			"users:\n- name: u\n  user:\n" + user)
+	}
+	for _, tc := range []struct {
+		name, cluster, user, wantErr string
+	}{
+		{name: "inline token and CA", cluster: "    certificate-authority-data: Zm9v\n", user: "    token: abc\n"},
+		{name: "a token file", user: "    tokenFile: /var/run/secrets/kubernetes.io/serviceaccount/token\n",
+			wantErr: "only inline credentials are accepted, not user u: tokenFile"},
+		{name: "a program", user: "    exec: {apiVersion: client.authentication.k8s.io/v1, command: /bin/sh}\n",
+			wantErr: "only inline credentials are accepted, not user u: exec"},
+		{name: "files of the controller", cluster: "    certificate-authority: /etc/ca.crt\n", user: "    client-certificate: /etc/c.crt\n    client-key: /etc/c.key\n",
+			wantErr: "only inline credentials are accepted, not cluster c: certificate-authority, user u: client-certificate, user u: client-key"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			g := NewWithT(t)
+			_, err := inlineRESTConfig(kubeconfig(tc.cluster, tc.user))
+			if tc.wantErr == "" {
+				g.Expect(err).NotTo(HaveOccurred())
+				return
+			}
+			g.Expect(err).To(MatchError(tc.wantErr))
+		})
+	}
 }

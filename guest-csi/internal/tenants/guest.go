@@ -4,6 +4,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
+	"strings"
 	"sync"
 	"time"
 
@@ -11,7 +13,9 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/clientcmd"
+	clusterv1 "sigs.k8s.io/cluster-api/api/core/v1beta2"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 )
 
@@ -49,9 +53,10 @@ func NewGuestClients(scheme *runtime.Scheme) *GuestClients {
 	return &GuestClients{scheme: scheme, clients: map[types.NamespacedName]guestClient{}}
 }
 
-// For returns a client of the guest cluster of Cluster cluster, made from the kubeconfig Secret
-// read with c. It returns errNoKubeconfig while the Secret does not exist.
-func (g *GuestClients) For(ctx context.Context, c client.Reader, cluster types.NamespacedName) (client.Client, error) {
+// For returns a client of the guest cluster of cluster, made from the kubeconfig Secret read
+// with c. It returns errNoKubeconfig while the Secret does not exist, and refuses a Secret that
+// is not Cluster API's (see checkKubeconfigSecret).
+func (g *GuestClients) For(ctx context.Context, c client.Reader, cluster *clusterv1.Cluster) (client.Client, error) {
 	secret := &corev1.Secret{}
 	key := client.ObjectKey{Namespace: cluster.Namespace, Name: kubeconfigSecretName(cluster.Name)}
 	if err := c.Get(ctx, key, secret); err != nil {
@@ -60,16 +65,16 @@ func (g *GuestClients) For(ctx context.Context, c client.Reader, cluster types.N
 		}
 		return nil, fmt.Errorf("read Secret %s: %w", key, err)
 	}
+	if err := checkKubeconfigSecret(secret, cluster); err != nil {
+		return nil, fmt.Errorf("Secret %s: %w", key, err) //nolint:staticcheck // Secret is a kind
+	}
 	g.mu.Lock()
 	defer g.mu.Unlock()
-	if cached, ok := g.clients[cluster]; ok && cached.secretVersion == secret.ResourceVersion {
+	name := client.ObjectKeyFromObject(cluster)
+	if cached, ok := g.clients[name]; ok && cached.secretVersion == secret.ResourceVersion {
 		return cached.client, nil
 	}
-	data := secret.Data[kubeconfigSecretKey]
-	if len(data) == 0 {
-		return nil, fmt.Errorf("Secret %s has no %q key", key, kubeconfigSecretKey) //nolint:staticcheck // Secret is a kind
-	}
-	rc, err := clientcmd.RESTConfigFromKubeConfig(data)
+	rc, err := inlineRESTConfig(secret.Data[kubeconfigSecretKey])
 	if err != nil {
 		return nil, fmt.Errorf("kubeconfig in Secret %s: %w", key, err)
 	}
@@ -78,8 +83,65 @@ func (g *GuestClients) For(ctx context.Context, c client.Reader, cluster types.N
 	if err != nil {
 		return nil, fmt.Errorf("client of the guest cluster from Secret %s: %w", key, err)
 	}
-	g.clients[cluster] = guestClient{secretVersion: secret.ResourceVersion, client: cl}
+	g.clients[name] = guestClient{secretVersion: secret.ResourceVersion, client: cl}
 	return cl, nil
+}
+
+// checkKubeconfigSecret accepts only Cluster API's kubeconfig Secret of cluster: of Cluster
+// API's Secret type, and owned by the Cluster or by its control plane (Cluster API's cluster
+// controller, or the control plane provider, writes it). The controller reads Secrets of every
+// namespace; a Secret that someone with write access to a namespace made up is not a way to
+// steer it.
+func checkKubeconfigSecret(secret *corev1.Secret, cluster *clusterv1.Cluster) error {
+	if secret.Type != clusterv1.ClusterSecretType {
+		return fmt.Errorf("type %q is not Cluster API's %q", secret.Type, clusterv1.ClusterSecretType)
+	}
+	cp := cluster.Spec.ControlPlaneRef
+	for _, ref := range secret.OwnerReferences {
+		group, _, _ := strings.Cut(ref.APIVersion, "/")
+		switch {
+		case ref.Kind == "Cluster" && group == clusterv1.GroupVersion.Group && ref.UID == cluster.UID:
+			return nil
+		case cp.Kind != "" && ref.Kind == cp.Kind && group == cp.APIGroup && ref.Name == cp.Name:
+			return nil
+		}
+	}
+	return fmt.Errorf("it is owned neither by Cluster %s (uid %s) nor by its control plane", cluster.Name, cluster.UID)
+}
+
+// inlineRESTConfig is the client configuration of a kubeconfig that carries its credentials and
+// CA inline. A reference to a file (tokenFile, client certificate or key, CA) or a program
+// (exec, auth provider) is refused: the controller would read its own files or run a program
+// that whoever wrote the kubeconfig chose.
+func inlineRESTConfig(data []byte) (*rest.Config, error) {
+	if len(data) == 0 {
+		return nil, fmt.Errorf("no %q key", kubeconfigSecretKey)
+	}
+	cfg, err := clientcmd.Load(data)
+	if err != nil {
+		return nil, err
+	}
+	var refs []string
+	for name, c := range cfg.Clusters {
+		if c.CertificateAuthority != "" {
+			refs = append(refs, "cluster "+name+": certificate-authority")
+		}
+	}
+	for name, a := range cfg.AuthInfos {
+		for field, set := range map[string]bool{
+			"tokenFile": a.TokenFile != "", "client-certificate": a.ClientCertificate != "", "client-key": a.ClientKey != "",
+			"exec": a.Exec != nil, "auth-provider": a.AuthProvider != nil,
+		} {
+			if set {
+				refs = append(refs, "user "+name+": "+field)
+			}
+		}
+	}
+	if len(refs) > 0 {
+		slices.Sort(refs)
+		return nil, fmt.Errorf("only inline credentials are accepted, not %s", strings.Join(refs, ", "))
+	}
+	return clientcmd.NewDefaultClientConfig(*cfg, nil).ClientConfig()
 }
 
 // Forget drops the client of a Cluster that is gone.

@@ -294,7 +294,7 @@ func (r *InstallReconciler) Reconcile(ctx context.Context, req ctrl.Request) (ct
 	if err := r.Client.Get(ctx, client.ObjectKey{Name: cluster.Namespace}, namespace); err != nil {
 		return ctrl.Result{}, fmt.Errorf("read Namespace %s: %w", cluster.Namespace, err)
 	}
-	guest, err := r.Guests.For(ctx, r.Client, req.NamespacedName)
+	guest, err := r.Guests.For(ctx, r.Client, cluster)
 	if errors.Is(err, errNoKubeconfig) {
 		// The credentials controller tells it (WaitingForKubeconfig); the Secret's creation
 		// triggers the next reconcile.

@@ -5,21 +5,25 @@ import (
 	"fmt"
 	"slices"
 	"strings"
+	"time"
 
 	snapshotv1 "github.com/kubernetes-csi/external-snapshotter/client/v8/apis/volumesnapshot/v1"
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/runtime/schema"
 	corev1ac "k8s.io/client-go/applyconfigurations/core/v1"
 	clusterv1 "sigs.k8s.io/cluster-api/api/core/v1beta2"
 	ctrl "sigs.k8s.io/controller-runtime"
 	"sigs.k8s.io/controller-runtime/pkg/builder"
 	"sigs.k8s.io/controller-runtime/pkg/client"
+	"sigs.k8s.io/controller-runtime/pkg/controller/controllerutil"
 	"sigs.k8s.io/controller-runtime/pkg/event"
 	"sigs.k8s.io/controller-runtime/pkg/handler"
 	"sigs.k8s.io/controller-runtime/pkg/predicate"
 	"sigs.k8s.io/controller-runtime/pkg/reconcile"
 
+	vmv1 "pvbridge.io/pkg/apis/vm/v1alpha1"
 	"pvbridge.io/pkg/tenancy"
 )
 
@@ -27,12 +31,22 @@ import (
 const (
 	paramUID             = ".uid"
 	paramStorageClasses  = ".storageClasses"
+	paramHosts           = ".hosts"
 	paramSharedClaims    = ".sharedClaims"
 	paramSharedSnapshots = ".sharedSnapshots"
+
+	// ParamsFinalizer holds a namespace's parameters while the namespace is enforced or, once
+	// deleted, still has claims, snapshots or VirtualMachines: the admission policy denies
+	// every write it matches, whoever sends it, when the parameters are missing.
+	ParamsFinalizer = "pvbridge.io/tenancy-params"
+	// drainRetry is how often a deleted namespace is looked at again until its objects are gone.
+	drainRetry = 2 * time.Second
 )
 
-// ParamsReconciler keeps the ConfigMap pvbridge-tenancy of each namespace with opted-in
-// Clusters: what the admission policy, which cannot look up other objects, knows of them.
+// ParamsReconciler keeps the ConfigMap pvbridge-tenancy of each enforced namespace and of each
+// namespace with opted-in Clusters: what the admission policy, which cannot look up other
+// objects, knows of them. An enforced namespace always has one, empty when no Cluster opts in,
+// so that the policy never runs without parameters (it then denies).
 type ParamsReconciler struct {
 	Client client.Client
 }
@@ -40,19 +54,22 @@ type ParamsReconciler struct {
 // +kubebuilder:rbac:groups="",resources=namespaces,verbs=get;list;watch
 // +kubebuilder:rbac:groups="",resources=persistentvolumeclaims,verbs=get;list;watch
 // +kubebuilder:rbac:groups=snapshot.storage.k8s.io,resources=volumesnapshots,verbs=get;list;watch
+// +kubebuilder:rbac:groups=vm.pvbridge.io,resources=virtualmachines,verbs=get;list;watch
 // +kubebuilder:rbac:groups="",resources=configmaps,verbs=get;list;watch;create;patch;delete
 
-// SetupWithManager reconciles a namespace whenever one of its Clusters, its annotations, its
-// shared PVCs or VolumeSnapshots, or its parameters ConfigMap change. PVCs and VolumeSnapshots
-// are watched by their metadata only.
+// SetupWithManager reconciles a namespace whenever it, one of its Clusters, the hosts of its
+// VirtualMachines, its shared PVCs or VolumeSnapshots, or its parameters ConfigMap change.
+// PVCs and VolumeSnapshots are watched by their metadata only.
 func (r *ParamsReconciler) SetupWithManager(mgr ctrl.Manager) error {
 	return ctrl.NewControllerManagedBy(mgr).
 		Named("tenancy-params").
 		// Every Cluster: one that loses its label must leave the ConfigMap.
 		Watches(&clusterv1.Cluster{}, handler.EnqueueRequestsFromMapFunc(paramsOfNamespace),
 			builder.WithPredicates(predicate.Or(predicate.LabelChangedPredicate{}, predicate.AnnotationChangedPredicate{}))).
-		Watches(&corev1.Namespace{}, handler.EnqueueRequestsFromMapFunc(paramsOfNamespace),
-			builder.WithPredicates(predicate.AnnotationChangedPredicate{})).
+		// Labels, annotations and deletion: namespaces change seldom.
+		Watches(&corev1.Namespace{}, handler.EnqueueRequestsFromMapFunc(paramsOfNamespace)).
+		Watches(&vmv1.VirtualMachine{}, handler.EnqueueRequestsFromMapFunc(paramsOfNamespace),
+			builder.WithPredicates(hostChanged)).
 		Watches(&corev1.PersistentVolumeClaim{}, handler.EnqueueRequestsFromMapFunc(paramsOfNamespace),
 			builder.OnlyMetadata, builder.WithPredicates(sharedChanged)).
 		Watches(&snapshotv1.VolumeSnapshot{}, handler.EnqueueRequestsFromMapFunc(paramsOfNamespace),
@@ -60,6 +77,16 @@ func (r *ParamsReconciler) SetupWithManager(mgr ctrl.Manager) error {
 		Watches(&corev1.ConfigMap{}, handler.EnqueueRequestsFromMapFunc(paramsOfNamespace),
 			builder.WithPredicates(predicate.NewPredicateFuncs(func(obj client.Object) bool { return obj.GetName() == tenancy.ParamsConfigMap }))).
 		Complete(r)
+}
+
+// hostChanged passes VirtualMachines that come, go, or change host or cluster.
+var hostChanged = predicate.Funcs{
+	UpdateFunc: func(e event.UpdateEvent) bool {
+		o, okOld := e.ObjectOld.(*vmv1.VirtualMachine)
+		n, okNew := e.ObjectNew.(*vmv1.VirtualMachine)
+		return !okOld || !okNew || o.Status.Host != n.Status.Host ||
+			o.Labels[tenancy.CAPIClusterNameLabel] != n.Labels[tenancy.CAPIClusterNameLabel]
+	},
 }
 
 // paramsOfNamespace maps an object to the parameters of its namespace (a Namespace to its own).
@@ -86,10 +113,20 @@ func hasShared(obj client.Object) bool {
 	return ok
 }
 
-// Reconcile writes the namespace's parameters, or deletes them when no Cluster there opts in.
+// Reconcile writes the namespace's parameters while it is enforced or has opted-in Clusters,
+// and otherwise deletes them; in a deleted namespace it keeps them until the objects the
+// policy guards are gone.
 func (r *ParamsReconciler) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Result, error) {
 	log := ctrl.LoggerFrom(ctx)
 	ns := req.Namespace
+	key := client.ObjectKey{Namespace: ns, Name: tenancy.ParamsConfigMap}
+	namespace := &corev1.Namespace{}
+	if err := r.Client.Get(ctx, client.ObjectKey{Name: ns}, namespace); err != nil {
+		return ctrl.Result{}, client.IgnoreNotFound(err) // its ConfigMap went with it
+	}
+	if !namespace.DeletionTimestamp.IsZero() {
+		return r.reconcileDeletedNamespace(ctx, key)
+	}
 	var clusters clusterv1.ClusterList
 	if err := r.Client.List(ctx, &clusters, client.InNamespace(ns)); err != nil {
 		return ctrl.Result{}, fmt.Errorf("list Clusters: %w", err)
@@ -103,24 +140,10 @@ func (r *ParamsReconciler) Reconcile(ctx context.Context, req ctrl.Request) (ctr
 		classes, ok := c.Annotations[tenancy.StorageClassesAnnotation]
 		tenants = append(tenants, paramsCluster{name: c.Name, uid: string(c.UID), storageClasses: classes, hasStorageClasses: ok})
 	}
-	key := client.ObjectKey{Namespace: ns, Name: tenancy.ParamsConfigMap}
-	if len(tenants) == 0 {
-		// Looked up in the cache first: most namespaces never had parameters.
-		cm := &corev1.ConfigMap{}
-		if err := r.Client.Get(ctx, key, cm); err != nil {
-			return ctrl.Result{}, client.IgnoreNotFound(err)
-		}
-		if err := r.Client.Delete(ctx, cm, client.Preconditions{UID: &cm.UID}); err != nil && !apierrors.IsNotFound(err) {
-			return ctrl.Result{}, fmt.Errorf("delete ConfigMap %s: %w", key, err)
-		}
-		log.Info("Deleted the tenancy parameters: no Cluster of the namespace opts in", "configMap", key)
-		return ctrl.Result{}, nil
+	if len(tenants) == 0 && namespace.Labels[tenancy.TenancyNamespaceLabel] != tenancy.TenancyEnforced {
+		return ctrl.Result{}, r.deleteParams(ctx, key)
 	}
 
-	namespace := &corev1.Namespace{}
-	if err := r.Client.Get(ctx, client.ObjectKey{Name: ns}, namespace); err != nil {
-		return ctrl.Result{}, fmt.Errorf("read Namespace %s: %w", ns, err)
-	}
 	claims, err := listMetadata(ctx, r.Client, pvcKind, client.InNamespace(ns))
 	if err != nil {
 		return ctrl.Result{}, err
@@ -129,13 +152,72 @@ func (r *ParamsReconciler) Reconcile(ctx context.Context, req ctrl.Request) (ctr
 	if err != nil {
 		return ctrl.Result{}, err
 	}
-	data := paramsData(tenants, namespace.Annotations[tenancy.StorageClassesAnnotation], claims, snapshots)
-	cm := corev1ac.ConfigMap(tenancy.ParamsConfigMap, ns).WithLabels(map[string]string{ManagedByLabel: fieldManager}).WithData(data)
-	if err := r.Client.Apply(ctx, cm, client.FieldOwner(fieldManager), client.ForceOwnership); err != nil {
-		return ctrl.Result{}, fmt.Errorf("apply ConfigMap %s: %w", key, err)
+	var vms vmv1.VirtualMachineList
+	if err := r.Client.List(ctx, &vms, client.InNamespace(ns)); err != nil {
+		return ctrl.Result{}, fmt.Errorf("list VirtualMachines: %w", err)
+	}
+	data := paramsData(tenants, namespace.Annotations[tenancy.StorageClassesAnnotation], claims, snapshots, vms.Items)
+	if err := r.applyParams(ctx, key, data, true); err != nil {
+		return ctrl.Result{}, err
 	}
 	log.V(2).Info("Applied the tenancy parameters", "configMap", key, "clusters", len(tenants))
 	return ctrl.Result{}, nil
+}
+
+// reconcileDeletedNamespace lets the parameters of a deleted namespace go once no claim,
+// snapshot or VirtualMachine is left: until then their deletion (and the removal of their
+// finalizers by kube-controller-manager) passes the admission policy only with parameters.
+func (r *ParamsReconciler) reconcileDeletedNamespace(ctx context.Context, key client.ObjectKey) (ctrl.Result, error) {
+	cm := &corev1.ConfigMap{}
+	if err := r.Client.Get(ctx, key, cm); err != nil {
+		return ctrl.Result{}, client.IgnoreNotFound(err)
+	}
+	if !controllerutil.ContainsFinalizer(cm, ParamsFinalizer) {
+		return ctrl.Result{}, nil
+	}
+	for _, kind := range []schema.GroupVersionKind{pvcKind, snapshotKind, vmKind} {
+		objs, err := listMetadata(ctx, r.Client, kind, client.InNamespace(key.Namespace), client.Limit(1))
+		if err != nil {
+			return ctrl.Result{}, err
+		}
+		if len(objs) > 0 {
+			ctrl.LoggerFrom(ctx).V(2).Info("Keeping the tenancy parameters of a deleted namespace until its objects are gone",
+				"configMap", key, "waitingFor", kind.Kind)
+			return ctrl.Result{RequeueAfter: drainRetry}, nil
+		}
+	}
+	return ctrl.Result{}, r.applyParams(ctx, key, cm.Data, false)
+}
+
+// applyParams applies the ConfigMap's data, held by ParamsFinalizer or released.
+func (r *ParamsReconciler) applyParams(ctx context.Context, key client.ObjectKey, data map[string]string, hold bool) error {
+	cm := corev1ac.ConfigMap(key.Name, key.Namespace).WithLabels(map[string]string{ManagedByLabel: fieldManager}).WithData(data)
+	if hold {
+		cm.WithFinalizers(ParamsFinalizer)
+	}
+	if err := r.Client.Apply(ctx, cm, client.FieldOwner(fieldManager), client.ForceOwnership); err != nil {
+		return fmt.Errorf("apply ConfigMap %s: %w", key, err)
+	}
+	return nil
+}
+
+// deleteParams deletes the parameters of a namespace that needs none, releasing the finalizer.
+func (r *ParamsReconciler) deleteParams(ctx context.Context, key client.ObjectKey) error {
+	// Looked up in the cache first: most namespaces never had parameters.
+	cm := &corev1.ConfigMap{}
+	if err := r.Client.Get(ctx, key, cm); err != nil {
+		return client.IgnoreNotFound(err)
+	}
+	if controllerutil.ContainsFinalizer(cm, ParamsFinalizer) {
+		if err := r.applyParams(ctx, key, cm.Data, false); err != nil {
+			return err
+		}
+	}
+	if err := r.Client.Delete(ctx, cm, client.Preconditions{UID: &cm.UID}); err != nil && !apierrors.IsNotFound(err) {
+		return fmt.Errorf("delete ConfigMap %s: %w", key, err)
+	}
+	ctrl.LoggerFrom(ctx).Info("Deleted the tenancy parameters: the namespace is not enforced and no Cluster there opts in", "configMap", key)
+	return nil
 }
 
 // paramsCluster is what the parameters say of one opted-in Cluster.
@@ -147,18 +229,26 @@ type paramsCluster struct {
 }
 
 // paramsData is the content of a namespace's parameters ConfigMap (docs/tenants.md): per
-// Cluster its UID, its storage classes (its own annotation, else the namespace's), and the
-// names of the claims and snapshots whose SharedWithAnnotation names it. Lists are sorted,
-// without duplicates or blanks, comma-separated.
-func paramsData(clusters []paramsCluster, namespaceClasses string, claims, snapshots []metav1.PartialObjectMetadata) map[string]string {
-	data := make(map[string]string, 4*len(clusters))
+// Cluster its UID, its storage classes (its own annotation, else the namespace's), the hosts of
+// its VirtualMachines (the only ones its claims may select), and the names of the claims and
+// snapshots whose SharedWithAnnotation names it. Lists are sorted, without duplicates or blanks,
+// comma-separated.
+func paramsData(clusters []paramsCluster, namespaceClasses string, claims, snapshots []metav1.PartialObjectMetadata, vms []vmv1.VirtualMachine) map[string]string {
+	data := make(map[string]string, 5*len(clusters))
 	for _, c := range clusters {
 		classes := namespaceClasses
 		if c.hasStorageClasses {
 			classes = c.storageClasses
 		}
+		var hosts []string
+		for i := range vms {
+			if vms[i].Labels[tenancy.CAPIClusterNameLabel] == c.name {
+				hosts = append(hosts, vms[i].Status.Host)
+			}
+		}
 		data[c.name+paramUID] = c.uid
 		data[c.name+paramStorageClasses] = normalizeList(strings.Split(classes, ","))
+		data[c.name+paramHosts] = normalizeList(hosts)
 		data[c.name+paramSharedClaims] = normalizeList(sharedWith(claims, c.name))
 		data[c.name+paramSharedSnapshots] = normalizeList(sharedWith(snapshots, c.name))
 	}

@@ -3,6 +3,7 @@ package tenants
 import (
 	"context"
 	"testing"
+	"time"
 
 	. "github.com/onsi/gomega"
 	corev1 "k8s.io/api/core/v1"
@@ -11,6 +12,7 @@ import (
 	clusterv1 "sigs.k8s.io/cluster-api/api/core/v1beta2"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
+	vmv1 "pvbridge.io/pkg/apis/vm/v1alpha1"
 	"pvbridge.io/pkg/tenancy"
 )
 
@@ -28,18 +30,19 @@ func TestParamsData(t *testing.T) {
 		clusters         []paramsCluster
 		namespaceClasses string
 		claims, snaps    []metav1.PartialObjectMetadata
+		vms              []vmv1.VirtualMachine
 		want             map[string]string
 	}{
 		{
 			name:     "no classes anywhere: none allowed",
 			clusters: []paramsCluster{{name: "a", uid: "u-a"}},
-			want:     map[string]string{"a.uid": "u-a", "a.storageClasses": "", "a.sharedClaims": "", "a.sharedSnapshots": ""},
+			want:     map[string]string{"a.uid": "u-a", "a.storageClasses": "", "a.hosts": "", "a.sharedClaims": "", "a.sharedSnapshots": ""},
 		},
 		{
 			name:             "namespace classes, normalized",
 			clusters:         []paramsCluster{{name: "a", uid: "u-a"}},
 			namespaceClasses: " silver,gold,, silver ",
-			want:             map[string]string{"a.uid": "u-a", "a.storageClasses": "gold,silver", "a.sharedClaims": "", "a.sharedSnapshots": ""},
+			want:             map[string]string{"a.uid": "u-a", "a.storageClasses": "gold,silver", "a.hosts": "", "a.sharedClaims": "", "a.sharedSnapshots": ""},
 		},
 		{
 			name: "the Cluster's classes win, even empty",
@@ -49,8 +52,8 @@ func TestParamsData(t *testing.T) {
 			},
 			namespaceClasses: "gold",
 			want: map[string]string{
-				"a.uid": "u-a", "a.storageClasses": "bronze", "a.sharedClaims": "", "a.sharedSnapshots": "",
-				"b.uid": "u-b", "b.storageClasses": "", "b.sharedClaims": "", "b.sharedSnapshots": "",
+				"a.uid": "u-a", "a.storageClasses": "bronze", "a.hosts": "", "a.sharedClaims": "", "a.sharedSnapshots": "",
+				"b.uid": "u-b", "b.storageClasses": "", "b.hosts": "", "b.sharedClaims": "", "b.sharedSnapshots": "",
 			},
 		},
 		{
@@ -59,13 +62,25 @@ func TestParamsData(t *testing.T) {
 			claims:   []metav1.PartialObjectMetadata{shared("p2", "a, b"), shared("p1", "a"), shared("p3", ""), shared("p4", "ab,c")},
 			snaps:    []metav1.PartialObjectMetadata{shared("s1", "b")},
 			want: map[string]string{
-				"a.uid": "u-a", "a.storageClasses": "", "a.sharedClaims": "p1,p2", "a.sharedSnapshots": "",
-				"b.uid": "u-b", "b.storageClasses": "", "b.sharedClaims": "p2", "b.sharedSnapshots": "s1",
+				"a.uid": "u-a", "a.storageClasses": "", "a.hosts": "", "a.sharedClaims": "p1,p2", "a.sharedSnapshots": "",
+				"b.uid": "u-b", "b.storageClasses": "", "b.hosts": "", "b.sharedClaims": "p2", "b.sharedSnapshots": "s1",
+			},
+		},
+		{
+			name:     "the hosts of each cluster's VirtualMachines, placed ones only",
+			clusters: []paramsCluster{{name: "a", uid: "u-a"}, {name: "b", uid: "u-b"}},
+			vms: []vmv1.VirtualMachine{
+				vmOn("a-1", "a", "host-b"), vmOn("a-2", "a", "host-a"), vmOn("a-3", "a", "host-b"),
+				vmOn("a-4", "a", ""), vmOn("b-1", "b", "host-c"), vmOn("x-1", "", "host-d"),
+			},
+			want: map[string]string{
+				"a.uid": "u-a", "a.storageClasses": "", "a.hosts": "host-a,host-b", "a.sharedClaims": "", "a.sharedSnapshots": "",
+				"b.uid": "u-b", "b.storageClasses": "", "b.hosts": "host-c", "b.sharedClaims": "", "b.sharedSnapshots": "",
 			},
 		},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			NewWithT(t).Expect(paramsData(tc.clusters, tc.namespaceClasses, tc.claims, tc.snaps)).To(Equal(tc.want))
+			NewWithT(t).Expect(paramsData(tc.clusters, tc.namespaceClasses, tc.claims, tc.snaps, tc.vms)).To(Equal(tc.want))
 		})
 	}
 }
@@ -91,8 +106,8 @@ func TestParamsFollowAnnotations(t *testing.T) {
 		return cm.Data, err
 	}
 	eventually(g, params).WithContext(ctx).Should(Equal(map[string]string{
-		"a.uid": string(a.UID), "a.storageClasses": "gold,silver", "a.sharedClaims": "p1,p2", "a.sharedSnapshots": "",
-		"b.uid": string(b.UID), "b.storageClasses": "bronze", "b.sharedClaims": "p2", "b.sharedSnapshots": "s1",
+		"a.uid": string(a.UID), "a.storageClasses": "gold,silver", "a.hosts": "", "a.sharedClaims": "p1,p2", "a.sharedSnapshots": "",
+		"b.uid": string(b.UID), "b.storageClasses": "bronze", "b.hosts": "", "b.sharedClaims": "p2", "b.sharedSnapshots": "s1",
 	}))
 
 	annotate := func(obj client.Object, key string, value *string) {
@@ -128,9 +143,9 @@ func TestParamsFollowAnnotations(t *testing.T) {
 	liftFinalizers(t, p2)
 
 	eventually(g, params).WithContext(ctx).Should(Equal(map[string]string{
-		"a.uid": string(a.UID), "a.storageClasses": "platinum", "a.sharedClaims": "", "a.sharedSnapshots": "",
-		"b.uid": string(b.UID), "b.storageClasses": "bronze", "b.sharedClaims": "p1", "b.sharedSnapshots": "",
-		"x.uid": string(x.UID), "x.storageClasses": "iron", "x.sharedClaims": "", "x.sharedSnapshots": "",
+		"a.uid": string(a.UID), "a.storageClasses": "platinum", "a.hosts": "", "a.sharedClaims": "", "a.sharedSnapshots": "",
+		"b.uid": string(b.UID), "b.storageClasses": "bronze", "b.hosts": "", "b.sharedClaims": "p1", "b.sharedSnapshots": "",
+		"x.uid": string(x.UID), "x.storageClasses": "iron", "x.hosts": "", "x.sharedClaims": "", "x.sharedSnapshots": "",
 	}))
 
 	// Tampering is repaired.
@@ -151,6 +166,74 @@ func TestParamsFollowAnnotations(t *testing.T) {
 	}).WithContext(ctx).Should(BeTrue(), "no opted-in Cluster left: no parameters, the policy denies")
 }
 
+// TestParamsOfEnforcedNamespace: an enforced namespace always has parameters, even with no
+// Cluster opted in (the policy denies every write it matches without them); they name the hosts
+// of each cluster's VirtualMachines; a deleted ConfigMap stays until nothing needs it; in a
+// deleted namespace they stay until its claims are gone.
+func TestParamsOfEnforcedNamespace(t *testing.T) {
+	g := NewWithT(t)
+	ctx := t.Context()
+	e := newTenantEnv(t, nil)
+	ns := &corev1.Namespace{}
+	g.Expect(mgmtClient.Get(ctx, client.ObjectKey{Name: e.ns}, ns)).To(Succeed())
+	setLabel := func(value *string) {
+		t.Helper()
+		patch := client.MergeFrom(ns.DeepCopy())
+		if value == nil {
+			delete(ns.Labels, tenancy.TenancyNamespaceLabel)
+		} else {
+			ns.Labels = map[string]string{tenancy.TenancyNamespaceLabel: *value}
+		}
+		g.Expect(mgmtClient.Patch(ctx, ns, patch)).To(Succeed())
+	}
+	enforced := tenancy.TenancyEnforced
+	setLabel(&enforced)
+	e.startManager(t, e.config())
+	key := client.ObjectKey{Namespace: e.ns, Name: tenancy.ParamsConfigMap}
+	params := func(ctx context.Context) (*corev1.ConfigMap, error) {
+		cm := &corev1.ConfigMap{}
+		return cm, mgmtClient.Get(ctx, key, cm)
+	}
+	eventually(g, params).WithContext(ctx).Should(And(
+		HaveField("Data", BeEmpty()), HaveField("Finalizers", ConsistOf(ParamsFinalizer))), "no Cluster opts in: empty parameters")
+
+	a := e.createCluster(t, "a", true, nil)
+	vm := e.vm("vm-a", "a")
+	create(t, vm)
+	vm.Status.Host = "host-a"
+	g.Expect(mgmtClient.Status().Update(ctx, vm)).To(Succeed())
+	eventually(g, params).WithContext(ctx).Should(HaveField("Data", Equal(map[string]string{
+		"a.uid": string(a.UID), "a.storageClasses": "", "a.hosts": "host-a", "a.sharedClaims": "", "a.sharedSnapshots": "",
+	})))
+
+	cm, err := params(ctx)
+	g.Expect(err).NotTo(HaveOccurred())
+	g.Expect(mgmtClient.Delete(ctx, cm)).To(Succeed())
+	g.Consistently(params).WithContext(ctx).WithTimeout(time.Second).Should(HaveField("Data", HaveKeyWithValue("a.hosts", "host-a")),
+		"deleted while the namespace is enforced: held by the finalizer, still read by the policy")
+
+	setLabel(nil)
+	patch := client.MergeFrom(a.DeepCopy())
+	delete(a.Labels, tenancy.EnabledLabel)
+	g.Expect(mgmtClient.Patch(ctx, a, patch)).To(Succeed())
+	eventually(g, func(ctx context.Context) bool {
+		_, err := params(ctx)
+		return apierrors.IsNotFound(err)
+	}).WithContext(ctx).Should(BeTrue(), "neither enforced nor opted in: the finalizer is released, the parameters go")
+
+	setLabel(&enforced)
+	eventually(g, params).WithContext(ctx).Should(HaveField("Finalizers", ConsistOf(ParamsFinalizer)))
+	pvc := e.pvc("p1", nil, "")
+	create(t, pvc)
+	g.Expect(mgmtClient.Delete(ctx, ns)).To(Succeed())
+	g.Consistently(params).WithContext(ctx).WithTimeout(3*drainRetry).Should(HaveField("Finalizers", ConsistOf(ParamsFinalizer)),
+		"the namespace is deleted but still has a claim, whose deletion passes the policy only with parameters")
+	g.Expect(mgmtClient.Delete(ctx, pvc)).To(Succeed())
+	liftFinalizers(t, pvc)
+	g.Expect(mgmtClient.Delete(ctx, vm)).To(Succeed())
+	eventually(g, params).WithContext(ctx).Should(HaveField("Finalizers", BeEmpty()), "nothing left to guard: released")
+}
+
 // liftFinalizers removes the finalizers of obj, if it still exists: what the controllers
 // envtest does not run would do once their work is done.
 func liftFinalizers(t *testing.T, obj client.Object) {
@@ -159,4 +242,13 @@ func liftFinalizers(t *testing.T, obj client.Object) {
 	if err := mgmtClient.Patch(t.Context(), obj, patch); err != nil && !apierrors.IsNotFound(err) {
 		t.Fatal(err)
 	}
+}
+
+// vmOn is a VirtualMachine of cluster placed on host ("" for not yet placed).
+func vmOn(name, cluster, host string) vmv1.VirtualMachine {
+	vm := vmv1.VirtualMachine{ObjectMeta: metav1.ObjectMeta{Name: name}, Status: vmv1.VirtualMachineStatus{Host: host}}
+	if cluster != "" {
+		vm.Labels = map[string]string{tenancy.CAPIClusterNameLabel: cluster}
+	}
+	return vm
 }

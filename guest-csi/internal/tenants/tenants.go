@@ -46,6 +46,7 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/builder"
 	"sigs.k8s.io/controller-runtime/pkg/cache"
 	"sigs.k8s.io/controller-runtime/pkg/client"
+	"sigs.k8s.io/controller-runtime/pkg/event"
 	"sigs.k8s.io/controller-runtime/pkg/healthz"
 	metricsserver "sigs.k8s.io/controller-runtime/pkg/metrics/server"
 	"sigs.k8s.io/controller-runtime/pkg/predicate"
@@ -169,10 +170,11 @@ func SetupWithManager(mgr ctrl.Manager, cfg Config) error {
 	}
 	guests := NewGuestClients(mgr.GetScheme())
 	creds := &CredentialsReconciler{
-		Client:   mgr.GetClient(),
-		Config:   cfg,
-		Guests:   guests,
-		Recorder: mgr.GetEventRecorder(fieldManager),
+		Client:    mgr.GetClient(),
+		APIReader: mgr.GetAPIReader(),
+		Config:    cfg,
+		Guests:    guests,
+		Recorder:  mgr.GetEventRecorder(fieldManager),
 	}
 	if err := creds.SetupWithManager(mgr); err != nil {
 		return fmt.Errorf("set up the credentials controller: %w", err)
@@ -316,8 +318,16 @@ func optedIn(obj client.Object) bool {
 	return obj.GetLabels()[tenancy.EnabledLabel] == "true"
 }
 
-// optedInClusters filters the Cluster watch of the credentials controller.
+// optedInClusters filters the Cluster watch of the guest install controller.
 var optedInClusters = builder.WithPredicates(predicate.NewPredicateFuncs(optedIn))
+
+// optedInBefore passes Clusters that opt in, or did before an update.
+var optedInBefore = predicate.Funcs{
+	CreateFunc:  func(e event.CreateEvent) bool { return optedIn(e.Object) },
+	UpdateFunc:  func(e event.UpdateEvent) bool { return optedIn(e.ObjectOld) || optedIn(e.ObjectNew) },
+	DeleteFunc:  func(e event.DeleteEvent) bool { return optedIn(e.Object) },
+	GenericFunc: func(e event.GenericEvent) bool { return optedIn(e.Object) },
+}
 
 // identityName is the name of a guest's ServiceAccount, Role and RoleBinding.
 func identityName(cluster string) string { return cluster + IdentitySuffix }
