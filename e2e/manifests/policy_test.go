@@ -33,9 +33,9 @@ const (
 	nsPlain = "plain"
 	// nsBare is enforced but has no parameters (no tenants controller wrote them).
 	nsBare = "tenant-bare"
-	uidA1   = "0a1a1a1a-0000-4000-8000-000000000001"
-	uidA2   = "0a2a2a2a-0000-4000-8000-000000000002"
-	uidB1   = "0b1b1b1b-0000-4000-8000-000000000003"
+	uidA1  = "0a1a1a1a-0000-4000-8000-000000000001"
+	uidA2  = "0a2a2a2a-0000-4000-8000-000000000002"
+	uidB1  = "0b1b1b1b-0000-4000-8000-000000000003"
 
 	classAllowed = "pmem"
 	classPremium = "pmem-premium"
