@@ -161,10 +161,11 @@ func TestTenantsRBAC(t *testing.T) {
 	add("cluster.x-k8s.io", "clusters/finalizers", tenantNS, "update")
 	add("", "secrets", "", "get", "list", "watch")
 	add("", "serviceaccounts", "", "get", "list", "watch")
-	add("", "serviceaccounts", tenantNS, "create", "patch")
+	// delete: an opted-out Cluster's identity is revoked, a foreign one of its name not adopted.
+	add("", "serviceaccounts", tenantNS, "create", "patch", "delete")
 	add("", "serviceaccounts/token", tenantNS, "create")
-	add("rbac.authorization.k8s.io", "roles", tenantNS, "create", "patch")
-	add("rbac.authorization.k8s.io", "rolebindings", tenantNS, "create", "patch")
+	add("rbac.authorization.k8s.io", "roles", tenantNS, "create", "patch", "delete")
+	add("rbac.authorization.k8s.io", "rolebindings", tenantNS, "create", "patch", "delete")
 	add("rbac.authorization.k8s.io", "roles", tenantsNamespace, "create", "patch", "delete")
 	add("rbac.authorization.k8s.io", "rolebindings", tenantsNamespace, "create", "patch", "delete")
 	add("events.k8s.io", "events", tenantNS, "create", "patch")
@@ -189,7 +190,6 @@ func TestTenantsRBAC(t *testing.T) {
 		{"cluster.x-k8s.io", "clusters", "", "update", tenantNS},
 		{"cluster.x-k8s.io", "clusters", "status", "patch", tenantNS},
 		{"", "secrets", "", "create", tenantNS},
-		{"", "serviceaccounts", "", "delete", tenantNS},
 		{"", "pods", "", "create", tenantsNamespace},
 		{"coordination.k8s.io", "leases", "", "update", tenantNS},
 		{"storage.k8s.io", "csistoragecapacities", "", "list", tenantNS},
