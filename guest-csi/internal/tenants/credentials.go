@@ -213,15 +213,16 @@ func (r *CredentialsReconciler) reconcileIdentity(ctx context.Context, cluster *
 func (r *CredentialsReconciler) revoke(ctx context.Context, cluster *clusterv1.Cluster) error {
 	name, ns := identityName(cluster.Name), cluster.Namespace
 	capacity := capacityName(cluster)
+	// The ServiceAccount last: it tells the next reconcile whether anything is left to revoke.
 	objs := []client.Object{
-		&corev1.ServiceAccount{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: name}},
 		&rbacv1.RoleBinding{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: name}},
 		&rbacv1.Role{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: name}},
 		&rbacv1.RoleBinding{ObjectMeta: metav1.ObjectMeta{Namespace: r.Config.CapacityNamespace, Name: capacity}},
 		&rbacv1.Role{ObjectMeta: metav1.ObjectMeta{Namespace: r.Config.CapacityNamespace, Name: capacity}},
+		&corev1.ServiceAccount{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: name}},
 	}
 	account := &corev1.ServiceAccount{}
-	err := r.Client.Get(ctx, client.ObjectKeyFromObject(objs[0]), account)
+	err := r.Client.Get(ctx, client.ObjectKey{Namespace: ns, Name: name}, account)
 	if apierrors.IsNotFound(err) {
 		return nil // revoked already, or never opted in
 	}
