@@ -164,6 +164,9 @@ func (cp *ControlPlane) StartControllerManager() error {
 		// The PV binder writes twice per claim; at the default 20 QPS a burst of 100 new volumes
 		// waits 15 s for it after provisioning is done (measured; see the README's figures).
 		"--kube-api-qps=100", "--kube-api-burst=200",
+		// The lab installs CRDs (VolumeSnapshots) as kcm starts: a quota made before the quota
+		// controller discovered them is counted at its next full sync (default 5 minutes).
+		"--resource-quota-sync-period=15s",
 	)
 	if err != nil {
 		return err

@@ -3,6 +3,7 @@ package deploy
 import (
 	"fmt"
 	"path/filepath"
+	"time"
 
 	"pvbridge.io/e2e/cluster"
 )
@@ -18,6 +19,10 @@ type VMOperator struct {
 
 // VMHostLabels are the labels that make a management Node a VM host.
 var VMHostLabels = map[string]string{"vm.pvbridge.io/host": "true"}
+
+// UnplugTimeout is how long the lab's host agents give a guest that holds its disks before
+// they force its VM off (the default is 5 minutes; the lab's specs wait for it).
+const UnplugTimeout = 20 * time.Second
 
 // StartVMOperator deploys vm-operator next to mgmt-csi: the controller, and a host agent per host
 // that stages volumes through that host's mgmt-csi node plugin.
@@ -49,6 +54,7 @@ func StartVMOperator(lab *cluster.Lab, m *Management) (*VMOperator, error) {
 				"--hypervisor=local", "--vm-root=" + root,
 				"--csi-endpoint=unix://" + filepath.Join(h.Node.PluginDir(PmemDriver), "csi.sock"),
 				"--state-dir=" + filepath.Join(h.Node.Dir, "host-agent"),
+				"--unplug-timeout=" + UnplugTimeout.String(),
 			}, common...),
 			Restart: true,
 		})

@@ -106,6 +106,16 @@ func (g *guestCluster) snapshot(ctx context.Context, ns, name, claim string) *sn
 	return snap
 }
 
+// readySnapshot waits until snap is ready to use.
+func (g *guestCluster) readySnapshot(ctx context.Context, snap *snapshotv1.VolumeSnapshot) {
+	GinkgoHelper()
+	Eventually(func(g2 Gomega) {
+		g2.Expect(g.c.Get(ctx, client.ObjectKeyFromObject(snap), snap)).To(Succeed())
+		g2.Expect(snap.Status).NotTo(BeNil())
+		g2.Expect(snap.Status.ReadyToUse).To(HaveValue(BeTrue()))
+	}).WithContext(ctx).WithTimeout(timeout).Should(Succeed())
+}
+
 // volumePath is where the pod's filesystem volume is mounted, as its container would see it.
 func (g *guestCluster) volumePath(pod *corev1.Pod, pv string) string {
 	return deploy.PodVolumePath(g.Nodes[pod.Spec.NodeName], pod.UID, pv, false)

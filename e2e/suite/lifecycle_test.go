@@ -142,12 +142,7 @@ var _ = Describe("Snapshots and clones", Label("snapshot"), func() {
 		want := alpha.writeBlob(writer, pv.Name, 4)
 
 		By("taking a snapshot")
-		snap := alpha.snapshot(ctx, ns, "snap", "data")
-		Eventually(func(g Gomega) {
-			g.Expect(alpha.c.Get(ctx, client.ObjectKeyFromObject(snap), snap)).To(Succeed())
-			g.Expect(snap.Status).NotTo(BeNil())
-			g.Expect(snap.Status.ReadyToUse).To(HaveValue(BeTrue()))
-		}).WithContext(ctx).WithTimeout(timeout).Should(Succeed())
+		alpha.readySnapshot(ctx, alpha.snapshot(ctx, ns, "snap", "data"))
 		msnaps := &snapshotv1.VolumeSnapshotList{}
 		Expect(mc.List(ctx, msnaps, client.InNamespace(alpha.Options.Namespace), client.MatchingLabels{tenancy.ClusterUIDLabel: alpha.UID})).To(Succeed())
 		Expect(msnaps.Items).To(ContainElement(HaveField("ObjectMeta.Annotations", HaveKeyWithValue(tenancy.GuestSnapshotAnnotation, ns+"/snap"))))

@@ -5,6 +5,7 @@ import (
 	"os"
 	"strings"
 
+	snapshotv1 "github.com/kubernetes-csi/external-snapshotter/client/v8/apis/volumesnapshot/v1"
 	. "github.com/onsi/ginkgo/v2"
 	. "github.com/onsi/gomega"
 	corev1 "k8s.io/api/core/v1"
@@ -13,6 +14,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"k8s.io/client-go/tools/clientcmd"
+	"k8s.io/utils/ptr"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	"pvbridge.io/e2e/deploy"
@@ -57,6 +59,23 @@ func allowClass(ctx context.Context, g *guestCluster, class string) {
 	}).WithContext(ctx).WithTimeout(timeout).Should(Succeed())
 }
 
+// quota limits resource to limit in namespace ns of the management cluster until the spec
+// ends, once the quota controller has counted the namespace.
+func quota(ctx context.Context, ns, name string, resourceName corev1.ResourceName, limit string) *corev1.ResourceQuota {
+	GinkgoHelper()
+	q := &corev1.ResourceQuota{
+		ObjectMeta: metaName(ns, name),
+		Spec:       corev1.ResourceQuotaSpec{Hard: corev1.ResourceList{resourceName: resource.MustParse(limit)}},
+	}
+	Expect(mc.Create(ctx, q)).To(Succeed())
+	DeferCleanup(func(ctx SpecContext) { Expect(client.IgnoreNotFound(mc.Delete(ctx, q))).To(Succeed()) })
+	Eventually(func(g Gomega) {
+		g.Expect(mc.Get(ctx, client.ObjectKeyFromObject(q), q)).To(Succeed())
+		g.Expect(q.Status.Used).To(HaveKey(resourceName), "the quota controller has counted the namespace")
+	}).WithContext(ctx).WithTimeout(timeout).Should(Succeed())
+	return q
+}
+
 var _ = Describe("Tenancy", Label("tenancy"), func() {
 	It("refuses, with the reason on the guest PVC, a management StorageClass outside the allow-list and a claim beyond the quota", func(ctx SpecContext) {
 		ns := alpha.namespace(ctx)
@@ -71,23 +90,38 @@ var _ = Describe("Tenancy", Label("tenancy"), func() {
 			ContainSubstring("ProvisioningFailed"), ContainSubstring("names StorageClass pmem-premium, which guest cluster alpha may not use"))))
 
 		By("a claim beyond the tenant's quota of the class")
-		quota := &corev1.ResourceQuota{
-			ObjectMeta: metaName(alpha.Options.Namespace, "pmem"),
-			Spec: corev1.ResourceQuotaSpec{Hard: corev1.ResourceList{
-				corev1.ResourceName(deploy.StorageClassPmem + ".storageclass.storage.k8s.io/requests.storage"): resource.MustParse("1Gi"),
-			}},
-		}
-		Expect(mc.Create(ctx, quota)).To(Succeed())
-		DeferCleanup(func(ctx SpecContext) { Expect(mc.Delete(ctx, quota)).To(Succeed()) })
-		Eventually(func(g Gomega) {
-			g.Expect(mc.Get(ctx, client.ObjectKeyFromObject(quota), quota)).To(Succeed())
-			g.Expect(quota.Status.Hard).NotTo(BeEmpty(), "the quota controller has counted the namespace")
-		}).WithContext(ctx).WithTimeout(timeout).Should(Succeed())
+		quota(ctx, alpha.Options.Namespace, "pmem", corev1.ResourceName(deploy.StorageClassPmem+".storageclass.storage.k8s.io/requests.storage"), "1Gi")
 		alpha.create(ctx, deploy.PVC(ns, "big", "", "2Gi", false))
 		alpha.create(ctx, deploy.Pod(ns, "big", "big", "vm-1", false))
 		Eventually(events).WithContext(ctx).WithArguments(alpha, ns, "big").WithTimeout(timeout).Should(ContainElement(And(
 			ContainSubstring("ProvisioningFailed"), ContainSubstring("exceeded quota"))))
 		Expect(ownedClaims(ctx, alpha)).To(BeEmpty(), "nothing half-created")
+	})
+
+	It("counts a tenant's snapshots against its quota (a snapshot takes its source's size on the source's host)", func(ctx SpecContext) {
+		ns := alpha.namespace(ctx)
+		alpha.create(ctx, deploy.PVC(ns, "data", "", "64Mi", false))
+		alpha.runPod(ctx, ns, "writer", "data", "vm-1", false)
+		alpha.bound(ctx, ns, "data")
+		q := quota(ctx, alpha.Options.Namespace, "snapshots", "count/volumesnapshots.snapshot.storage.k8s.io", "1")
+
+		alpha.readySnapshot(ctx, alpha.snapshot(ctx, ns, "first", "data"))
+		second := alpha.snapshot(ctx, ns, "second", "data")
+		Eventually(func(g Gomega) {
+			g.Expect(alpha.c.Get(ctx, client.ObjectKeyFromObject(second), second)).To(Succeed())
+			g.Expect(second.Status).NotTo(BeNil())
+			g.Expect(second.Status.Error).NotTo(BeNil())
+			g.Expect(ptr.Deref(second.Status.Error.Message, "")).To(ContainSubstring("exceeded quota: snapshots"))
+		}).WithContext(ctx).WithTimeout(timeout).Should(Succeed())
+		msnaps := &snapshotv1.VolumeSnapshotList{}
+		Expect(mc.List(ctx, msnaps, client.InNamespace(alpha.Options.Namespace), client.MatchingLabels{tenancy.ClusterUIDLabel: alpha.UID})).To(Succeed())
+		Expect(msnaps.Items).To(HaveLen(1), "the refused snapshot left nothing behind")
+
+		// ResourceExhausted is not final: the sidecar retries, and takes it once the quota allows.
+		// (Until then deleting the refused snapshot waits too: csi-snapshotter keeps a creation
+		// that may still succeed in progress.)
+		Expect(mc.Delete(ctx, q)).To(Succeed())
+		alpha.readySnapshot(ctx, second)
 	})
 
 	It("refuses a guest identity's writes labelled for another cluster and attaches of claims it may not use", func(ctx SpecContext) {

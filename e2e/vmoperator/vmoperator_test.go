@@ -10,6 +10,7 @@ import (
 	"flag"
 	"fmt"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"slices"
 	"sync"
@@ -20,6 +21,7 @@ import (
 	"golang.org/x/sys/unix"
 	corev1 "k8s.io/api/core/v1"
 	storagev1 "k8s.io/api/storage/v1"
+	"k8s.io/apimachinery/pkg/api/meta"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/util/wait"
@@ -225,6 +227,80 @@ func TestDeletingAVMDetachesItsVolumes(t *testing.T) {
 	g.Expect(attachmentsOf(ctx, g, vm)).To(BeEmpty())
 	noDiskInVM(g, "host-b", vm, e.DiskSerial)
 	// The volume itself stays, unpublished.
+	pmv := &pmemv1.PmemVolume{}
+	g.Expect(c.Get(ctx, client.ObjectKey{Name: pv.Spec.CSI.VolumeHandle}, pmv)).To(Succeed())
+}
+
+func TestAVolumeIsAttachedToOneVMAtATime(t *testing.T) {
+	g := NewWithT(t)
+	ctx, ns := t.Context(), namespace(t)
+	pv := blockClaim(ctx, g, ns, "data", "host-a")
+	vm1 := virtualMachine(ns, "vm-1", "host-a", "data")
+	g.Expect(c.Create(ctx, vm1)).To(Succeed())
+	volumeStatus(ctx, g, vm1, "data", attached)
+
+	// A second VM of the namespace on the same host (a cluster the volume is shared with)
+	// asks for it too: refused, with the holder named.
+	vm2 := virtualMachine(ns, "vm-2", "host-a", "data")
+	g.Expect(c.Create(ctx, vm2)).To(Succeed())
+	e := volumeStatus(ctx, g, vm2, "data", func(e vmv1.VirtualMachineVolumeStatus) bool { return e.Error != "" })
+	g.Expect(e.Error).To(Equal(fmt.Sprintf("PersistentVolume %s of PersistentVolumeClaim data is attached to VirtualMachine vm-1; a volume is "+
+		"attached to one VirtualMachine at a time, add it here once it has left that VirtualMachine's status.volumes", pv.Name)))
+	g.Expect(attachmentsOf(ctx, g, vm2)).To(BeEmpty())
+
+	// Once the first has let go, the second gets it.
+	g.Expect(retry.RetryOnConflict(retry.DefaultRetry, func() error {
+		if err := c.Get(ctx, client.ObjectKeyFromObject(vm1), vm1); err != nil {
+			return err
+		}
+		vm1.Spec.Volumes = nil
+		return c.Update(ctx, vm1)
+	})).To(Succeed())
+	e = volumeStatus(ctx, g, vm2, "data", attached)
+	diskInVM(g, "host-a", vm2, e.DiskSerial, pv.Spec.CSI.VolumeHandle)
+}
+
+func TestAVMWhoseGuestKeepsItsDiskIsForcedOffWhenDeleted(t *testing.T) {
+	g := NewWithT(t)
+	ctx, ns := t.Context(), namespace(t)
+	pv := blockClaim(ctx, g, ns, "data", "host-b")
+	vm := virtualMachine(ns, "stubborn", "host-b", "data")
+	g.Expect(c.Create(ctx, vm)).To(Succeed())
+	e := volumeStatus(ctx, g, vm, "data", attached)
+
+	// The guest mounts the disk and never lets go of it.
+	byID := filepath.Join(vmop.VMRoots["host-b"], ns, vm.Name, "dev", "disk", "by-id", "virtio-"+e.DiskSerial)
+	mnt := filepath.Join(t.TempDir(), "guest-mount")
+	g.Expect(os.Mkdir(mnt, 0o755)).To(Succeed())
+	for _, cmd := range [][]string{{"mkfs.ext4", "-q", byID}, {"mount", byID, mnt}} {
+		out, err := exec.CommandContext(ctx, cmd[0], cmd[1:]...).CombinedOutput()
+		g.Expect(err).NotTo(HaveOccurred(), "%v: %s", cmd, out)
+	}
+	t.Cleanup(func() { _ = unix.Unmount(mnt, unix.MNT_DETACH) })
+
+	g.Expect(c.Delete(ctx, vm)).To(Succeed())
+	// The host agent waits, and says until when ...
+	g.Eventually(func(g Gomega) {
+		g.Expect(c.Get(ctx, client.ObjectKeyFromObject(vm), vm)).To(Succeed())
+		ready := meta.FindStatusCondition(vm.Status.Conditions, vmv1.ReadyCondition)
+		g.Expect(ready).NotTo(BeNil())
+		g.Expect(ready.Message).To(MatchRegexp(`^detaching volumes before powering off; forced off at \S+ if the guest still holds them$`))
+	}).WithContext(ctx).WithTimeout(timeout).Should(Succeed())
+	// ... then forces the VM off: the guest's mount goes with it, the VM and its attachment go.
+	g.Eventually(func() error {
+		return c.Get(ctx, client.ObjectKeyFromObject(vm), &vmv1.VirtualMachine{})
+	}).WithContext(ctx).WithTimeout(deploy.UnplugTimeout + timeout).Should(MatchError(ContainSubstring("not found")))
+	g.Expect(attachmentsOf(ctx, g, vm)).To(BeEmpty())
+	mounts, err := os.ReadFile("/proc/self/mountinfo")
+	g.Expect(err).NotTo(HaveOccurred())
+	g.Expect(string(mounts)).NotTo(ContainSubstring(mnt + " "))
+	events := &corev1.EventList{}
+	g.Expect(c.List(ctx, events, client.InNamespace(ns))).To(Succeed())
+	g.Expect(events.Items).To(ContainElement(And(
+		HaveField("Reason", "ForcedOff"),
+		HaveField("Message", fmt.Sprintf("The guest did not release its disks within %s of being asked to; the VM was forced off", deploy.UnplugTimeout)),
+	)))
+	// The volume stays, released on the host.
 	pmv := &pmemv1.PmemVolume{}
 	g.Expect(c.Get(ctx, client.ObjectKey{Name: pv.Spec.CSI.VolumeHandle}, pmv)).To(Succeed())
 }

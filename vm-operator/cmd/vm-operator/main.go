@@ -6,6 +6,7 @@ package main
 import (
 	"context"
 	"os"
+	"time"
 
 	"github.com/spf13/pflag"
 	"k8s.io/klog/v2"
@@ -40,6 +41,8 @@ func main() {
 		"Host agent: the socket of this host's mgmt-csi node plugin, through which VM volumes are staged and published.")
 	fs.StringVar(&opts.StateDir, "state-dir", "/var/lib/pvbridge/host-agent",
 		"Host agent: where VM volumes are staged and published before they are hot-plugged.")
+	fs.DurationVar(&opts.UnplugTimeout, "unplug-timeout", 5*time.Minute,
+		"Host agent: how long the guest of a VM that must stop (powered off or deleted) has to release its disks before the VM is forced off; 0 waits for ever.")
 	fs.StringVar(&opts.MetricsAddress, "metrics-bind-address", "0",
 		`host:port to serve Prometheus metrics on (/metrics), or "0" for none.`)
 	fs.StringVar(&opts.HealthAddress, "health-probe-bind-address", ":8081",

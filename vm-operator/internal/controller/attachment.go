@@ -183,16 +183,29 @@ func (r *AttachmentReconciler) inputs(ctx context.Context, vm *vmv1.VirtualMachi
 		Claims:      map[string]*corev1.PersistentVolumeClaim{},
 		PVs:         map[string]*corev1.PersistentVolume{},
 		Attachments: map[string]*storagev1.VolumeAttachment{},
+		Elsewhere:   map[string]string{},
 	}
 	if !deleting {
 		in.Volumes = vm.Spec.Volumes
 	}
 
-	vas := &storagev1.VolumeAttachmentList{}
-	if err := r.Client.List(ctx, vas, client.MatchingLabels(AttachmentLabels(vm))); err != nil {
+	// The attachments of every VirtualMachine of the namespace: this one's, and those that
+	// hold a volume elsewhere.
+	all := &storagev1.VolumeAttachmentList{}
+	if err := r.Client.List(ctx, all, client.MatchingLabels{vmv1.VMNamespaceLabel: labelValue(vm.Namespace)}); err != nil {
 		return in, nil, fmt.Errorf("list VolumeAttachments: %w", err)
 	}
-	byName := make(map[string]*storagev1.VolumeAttachment, len(vas.Items))
+	vas := &storagev1.VolumeAttachmentList{}
+	byName := make(map[string]*storagev1.VolumeAttachment, len(all.Items))
+	for _, va := range all.Items {
+		if other := va.Labels[vmv1.VMNameLabel]; other != labelValue(vm.Name) {
+			if pv := va.Spec.Source.PersistentVolumeName; pv != nil {
+				in.Elsewhere[*pv] = other
+			}
+			continue
+		}
+		vas.Items = append(vas.Items, va)
+	}
 	for i := range vas.Items {
 		byName[vas.Items[i].Name] = &vas.Items[i]
 	}
@@ -375,14 +388,22 @@ func (r *AttachmentReconciler) recordVolumeErrors(base, vm *vmv1.VirtualMachine)
 	}
 }
 
-// vmOfAttachment maps a VolumeAttachment to the VirtualMachine its labels name.
+// vmOfAttachment maps a VolumeAttachment to the VirtualMachine its labels name, and to the
+// VirtualMachines that name its volume's claim (which wait for it to go).
 func (r *AttachmentReconciler) vmOfAttachment(ctx context.Context, obj client.Object) []reconcile.Request {
 	namespace, name := obj.GetLabels()[vmv1.VMNamespaceLabel], obj.GetLabels()[vmv1.VMNameLabel]
 	if namespace == "" || name == "" {
 		return nil
 	}
+	var waiting []reconcile.Request
+	if va, ok := obj.(*storagev1.VolumeAttachment); ok && va.Spec.Source.PersistentVolumeName != nil {
+		pv := &corev1.PersistentVolume{}
+		if err := r.Client.Get(ctx, client.ObjectKey{Name: *va.Spec.Source.PersistentVolumeName}, pv); err == nil {
+			waiting = r.vmsOfPV(ctx, pv)
+		}
+	}
 	if len(name) < validation.LabelValueMaxLength {
-		return []reconcile.Request{{NamespacedName: client.ObjectKey{Namespace: namespace, Name: name}}}
+		return append(waiting, reconcile.Request{NamespacedName: client.ObjectKey{Namespace: namespace, Name: name}})
 	}
 	// Maybe a shortened name: find the VirtualMachine whose label it is.
 	vms := &vmv1.VirtualMachineList{}
@@ -390,7 +411,7 @@ func (r *AttachmentReconciler) vmOfAttachment(ctx context.Context, obj client.Ob
 		ctrl.LoggerFrom(ctx).Error(err, "Cannot list VirtualMachines", "namespace", namespace)
 		return nil
 	}
-	var reqs []reconcile.Request
+	reqs := waiting
 	for i := range vms.Items {
 		if labelValue(vms.Items[i].Name) == name {
 			reqs = append(reqs, reconcile.Request{NamespacedName: client.ObjectKeyFromObject(&vms.Items[i])})

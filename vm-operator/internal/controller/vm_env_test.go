@@ -276,6 +276,32 @@ func TestVolumeErrorReachesStatusAndClearsAgainstARealAPIServer(t *testing.T) {
 	})))
 }
 
+func TestOneVirtualMachineAtATimeAgainstARealAPIServer(t *testing.T) {
+	e := newEnvTest(t)
+	g, ctx := e.g, t.Context()
+	host := e.ns + "-host"
+	pv := e.createBoundClaim(ctx, "claim-a", host)
+	inNamespace := func(vm *vmv1.VirtualMachine) { vm.Namespace = e.ns; vm.UID = ""; vm.Spec.Host = host }
+	g.Expect(e.c.Create(ctx, newVM("vm-1", inNamespace, withVolumes(volume("claim-a", "claim-a"))))).To(Succeed())
+	g.Eventually(func() map[string]storagev1.VolumeAttachment { return e.attachments(ctx, "vm-1") }).Should(HaveKey("claim-a"))
+
+	// A second VirtualMachine of the namespace (another cluster the volume is shared with, say)
+	// asks for the same volume: refused, with the holder named, and no VolumeAttachment.
+	g.Expect(e.c.Create(ctx, newVM("vm-2", inNamespace, withVolumes(volume("claim-a", "claim-a"))))).To(Succeed())
+	g.Eventually(e.vm(ctx, "vm-2")).Should(HaveField("Status.Volumes", ConsistOf(vmv1.VirtualMachineVolumeStatus{
+		Name: "claim-a",
+		Error: fmt.Sprintf("PersistentVolume %s of PersistentVolumeClaim claim-a is attached to VirtualMachine vm-1; a volume is attached to one "+
+			"VirtualMachine at a time, add it here once it has left that VirtualMachine's status.volumes", pv),
+	})))
+	g.Expect(e.attachments(ctx, "vm-2")).To(BeEmpty())
+
+	// The first lets go: the second gets it.
+	g.Expect(e.update(ctx, "vm-1", false, func(vm *vmv1.VirtualMachine) { vm.Spec.Volumes = nil }, retry.DefaultRetry)).To(Succeed())
+	g.Eventually(func() map[string]storagev1.VolumeAttachment { return e.attachments(ctx, "vm-1") }).Should(BeEmpty())
+	g.Eventually(func() map[string]storagev1.VolumeAttachment { return e.attachments(ctx, "vm-2") }).Should(HaveKey("claim-a"))
+	g.Eventually(e.vm(ctx, "vm-2")).Should(HaveField("Status.Volumes", BeEmpty()))
+}
+
 func TestConcurrentWritersLoseNoVolumeAgainstARealAPIServer(t *testing.T) {
 	const writers = 50
 	e := newEnvTest(t)

@@ -80,6 +80,9 @@ type volumeInputs struct {
 	PVs map[string]*corev1.PersistentVolume
 	// Attachments are the VirtualMachine's VolumeAttachments that exist, by volume name.
 	Attachments map[string]*storagev1.VolumeAttachment
+	// Elsewhere maps a PersistentVolume to another VirtualMachine of the namespace that has a
+	// VolumeAttachment of it: a volume is attached to one VirtualMachine at a time.
+	Elsewhere map[string]string
 }
 
 // volumeErrors returns, for each volume of in.Volumes that cannot be attached, why, in words a
@@ -138,6 +141,12 @@ func volumeError(in volumeInputs, v vmv1.VirtualMachineVolume) string {
 	}
 	va := in.Attachments[v.Name]
 	switch {
+	case va == nil && in.Elsewhere[pvName] != "":
+		// Two VirtualMachines on one host could otherwise both write to it (a volume shared
+		// with several clusters of the namespace); the host's mgmt-csi refuses a second
+		// publication too, this says why first.
+		return fmt.Sprintf("PersistentVolume %s of PersistentVolumeClaim %s is attached to VirtualMachine %s; a volume is attached to one VirtualMachine at a time, add it here once it has left that VirtualMachine's status.volumes",
+			pvName, claimName, in.Elsewhere[pvName])
 	case va == nil:
 		return ""
 	case va.Spec.Source.PersistentVolumeName == nil || *va.Spec.Source.PersistentVolumeName != pvName ||

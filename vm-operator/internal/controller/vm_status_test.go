@@ -38,6 +38,12 @@ func makeInputs(host string, vols []vmv1.VirtualMachineVolume, status []vmv1.Vir
 	return in
 }
 
+// elsewhere records that VirtualMachine vm of the namespace has a VolumeAttachment of pv.
+func elsewhere(in volumeInputs, pv, vm string) volumeInputs {
+	in.Elsewhere = map[string]string{pv: vm}
+	return in
+}
+
 func TestVMPhase(t *testing.T) {
 	tests := []struct {
 		name   string
@@ -191,6 +197,17 @@ func TestVolumeErrors(t *testing.T) {
 			in: makeInputs("host-a", one, nil, newPVC("claim-a", "pv-new"), newPV("pv-new", "host-a"),
 				newVA("vm-1", "a", "pv-old", "host-a", attached)),
 			want: map[string]string{"a": "remove the volume, wait until it has left status.volumes, then add it again"},
+		},
+		{
+			name: "a volume attached to another VirtualMachine waits until it has left it",
+			in:   elsewhere(makeInputs("host-a", one, nil, newPVC("claim-a", "pv-a"), newPV("pv-a", "host-a")), "pv-a", "vm-2"),
+			want: map[string]string{"a": "PersistentVolume pv-a of PersistentVolumeClaim claim-a is attached to VirtualMachine vm-2; a volume is attached to one VirtualMachine at a time"},
+		},
+		{
+			name: "an attachment this VirtualMachine has already is kept (the host refuses a second writer)",
+			in: elsewhere(makeInputs("host-a", one, nil, newPVC("claim-a", "pv-a"), newPV("pv-a", "host-a"),
+				newVA("vm-1", "a", "pv-a", "host-a", attached)), "pv-a", "vm-2"),
+			want: map[string]string{},
 		},
 		{
 			name: "a claim named by two volumes is attached once",

@@ -20,6 +20,7 @@ import (
 	"path/filepath"
 	"slices"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
@@ -27,6 +28,7 @@ import (
 	storagev1 "k8s.io/api/storage/v1"
 	"k8s.io/apimachinery/pkg/api/meta"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/util/retry"
 	ctrl "sigs.k8s.io/controller-runtime"
 	"sigs.k8s.io/controller-runtime/pkg/client"
@@ -57,6 +59,58 @@ type Reconciler struct {
 	// volume ID: <StateDir>/<VolumeAttachment name>/.
 	StateDir string
 	Recorder recorder.EventRecorder
+	// UnplugTimeout is how long the guest of a VM that must stop (powered off or deleted) has
+	// to release its disks before the VM is forced off; zero waits for ever. A guest that
+	// ignores hot-unplug would otherwise keep its VM, its volumes and its cluster's deletion
+	// forever. The wait is counted from when the agent first saw the stop, so an agent restart
+	// starts it again: a VM is never forced off early.
+	UnplugTimeout time.Duration
+
+	// now is the clock (time.Now when nil).
+	now func() time.Time
+	// stops records when the agent first saw each VM that must stop still holding disks.
+	stopsMu sync.Mutex
+	stops   map[types.UID]time.Time
+}
+
+func (r *Reconciler) clock() time.Time {
+	if r.now != nil {
+		return r.now()
+	}
+	return time.Now()
+}
+
+// stopDeadline returns when the VM uid, which must stop and still holds disks, is forced off,
+// starting its wait if this is the first time it is seen; zero without an unplug timeout.
+func (r *Reconciler) stopDeadline(uid types.UID) time.Time {
+	if r.UnplugTimeout <= 0 {
+		return time.Time{}
+	}
+	r.stopsMu.Lock()
+	defer r.stopsMu.Unlock()
+	if r.stops == nil {
+		r.stops = map[types.UID]time.Time{}
+	}
+	since, ok := r.stops[uid]
+	if !ok {
+		since = r.clock()
+		r.stops[uid] = since
+	}
+	return since.Add(r.UnplugTimeout)
+}
+
+// unplugOverdue reports whether the guest of VM uid has had its unplug timeout.
+func (r *Reconciler) unplugOverdue(uid types.UID) bool {
+	r.stopsMu.Lock()
+	since, ok := r.stops[uid]
+	r.stopsMu.Unlock()
+	return ok && r.UnplugTimeout > 0 && !r.clock().Before(since.Add(r.UnplugTimeout))
+}
+
+func (r *Reconciler) forgetStop(uid types.UID) {
+	r.stopsMu.Lock()
+	defer r.stopsMu.Unlock()
+	delete(r.stops, uid)
 }
 
 // SetupWithManager registers the reconciler. The manager's cache holds only the
@@ -146,6 +200,15 @@ func (r *Reconciler) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Resu
 			waiting = waiting || !done
 		}
 	}
+	if !wantOn && len(vm.Status.Volumes) > 0 && r.unplugOverdue(vm.UID) {
+		// The guest had its time: pull the plug, and the disks go with it.
+		if err := r.Hypervisor.ForceOff(ctx, ref); err != nil {
+			ready.Status, ready.Reason, ready.Message = metav1.ConditionFalse, vmv1.HypervisorErrorReason, "force off: "+err.Error()
+			return ctrl.Result{RequeueAfter: retryAfter}, r.writeStatus(ctx, vm, nil, nil, &ready)
+		}
+		ctrl.LoggerFrom(ctx).Info("Forced the VM off: its guest did not release its disks in time", "unplugTimeout", r.UnplugTimeout)
+		r.event(vm, corev1.EventTypeWarning, "ForcedOff", "The guest did not release its disks within %s of being asked to; the VM was forced off", r.UnplugTimeout)
+	}
 	for _, e := range vm.Status.Volumes {
 		if wantOn && slices.ContainsFunc(vm.Spec.Volumes, func(v vmv1.VirtualMachineVolume) bool { return v.Name == e.Name }) {
 			continue
@@ -162,10 +225,16 @@ func (r *Reconciler) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Resu
 		ready.Status, ready.Reason, ready.Message = metav1.ConditionTrue, vmv1.PoweredOffReason, ""
 		if len(applyDecisions(vm.Status.Volumes, set, drop)) > 0 {
 			ready.Status, ready.Reason, ready.Message = metav1.ConditionFalse, vmv1.PoweredOnReason, "detaching volumes before powering off"
+			if deadline := r.stopDeadline(vm.UID); !deadline.IsZero() {
+				ready.Message += fmt.Sprintf("; forced off at %s if the guest still holds them", deadline.UTC().Format(time.RFC3339))
+			}
 		} else if err := r.Hypervisor.PowerOff(ctx, ref); err != nil {
 			ready.Status, ready.Reason, ready.Message = metav1.ConditionFalse, vmv1.HypervisorErrorReason, "power off: "+err.Error()
 			waiting = true
 		}
+	}
+	if wantOn || len(applyDecisions(vm.Status.Volumes, set, drop)) == 0 {
+		r.forgetStop(vm.UID)
 	}
 	if err := r.writeStatus(ctx, vm, set, drop, &ready); err != nil {
 		return ctrl.Result{}, err
@@ -231,9 +300,11 @@ func (r *Reconciler) publish(ctx context.Context, dir, volumeID, serial string, 
 			return "", err
 		}
 	}
+	// One VM at a time: mgmt-csi publishes a SINGLE_NODE_SINGLE_WRITER volume once, under its
+	// per-volume lock, so two VMs of the host can never both write to it.
 	block := &csi.VolumeCapability{
 		AccessType: &csi.VolumeCapability_Block{Block: &csi.VolumeCapability_BlockVolume{}},
-		AccessMode: &csi.VolumeCapability_AccessMode{Mode: csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER},
+		AccessMode: &csi.VolumeCapability_AccessMode{Mode: csi.VolumeCapability_AccessMode_SINGLE_NODE_SINGLE_WRITER},
 	}
 	if _, err := r.CSI.NodeStageVolume(ctx, &csi.NodeStageVolumeRequest{
 		VolumeId: volumeID, StagingTargetPath: staging, VolumeCapability: block, PublishContext: publishContext,

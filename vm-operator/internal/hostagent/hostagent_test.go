@@ -5,6 +5,7 @@ import (
 	"path/filepath"
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	. "github.com/onsi/gomega"
@@ -64,7 +65,8 @@ type fakeHypervisor struct {
 	on        map[string]bool
 	disks     map[string]map[string]string // vm → serial → device
 	attachErr error
-	detachErr error
+	detachErr error // of a disk that is attached
+	forced    int
 }
 
 func newFakeHypervisor() *fakeHypervisor {
@@ -90,6 +92,15 @@ func (h *fakeHypervisor) PowerOff(_ context.Context, vm hypervisor.VM) error {
 	return nil
 }
 
+func (h *fakeHypervisor) ForceOff(_ context.Context, vm hypervisor.VM) error {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	delete(h.disks, vm.Name)
+	h.on[vm.Name] = false
+	h.forced++
+	return nil
+}
+
 func (h *fakeHypervisor) Running(_ context.Context, vm hypervisor.VM) (bool, error) {
 	h.mu.Lock()
 	defer h.mu.Unlock()
@@ -112,7 +123,7 @@ func (h *fakeHypervisor) Attach(_ context.Context, vm hypervisor.VM, d hyperviso
 func (h *fakeHypervisor) Detach(_ context.Context, vm hypervisor.VM, serial string) error {
 	h.mu.Lock()
 	defer h.mu.Unlock()
-	if h.detachErr != nil {
+	if _, ok := h.disks[vm.Name][serial]; ok && h.detachErr != nil {
 		return h.detachErr
 	}
 	delete(h.disks[vm.Name], serial)
@@ -147,6 +158,15 @@ func objects(vm *vmv1.VirtualMachine, attached bool) []client.Object {
 		}},
 	}
 	return []client.Object{vm, va, pv}
+}
+
+// newClient is a fake API server holding vm with its volume "data" and that volume's attachment.
+func newClient(g Gomega, vm *vmv1.VirtualMachine, attached bool) client.Client {
+	scheme := runtime.NewScheme()
+	g.Expect(clientgoscheme.AddToScheme(scheme)).To(Succeed())
+	g.Expect(vmv1.AddToScheme(scheme)).To(Succeed())
+	return clientfake.NewClientBuilder().WithScheme(scheme).WithObjects(objects(vm, attached)...).
+		WithStatusSubresource(&vmv1.VirtualMachine{}).Build()
 }
 
 func virtualMachine(volumes []string, status []vmv1.VirtualMachineVolumeStatus) *vmv1.VirtualMachine {
@@ -229,11 +249,7 @@ func TestReconcile(t *testing.T) {
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			g := NewWithT(t)
-			scheme := runtime.NewScheme()
-			g.Expect(clientgoscheme.AddToScheme(scheme)).To(Succeed())
-			g.Expect(vmv1.AddToScheme(scheme)).To(Succeed())
-			c := clientfake.NewClientBuilder().WithScheme(scheme).WithObjects(objects(tt.vm, tt.vaAttached)...).
-				WithStatusSubresource(&vmv1.VirtualMachine{}).Build()
+			c := newClient(g, tt.vm, tt.vaAttached)
 			h, fc := newFakeHypervisor(), &fakeCSI{}
 			if tt.prepare != nil {
 				tt.prepare(h)
@@ -267,11 +283,7 @@ func TestDeletedVMLosesItsDisksThenItsPower(t *testing.T) {
 	serial := SerialFor(pvName)
 	vm := virtualMachine([]string{"data"}, nil)
 	vm.Finalizers = []string{vmv1.VolumesFinalizer}
-	scheme := runtime.NewScheme()
-	g.Expect(clientgoscheme.AddToScheme(scheme)).To(Succeed())
-	g.Expect(vmv1.AddToScheme(scheme)).To(Succeed())
-	c := clientfake.NewClientBuilder().WithScheme(scheme).WithObjects(objects(vm, true)...).
-		WithStatusSubresource(&vmv1.VirtualMachine{}).Build()
+	c := newClient(g, vm, true)
 	h, fc := newFakeHypervisor(), &fakeCSI{}
 	r := &Reconciler{Client: c, Node: "host-a", Hypervisor: h, CSI: fc, StateDir: t.TempDir()}
 	req := ctrl.Request{NamespacedName: client.ObjectKeyFromObject(vm)}
@@ -322,4 +334,49 @@ func TestSerialFor(t *testing.T) {
 	g.Expect(s).To(MatchRegexp(`^pvb[0-9a-f]{17}$`))
 	g.Expect(SerialFor("pvc-0b3f7c1e-2f7a-4d0c-9b1e-4c2e8f0a1d2c")).To(Equal(s), "deterministic")
 	g.Expect(SerialFor("pvc-other")).NotTo(Equal(s))
+}
+
+func TestVMWhoseGuestKeepsItsDisksIsForcedOffAfterTheUnplugTimeout(t *testing.T) {
+	g := NewWithT(t)
+	serial := SerialFor(pvName)
+	vm := virtualMachine([]string{"data"}, []vmv1.VirtualMachineVolumeStatus{{Name: "data", Attached: true, DiskSerial: serial}})
+	vm.Spec.PowerState = vmv1.PowerStateOff
+	c := newClient(g, vm, true)
+	h, fc := newFakeHypervisor(), &fakeCSI{}
+	h.on["vm-1"], h.disks["vm-1"] = true, map[string]string{serial: "/dev/x"}
+	h.detachErr = hypervisor.ErrBusy // the guest ignores the unplug
+	now := time.Date(2026, 11, 24, 12, 0, 0, 0, time.UTC)
+	r := &Reconciler{Client: c, Node: "host-a", Hypervisor: h, CSI: fc, StateDir: t.TempDir(),
+		UnplugTimeout: time.Minute, now: func() time.Time { return now }}
+	_, err := r.publish(t.Context(), filepath.Join(r.StateDir, controller.AttachmentName("tenant", "vm-1", "data")), pvName, serial, nil)
+	g.Expect(err).NotTo(HaveOccurred())
+	fc.calls = nil
+	req := ctrl.Request{NamespacedName: client.ObjectKeyFromObject(vm)}
+	readyOf := func() *metav1.Condition {
+		got := &vmv1.VirtualMachine{}
+		g.Expect(c.Get(t.Context(), req.NamespacedName, got)).To(Succeed())
+		return meta.FindStatusCondition(got.Status.Conditions, vmv1.ReadyCondition)
+	}
+
+	// Within the timeout the agent waits, and says until when.
+	for _, at := range []time.Duration{0, 59 * time.Second} {
+		now = now.Add(at)
+		res, err := r.Reconcile(t.Context(), req)
+		g.Expect(err).NotTo(HaveOccurred())
+		g.Expect(res.RequeueAfter).To(Equal(retryAfter))
+		g.Expect(h.forced).To(BeZero())
+		g.Expect(readyOf().Message).To(Equal("detaching volumes before powering off; forced off at 2026-11-24T12:01:00Z if the guest still holds them"))
+	}
+
+	// Then it pulls the plug: the disk goes with the VM, and the volume is released on the host.
+	now = now.Add(time.Second)
+	_, err = r.Reconcile(t.Context(), req)
+	g.Expect(err).NotTo(HaveOccurred())
+	g.Expect(h.forced).To(Equal(1))
+	g.Expect(h.disks["vm-1"]).To(BeEmpty())
+	g.Expect(fc.calls).To(Equal([]string{"unpublish pvc-1", "unstage pvc-1"}))
+	g.Expect(readyOf()).To(HaveField("Reason", vmv1.PoweredOffReason))
+	got := &vmv1.VirtualMachine{}
+	g.Expect(c.Get(t.Context(), req.NamespacedName, got)).To(Succeed())
+	g.Expect(got.Status.Volumes).To(BeEmpty())
 }

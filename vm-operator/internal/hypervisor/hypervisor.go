@@ -56,6 +56,10 @@ type Driver interface {
 	// whose guest would keep using its disks (local) returns ErrBusy naming them instead, and
 	// the caller detaches them first.
 	PowerOff(ctx context.Context, vm VM) error
+	// ForceOff stops vm at once, as pulling its power does: every disk is released with it,
+	// whatever the guest was doing with them. It is for a VM that must stop and whose guest has
+	// not released its disks within the unplug timeout.
+	ForceOff(ctx context.Context, vm VM) error
 	// Running reports whether vm runs.
 	Running(ctx context.Context, vm VM) (bool, error)
 

@@ -10,6 +10,7 @@ import (
 	"fmt"
 	"net"
 	"path/filepath"
+	"time"
 
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/util/validation"
@@ -70,6 +71,9 @@ type Options struct {
 	CSIEndpoint string
 	// StateDir is where the host agent stages and publishes VM volumes.
 	StateDir string
+	// UnplugTimeout is how long the host agent waits for the guest of a VM that must stop to
+	// release its disks before it forces the VM off; zero waits for ever.
+	UnplugTimeout time.Duration
 	// KubeAPIQPS and KubeAPIBurst limit the operator's API requests.
 	KubeAPIQPS   float32
 	KubeAPIBurst int
@@ -94,6 +98,9 @@ func (o *Options) Validate() error {
 		}
 		if _, err := csiserver.ParseEndpoint(o.CSIEndpoint); err != nil {
 			errs = append(errs, fmt.Errorf("CSI endpoint: %w", err))
+		}
+		if o.UnplugTimeout < 0 {
+			errs = append(errs, fmt.Errorf("unplug timeout %s is negative", o.UnplugTimeout))
 		}
 		if !filepath.IsAbs(o.StateDir) {
 			errs = append(errs, fmt.Errorf("state directory %q is not absolute", o.StateDir))
@@ -222,13 +229,14 @@ func setupHostAgent(mgr ctrl.Manager, opts Options) error {
 		return fmt.Errorf("mgmt-csi node plugin at %s: %w", socket, err)
 	}
 	return (&hostagent.Reconciler{
-		Client:     mgr.GetClient(),
-		APIReader:  mgr.GetAPIReader(),
-		Node:       opts.NodeName,
-		Hypervisor: hv,
-		CSI:        csi.NewNodeClient(conn),
-		StateDir:   opts.StateDir,
-		Recorder:   mgr.GetEventRecorder("vm-operator-host-agent"),
+		Client:        mgr.GetClient(),
+		APIReader:     mgr.GetAPIReader(),
+		Node:          opts.NodeName,
+		Hypervisor:    hv,
+		CSI:           csi.NewNodeClient(conn),
+		StateDir:      opts.StateDir,
+		UnplugTimeout: opts.UnplugTimeout,
+		Recorder:      mgr.GetEventRecorder("vm-operator-host-agent"),
 	}).SetupWithManager(mgr)
 }
 

@@ -7,11 +7,14 @@ import (
 	"io/fs"
 	"os"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"syscall"
 
 	"golang.org/x/sys/unix"
+
+	"pvbridge.io/vm-operator/internal/hypervisor"
 )
 
 // mountInfo is the mount table the busy check reads: that of the agent's mount namespace,
@@ -21,42 +24,94 @@ const mountInfo = "/proc/self/mountinfo"
 
 // users describes what still holds the device of rec; none when it is free to go.
 func (d *Driver) users(r *os.Root, rec record) ([]string, error) {
-	data, err := os.ReadFile(mountInfo)
-	if err != nil {
-		return nil, fmt.Errorf("read the mount table: %w", err)
-	}
-	mounts, err := parseMountInfo(data)
+	mounts, binds, err := mountsOf(r, rec)
 	if err != nil {
 		return nil, err
 	}
-	// A bind mount of the VM's device node (a raw block volume published in the guest) shows
-	// with the number of the filesystem that holds the node, not of the device.
+	var users []string
+	for _, m := range mounts {
+		users = append(users, "mounted at "+m)
+	}
+	for _, m := range binds {
+		users = append(users, "its device node is bind-mounted at "+m)
+	}
+	holders, err := d.holders(rec)
+	if err != nil {
+		return nil, err
+	}
+	for _, h := range holders {
+		users = append(users, "held by "+h)
+	}
+	if len(users) == 0 && claimed(r, rec) {
+		users = append(users, "claimed exclusively (mounted in another mount namespace?)")
+	}
+	return users, nil
+}
+
+// mountsOf lists the mount points of the device of rec, and those of bind mounts of the VM's
+// node of it (a raw block volume published in the guest), which show with the number of the
+// filesystem that holds the node, not of the device.
+func mountsOf(r *os.Root, rec record) (mounts, binds []string, err error) {
+	data, err := os.ReadFile(mountInfo)
+	if err != nil {
+		return nil, nil, fmt.Errorf("read the mount table: %w", err)
+	}
+	table, err := parseMountInfo(data)
+	if err != nil {
+		return nil, nil, err
+	}
 	var vmfs uint64
 	if fi, err := r.Stat(devDir); err == nil {
 		if st, ok := fi.Sys().(*syscall.Stat_t); ok {
 			vmfs = st.Dev
 		}
 	}
-	var users []string
-	for _, m := range mounts {
+	for _, m := range table {
 		switch {
 		case m.dev == rec.dev():
-			users = append(users, "mounted at "+m.mountPoint)
+			mounts = append(mounts, m.mountPoint)
 		case vmfs != 0 && m.dev == vmfs && isDeviceFile(m.mountPoint, rec.dev()):
-			users = append(users, "its device node is bind-mounted at "+m.mountPoint)
+			binds = append(binds, m.mountPoint)
 		}
 	}
-	holders, err := os.ReadDir(filepath.Join(d.sysfs, "dev", "block", rec.number(), "holders"))
+	return mounts, binds, nil
+}
+
+// holders lists the devices stacked on the device of rec.
+func (d *Driver) holders(rec record) ([]string, error) {
+	entries, err := os.ReadDir(filepath.Join(d.sysfs, "dev", "block", rec.number(), "holders"))
 	if err != nil && !errors.Is(err, fs.ErrNotExist) {
 		return nil, fmt.Errorf("list holders of device %s: %w", rec.number(), err)
 	}
-	for _, h := range holders {
-		users = append(users, "held by "+h.Name())
+	names := make([]string, len(entries))
+	for i, e := range entries {
+		names[i] = e.Name()
 	}
-	if len(users) == 0 && claimed(r, rec) {
-		users = append(users, "claimed exclusively (mounted in another mount namespace?)")
+	return names, nil
+}
+
+// pullDisk takes the disk of rec from a VM that is being forced off: the guest's mounts of it
+// are detached lazily, the deepest first, and the disk is unplugged.
+func (d *Driver) pullDisk(r *os.Root, rec record) error {
+	holders, err := d.holders(rec)
+	if err != nil {
+		return err
 	}
-	return users, nil
+	if len(holders) > 0 {
+		return fmt.Errorf("%w: held by %s", hypervisor.ErrBusy, strings.Join(holders, ", "))
+	}
+	mounts, binds, err := mountsOf(r, rec)
+	if err != nil {
+		return err
+	}
+	all := slices.Concat(mounts, binds)
+	slices.SortFunc(all, func(a, b string) int { return len(b) - len(a) })
+	for _, m := range all {
+		if err := unix.Unmount(m, unix.MNT_DETACH); err != nil && !errors.Is(err, unix.EINVAL) && !errors.Is(err, unix.ENOENT) {
+			return fmt.Errorf("unmount %s: %w", m, err)
+		}
+	}
+	return unplug(r, rec)
 }
 
 // isDeviceFile reports whether path is a block device node with number dev.

@@ -297,6 +297,55 @@ func TestDetachIsRefusedWhileTheDiskIsHeld(t *testing.T) {
 	}
 }
 
+func TestForceOffTakesTheDisksTheGuestHolds(t *testing.T) {
+	g := NewWithT(t)
+	e := newEnv(t)
+	vm := e.runningVM(t, "node-1")
+	vmDir := e.vmDir(vm)
+	for _, serial := range []string{"disk-1", "disk-2"} {
+		device, _ := e.loop(t, 64*mib)
+		g.Expect(e.d.Attach(t.Context(), vm, hypervisor.Disk{Serial: serial, Device: device})).To(Succeed())
+	}
+	// The guest mounts one disk's filesystem and publishes the other as a raw block volume.
+	byID := filepath.Join(vmDir, "dev/disk/by-id/virtio-disk-1")
+	run(t, "mkfs.ext4", "-q", byID)
+	mnt, target := e.path("staging"), e.path("block-target")
+	g.Expect(os.Mkdir(mnt, 0o755)).To(Succeed())
+	g.Expect(os.WriteFile(target, nil, 0o644)).To(Succeed())
+	run(t, "mount", byID, mnt)
+	run(t, "mount", "--bind", filepath.Join(vmDir, "dev/vdb"), target)
+	g.Expect(e.d.Detach(t.Context(), vm, "disk-1")).To(MatchError(hypervisor.ErrBusy))
+
+	g.Expect(e.d.ForceOff(t.Context(), vm)).To(Succeed())
+
+	g.Expect(e.d.Running(t.Context(), vm)).To(BeFalse())
+	g.Expect(e.d.Disks(t.Context(), vm)).To(BeEmpty())
+	expectNoDisk(g, vmDir, "vda", "disk-1")
+	expectNoDisk(g, vmDir, "vdb", "disk-2")
+	table, err := os.ReadFile(mountInfo)
+	g.Expect(err).NotTo(HaveOccurred())
+	g.Expect(string(table)).NotTo(Or(ContainSubstring(mnt+" "), ContainSubstring(target+" ")), "the guest's mounts went with it")
+	g.Expect(e.d.ForceOff(t.Context(), vm)).To(Succeed(), "forcing off a stopped VM does nothing")
+}
+
+func TestForceOffCannotTakeADeviceStackedUpon(t *testing.T) {
+	g := NewWithT(t)
+	e := newEnv(t)
+	device, _ := e.loop(t, 64*mib)
+	sysfs := e.path("sys")
+	g.Expect(os.MkdirAll(filepath.Join(sysfs, "dev/block", numberOf(t, device), "holders/dm-7"), 0o755)).To(Succeed())
+	g.Expect(os.WriteFile(filepath.Join(sysfs, "dev/block", numberOf(t, device), "size"), []byte(itoa(sectorsOf(g, device))+"\n"), 0o644)).To(Succeed())
+	e.d = e.driver(t, Options{Sysfs: sysfs})
+	vm := e.runningVM(t, "node-1")
+	g.Expect(e.d.Attach(t.Context(), vm, hypervisor.Disk{Serial: "disk-1", Device: device})).To(Succeed())
+
+	err := e.d.ForceOff(t.Context(), vm)
+
+	g.Expect(err).To(MatchError(hypervisor.ErrBusy))
+	g.Expect(err).To(MatchError(ContainSubstring("held by dm-7")))
+	g.Expect(e.d.Running(t.Context(), vm)).To(BeTrue())
+}
+
 // mountElsewhere mounts source on target in a new mount namespace, invisible to this process's
 // mount table, and returns what ends that namespace.
 func mountElsewhere(t *testing.T, source, target string) (release func()) {

@@ -123,6 +123,18 @@ func (d *Driver) PowerOn(ctx context.Context, vm hypervisor.VM) error {
 // holds them: with disks attached (complete or not) PowerOff returns ErrBusy naming them, and
 // the caller detaches them first.
 func (d *Driver) PowerOff(ctx context.Context, vm hypervisor.VM) error {
+	return d.powerOff(ctx, vm, false)
+}
+
+// ForceOff stops the VM as pulling its power would: the guest's mounts of its disks (which in
+// the lab live in the host's mount table) are detached lazily, as a dead guest's would vanish,
+// then the disks are unplugged and the VM marked stopped. A device that something stacked on it
+// still holds (a device-mapper or loop device of the guest) cannot be dropped: ErrBusy.
+func (d *Driver) ForceOff(ctx context.Context, vm hypervisor.VM) error {
+	return d.powerOff(ctx, vm, true)
+}
+
+func (d *Driver) powerOff(ctx context.Context, vm hypervisor.VM, force bool) error {
 	unlock, err := d.lock(ctx, vm)
 	if err != nil {
 		return err
@@ -140,17 +152,22 @@ func (d *Driver) PowerOff(ctx context.Context, vm hypervisor.VM) error {
 	if err != nil {
 		return fmt.Errorf("power off %s: %w", vmKey(vm), err)
 	}
-	if len(records) > 0 {
+	if len(records) > 0 && !force {
 		serials := make([]string, len(records))
 		for i, rec := range records {
 			serials[i] = rec.Serial
 		}
 		return fmt.Errorf("power off %s: %w: disks %q are attached; detach them first", vmKey(vm), hypervisor.ErrBusy, serials)
 	}
+	for _, rec := range records {
+		if err := d.pullDisk(r, rec); err != nil {
+			return fmt.Errorf("force off %s: disk %s: %w", vmKey(vm), rec.Serial, err)
+		}
+	}
 	if err := removeIfExists(r, runningFile); err != nil {
 		return fmt.Errorf("power off %s: %w", vmKey(vm), err)
 	}
-	klog.FromContext(ctx).V(2).Info("Powered off VM", "vm", klog.KRef(vm.Namespace, vm.Name))
+	klog.FromContext(ctx).V(2).Info("Powered off VM", "vm", klog.KRef(vm.Namespace, vm.Name), "forced", force, "disksPulled", len(records))
 	return nil
 }
 

@@ -286,6 +286,17 @@ func (d *Driver) PowerOn(ctx context.Context, vm hypervisor.VM) error {
 // `quit`, and kills it if it has not exited within StopTimeout. It returns once the process is
 // gone, so that no disk is held any more.
 func (d *Driver) PowerOff(ctx context.Context, vm hypervisor.VM) error {
+	return d.powerOff(ctx, vm, d.opts.ShutdownGracePeriod)
+}
+
+// ForceOff quits QEMU at once, without asking the guest to shut down: every disk goes with the
+// process.
+func (d *Driver) ForceOff(ctx context.Context, vm hypervisor.VM) error {
+	return d.powerOff(ctx, vm, 0)
+}
+
+// powerOff asks the guest to power down and gives it grace (none: 0) before it quits QEMU.
+func (d *Driver) powerOff(ctx context.Context, vm hypervisor.VM, grace time.Duration) error {
 	v, err := d.state(vm)
 	if err != nil {
 		return err
@@ -301,7 +312,7 @@ func (d *Driver) PowerOff(ctx context.Context, vm hypervisor.VM) error {
 	}
 	pid := readPid(v.path(pidFile))
 
-	if grace := d.opts.ShutdownGracePeriod; grace > 0 {
+	if grace > 0 {
 		if err := mon.Execute(ctx, "system_powerdown", nil, nil); err == nil {
 			t := time.NewTimer(grace)
 			select {

@@ -183,6 +183,27 @@ func TestPowerOffAfterGracePeriod(t *testing.T) {
 	g.Expect(d.Running(ctx, testVM)).To(BeFalse())
 }
 
+func TestForceOffDoesNotWaitForTheGuest(t *testing.T) {
+	g := NewWithT(t)
+	ctx := t.Context()
+	// In ACPI hot-plug mode no guest ejects the disk: it stays held, as with a guest that
+	// refuses the unplug; and no guest answers the power button within the long grace.
+	d := newDriver(t, Options{
+		ShutdownGracePeriod: time.Hour, UnplugTimeout: 300 * time.Millisecond,
+		ExtraArgs: []string{"-global", "ICH9-LPC.acpi-pci-hotplug-with-bridge-support=on"},
+	})
+	loop, _ := newLoop(t)
+	startVM(t, d, testVM)
+	disk := hypervisor.Disk{Serial: "pvc-a", Device: loop}
+	g.Expect(d.Attach(ctx, testVM, disk)).To(Succeed())
+	g.Expect(d.Detach(ctx, testVM, disk.Serial)).To(MatchError(hypervisor.ErrBusy))
+
+	g.Expect(d.ForceOff(ctx, testVM)).To(Succeed())
+	g.Expect(d.Running(ctx, testVM)).To(BeFalse())
+	g.Expect(d.Detach(ctx, testVM, disk.Serial)).To(Succeed(), "the disk went with the VM")
+	g.Expect(d.ForceOff(ctx, testVM)).To(Succeed(), "forcing off a VM that is off does nothing")
+}
+
 func TestPowerOnReportsQEMUErrors(t *testing.T) {
 	g := NewWithT(t)
 	d := newDriver(t, Options{ExtraArgs: []string{"-no-such-option"}})
