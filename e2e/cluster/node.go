@@ -145,7 +145,12 @@ nodeStatusUpdateFrequency: 1s
 # A pod is synced every 10 s, not every minute: kubelet notices an online expansion (and
 # calls NodeExpandVolume) when it syncs the pod.
 syncFrequency: 10s
-nodeStatusReportFrequency: 5m
+# A failed attach leaves the volume in the attach-detach controller's state "assumed mounted
+# until proven otherwise", and only a Node status write proves otherwise: a kubelet whose
+# status did not change writes it every nodeStatusReportFrequency. At the default 5 minutes a
+# refused volume's VolumeAttachment (and so its PV's deletion) waited up to 5 minutes after its
+# pod was gone; the lab reports every 20 s.
+nodeStatusReportFrequency: 20s
 makeIPTablesUtilChains: false
 `, port, healthzPort, criSocket, dir)
 }
