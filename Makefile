@@ -45,27 +45,30 @@ test: deps test-tools ## Run every test: unit and integration (-race), end-to-en
 	hack/phase.sh fuzz $(MAKE) --no-print-directory fuzz
 	hack/phase.sh sanity go run ./e2e/cmd/sanity
 
-# Fuzz targets of every parser of tenant-controlled input: <module> <package> <target>.
+# Fuzz targets of every parser of tenant-controlled input: <module>:<package>:<target>,<target>...
 FUZZ_TARGETS := \
 	pkg:./tenancy:FuzzSharedWith \
-	guest-csi:./internal/driver:FuzzMgmtName \
-	guest-csi:./internal/driver:FuzzParseParameters \
-	guest-csi:./internal/driver:FuzzValidHandle \
-	guest-csi:./internal/driver:FuzzSerialFrom \
+	guest-csi:./internal/driver:FuzzMgmtName,FuzzParseParameters,FuzzValidHandle,FuzzSerialFrom \
 	mgmt-csi:./internal/driver:FuzzIDFor \
-	vm-operator:./internal/hypervisor/local:FuzzParseMountInfo \
-	vm-operator:./internal/hypervisor/local:FuzzValidateSerial \
-	vm-operator:./internal/hypervisor/local:FuzzValidateVM
+	vm-operator:./internal/hypervisor/local:FuzzParseMountInfo,FuzzValidateSerial,FuzzValidateVM
 # A count, not a duration: a duration races Go's fuzzing coordinator at its deadline and can fail
 # a target with "context deadline exceeded" and no crasher under load.
 FUZZ_TIME ?= 10000x
 
+# One instrumented test binary per package (linking it is most of the time), run once per target
+# in the package's directory (its testdata/fuzz corpus), with go test's own fuzz cache.
 .PHONY: fuzz
 fuzz: ## Run each fuzz target for FUZZ_TIME (10000 inputs).
-	@for t in $(FUZZ_TARGETS); do \
-		IFS=: read -r m p f <<< "$$t"; \
-		echo "== fuzz $$m $$p $$f ($(FUZZ_TIME))"; \
-		(cd $$m && go test -run '^$$' -fuzz "^$$f\$$" -fuzztime $(FUZZ_TIME) $$p) || exit 1; \
+	@bin=$$(mktemp -d) && trap 'rm -rf $$bin' EXIT && \
+	for t in $(FUZZ_TARGETS); do \
+		IFS=: read -r m p fs <<< "$$t"; \
+		(cd $$m && go test -c -fuzz "$${fs%%,*}" -o $$bin/$$m.test $$p) || exit 1; \
+		cache=$$(go env GOCACHE)/fuzz/$$(cd $$m && go list $$p); \
+		for f in $${fs//,/ }; do \
+			echo "== fuzz $$m $$p $$f ($(FUZZ_TIME))"; \
+			(cd $$m/$$p && $$bin/$$m.test -test.run '^$$' -test.fuzz "^$$f\$$" \
+				-test.fuzztime $(FUZZ_TIME) -test.fuzzcachedir $$cache) || exit 1; \
+		done; \
 	done
 
 .PHONY: bench
