@@ -13,9 +13,10 @@ export PVBRIDGE_ROOT := $(CURDIR)
 
 MODULES := pkg guest-csi mgmt-csi vm-operator e2e
 COMPONENTS := pkg guest-csi mgmt-csi vm-operator
-# The pinned third-party components (hack/build-tools.sh) the lab runs, and the tests.
+# The pinned third-party components (hack/build-tools.sh) the lab runs, and the tests (which
+# also run containerd nodes).
 LAB_TOOLS := etcd kubernetes csi-provisioner csi-attacher csi-resizer csi-snapshotter
-TEST_TOOLS := $(LAB_TOOLS) csi-sanity
+TEST_TOOLS := $(LAB_TOOLS) containerd csi-sanity
 CONTROLLER_GEN := $(PVBRIDGE_BIN)/controller-gen
 GOLANGCI_LINT := $(PVBRIDGE_BIN)/golangci-lint
 KUBECTL := $(PVBRIDGE_BIN)/kubectl
@@ -119,6 +120,10 @@ lint-modules:
 .PHONY: build
 build: ## Build pvbridge's binaries into ./bin.
 	go build -o bin/ ./guest-csi/cmd/... ./mgmt-csi/cmd/... ./vm-operator/cmd/... ./e2e/cmd/...
+
+.PHONY: images
+images: deps lab-tools ## Build the images the manifests name, without a container engine: OCI archives in $(CACHE)/images.
+	go run ./e2e/cmd/images
 
 .PHONY: tools lab-tools test-tools
 tools: ## Build the pinned Kubernetes, etcd, CSI sidecar and tool binaries into $(CACHE) (once).

@@ -39,6 +39,7 @@ csi-provisioner|v6.3.0|| -X main.version=v6.3.0|csi-provisioner=github.com/kuber
 csi-attacher|v4.13.0|| -X main.version=v4.13.0|csi-attacher=github.com/kubernetes-csi/external-attacher/v4/cmd/csi-attacher
 csi-resizer|v2.3.0|| -X main.version=v2.3.0|csi-resizer=github.com/kubernetes-csi/external-resizer/v2/cmd/csi-resizer
 csi-snapshotter|v8.7.0|| -X main.version=v8.7.0|csi-snapshotter=github.com/kubernetes-csi/external-snapshotter/v8/cmd/csi-snapshotter snapshot-controller=github.com/kubernetes-csi/external-snapshotter/v8/cmd/snapshot-controller
+containerd|v2.4.2|no_btrfs| -X github.com/containerd/containerd/v2/version.Version=v2.4.2|containerd=github.com/containerd/containerd/v2/cmd/containerd containerd-shim-runc-v2=github.com/containerd/containerd/v2/cmd/containerd-shim-runc-v2 ctr=github.com/containerd/containerd/v2/cmd/ctr
 csi-sanity|v5.6.0|||csi-sanity=github.com/kubernetes-csi/csi-test/v5/cmd/csi-sanity
 controller-gen|v0.23.0|||controller-gen=sigs.k8s.io/controller-tools/cmd/controller-gen
 golangci-lint|v2.15.0|||golangci-lint=github.com/golangci/golangci-lint/v2/cmd/golangci-lint

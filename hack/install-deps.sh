@@ -3,13 +3,22 @@
 # Debian packages only; runs as root (the lab needs root for mounts and loop devices anyway).
 set -euo pipefail
 
-# command -> Debian package
+# command (or absolute path) -> Debian package
 declare -A need=(
 	[mkfs.ext4]=e2fsprogs
 	[mkfs.xfs]=xfsprogs
 	[losetup]=util-linux
 	[findmnt]=util-linux
 	[jq]=jq
+	# mgmt-csi's lvm and ndctl PMEM modes; `make images` copies them into the mgmt-csi image.
+	[lvm]=lvm2
+	[ndctl]=ndctl
+	# The lab's containerd nodes: the OCI runtime, the CNI plugins, the DNAT to the apiservers,
+	# and the busybox of the lab's test image.
+	[runc]=runc
+	[/usr/lib/cni/bridge]=containernetworking-plugins
+	[iptables]=iptables
+	[busybox]=busybox-static
 	# vm-operator's qemu hypervisor driver and its tests (software emulation, no KVM needed).
 	[qemu-system-x86_64]=qemu-system-x86
 	# unpacks the test guest's kernel to a raw vmlinux for a fast PVH boot.

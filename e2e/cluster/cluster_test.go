@@ -125,7 +125,7 @@ func expectStaticVolumeBinds(ctx context.Context, g *WithT, cp *ControlPlane) {
 }
 
 // TestKilledOwnerLeavesNothingBehind kills -9 a process that runs a lab and checks that the
-// reaper removes every process and mount the lab had.
+// reaper removes every process, mount, container and pod network the lab had.
 func TestKilledOwnerLeavesNothingBehind(t *testing.T) {
 	g := NewWithT(t)
 	root, err := os.MkdirTemp("", "pvb-")
@@ -155,8 +155,10 @@ func TestKilledOwnerLeavesNothingBehind(t *testing.T) {
 
 	pids, err := pidsIn(filepath.Join(root, "pids"))
 	g.Expect(err).NotTo(HaveOccurred())
-	g.Expect(pids).To(HaveLen(6), "etcd, apiserver, controller-manager, scheduler, fakecri, kubelet")
+	g.Expect(pids).To(HaveLen(9), "etcd, apiserver, controller-manager, scheduler, fakecri, kubelet, and a containerd node's namespace, containerd, kubelet")
 	g.Expect(MountsBelow(root)).NotTo(BeEmpty(), "the kubelet bind-mounts its root dir")
+	bridge := readFirst(t, filepath.Join(root, "bridges"))
+	g.Expect(exec.Command("pgrep", "-f", "sleep 3601").Run()).To(Succeed(), "the containerd node's pod runs")
 
 	g.Expect(child.Process.Kill()).To(Succeed())
 	_ = child.Wait()
@@ -166,6 +168,11 @@ func TestKilledOwnerLeavesNothingBehind(t *testing.T) {
 			g.Expect(processAlive(pid)).To(BeFalse(), "pid %d", pid)
 		}
 		g.Expect(MountsBelow(root)).To(BeEmpty())
+		g.Expect(exec.Command("pgrep", "-f", "sleep 3601").Run()).To(HaveOccurred(), "the pod's container is left")
+		g.Expect(exec.Command("ip", "link", "show", bridge).Run()).To(HaveOccurred(), "bridge %s is left", bridge)
+		nat, err := exec.Command("iptables-save", "-t", "nat").Output()
+		g.Expect(err).NotTo(HaveOccurred())
+		g.Expect(string(nat)).NotTo(ContainSubstring(root))
 	}).WithTimeout(time.Minute).WithPolling(100 * time.Millisecond).Should(Succeed())
 }
 

@@ -12,7 +12,6 @@ import (
 	"net/http"
 	"os"
 	"path/filepath"
-	"strings"
 	"sync"
 	"time"
 
@@ -22,23 +21,6 @@ import (
 	"k8s.io/client-go/tools/clientcmd"
 	clientcmdapi "k8s.io/client-go/tools/clientcmd/api"
 )
-
-// controllers is the kube-controller-manager subset the lab needs: volume binding, attach and
-// detach, expansion, protection finalizers, garbage collection, namespaces, service accounts, and
-// node lifecycle (which lifts the not-ready taint a kubelet registers with), and resource quotas
-// (usage accounting, without which quota admission refuses every object).
-var controllers = []string{
-	"persistentvolume-binder-controller",
-	"persistentvolume-attach-detach-controller",
-	"persistentvolume-expander-controller",
-	"persistentvolume-protection-controller",
-	"persistentvolumeclaim-protection-controller",
-	"garbage-collector-controller",
-	"namespace-controller",
-	"serviceaccount-controller",
-	"node-lifecycle-controller",
-	"resourcequota-controller",
-}
 
 // ControlPlane is one Kubernetes control plane: etcd, kube-apiserver, kube-controller-manager
 // and kube-scheduler.
@@ -109,7 +91,8 @@ func (l *Lab) StartControlPlane(ctx context.Context, name string) (*ControlPlane
 		"--service-account-signing-key-file="+filepath.Join(cp.Dir, "pki", "sa.key"),
 		"--token-auth-file="+filepath.Join(cp.Dir, "pki", "tokens.csv"),
 		"--authorization-mode=RBAC",
-		"--allow-privileged=true", // CSI node plugins are privileged; kubeadm clusters allow it too
+		"--allow-privileged=true",                      // CSI node plugins are privileged; kubeadm clusters allow it too
+		"--kubelet-preferred-address-types=InternalIP", // 127.0.0.1: node names do not resolve
 		// A loopback advertise address needs the endpoint reconciler off. The rest halves the
 		// idle CPU of a lab apiserver (measured in shared/reference/lab-fit.md).
 		"--endpoint-reconciler-type=none",
@@ -159,7 +142,11 @@ func (cp *ControlPlane) StartControllerManager() error {
 		"--kubeconfig="+cp.Kubeconfig, "--leader-elect=false",
 		"--use-service-account-credentials=false",
 		"--bind-address=127.0.0.1", "--secure-port=0",
-		"--controllers="+strings.Join(controllers, ","),
+		// The default controller set, as in any cluster (Deployments, StatefulSets, DaemonSets,
+		// ...): service account token Secrets are signed with the apiserver's key, and every
+		// namespace gets the apiserver's CA as kube-root-ca.crt, which a pod's token volume needs.
+		"--service-account-private-key-file="+filepath.Join(cp.Dir, "pki", "sa.key"),
+		"--root-ca-file="+filepath.Join(cp.Dir, "certs", "apiserver.crt"),
 		"--pvclaimbinder-sync-period=1s", // static PVs bind in about a second, not 15
 		// The PV binder writes twice per claim; at the default 20 QPS a burst of 100 new volumes
 		// waits 15 s for it after provisioning is done (measured; see the README's figures).

@@ -31,6 +31,7 @@ type Lab struct {
 
 	mu        sync.Mutex
 	processes []*Process
+	cleanups  []func() error // what Stop undoes once the processes are gone, newest first
 	stopped   bool
 }
 
@@ -65,6 +66,13 @@ func (l *Lab) track(p *Process) {
 	l.processes = append(l.processes, p)
 }
 
+// atStop makes Stop call f once every process has stopped.
+func (l *Lab) atStop(f func() error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.cleanups = append(l.cleanups, f)
+}
+
 // Processes returns every process the lab started, oldest first.
 func (l *Lab) Processes() []*Process {
 	l.mu.Lock()
@@ -82,13 +90,18 @@ func (l *Lab) Stop() error {
 		return nil
 	}
 	l.stopped = true
-	procs := slices.Clone(l.processes)
+	procs, cleanups := slices.Clone(l.processes), slices.Clone(l.cleanups)
 	l.mu.Unlock()
 	l.cancel()
 
 	var errs []error
 	for _, p := range slices.Backward(procs) {
 		_ = p.Stop() // an exit status on SIGTERM is expected
+	}
+	for _, f := range slices.Backward(cleanups) {
+		if err := f(); err != nil {
+			errs = append(errs, err)
+		}
 	}
 	// Loop devices hold files of filesystems that are themselves mounted from loop devices (the
 	// PMEM emulation): detach, unmount, and detach what the unmounts released.

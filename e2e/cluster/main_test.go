@@ -22,8 +22,8 @@ func TestMain(m *testing.M) {
 	os.Exit(m.Run())
 }
 
-// runChildLab starts a control plane with a node under root, says READY, and blocks until it
-// is killed; it never calls Stop.
+// runChildLab starts a control plane with a fake-runtime node and a containerd node running a
+// pod under root, says READY, and blocks until it is killed; it never calls Stop.
 func runChildLab(root string) error {
 	bin, err := DefaultBinaries()
 	if err != nil {
@@ -39,6 +39,16 @@ func runChildLab(root string) error {
 		return err
 	}
 	if _, err := cp.AddNode(ctx, "node-1", NodeOptions{}); err != nil {
+		return err
+	}
+	archives, err := labImageArchives(lab)
+	if err != nil {
+		return err
+	}
+	if _, err := cp.AddNode(ctx, "node-2", NodeOptions{Runtime: Containerd, Images: archives}); err != nil {
+		return err
+	}
+	if err := runBusybox(ctx, cp.Client(), "node-2", "orphan", "exec sleep 3601"); err != nil {
 		return err
 	}
 	fmt.Println("READY")

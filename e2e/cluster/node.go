@@ -15,25 +15,46 @@ import (
 	"k8s.io/apimachinery/pkg/util/wait"
 )
 
-// Node is a real kubelet whose container runtime is fakecri: pods run without processes, but
-// the kubelet's volume manager makes real CSI calls to the plugins registered in its
-// PluginRegistryDir.
+// Node is a real kubelet. With the fake runtime (fakecri) pods run without processes, but the
+// kubelet's volume manager makes real CSI calls to the plugins registered in its
+// PluginRegistryDir. With containerd, pods run in real containers (see containerd.go).
 type Node struct {
 	Name string
-	// Dir holds the node's files: kubelet/ (its root dir), pki/, podlogs/, volplugins/, cwd/, logs.
+	// Dir holds the node's files: kubelet/ (its root dir), pki/, podlogs/, volplugins/, cwd/,
+	// logs; a containerd node's own directories are below root/ (HostPath).
 	Dir string
-	// KubeletDir is the kubelet's --root-dir.
+	// KubeletDir is the kubelet's root directory, in the machine's tree.
 	KubeletDir string
 
 	cp      *ControlPlane
-	cri     *Process
+	runtime *Process // fakecri, or containerd
 	kubelet *Process
+
+	namespace *Process // a containerd node's namespace (unshare)
+	nsPid     int      // the pid of its first process
 }
+
+// Runtime is a node's container runtime.
+type Runtime string
+
+const (
+	// FakeRuntime runs pods without processes (fakecri); the lab runs the components as
+	// processes beside the kubelets.
+	FakeRuntime Runtime = ""
+	// Containerd runs pods in real containers: containerd 2 built from the module proxy, runc
+	// and the CNI plugins from Debian.
+	Containerd Runtime = "containerd"
+)
 
 // NodeOptions configures a node.
 type NodeOptions struct {
 	// Labels are set on the Node when the kubelet registers it.
 	Labels map[string]string
+	// Runtime is the node's container runtime.
+	Runtime Runtime
+	// Images are OCI archives a containerd node imports before its kubelet starts (no registry
+	// is reachable); they must include SandboxImage.
+	Images []string
 }
 
 // PluginRegistryDir is where CSI node plugins put their kubelet registration sockets.
@@ -45,39 +66,64 @@ func (n *Node) PluginDir(driver string) string { return filepath.Join(n.KubeletD
 // Kubelet returns the kubelet process.
 func (n *Node) Kubelet() *Process { return n.kubelet }
 
-// AddNode starts a kubelet named name with its own fake container runtime and waits until the
-// Node is Ready.
+// AddNode starts a kubelet named name with its own container runtime and waits until the Node
+// is Ready.
 func (cp *ControlPlane) AddNode(ctx context.Context, name string, opts NodeOptions) (*Node, error) {
 	n := &Node{Name: name, Dir: filepath.Join(cp.Dir, "nodes", name), cp: cp}
-	n.KubeletDir = filepath.Join(n.Dir, "kubelet")
-	// The kubelet runs in an empty working directory of its own: a runtime that reports no
-	// container log path makes it delete the files of its working directory.
-	for _, d := range []string{"kubelet", "pki", "podlogs", "volplugins", "cwd"} {
-		if err := os.MkdirAll(filepath.Join(n.Dir, d), 0o755); err != nil {
-			return nil, err
-		}
-	}
 	p, err := freePorts(2)
 	if err != nil {
 		return nil, err
 	}
-	criSocket := filepath.Join(n.Dir, "cri.sock")
-	fakecri, err := cp.lab.bin.Own("./e2e/cmd/fakecri")
-	if err != nil {
+	var kubeletBin string
+	if kubeletBin, err = cp.lab.bin.Tool("kubelet"); err != nil {
 		return nil, err
 	}
-	if n.cri, err = cp.lab.Start(Command{
-		Name: cp.Name + "/" + name + "/fakecri", Bin: fakecri, Args: []string{"--socket=" + criSocket},
-		Dir: n.Dir, LogPath: filepath.Join(n.Dir, "fakecri.log"),
-	}); err != nil {
-		return nil, err
+	kc := kubeletOptions{address: "127.0.0.1", port: p[0], healthzPort: p[1]}
+	args := []string{"--hostname-override=" + name}
+	switch opts.Runtime {
+	case FakeRuntime:
+		if err := n.startFakeRuntime(ctx); err != nil {
+			return nil, err
+		}
+		n.KubeletDir = filepath.Join(n.Dir, "kubelet")
+		kc.endpoint = filepath.Join(n.Dir, "cri.sock")
+		kc.podLogs, kc.volumePlugins = filepath.Join(n.Dir, "podlogs"), filepath.Join(n.Dir, "volplugins")
+		args = append(args, "--root-dir="+n.KubeletDir, "--cert-dir="+filepath.Join(n.Dir, "pki"))
+	case Containerd:
+		if err := n.startNamespace(ctx); err != nil {
+			return nil, err
+		}
+		pn, err := cp.lab.startPodNetwork(cp)
+		if err != nil {
+			return nil, err
+		}
+		cp.lab.atStop(pn.stop)
+		if err := os.WriteFile(filepath.Join(n.HostPath("/etc/cni/net.d"), "10-lab.conflist"), []byte(pn.cniConfig()), 0o644); err != nil {
+			return nil, err
+		}
+		if err := n.startContainerd(ctx, opts.Images); err != nil {
+			return nil, err
+		}
+		// The defaults: /var/lib/kubelet, /var/log/pods are the node's own in its namespace.
+		n.KubeletDir = n.HostPath("/var/lib/kubelet")
+		// The node's address is its bridge's: the apiserver reaches the kubelet there (logs,
+		// exec), and a kubelet may not have a loopback node IP.
+		kc.address = pn.Gateway
+		args = append(args, "--node-ip="+pn.Gateway)
+		kc.endpoint = "/run/containerd/containerd.sock"
+		kc.podLogs, kc.volumePlugins = "/var/log/pods", "/var/lib/kubelet/volume-plugins"
+	default:
+		return nil, fmt.Errorf("node %s: unknown runtime %q", name, opts.Runtime)
 	}
-	if err := WaitForFile(ctx, criSocket, n.cri); err != nil {
-		return nil, err
+	// The kubelet runs in an empty working directory of its own: a runtime that reports no
+	// container log path makes it delete the files of its working directory.
+	for _, d := range []string{n.KubeletDir, filepath.Join(n.Dir, "cwd")} {
+		if err := os.MkdirAll(d, 0o755); err != nil {
+			return nil, err
+		}
 	}
-
 	config := filepath.Join(n.Dir, "config.yaml")
-	if err := os.WriteFile(config, []byte(kubeletConfig(n.Dir, criSocket, p[0], p[1])), 0o644); err != nil {
+	if err := os.WriteFile(config, []byte(kubeletConfig(kc)), 0o644); err != nil {
 		return nil, err
 	}
 	kubeconfig := filepath.Join(n.Dir, "kubeconfig")
@@ -88,15 +134,7 @@ func (cp *ControlPlane) AddNode(ctx context.Context, name string, opts NodeOptio
 	if err := os.WriteFile(kubeconfig, data, 0o600); err != nil {
 		return nil, err
 	}
-	kubeletBin, err := cp.lab.bin.Tool("kubelet")
-	if err != nil {
-		return nil, err
-	}
-	args := []string{
-		"--config=" + config, "--kubeconfig=" + kubeconfig,
-		"--root-dir=" + n.KubeletDir, "--cert-dir=" + filepath.Join(n.Dir, "pki"),
-		"--hostname-override=" + name,
-	}
+	args = append(args, "--config="+config, "--kubeconfig="+kubeconfig)
 	if len(opts.Labels) > 0 {
 		var l []string
 		for _, k := range slices.Sorted(maps.Keys(opts.Labels)) {
@@ -104,8 +142,12 @@ func (cp *ControlPlane) AddNode(ctx context.Context, name string, opts NodeOptio
 		}
 		args = append(args, "--node-labels="+strings.Join(l, ","))
 	}
+	bin := kubeletBin
+	if opts.Runtime == Containerd {
+		bin, args = n.inNamespace(kubeletBin, args...)
+	}
 	if n.kubelet, err = cp.lab.Start(Command{
-		Name: cp.Name + "/" + name + "/kubelet", Bin: kubeletBin, Args: args,
+		Name: cp.Name + "/" + name + "/kubelet", Bin: bin, Args: args,
 		Dir: filepath.Join(n.Dir, "cwd"), LogPath: filepath.Join(n.Dir, "kubelet.log"),
 	}); err != nil {
 		return nil, err
@@ -116,31 +158,62 @@ func (cp *ControlPlane) AddNode(ctx context.Context, name string, opts NodeOptio
 	return n, nil
 }
 
+// startFakeRuntime starts the node's fakecri.
+func (n *Node) startFakeRuntime(ctx context.Context) error {
+	for _, d := range []string{"pki", "podlogs", "volplugins"} {
+		if err := os.MkdirAll(filepath.Join(n.Dir, d), 0o755); err != nil {
+			return err
+		}
+	}
+	fakecri, err := n.cp.lab.bin.Own("./e2e/cmd/fakecri")
+	if err != nil {
+		return err
+	}
+	socket := filepath.Join(n.Dir, "cri.sock")
+	if n.runtime, err = n.cp.lab.Start(Command{
+		Name: n.cp.Name + "/" + n.Name + "/fakecri", Bin: fakecri, Args: []string{"--socket=" + socket},
+		Dir: n.Dir, LogPath: filepath.Join(n.Dir, "fakecri.log"),
+	}); err != nil {
+		return err
+	}
+	return WaitForFile(ctx, socket, n.runtime)
+}
+
+// kubeletOptions are what differs between the lab's kubelets.
+type kubeletOptions struct {
+	address                string // where the kubelet serves
+	endpoint               string // the CRI socket
+	podLogs, volumePlugins string
+	port, healthzPort      int
+}
+
 // kubeletConfig is the lab's KubeletConfiguration (see shared/reference/lab-fit.md): no
 // cgroups, no iptables, every path that defaults outside the root dir set per node, and a node
 // status loop of 1 s (with a 5 min report period) so that a pod's volume is mounted in a second
 // instead of ten.
-func kubeletConfig(dir, criSocket string, port, healthzPort int) string {
+func kubeletConfig(o kubeletOptions) string {
 	return fmt.Sprintf(`apiVersion: kubelet.config.k8s.io/v1beta1
 kind: KubeletConfiguration
-address: 127.0.0.1
+address: %s
 port: %d
 readOnlyPort: 0
 healthzBindAddress: 127.0.0.1
 healthzPort: %d
-authentication: {anonymous: {enabled: false}, webhook: {enabled: false}}
+# The apiserver reaches the kubelet (logs, exec) without a client certificate; the kubelet
+# listens only on 127.0.0.1, or on a containerd node's bridge address.
+authentication: {anonymous: {enabled: true}, webhook: {enabled: false}}
 authorization: {mode: AlwaysAllow}
 cgroupDriver: cgroupfs
 cgroupsPerQOS: false
 enforceNodeAllocatable: []
 failCgroupV1: false
 failSwapOn: false
-containerRuntimeEndpoint: unix://%[3]s
-imageServiceEndpoint: unix://%[3]s
+containerRuntimeEndpoint: unix://%[4]s
+imageServiceEndpoint: unix://%[4]s
 registerNode: true
 resolvConf: ""
-podLogsDir: %[4]s/podlogs
-volumePluginDir: %[4]s/volplugins
+podLogsDir: %[5]s
+volumePluginDir: %[6]s
 nodeStatusUpdateFrequency: 1s
 # A pod is synced every 10 s, not every minute: kubelet notices an online expansion (and
 # calls NodeExpandVolume) when it syncs the pod.
@@ -152,7 +225,7 @@ syncFrequency: 10s
 # pod was gone; the lab reports every 20 s.
 nodeStatusReportFrequency: 20s
 makeIPTablesUtilChains: false
-`, port, healthzPort, criSocket, dir)
+`, o.address, o.port, o.healthzPort, o.endpoint, o.podLogs, o.volumePlugins)
 }
 
 func (n *Node) waitReady(ctx context.Context) error {

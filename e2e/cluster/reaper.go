@@ -11,8 +11,9 @@ import (
 // reaperScript runs in its own session and waits for end-of-file on its standard input, a pipe
 // whose only writer is the process that owns the lab. The kernel closes that pipe however the
 // owner ends (Stop, panic, SIGKILL), and the script then kills every process group still
-// recorded under pids/, unmounts everything below the lab root (deepest first) and detaches the
-// loop devices of files below it. After a clean Stop there is nothing left to do, so running it
+// recorded under pids/, unmounts everything below the lab root (deepest first), detaches the
+// loop devices of files below it, and removes the pod networks of its containerd nodes (bridges
+// recorded under bridges/, their subnet locks, the DNAT rules marked with the root). After a clean Stop there is nothing left to do, so running it
 // twice is harmless. It needs bash: dash's kill cannot signal a process group.
 const reaperScript = `
 root=$1
@@ -32,6 +33,15 @@ detach
 awk -v r="$root" '$5 == r || index($5, r "/") == 1 { print $5 }' /proc/self/mountinfo |
 	sort -r | while read -r m; do umount -l "$m" 2>/dev/null; done
 detach
+for f in "$root"/bridges/*; do
+	[ -e "$f" ] || continue
+	ip link del "${f##*/}" 2>/dev/null
+	rm -f "$(cat "$f")"
+done
+if command -v iptables-save >/dev/null; then
+	iptables-save -t nat | grep -F -- "--comment \"pvbridge-lab $root\"" | sed 's/^-A /-D /' |
+		while read -r rule; do eval iptables -t nat "$rule"; done
+fi
 exit 0
 `
 

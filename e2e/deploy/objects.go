@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"path/filepath"
 
+	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -37,7 +38,8 @@ func PVC(ns, name, storageClass, size string, block bool) *corev1.PersistentVolu
 // claim), on node when node is set (through the scheduler, with a node selector). Pods in the
 // lab run no processes; the kubelet still stages and publishes their volumes.
 func Pod(ns, name, claim, node string, block bool) *corev1.Pod {
-	c := corev1.Container{Name: "app", Image: "busybox"}
+	// The lab's nodes have busybox imported and reach no registry.
+	c := corev1.Container{Name: "app", Image: "busybox", ImagePullPolicy: corev1.PullIfNotPresent}
 	if block {
 		c.VolumeDevices = []corev1.VolumeDevice{{Name: "data", DevicePath: "/dev/data"}}
 	} else {
@@ -59,6 +61,34 @@ func Pod(ns, name, claim, node string, block bool) *corev1.Pod {
 		pod.Spec.NodeSelector = map[string]string{corev1.LabelHostname: node}
 	}
 	return pod
+}
+
+// StatefulSet returns a StatefulSet of replicas pods, each with its own claim "data-<name>-<i>"
+// of size in the default class, mounted at /data, started in parallel. Its pods are ordinary
+// ones: their service account token is mounted.
+func StatefulSet(ns, name string, replicas int32, size string) *appsv1.StatefulSet {
+	labels := map[string]string{"app": name}
+	claim := PVC("", "data", "", size, false)
+	return &appsv1.StatefulSet{
+		ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: name},
+		Spec: appsv1.StatefulSetSpec{
+			Replicas:            ptr.To(replicas),
+			ServiceName:         name,
+			PodManagementPolicy: appsv1.ParallelPodManagement,
+			Selector:            &metav1.LabelSelector{MatchLabels: labels},
+			Template: corev1.PodTemplateSpec{
+				ObjectMeta: metav1.ObjectMeta{Labels: labels},
+				Spec: corev1.PodSpec{
+					TerminationGracePeriodSeconds: ptr.To[int64](0),
+					Containers: []corev1.Container{{
+						Name: "app", Image: "busybox", ImagePullPolicy: corev1.PullIfNotPresent,
+						VolumeMounts: []corev1.VolumeMount{{Name: "data", MountPath: "/data"}},
+					}},
+				},
+			},
+			VolumeClaimTemplates: []corev1.PersistentVolumeClaim{{ObjectMeta: metav1.ObjectMeta{Name: "data"}, Spec: claim.Spec}},
+		},
+	}
 }
 
 // PodVolumePath is where the kubelet of node published a pod's volume: the mount point of a

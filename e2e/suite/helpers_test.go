@@ -52,10 +52,16 @@ func (g *guestCluster) create(ctx context.Context, obj client.Object) {
 // runs.
 func (g *guestCluster) runPod(ctx context.Context, ns, name, claim, vm string, block bool) *corev1.Pod {
 	GinkgoHelper()
-	pod := deploy.Pod(ns, name, claim, vm, block)
-	g.create(ctx, pod)
+	g.create(ctx, deploy.Pod(ns, name, claim, vm, block))
+	return g.running(ctx, ns, name)
+}
+
+// running waits until pod ns/name exists and runs, and returns it.
+func (g *guestCluster) running(ctx context.Context, ns, name string) *corev1.Pod {
+	GinkgoHelper()
+	pod := &corev1.Pod{}
 	Eventually(func(g2 Gomega) {
-		g2.Expect(g.c.Get(ctx, client.ObjectKeyFromObject(pod), pod)).To(Succeed())
+		g2.Expect(g.c.Get(ctx, client.ObjectKey{Namespace: ns, Name: name}, pod)).To(Succeed())
 		g2.Expect(pod.Status.Phase).To(Equal(corev1.PodRunning))
 	}).WithContext(ctx).WithTimeout(timeout).Should(Succeed())
 	return pod

@@ -70,6 +70,39 @@ var _ = Describe("Dynamic provisioning", Label("provisioning"), func() {
 		second := alpha.runPod(ctx, ns, "reader", "data", "vm-3", false)
 		Expect(alpha.readBlob(second, pv.Name)).To(Equal(want))
 	})
+
+	It("gives each replica of a StatefulSet its own volume, and a recreated replica its data", func(ctx SpecContext) {
+		ns := alpha.namespace(ctx)
+		sts := deploy.StatefulSet(ns, "web", 3, "128Mi")
+		alpha.create(ctx, sts)
+		DeferCleanup(func(ctx SpecContext) { // before the namespace's cleanup: no pod comes back
+			Expect(alpha.c.Delete(ctx, sts)).To(Succeed())
+			gone(ctx, alpha.c, sts)
+		})
+
+		pods, pvs := make([]*corev1.Pod, 3), make([]string, 3)
+		sums := make([][32]byte, 3)
+		for i := range 3 {
+			pods[i] = alpha.running(ctx, ns, fmt.Sprintf("web-%d", i))
+			Expect(pods[i].Spec.Volumes).To(ContainElement(HaveField("Projected", Not(BeNil()))), "the service account token")
+			_, pv := alpha.bound(ctx, ns, fmt.Sprintf("data-web-%d", i))
+			pvs[i] = pv.Name
+			sums[i] = alpha.writeBlob(pods[i], pv.Name, byte(i+1))
+		}
+		Expect(pvs[0]).NotTo(BeElementOf(pvs[1:]))
+		Expect(pvs[1]).NotTo(Equal(pvs[2]))
+
+		// The replica's volume follows it wherever the scheduler puts it (possibly another VM,
+		// through a detach and an attach).
+		Expect(alpha.c.Delete(ctx, pods[1])).To(Succeed())
+		again := &corev1.Pod{}
+		Eventually(func(g Gomega) {
+			g.Expect(alpha.c.Get(ctx, client.ObjectKeyFromObject(pods[1]), again)).To(Succeed())
+			g.Expect(again.UID).NotTo(Equal(pods[1].UID))
+			g.Expect(again.Status.Phase).To(Equal(corev1.PodRunning))
+		}).WithContext(ctx).WithTimeout(timeout).Should(Succeed())
+		Expect(alpha.readBlob(again, pvs[1])).To(Equal(sums[1]))
+	})
 })
 
 var _ = Describe("Static provisioning", Label("static"), func() {

@@ -4,7 +4,8 @@
 //
 // The fake keeps no container log path. The kubelet then removes `Glob(LogPath + "*")` when it
 // deletes a container, which with an empty path matches every file in the kubelet's working
-// directory. fakecri therefore records the log path the kubelet asked for, as a real runtime does.
+// directory. fakecri therefore records the log path the kubelet asked for, as a real runtime does,
+// and gives images a size, without which the kubelet does not start their containers.
 package main
 
 import (
@@ -66,6 +67,8 @@ func run(socket string) error {
 		return err
 	}
 	r := &runtime{RemoteRuntime: fake.NewFakeRemoteRuntime()}
+	// The kubelet refuses to start a container whose image has no size ("ImageInspectError").
+	r.ImageService.FakeImageSize = 1 << 20
 	r.RuntimeService.FakeStatus = &kubeapi.RuntimeStatus{Conditions: []*kubeapi.RuntimeCondition{
 		{Type: kubeapi.RuntimeReady, Status: true},
 		{Type: kubeapi.NetworkReady, Status: true},

@@ -15,6 +15,8 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
+	"k8s.io/klog/v2"
+	logf "sigs.k8s.io/controller-runtime/pkg/log"
 
 	"pvbridge.io/e2e/cluster"
 	"pvbridge.io/e2e/deploy"
@@ -23,6 +25,8 @@ import (
 func main() {
 	dir := flag.String("dir", envOr("PVBRIDGE_LAB_DIR", "/tmp/pvbridge-lab"), "directory of the lab's state, logs and kubeconfigs (emptied on start; keep it short: unix socket paths are limited to 108 bytes)")
 	flag.Parse()
+	// The lab's own clients (controller-runtime's) log through klog, as the components do.
+	logf.SetLogger(klog.Background())
 	if err := run(*dir); err != nil {
 		fmt.Fprintln(os.Stderr, "lab:", err)
 		os.Exit(1)

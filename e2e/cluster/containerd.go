@@ -1,0 +1,147 @@
+package cluster
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"time"
+
+	"k8s.io/apimachinery/pkg/util/wait"
+)
+
+// A containerd node is what a kind node is, without a container engine: its kubelet, its
+// containerd and their pods live in a mount and PID namespace of their own, in which the node's
+// directories are bind-mounted at the places a node has them (nodePaths), so that the shipped
+// manifests' hostPaths mean what they mean on a real node and several nodes share one machine.
+// Its network is the machine's (pods get their own, see podNetwork). When the namespace's first
+// process ends, the kernel kills every other one: containers, shims, containerd, kubelet.
+
+// nodePaths are a node's own directories, bind-mounted from <node dir>/root/<path>.
+var nodePaths = []string{
+	"/var/lib/kubelet", "/var/lib/containerd", "/run/containerd", "/etc/cni/net.d", "/var/lib/cni",
+	"/var/log/pods", "/var/lib/pvbridge", "/run/pvbridge",
+}
+
+// startNamespace starts the node's namespace and returns once its bind mounts are made. Its
+// first process is pause, which ends on SIGTERM and so ends the namespace.
+func (n *Node) startNamespace(ctx context.Context) error {
+	pause, err := n.cp.lab.bin.Own("./e2e/cmd/pause")
+	if err != nil {
+		return err
+	}
+	ready := filepath.Join(n.Dir, "namespace-ready")
+	var script strings.Builder
+	for _, p := range nodePaths {
+		// The mount point must exist in the machine's tree; it stays an empty directory there.
+		if err := os.MkdirAll(p, 0o755); err != nil {
+			return err
+		}
+		src := n.HostPath(p)
+		if err := os.MkdirAll(src, 0o755); err != nil {
+			return err
+		}
+		fmt.Fprintf(&script, "mount --bind %q %q\n", src, p)
+	}
+	// Shared, so that a pod's Bidirectional mount propagation works inside the node; the machine,
+	// a master of this namespace, sees none of the node's mounts.
+	fmt.Fprintf(&script, "mount --make-rshared /\ntouch %q\nexec %q\n", ready, pause)
+	n.namespace, err = n.cp.lab.Start(Command{
+		Name: n.cp.Name + "/" + n.Name + "/namespace", Bin: "unshare",
+		Args: []string{"--mount", "--pid", "--fork", "--mount-proc", "--propagation", "slave", "/bin/sh", "-ec", script.String()},
+		Dir:  n.Dir, LogPath: filepath.Join(n.Dir, "namespace.log"),
+	})
+	if err != nil {
+		return err
+	}
+	if err := WaitForFile(ctx, ready, n.namespace); err != nil {
+		return err
+	}
+	// unshare forks the namespace's first process; nsenter joins it by its pid.
+	children := fmt.Sprintf("/proc/%d/task/%[1]d/children", n.namespace.Pid())
+	return wait.PollUntilContextTimeout(ctx, 20*time.Millisecond, 10*time.Second, true, func(context.Context) (bool, error) {
+		data, err := os.ReadFile(children)
+		if err != nil {
+			return false, err
+		}
+		f := strings.Fields(string(data))
+		if len(f) == 0 {
+			return false, nil
+		}
+		n.nsPid, err = strconv.Atoi(f[0])
+		return err == nil, err
+	})
+}
+
+// HostPath returns where path of a containerd node's namespace is in the machine's tree, for
+// the node's own directories (nodePaths); files are the same, mounts made inside are not seen.
+func (n *Node) HostPath(path string) string { return filepath.Join(n.Dir, "root", path) }
+
+// inNamespace returns the command line that runs bin with args in the node's namespace.
+func (n *Node) inNamespace(bin string, args ...string) (string, []string) {
+	return "nsenter", append([]string{"--target", strconv.Itoa(n.nsPid), "--mount", "--pid", "--", bin}, args...)
+}
+
+// containerdConfig is the configuration of a node's containerd: the default paths (which are
+// the node's own in its namespace), runc from Debian, the lab's pause image, CNI from Debian.
+func containerdConfig() string {
+	return `version = 3
+[grpc]
+  address = "/run/containerd/containerd.sock"
+[plugins.'io.containerd.cri.v1.images']
+  snapshotter = "overlayfs"
+  [plugins.'io.containerd.cri.v1.images'.pinned_images]
+    sandbox = "` + SandboxImage + `"
+[plugins.'io.containerd.cri.v1.runtime']
+  # The machines the lab runs on may forbid lowering a process's oom_score_adj (this one
+  # does): containers get no lower a score than containerd's, instead of failing to start.
+  restrict_oom_score_adj = true
+  [plugins.'io.containerd.cri.v1.runtime'.containerd.runtimes.runc.options]
+    BinaryName = "/usr/sbin/runc"
+  [plugins.'io.containerd.cri.v1.runtime'.cni]
+    bin_dirs = ["/usr/lib/cni"]
+    conf_dir = "/etc/cni/net.d"
+`
+}
+
+// SandboxImage is the pause image of the lab's containerd nodes (images.LabImages builds it).
+const SandboxImage = "registry.k8s.io/pause:3.10.2"
+
+// startContainerd starts the node's containerd in its namespace and imports the image archives.
+func (n *Node) startContainerd(ctx context.Context, archives []string) error {
+	bin, err := n.cp.lab.bin.Tool("containerd")
+	if err != nil {
+		return err
+	}
+	ctr, err := n.cp.lab.bin.Tool("ctr")
+	if err != nil {
+		return err
+	}
+	config := filepath.Join(n.Dir, "containerd.toml")
+	if err := os.WriteFile(config, []byte(containerdConfig()), 0o644); err != nil {
+		return err
+	}
+	nsenter, args := n.inNamespace(bin, "--config", config)
+	if n.runtime, err = n.cp.lab.Start(Command{
+		Name: n.cp.Name + "/" + n.Name + "/containerd", Bin: nsenter, Args: args,
+		// containerd finds its shim, the shim runc, in PATH.
+		Env: []string{"PATH=" + filepath.Dir(bin) + ":/usr/sbin:/usr/bin:/sbin:/bin"},
+		Dir: n.Dir, LogPath: filepath.Join(n.Dir, "containerd.log"),
+	}); err != nil {
+		return err
+	}
+	socket := n.HostPath("/run/containerd/containerd.sock")
+	if err := WaitForFile(ctx, socket, n.runtime); err != nil {
+		return err
+	}
+	for _, a := range archives {
+		out, err := exec.CommandContext(ctx, ctr, "--address", socket, "--namespace", "k8s.io", "images", "import", "--local", a).CombinedOutput()
+		if err != nil {
+			return fmt.Errorf("%s: import %s: %w\n%s", n.Name, a, err, out)
+		}
+	}
+	return nil
+}

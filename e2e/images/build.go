@@ -1,0 +1,115 @@
+package images
+
+import (
+	"fmt"
+	"os"
+	"os/exec"
+	"path"
+	"path/filepath"
+	"strings"
+
+	v1 "github.com/google/go-containerregistry/pkg/v1"
+)
+
+// Options say where BuildAll finds its inputs and puts the archives.
+type Options struct {
+	// Root is pvbridge's repository.
+	Root string
+	// Bin holds the pinned third-party binaries (hack/build-tools.sh).
+	Bin string
+	// Out receives one OCI archive per image, <base name>-<tag>.tar.
+	Out string
+	// Tags are the manifests' tags (Tags), for images without a Tag of their own.
+	Tags map[string]string
+}
+
+// Built is an image BuildAll wrote.
+type Built struct {
+	Ref    string
+	Digest v1.Hash
+	File   string
+}
+
+// BuildAll builds imgs: pvbridge's binaries from the repository, then each image, written as
+// an OCI archive to o.Out.
+func BuildAll(o Options, imgs []Image) ([]Built, error) {
+	if err := os.MkdirAll(o.Out, 0o755); err != nil {
+		return nil, err
+	}
+	bins, err := os.MkdirTemp("", "pvbridge-images-")
+	if err != nil {
+		return nil, err
+	}
+	defer os.RemoveAll(bins)
+	if err := buildBinaries(o.Root, bins, imgs); err != nil {
+		return nil, err
+	}
+	revision := "unknown"
+	if rev, err := exec.Command("git", "-C", o.Root, "rev-parse", "HEAD").Output(); err == nil {
+		revision = strings.TrimSpace(string(rev))
+	}
+	h := &Host{}
+	var built []Built
+	for _, i := range imgs {
+		tag := i.Tag
+		if tag == "" {
+			if tag = o.Tags[i.Name]; tag == "" {
+				return nil, fmt.Errorf("image %s has no tag in manifests/components/images", i.Name)
+			}
+		}
+		labels := map[string]string{
+			"org.opencontainers.image.title":   path.Base(i.Name),
+			"org.opencontainers.image.version": tag,
+			"org.opencontainers.image.source":  i.Source,
+		}
+		binary := ""
+		switch {
+		case i.Tool != "":
+			binary = filepath.Join(o.Bin, i.Tool)
+			if _, err := os.Stat(binary); err != nil {
+				return nil, fmt.Errorf("%s: %w (make tools builds it)", i.Name, err)
+			}
+		case i.Package != "":
+			binary = filepath.Join(bins, path.Base(i.Package))
+			labels["org.opencontainers.image.revision"] = revision
+			labels["org.opencontainers.image.licenses"] = "Apache-2.0"
+		}
+		ref := i.Name + ":" + tag
+		img, err := Build(Spec{Ref: ref, Binary: binary, Cmd: i.Cmd, User: i.User, Programs: i.Programs, Extra: i.Extra, Labels: labels}, h)
+		if err != nil {
+			return nil, err
+		}
+		file := filepath.Join(o.Out, path.Base(i.Name)+"-"+tag+".tar")
+		if err := WriteArchive(file, ref, img); err != nil {
+			return nil, fmt.Errorf("%s: %w", ref, err)
+		}
+		digest, err := img.Digest()
+		if err != nil {
+			return nil, err
+		}
+		built = append(built, Built{Ref: ref, Digest: digest, File: file})
+	}
+	return built, nil
+}
+
+// buildBinaries builds the pvbridge binaries of imgs into dir: static, without paths or build
+// IDs of this machine, so that the same sources give the same bytes.
+func buildBinaries(root, dir string, imgs []Image) error {
+	args := []string{"build", "-trimpath", "-buildvcs=false", "-ldflags=-s -w -buildid=", "-o", dir + "/"}
+	n := len(args)
+	for _, i := range imgs {
+		if i.Package != "" {
+			args = append(args, i.Package)
+		}
+	}
+	if len(args) == n {
+		return nil
+	}
+	cmd := exec.Command("go", args...)
+	cmd.Dir, cmd.Stdout, cmd.Stderr = root, os.Stdout, os.Stderr
+	cmd.Env = append(os.Environ(), "CGO_ENABLED=0", "GOOS=linux", "GOARCH=amd64")
+	if err := cmd.Run(); err != nil {
+		return fmt.Errorf("go %s: %w", strings.Join(args, " "), err)
+	}
+	return nil
+}

@@ -1,0 +1,117 @@
+package images
+
+import (
+	"fmt"
+	"os"
+	"os/exec"
+	"strings"
+
+	"sigs.k8s.io/yaml"
+)
+
+// fsPrograms are what a node plugin runs to format, check, grow and mount filesystems
+// (k8s.io/mount-utils) and to read a device's size and signature.
+var fsPrograms = []string{
+	"mount", "umount", "blkid", "blockdev",
+	"mkfs.ext4", "fsck", "fsck.ext4", "e2fsck", "resize2fs", "dumpe2fs",
+	"mkfs.xfs", "fsck.xfs", "xfs_repair", "xfs_growfs", "xfs_io",
+}
+
+// Image is one image `make images` builds: what goes in it, not yet where it comes from.
+type Image struct {
+	// Name is the reference without the tag, as the manifests name it.
+	Name string
+	// Tag is the image's tag when the manifests do not set it (the lab's own images).
+	Tag string
+	// Package is the Go package of a pvbridge binary, relative to the repository.
+	Package string
+	// Tool is the name of a pinned third-party binary the lab builds (hack/build-tools.sh).
+	Tool string
+	// User is "0" where one of the image's roles needs root, else Nonroot.
+	User string
+	// Programs come from Debian packages (see Host).
+	Programs []string
+	// Extra are more entries of the programs' layer.
+	Extra []Entry
+	// Cmd is the default command.
+	Cmd []string
+	// Source is the image's source repository (org.opencontainers.image.source).
+	Source string
+}
+
+const pvbridgeSource = "https://github.com/pvbridge/pvbridge"
+
+// Catalogue lists every image the manifests name. pvbridge's node plugins and the host agent run
+// as root (mounts, loop devices, PMEM namespaces, the hypervisor); their controllers run as
+// nonroot through the manifests' securityContext. The sidecars run as nonroot.
+var Catalogue = []Image{
+	{Name: "ghcr.io/pvbridge/guest-csi", Package: "./guest-csi/cmd/guest-csi", User: "0", Programs: fsPrograms, Source: pvbridgeSource},
+	{Name: "ghcr.io/pvbridge/guest-csi-tenants", Package: "./guest-csi/cmd/guest-csi-tenants", User: Nonroot, Source: pvbridgeSource},
+	{
+		Name: "ghcr.io/pvbridge/mgmt-csi", Package: "./mgmt-csi/cmd/mgmt-csi", User: "0", Source: pvbridgeSource,
+		Programs: append([]string{
+			"losetup", "truncate", // file mode
+			"lvcreate", "lvchange", "lvextend", "lvremove", "lvs", "vgs", // lvm mode
+			"ndctl", // ndctl mode
+		}, fsPrograms...),
+	},
+	{
+		Name: "ghcr.io/pvbridge/vm-operator", Package: "./vm-operator/cmd/vm-operator", User: "0", Source: pvbridgeSource,
+		// The qemu hypervisor driver: QEMU, its TCG accelerator module and its firmware.
+		Programs: []string{"qemu-system-x86_64", "/usr/lib/x86_64-linux-gnu/qemu/accel-tcg-x86_64.so", "/usr/share/qemu", "/usr/share/seabios"},
+	},
+	{Name: "registry.k8s.io/sig-storage/csi-provisioner", Tool: "csi-provisioner", User: Nonroot, Source: "https://github.com/kubernetes-csi/external-provisioner"},
+	{Name: "registry.k8s.io/sig-storage/csi-attacher", Tool: "csi-attacher", User: Nonroot, Source: "https://github.com/kubernetes-csi/external-attacher"},
+	{Name: "registry.k8s.io/sig-storage/csi-resizer", Tool: "csi-resizer", User: Nonroot, Source: "https://github.com/kubernetes-csi/external-resizer"},
+	{Name: "registry.k8s.io/sig-storage/csi-snapshotter", Tool: "csi-snapshotter", User: Nonroot, Source: "https://github.com/kubernetes-csi/external-snapshotter"},
+	{Name: "registry.k8s.io/sig-storage/snapshot-controller", Tool: "snapshot-controller", User: Nonroot, Source: "https://github.com/kubernetes-csi/external-snapshotter"},
+}
+
+// LabImages are what the lab's nodes run besides the manifests' images, which no registry serves
+// here: the pod sandbox (pause) and the busybox of test pods, from Debian's busybox-static.
+func LabImages() ([]Image, error) {
+	out, err := exec.Command("busybox", "--list-full").Output()
+	if err != nil {
+		return nil, fmt.Errorf("busybox --list-full (Debian package busybox-static): %w", err)
+	}
+	var applets []Entry
+	for _, a := range strings.Fields(string(out)) {
+		if p := "/usr/" + strings.TrimPrefix(a, "usr/"); p != "/usr/bin/busybox" {
+			applets = append(applets, Symlink(p, "/usr/bin/busybox"))
+		}
+	}
+	return []Image{
+		{Name: "registry.k8s.io/pause", Tag: "3.10.2", Package: "./e2e/cmd/pause", User: "65535:65535", Source: pvbridgeSource},
+		{
+			Name: "docker.io/library/busybox", Tag: "latest", User: "0", Programs: []string{"busybox"}, Extra: applets,
+			Cmd: []string{"sh"}, Source: "https://packages.debian.org/bookworm/busybox-static",
+		},
+	}, nil
+}
+
+// Tags reads the tag of each image from a kustomize images component (the manifests' one place
+// for versions): name -> tag.
+func Tags(component string) (map[string]string, error) {
+	data, err := os.ReadFile(component)
+	if err != nil {
+		return nil, err
+	}
+	var k struct {
+		Images []struct {
+			Name    string `json:"name"`
+			NewName string `json:"newName"`
+			NewTag  string `json:"newTag"`
+		} `json:"images"`
+	}
+	if err := yaml.Unmarshal(data, &k); err != nil {
+		return nil, fmt.Errorf("%s: %w", component, err)
+	}
+	tags := map[string]string{}
+	for _, i := range k.Images {
+		if i.NewName != "" || i.NewTag == "" || strings.Contains(i.NewTag, "@") {
+			return nil, fmt.Errorf("%s: image %s: only a newTag is expected", component, i.Name)
+		}
+		tags[i.Name] = i.NewTag
+	}
+	return tags, nil
+}
