@@ -29,6 +29,7 @@ import (
 type fakeIdentity struct {
 	csi.UnimplementedIdentityServer
 	probeErr error
+	notReady bool
 	started  chan struct{}
 	release  chan struct{}
 }
@@ -45,7 +46,7 @@ func (f *fakeIdentity) Probe(ctx context.Context, _ *csi.ProbeRequest) (*csi.Pro
 	if f.probeErr != nil {
 		return nil, f.probeErr
 	}
-	return &csi.ProbeResponse{Ready: wrapperspb.Bool(true)}, nil
+	return &csi.ProbeResponse{Ready: wrapperspb.Bool(!f.notReady)}, nil
 }
 
 type fakeNode struct {

@@ -44,7 +44,7 @@ func run(o images.Options, lab bool) error {
 	}
 	for _, name := range slices.Sorted(maps.Keys(o.Tags)) {
 		if !slices.ContainsFunc(images.Catalogue, func(i images.Image) bool { return i.Name == name }) {
-			fmt.Printf("not built: %s (its sources are not served by the module proxy)\n", name)
+			return fmt.Errorf("the manifests name %s, which no image of the catalogue builds", name)
 		}
 	}
 	imgs := images.Catalogue

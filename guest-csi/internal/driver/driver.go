@@ -82,6 +82,9 @@ type Options struct {
 
 	// NodeID is the guest node's name, which is also its VirtualMachine's name.
 	NodeID string
+	// HealthAddress (host:port) serves /healthz, which calls Probe through the CSI socket;
+	// empty for none.
+	HealthAddress string
 	// KubeletRegistrationDir is kubelet's plugin registration directory. When set, the driver
 	// registers itself with kubelet there, once the node's host is known.
 	KubeletRegistrationDir string
@@ -207,6 +210,9 @@ func (d *Driver) Run(ctx context.Context) error {
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	g, ctx := errgroup.WithContext(ctx)
+	if d.opts.HealthAddress != "" {
+		g.Go(func() error { return server.ServeHealth(ctx, d.opts.HealthAddress) })
+	}
 	if d.opts.Mode == ModeController {
 		conn, labeller, err := d.setupController(server, guest)
 		if err != nil {

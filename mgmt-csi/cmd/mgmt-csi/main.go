@@ -29,6 +29,8 @@ func main() {
 		`Services to serve: "controller" (the central controller, beside the CSI sidecars) or "node" (the node agent, one per host). Required.`)
 	fs.StringVar(&opts.NodeID, "node-id", "",
 		"Name of this host's Kubernetes Node; usually the pod's spec.nodeName. Required with --mode=node.")
+	fs.StringVar(&opts.HealthAddress, "health-address", "",
+		`host:port to serve /healthz on, e.g. ":9808": it calls the driver's CSI Probe through its socket, in place of the livenessprobe sidecar; empty for none.`)
 	fs.StringVar(&opts.KubeletRegistrationDir, "kubelet-registration-dir", "",
 		"Kubelet's plugin registration directory, usually /var/lib/kubelet/plugins_registry. When set, the node plugin registers itself with kubelet there, in place of node-driver-registrar. Only with --mode=node.")
 	fs.Int64Var(&opts.MaxVolumesPerNode, "max-volumes-per-node", 0,

@@ -45,6 +45,9 @@ type Options struct {
 	Mode Mode
 	// NodeID is the name of the host's Kubernetes Node. Node mode only.
 	NodeID string
+	// HealthAddress (host:port) serves /healthz, which calls Probe through the CSI socket;
+	// empty for none.
+	HealthAddress string
 	// KubeletRegistrationDir is kubelet's plugin registration directory. When set (node mode
 	// only), the driver registers itself with kubelet.
 	KubeletRegistrationDir string
@@ -188,6 +191,9 @@ func (d *Driver) Run(ctx context.Context) error {
 		return errors.Join(errors.New("the API cache did not sync"), g.Wait())
 	}
 	g.Go(func() error { return server.Serve(ctx) })
+	if d.opts.HealthAddress != "" {
+		g.Go(func() error { return server.ServeHealth(ctx, d.opts.HealthAddress) })
+	}
 	if d.opts.Mode == ModeNode && d.opts.KubeletRegistrationDir != "" {
 		// The CSI socket listens already, so kubelet can call it as soon as it sees this one.
 		registrar, err := registration.New(registration.Options{
