@@ -74,8 +74,8 @@ func (cp *ControlPlane) AddNode(ctx context.Context, name string, opts NodeOptio
 	if err != nil {
 		return nil, err
 	}
-	var kubeletBin string
-	if kubeletBin, err = cp.lab.bin.Tool("kubelet"); err != nil {
+	kubeletBin, err := cp.lab.bin.Tool("kubelet")
+	if err != nil {
 		return nil, err
 	}
 	kc := kubeletOptions{address: "127.0.0.1", port: p[0], healthzPort: p[1]}
@@ -158,10 +158,21 @@ func (cp *ControlPlane) AddNode(ctx context.Context, name string, opts NodeOptio
 	return n, nil
 }
 
+// fakeNodeHostPaths are the hostPaths of type Directory that the installed system's pods (the
+// guest-csi DaemonSet) mount. On a fake-runtime node they are the machine's, and nothing uses
+// them, but the kubelet starts no pod whose hostPath is missing: a user of the lab would see
+// those pods stuck in ContainerCreating.
+var fakeNodeHostPaths = []string{"/var/lib/kubelet/plugins", "/var/lib/kubelet/plugins_registry", "/var/lib/kubelet/pods"}
+
 // startFakeRuntime starts the node's fakecri.
 func (n *Node) startFakeRuntime(ctx context.Context) error {
 	for _, d := range []string{"pki", "podlogs", "volplugins"} {
 		if err := os.MkdirAll(filepath.Join(n.Dir, d), 0o755); err != nil {
+			return err
+		}
+	}
+	for _, d := range fakeNodeHostPaths {
+		if err := os.MkdirAll(d, 0o755); err != nil {
 			return err
 		}
 	}
