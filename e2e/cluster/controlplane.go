@@ -92,7 +92,7 @@ func (l *Lab) StartControlPlane(ctx context.Context, name string) (*ControlPlane
 		"--token-auth-file="+filepath.Join(cp.Dir, "pki", "tokens.csv"),
 		"--authorization-mode=RBAC",
 		"--allow-privileged=true",                      // CSI node plugins are privileged; kubeadm clusters allow it too
-		"--kubelet-preferred-address-types=InternalIP", // 127.0.0.1: node names do not resolve
+		"--kubelet-preferred-address-types=InternalIP", // the lab's node names do not resolve
 		// A loopback advertise address needs the endpoint reconciler off. The rest halves the
 		// idle CPU of a lab apiserver (measured in shared/reference/lab-fit.md).
 		"--endpoint-reconciler-type=none",

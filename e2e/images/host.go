@@ -170,6 +170,13 @@ func (c *closure) add(p string) error {
 	if err != nil {
 		return err
 	}
+	interpreter, err := c.h.scriptInterpreter(p)
+	if err != nil {
+		return err
+	}
+	if interpreter != "" {
+		needs = append(needs, interpreter)
+	}
 	for _, n := range needs {
 		if err := c.add(n); err != nil {
 			return fmt.Errorf("%s needs %s: %w", p, n, err)
@@ -233,6 +240,29 @@ func (h *Host) elfNeeds(p string) ([]string, error) {
 		needs = append(needs, found)
 	}
 	return needs, nil
+}
+
+// scriptInterpreter returns the interpreter a script names on its #! line (fsck.xfs is a shell
+// script), or "" for a file that is not a script.
+func (h *Host) scriptInterpreter(p string) (string, error) {
+	f, err := os.Open(h.abs(p))
+	if err != nil {
+		return "", err
+	}
+	defer f.Close()
+	line, err := bufio.NewReader(f).ReadString('\n')
+	if err != nil && !errors.Is(err, io.EOF) {
+		return "", err
+	}
+	rest, ok := strings.CutPrefix(line, "#!")
+	if !ok {
+		return "", nil
+	}
+	fields := strings.Fields(rest)
+	if len(fields) == 0 || !path.IsAbs(fields[0]) {
+		return "", fmt.Errorf("%s: a #! line without an absolute interpreter", p)
+	}
+	return fields[0], nil
 }
 
 // loadOwners reads which package installed each path (dpkg's info/*.list).

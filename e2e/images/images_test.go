@@ -65,7 +65,7 @@ func TestLayers(t *testing.T) {
 // `make deps` installs) with everything it loads.
 func TestProgramsOfThisMachine(t *testing.T) {
 	g := NewWithT(t)
-	entries, pkgs, err := (&Host{}).Programs([]string{"mkfs.ext4"})
+	entries, pkgs, err := (&Host{}).Programs([]string{"mkfs.ext4", "fsck.xfs"})
 	g.Expect(err).NotTo(HaveOccurred())
 	byPath := map[string]Entry{}
 	for _, e := range entries {
@@ -77,7 +77,9 @@ func TestProgramsOfThisMachine(t *testing.T) {
 	g.Expect(byPath).To(HaveKey("/usr/lib64/ld-linux-x86-64.so.2"))
 	g.Expect(byPath).To(HaveKey("/usr/lib/x86_64-linux-gnu/libext2fs.so.2"))
 	g.Expect(byPath).To(HaveKey(HavePrefix("/usr/lib/x86_64-linux-gnu/libc.so.6")))
-	g.Expect(pkgs).To(ContainElements(HavePrefix("e2fsprogs="), HavePrefix("libext2fs2"), HavePrefix("libc6=")))
+	g.Expect(byPath).To(HaveKeyWithValue("/usr/bin/sh", HaveField("Link", "dash")), "fsck.xfs is a shell script")
+	g.Expect(byPath).To(HaveKey("/usr/bin/dash"))
+	g.Expect(pkgs).To(ContainElements(HavePrefix("e2fsprogs="), HavePrefix("libext2fs2"), HavePrefix("libc6="), HavePrefix("dash=")))
 }
 
 func TestProgramsOnlyFromDebianPackages(t *testing.T) {

@@ -1,0 +1,115 @@
+package images_test
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"path"
+	"path/filepath"
+	"regexp"
+	"testing"
+	"time"
+
+	. "github.com/onsi/gomega"
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+
+	"pvbridge.io/e2e/cluster"
+	"pvbridge.io/e2e/images"
+)
+
+// TestImagesRunTheirPrograms builds every image the manifests name and runs it on a containerd
+// node of a lab: in each, the entrypoint and every program the image carries start in a real
+// container (asked for --help or --version) with all they load, as the node plugins will run
+// them.
+func TestImagesRunTheirPrograms(t *testing.T) {
+	g := NewWithT(t)
+	ctx := t.Context()
+	bin, err := cluster.DefaultBinaries()
+	g.Expect(err).NotTo(HaveOccurred())
+	root, err := os.MkdirTemp("", "pvb-")
+	g.Expect(err).NotTo(HaveOccurred())
+	lab, err := cluster.NewLab(root, bin)
+	g.Expect(err).NotTo(HaveOccurred())
+	t.Cleanup(func() {
+		g.Expect(lab.Stop()).To(Succeed())
+		if !t.Failed() {
+			_ = os.RemoveAll(root)
+		}
+	})
+
+	tags, err := images.Tags(filepath.Join(bin.Repo, "manifests", "components", "images", "kustomization.yaml"))
+	g.Expect(err).NotTo(HaveOccurred())
+	labImages, err := images.LabImages()
+	g.Expect(err).NotTo(HaveOccurred())
+	built, err := images.BuildAll(images.Options{Root: bin.Repo, Bin: bin.Dir, Out: filepath.Join(root, "images"), Tags: tags},
+		append(labImages, images.Catalogue...))
+	g.Expect(err).NotTo(HaveOccurred())
+	var archives []string
+	refs := map[string]string{} // name -> reference
+	for _, b := range built {
+		archives = append(archives, b.File)
+	}
+	for _, i := range images.Catalogue {
+		refs[i.Name] = i.Name + ":" + tags[i.Name]
+	}
+	cp, err := lab.StartControlPlane(ctx, "images")
+	g.Expect(err).NotTo(HaveOccurred())
+	_, err = cp.AddNode(ctx, "node-1", cluster.NodeOptions{Runtime: cluster.Containerd, Images: archives})
+	g.Expect(err).NotTo(HaveOccurred())
+
+	c := cp.Client()
+	for _, i := range images.Catalogue {
+		pod := &corev1.Pod{
+			ObjectMeta: metav1.ObjectMeta{Namespace: "default", Name: path.Base(i.Name)},
+			Spec: corev1.PodSpec{
+				NodeName: "node-1", RestartPolicy: corev1.RestartPolicyNever,
+				Containers: []corev1.Container{{Name: "entrypoint", Image: refs[i.Name], Args: []string{"--help"}}},
+			},
+		}
+		for n, p := range i.Programs {
+			if !path.IsAbs(p) { // not data or modules
+				pod.Spec.Containers = append(pod.Spec.Containers, corev1.Container{
+					Name: fmt.Sprintf("program-%d", n), Image: refs[i.Name], Command: []string{p, "--version"},
+				})
+			}
+		}
+		for j := range pod.Spec.Containers {
+			pod.Spec.Containers[j].ImagePullPolicy = corev1.PullNever
+		}
+		_, err := c.CoreV1().Pods("default").Create(ctx, pod, metav1.CreateOptions{})
+		g.Expect(err).NotTo(HaveOccurred())
+	}
+
+	// A program that does not start ends with the runtime's StartError or the shell's 127; one
+	// that misses a library says so before it exits.
+	missing := regexp.MustCompile(`error while loading shared libraries|not found|No such file`)
+	for _, i := range images.Catalogue {
+		name := path.Base(i.Name)
+		t.Run(name, func(t *testing.T) {
+			g := NewWithT(t)
+			var pod *corev1.Pod
+			g.Eventually(func(g Gomega) {
+				pod, err = c.CoreV1().Pods("default").Get(ctx, name, metav1.GetOptions{})
+				g.Expect(err).NotTo(HaveOccurred())
+				g.Expect(pod.Status.Phase).To(BeElementOf(corev1.PodSucceeded, corev1.PodFailed))
+			}).WithContext(ctx).WithTimeout(3 * time.Minute).Should(Succeed())
+			for _, cs := range pod.Status.ContainerStatuses {
+				what := cs.Name
+				for _, ct := range pod.Spec.Containers {
+					if ct.Name == cs.Name && len(ct.Command) > 0 {
+						what = ct.Command[0]
+					}
+				}
+				g.Expect(cs.State.Terminated).NotTo(BeNil(), what)
+				term := cs.State.Terminated
+				g.Expect(term.Reason).NotTo(Equal("StartError"), "%s: %s", what, term.Message)
+				g.Expect(term.ExitCode).NotTo(Equal(int32(127)), what)
+				logs, err := c.CoreV1().Pods("default").GetLogs(name, &corev1.PodLogOptions{Container: cs.Name}).DoRaw(context.WithoutCancel(ctx))
+				g.Expect(err).NotTo(HaveOccurred())
+				g.Expect(string(logs)).NotTo(MatchRegexp(missing.String()), what)
+				g.Expect(logs).NotTo(BeEmpty(), "%s printed nothing", what)
+			}
+		})
+	}
+}
