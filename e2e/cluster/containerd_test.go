@@ -24,8 +24,9 @@ import (
 )
 
 // TestContainerdNodeRunsPods runs an ordinary pod (service account token, pod network) in a
-// real container on a containerd node, reads its logs, execs into it, and checks that stopping
-// the lab leaves no container, bridge or DNAT rule behind.
+// real container on a containerd node, reaches its apiserver and another control plane's, reads
+// its logs, execs into it, and checks that stopping the lab leaves no container, bridge or DNAT
+// rule behind.
 func TestContainerdNodeRunsPods(t *testing.T) {
 	g := NewWithT(t)
 	ctx := t.Context()
@@ -38,16 +39,22 @@ func TestContainerdNodeRunsPods(t *testing.T) {
 	node, err := cp.AddNode(ctx, "node-1", NodeOptions{Runtime: Containerd, Images: archives})
 	g.Expect(err).NotTo(HaveOccurred())
 
+	// A control plane started after the node: its apiserver is reachable from the node's pods
+	// too, at its own Service address, as a guest's pods reach the management cluster.
+	other, err := lab.StartControlPlane(ctx, "other")
+	g.Expect(err).NotTo(HaveOccurred())
+	g.Expect(other.ServiceIP).NotTo(Equal(cp.ServiceIP))
+
 	c := cp.Client()
 	// The pod reaches the apiserver through the kubernetes Service, as in-cluster clients do.
 	g.Expect(runBusybox(ctx, c, node.Name, "hello", `echo "hello from $(hostname)"; `+
 		`echo | nc -w 5 "$KUBERNETES_SERVICE_HOST" "$KUBERNETES_SERVICE_PORT" && echo "apiserver reachable"; `+
+		`echo | nc -w 5 `+other.ServiceIP+` 443 && echo "other apiserver reachable"; `+
 		`exec sleep 3600`)).To(Succeed())
-
 	g.Eventually(func(g Gomega) {
 		logs, err := c.CoreV1().Pods("default").GetLogs("hello", &corev1.PodLogOptions{}).DoRaw(ctx)
 		g.Expect(err).NotTo(HaveOccurred(), string(logs))
-		g.Expect(string(logs)).To(And(ContainSubstring("hello from hello"), ContainSubstring("apiserver reachable")))
+		g.Expect(string(logs)).To(And(ContainSubstring("hello from hello"), ContainSubstring("\napiserver reachable"), ContainSubstring("other apiserver reachable")))
 	}).WithContext(ctx).WithTimeout(time.Minute).Should(Succeed())
 
 	req := c.CoreV1().RESTClient().Post().Resource("pods").Namespace("default").Name("hello").SubResource("exec").

@@ -32,6 +32,10 @@ type ControlPlane struct {
 	Server string
 	// Kubeconfig is the path of an admin (system:masters) kubeconfig.
 	Kubeconfig string
+	// ServiceIP is the address of the control plane's `kubernetes` Service (443), the first of
+	// its service range 10.96.<n>.0/24 (n counts the lab's control planes). The pods of every
+	// containerd node of the lab reach this apiserver there, whichever cluster they are in.
+	ServiceIP string
 
 	lab        *Lab
 	token      string
@@ -67,6 +71,10 @@ func (l *Lab) StartControlPlane(ctx context.Context, name string) (*ControlPlane
 	if err := cp.writeKubeconfig(); err != nil {
 		return nil, err
 	}
+	serviceRange, err := l.addControlPlane(cp)
+	if err != nil {
+		return nil, err
+	}
 
 	etcdURL := fmt.Sprintf("http://127.0.0.1:%d", etcdClient)
 	peerURL := fmt.Sprintf("http://127.0.0.1:%d", etcdPeer)
@@ -85,7 +93,7 @@ func (l *Lab) StartControlPlane(ctx context.Context, name string) (*ControlPlane
 		"--bind-address=127.0.0.1", "--advertise-address=127.0.0.1",
 		fmt.Sprintf("--secure-port=%d", apiPort),
 		"--cert-dir="+filepath.Join(cp.Dir, "certs"),
-		"--service-cluster-ip-range=10.96.0.0/24",
+		"--service-cluster-ip-range="+serviceRange,
 		"--service-account-issuer=https://kubernetes.default.svc.cluster.local",
 		"--service-account-key-file="+filepath.Join(cp.Dir, "pki", "sa.pub"),
 		"--service-account-signing-key-file="+filepath.Join(cp.Dir, "pki", "sa.key"),

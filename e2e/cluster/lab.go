@@ -29,8 +29,10 @@ type Lab struct {
 	ctx    context.Context
 	cancel context.CancelFunc
 
-	mu        sync.Mutex
-	processes []*Process
+	mu            sync.Mutex
+	processes     []*Process
+	controlPlanes []*ControlPlane
+	networks      []*podNetwork
 	cleanups  []func() error // what Stop undoes once the processes are gone, newest first
 	stopped   bool
 }

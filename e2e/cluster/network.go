@@ -12,34 +12,48 @@ import (
 
 // podNetwork is a containerd node's pod network: a Linux bridge of its own with a /24 of
 // 10.244.0.0/16 for its pods (CNI bridge and host-local, from Debian), and, as the lab runs no
-// kube-proxy, one DNAT rule that takes the pods' connections to the `kubernetes` Service
-// (10.96.0.1:443) to the control plane's apiserver on 127.0.0.1 (route_localnet on the bridge).
-// Subnets are taken across every lab of the machine through lock files in subnetLocks; the
-// lab's reaper removes what a killed lab left.
+// kube-proxy, a DNAT rule per control plane of the lab that takes the pods' connections to
+// its `kubernetes` Service (ControlPlane.ServiceIP:443) to its apiserver on 127.0.0.1
+// (route_localnet on the bridge): a guest's pods reach the management apiserver as in a real
+// installation they reach it over the network. Subnets are taken across every lab of the
+// machine through lock files in subnetLocks; the lab's reaper removes what a killed lab left.
 type podNetwork struct {
 	Bridge string
 	Subnet string
 	// Gateway is the bridge's address, the first of the subnet: the node's address.
 	Gateway string
 	lock    string
-	rule    []string
+	comment string     // marks the lab's rules, for the reaper
+	rules   [][]string // added, to delete
 }
 
 // subnetLocks holds one file per /24 in use, named by its third octet, holding the lab root.
 const subnetLocks = "/run/pvbridge-lab/subnets"
 
-// serviceIP is the first address of the lab apiservers' --service-cluster-ip-range.
-const serviceIP = "10.96.0.1"
+// addControlPlane records cp, gives it the next service range and returns it, and routes every
+// pod network's connections to its Service address to its apiserver.
+func (l *Lab) addControlPlane(cp *ControlPlane) (string, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	n := len(l.controlPlanes)
+	if n > 255 {
+		return "", fmt.Errorf("a lab has at most 256 control planes")
+	}
+	l.controlPlanes = append(l.controlPlanes, cp)
+	cp.ServiceIP = fmt.Sprintf("10.96.%d.1", n)
+	for _, pn := range l.networks {
+		if err := pn.route(cp); err != nil {
+			return "", err
+		}
+	}
+	return fmt.Sprintf("10.96.%d.0/24", n), nil
+}
 
-func (l *Lab) startPodNetwork(cp *ControlPlane) (*podNetwork, error) {
+func (l *Lab) startPodNetwork() (*podNetwork, error) {
 	if err := os.MkdirAll(subnetLocks, 0o755); err != nil {
 		return nil, err
 	}
 	if err := os.MkdirAll(filepath.Join(l.Root, "bridges"), 0o755); err != nil {
-		return nil, err
-	}
-	u, err := url.Parse(cp.Server)
-	if err != nil {
 		return nil, err
 	}
 	for i := 1; i < 255; i++ {
@@ -58,12 +72,7 @@ func (l *Lab) startPodNetwork(cp *ControlPlane) (*podNetwork, error) {
 		}
 		pn := &podNetwork{
 			Bridge: fmt.Sprintf("pvblab%d", i), Subnet: fmt.Sprintf("10.244.%d.0/24", i), Gateway: fmt.Sprintf("10.244.%d.1", i),
-			lock: lock,
-		}
-		pn.rule = []string{
-			"PREROUTING", "-i", pn.Bridge, "-d", serviceIP, "-p", "tcp", "--dport", "443",
-			"-m", "comment", "--comment", "pvbridge-lab " + l.Root,
-			"-j", "DNAT", "--to-destination", u.Host,
+			lock: lock, comment: "pvbridge-lab " + l.Root,
 		}
 		// The reaper finds the bridge (and its lock) here if the lab is killed.
 		if err := os.WriteFile(filepath.Join(l.Root, "bridges", pn.Bridge), []byte(lock), 0o644); err != nil {
@@ -71,6 +80,14 @@ func (l *Lab) startPodNetwork(cp *ControlPlane) (*podNetwork, error) {
 		}
 		if err := pn.start(); err != nil {
 			return nil, errors.Join(err, pn.stop())
+		}
+		l.mu.Lock()
+		defer l.mu.Unlock()
+		l.networks = append(l.networks, pn)
+		for _, cp := range l.controlPlanes {
+			if err := pn.route(cp); err != nil {
+				return nil, err
+			}
 		}
 		return pn, nil
 	}
@@ -83,7 +100,6 @@ func (pn *podNetwork) start() error {
 		{"ip", "addr", "add", pn.Gateway + "/24", "dev", pn.Bridge},
 		{"ip", "link", "set", pn.Bridge, "up"},
 		{"sysctl", "-q", "-w", "net.ipv4.conf." + pn.Bridge + ".route_localnet=1"},
-		append([]string{"iptables", "-t", "nat", "-A"}, pn.rule...),
 	} {
 		if out, err := exec.Command(args[0], args[1:]...).CombinedOutput(); err != nil {
 			return fmt.Errorf("%s: %w: %s", strings.Join(args, " "), err, out)
@@ -92,11 +108,31 @@ func (pn *podNetwork) start() error {
 	return nil
 }
 
-// stop removes the DNAT rule, the bridge and the subnet's lock. It is idempotent.
+// route adds the DNAT rule of cp's Service address.
+func (pn *podNetwork) route(cp *ControlPlane) error {
+	u, err := url.Parse(cp.Server)
+	if err != nil {
+		return err
+	}
+	rule := []string{
+		"PREROUTING", "-i", pn.Bridge, "-d", cp.ServiceIP, "-p", "tcp", "--dport", "443",
+		"-m", "comment", "--comment", pn.comment, "-j", "DNAT", "--to-destination", u.Host,
+	}
+	if out, err := exec.Command("iptables", append([]string{"-t", "nat", "-A"}, rule...)...).CombinedOutput(); err != nil {
+		return fmt.Errorf("iptables -A %s: %w: %s", strings.Join(rule, " "), err, out)
+	}
+	pn.rules = append(pn.rules, rule)
+	return nil
+}
+
+// stop removes the DNAT rules, the bridge and the subnet's lock. It is idempotent.
 func (pn *podNetwork) stop() error {
 	var errs []error
-	if exec.Command("iptables", append([]string{"-t", "nat", "-C"}, pn.rule...)...).Run() == nil {
-		if out, err := exec.Command("iptables", append([]string{"-t", "nat", "-D"}, pn.rule...)...).CombinedOutput(); err != nil {
+	for _, rule := range pn.rules {
+		if exec.Command("iptables", append([]string{"-t", "nat", "-C"}, rule...)...).Run() != nil {
+			continue
+		}
+		if out, err := exec.Command("iptables", append([]string{"-t", "nat", "-D"}, rule...)...).CombinedOutput(); err != nil {
 			errs = append(errs, fmt.Errorf("iptables -D: %w: %s", err, out))
 		}
 	}

@@ -93,7 +93,7 @@ func (cp *ControlPlane) AddNode(ctx context.Context, name string, opts NodeOptio
 		if err := n.startNamespace(ctx); err != nil {
 			return nil, err
 		}
-		pn, err := cp.lab.startPodNetwork(cp)
+		pn, err := cp.lab.startPodNetwork()
 		if err != nil {
 			return nil, err
 		}
