@@ -33,8 +33,8 @@ type Lab struct {
 	processes     []*Process
 	controlPlanes []*ControlPlane
 	networks      []*podNetwork
-	cleanups  []func() error // what Stop undoes once the processes are gone, newest first
-	stopped   bool
+	cleanups      []func() error // what Stop undoes once the processes are gone, newest first
+	stopped       bool
 }
 
 // NewLab creates a lab under root, which must be short (unix socket paths are limited to 108
