@@ -80,6 +80,15 @@ func (n *Node) startNamespace(ctx context.Context) error {
 // the node's own directories (nodePaths); files are the same, mounts made inside are not seen.
 func (n *Node) HostPath(path string) string { return filepath.Join(n.Dir, "root", path) }
 
+// Command returns a command that runs name with args in the node's mount namespace (for a
+// fake-runtime node, the machine's), as an administrator on the node would.
+func (n *Node) Command(ctx context.Context, name string, args ...string) *exec.Cmd {
+	if n.nsPid == 0 {
+		return exec.CommandContext(ctx, name, args...)
+	}
+	return exec.CommandContext(ctx, "nsenter", append([]string{"--target", strconv.Itoa(n.nsPid), "--mount", "--", name}, args...)...)
+}
+
 // inNamespace returns the command line that runs bin with args in the node's namespace.
 func (n *Node) inNamespace(bin string, args ...string) (string, []string) {
 	return "nsenter", append([]string{"--target", strconv.Itoa(n.nsPid), "--mount", "--pid", "--", bin}, args...)
