@@ -187,3 +187,35 @@ func processAlive(pid int) bool {
 	fields := strings.Fields(s[strings.LastIndexByte(s, ')')+1:])
 	return len(fields) > 0 && fields[0] != "Z"
 }
+
+// TestLoopsBelowFindsLoopsOnLoops makes a loop device below a root, a filesystem on it, and a
+// loop device of a file on that filesystem opened by a path outside the root (as a containerd
+// node's mgmt-csi sees it): both are the root's, the inner one is detached first.
+func TestLoopsBelowFindsLoopsOnLoops(t *testing.T) {
+	g := NewWithT(t)
+	root := t.TempDir()
+	outerFile, mnt := filepath.Join(root, "pmem.img"), t.TempDir() // the mount point outside root
+	g.Expect(os.WriteFile(outerFile, nil, 0o600)).To(Succeed())
+	g.Expect(os.Truncate(outerFile, 64<<20)).To(Succeed())
+	run := func(args ...string) string {
+		out, err := exec.Command(args[0], args[1:]...).CombinedOutput()
+		g.Expect(err).NotTo(HaveOccurred(), "%v: %s", args, out)
+		return strings.TrimSpace(string(out))
+	}
+	outer := run("losetup", "--find", "--show", outerFile)
+	t.Cleanup(func() { _ = exec.Command("losetup", "-d", outer).Run() })
+	run("mkfs.ext4", "-q", outer)
+	run("mount", outer, mnt)
+	t.Cleanup(func() { _ = exec.Command("umount", mnt).Run() })
+	innerFile := filepath.Join(mnt, "volume.img")
+	g.Expect(os.WriteFile(innerFile, nil, 0o600)).To(Succeed())
+	g.Expect(os.Truncate(innerFile, 8<<20)).To(Succeed())
+	inner := run("losetup", "--find", "--show", innerFile)
+	t.Cleanup(func() { _ = exec.Command("losetup", "-d", inner).Run() })
+
+	g.Expect(LoopsBelow(root)).To(Equal([]string{outer, inner}))
+	g.Expect(detachLoopsBelow(root)).To(Succeed())
+	g.Expect(LoopsBelow(root)).To(Equal([]string{outer}), "the mounted outer device stays until its unmount (auto-clear)")
+	run("umount", mnt)
+	g.Eventually(func() ([]string, error) { return LoopsBelow(root) }).Should(BeEmpty())
+}

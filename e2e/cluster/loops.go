@@ -5,29 +5,61 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 
 	"golang.org/x/sys/unix"
 )
 
-// LoopsBelow lists the loop devices (/dev/loopN) whose backing file is at or below dir.
+// LoopsBelow lists the loop devices (/dev/loopN) whose backing file is at or below dir, then
+// those whose backing file is on one of them (volumes a containerd node's mgmt-csi made on its
+// PMEM filesystem: their path, as the container saw it, says nothing of dir). Outer devices
+// come first.
 func LoopsBelow(dir string) ([]string, error) {
 	files, err := filepath.Glob("/sys/block/loop*/loop/backing_file")
 	if err != nil {
 		return nil, err
 	}
-	var loops []string
+	var loops, others []string
+	devs := map[uint64]bool{} // of the loops below dir
 	for _, f := range files {
 		data, err := os.ReadFile(f)
 		if err != nil {
 			continue // detached meanwhile
 		}
+		name := filepath.Base(filepath.Dir(filepath.Dir(f)))
 		backing := strings.TrimSuffix(strings.TrimSuffix(string(data), "\n"), " (deleted)")
-		if backing == dir || strings.HasPrefix(backing, dir+"/") {
-			loops = append(loops, "/dev/"+filepath.Base(filepath.Dir(filepath.Dir(f))))
+		if backing != dir && !strings.HasPrefix(backing, dir+"/") {
+			others = append(others, "/dev/"+name)
+			continue
+		}
+		loops = append(loops, "/dev/"+name)
+		var st unix.Stat_t
+		if unix.Stat("/dev/"+name, &st) == nil {
+			devs[st.Rdev] = true
 		}
 	}
-	return loops, nil
+	var inner []string
+	for _, l := range others {
+		if dev, ok := backingDevice(l); ok && devs[dev] {
+			inner = append(inner, l)
+		}
+	}
+	return append(loops, inner...), nil
+}
+
+// backingDevice returns the device of the filesystem that holds loop device l's backing file.
+func backingDevice(l string) (uint64, bool) {
+	f, err := os.Open(l)
+	if err != nil {
+		return 0, false
+	}
+	defer f.Close()
+	info, err := unix.IoctlLoopGetStatus64(int(f.Fd()))
+	if err != nil {
+		return 0, false
+	}
+	return unix.Mkdev(unix.Major(info.Device), unix.Minor(info.Device)), true
 }
 
 // detachLoopsBelow detaches every loop device backed by a file below dir. A device still in use
@@ -38,7 +70,7 @@ func detachLoopsBelow(dir string) error {
 		return err
 	}
 	var errs []error
-	for _, l := range loops {
+	for _, l := range slices.Backward(loops) { // inner devices first
 		if err := detachLoop(l); err != nil {
 			errs = append(errs, fmt.Errorf("detach %s: %w", l, err))
 		}

@@ -12,9 +12,10 @@ import (
 // whose only writer is the process that owns the lab. The kernel closes that pipe however the
 // owner ends (Stop, panic, SIGKILL), and the script then kills every process group still
 // recorded under pids/, unmounts everything below the lab root (deepest first), detaches the
-// loop devices of files below it, and removes the pod networks of its containerd nodes (bridges
-// recorded under bridges/, their subnet locks, the DNAT rules marked with the root). After a clean Stop there is nothing left to do, so running it
-// twice is harmless. It needs bash: dash's kill cannot signal a process group.
+// loop devices of files below it (and of files on those), and removes the pod networks of its
+// containerd nodes (bridges recorded under bridges/, their subnet locks, the DNAT rules marked
+// with the root). After a clean Stop there is nothing left to do, so running it twice is
+// harmless. It needs bash: dash's kill cannot signal a process group.
 const reaperScript = `
 root=$1
 cat >/dev/null
@@ -22,6 +23,19 @@ for f in "$root"/pids/*; do
 	[ -e "$f" ] || continue
 	kill -KILL -- "-${f##*/}" 2>/dev/null
 done
+# Loop devices whose backing file is on a loop device below the root (a containerd node's
+# volumes on its PMEM filesystem) go first: they keep that filesystem busy.
+detach_inner() {
+	for f in /sys/block/loop*/loop/backing_file; do
+		[ -e "$f" ] || continue
+		b=$(cat "$f" 2>/dev/null) || continue
+		case "$b" in "$root"/*) d=${f#/sys/block/}; cat "/sys/block/${d%%/*}/dev" ;; esac
+	done >"$root/.outer-loops"
+	losetup --list --noheadings --output NAME,BACK-MAJ:MIN 2>/dev/null | while read -r name dev; do
+		grep -qx "$dev" "$root/.outer-loops" && losetup -d "$name" 2>/dev/null
+	done
+	rm -f "$root/.outer-loops"
+}
 detach() {
 	for f in /sys/block/loop*/loop/backing_file; do
 		[ -e "$f" ] || continue
@@ -29,6 +43,7 @@ detach() {
 		case "$b" in "$root"/*) d=${f#/sys/block/}; losetup -d "/dev/${d%%/*}" 2>/dev/null ;; esac
 	done
 }
+detach_inner
 detach
 awk -v r="$root" '$5 == r || index($5, r "/") == 1 { print $5 }' /proc/self/mountinfo |
 	sort -r | while read -r m; do umount -l "$m" 2>/dev/null; done

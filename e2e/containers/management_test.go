@@ -14,6 +14,7 @@ import (
 
 	. "github.com/onsi/gomega"
 	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
@@ -77,6 +78,18 @@ func TestManagementOverlayInRealContainers(t *testing.T) {
 		g.Expect(vas.Items).To(BeEmpty(), "the writer's volume is detached")
 	}).WithContext(ctx).WithTimeout(2 * time.Minute).Should(Succeed())
 	g.Expect(runToCompletion(ctx, g, c, "reader", "cat /data/file")).To(Equal("written-in-a-container\n"))
+
+	// Deleting the claim deletes the volume: its PV, and the loop device mgmt-csi made for it.
+	pvc, err := c.CoreV1().PersistentVolumeClaims("default").Get(ctx, "data", metav1.GetOptions{})
+	g.Expect(err).NotTo(HaveOccurred())
+	g.Expect(c.CoreV1().PersistentVolumeClaims("default").Delete(ctx, "data", metav1.DeleteOptions{})).To(Succeed())
+	g.Eventually(func(g Gomega) {
+		_, err := c.CoreV1().PersistentVolumes().Get(ctx, pvc.Spec.VolumeName, metav1.GetOptions{})
+		g.Expect(apierrors.IsNotFound(err)).To(BeTrue(), "PV %s: %v", pvc.Spec.VolumeName, err)
+		loops, err := cluster.LoopsBelow(lab.Root)
+		g.Expect(err).NotTo(HaveOccurred())
+		g.Expect(loops).To(HaveLen(1), "only the PMEM filesystem's loop device")
+	}).WithContext(ctx).WithTimeout(2 * time.Minute).Should(Succeed())
 }
 
 // newLab starts a lab that stops when the test ends, with every image built into it.
