@@ -188,13 +188,14 @@ func processAlive(pid int) bool {
 	return len(fields) > 0 && fields[0] != "Z"
 }
 
-// TestLoopsBelowFindsLoopsOnLoops makes a loop device below a root, a filesystem on it, and a
-// loop device of a file on that filesystem opened by a path outside the root (as a containerd
-// node's mgmt-csi sees it): both are the root's, the inner one is detached first.
+// TestLoopsBelowFindsLoopsOnLoops makes a loop device of a file below a root, a filesystem on
+// it, and, in a mount namespace of its own (as a containerd node's mgmt-csi does), a loop device
+// of a file on that filesystem, whose path means nothing here: both are the root's, and the
+// inner one is detached first, which lets the outer one go.
 func TestLoopsBelowFindsLoopsOnLoops(t *testing.T) {
 	g := NewWithT(t)
 	root := t.TempDir()
-	outerFile, mnt := filepath.Join(root, "pmem.img"), t.TempDir() // the mount point outside root
+	outerFile, mnt := filepath.Join(root, "pmem.img"), t.TempDir() // mounted only in the namespace
 	g.Expect(os.WriteFile(outerFile, nil, 0o600)).To(Succeed())
 	g.Expect(os.Truncate(outerFile, 64<<20)).To(Succeed())
 	run := func(args ...string) string {
@@ -205,17 +206,12 @@ func TestLoopsBelowFindsLoopsOnLoops(t *testing.T) {
 	outer := run("losetup", "--find", "--show", outerFile)
 	t.Cleanup(func() { _ = exec.Command("losetup", "-d", outer).Run() })
 	run("mkfs.ext4", "-q", outer)
-	run("mount", outer, mnt)
-	t.Cleanup(func() { _ = exec.Command("umount", mnt).Run() })
-	innerFile := filepath.Join(mnt, "volume.img")
-	g.Expect(os.WriteFile(innerFile, nil, 0o600)).To(Succeed())
-	g.Expect(os.Truncate(innerFile, 8<<20)).To(Succeed())
-	inner := run("losetup", "--find", "--show", innerFile)
+	inner := run("unshare", "--mount", "--propagation", "private", "sh", "-ec",
+		fmt.Sprintf("mount %s %s; truncate -s 8M %[2]s/volume.img; losetup --find --show %[2]s/volume.img", outer, mnt))
 	t.Cleanup(func() { _ = exec.Command("losetup", "-d", inner).Run() })
 
 	g.Expect(LoopsBelow(root)).To(Equal([]string{outer, inner}))
+	g.Expect(LoopsBelow(t.TempDir())).To(BeEmpty(), "another root opens no device")
 	g.Expect(detachLoopsBelow(root)).To(Succeed())
-	g.Expect(LoopsBelow(root)).To(Equal([]string{outer}), "the mounted outer device stays until its unmount (auto-clear)")
-	run("umount", mnt)
 	g.Eventually(func() ([]string, error) { return LoopsBelow(root) }).Should(BeEmpty())
 }

@@ -30,7 +30,11 @@ func LoopsBelow(dir string) ([]string, error) {
 		name := filepath.Base(filepath.Dir(filepath.Dir(f)))
 		backing := strings.TrimSuffix(strings.TrimSuffix(string(data), "\n"), " (deleted)")
 		if backing != dir && !strings.HasPrefix(backing, dir+"/") {
-			others = append(others, "/dev/"+name)
+			// Only a device whose file this mount namespace does not have can be on one of
+			// ours (a container's path); opening the others' would race their owners' detach.
+			if _, err := os.Stat(backing); errors.Is(err, os.ErrNotExist) && !strings.HasSuffix(string(data), " (deleted)\n") {
+				others = append(others, "/dev/"+name)
+			}
 			continue
 		}
 		loops = append(loops, "/dev/"+name)
@@ -39,13 +43,15 @@ func LoopsBelow(dir string) ([]string, error) {
 			devs[st.Rdev] = true
 		}
 	}
-	var inner []string
+	if len(devs) == 0 {
+		return loops, nil
+	}
 	for _, l := range others {
 		if dev, ok := backingDevice(l); ok && devs[dev] {
-			inner = append(inner, l)
+			loops = append(loops, l)
 		}
 	}
-	return append(loops, inner...), nil
+	return loops, nil
 }
 
 // backingDevice returns the device of the filesystem that holds loop device l's backing file.

@@ -24,17 +24,27 @@ for f in "$root"/pids/*; do
 	kill -KILL -- "-${f##*/}" 2>/dev/null
 done
 # Loop devices whose backing file is on a loop device below the root (a containerd node's
-# volumes on its PMEM filesystem) go first: they keep that filesystem busy.
+# volumes on its PMEM filesystem, with the container's path) go first: they keep that
+# filesystem busy. Only devices whose file this namespace does not have are looked at: opening
+# other devices would race their owners' detach.
 detach_inner() {
+	outer=" "
 	for f in /sys/block/loop*/loop/backing_file; do
 		[ -e "$f" ] || continue
 		b=$(cat "$f" 2>/dev/null) || continue
-		case "$b" in "$root"/*) d=${f#/sys/block/}; cat "/sys/block/${d%%/*}/dev" ;; esac
-	done >"$root/.outer-loops"
-	losetup --list --noheadings --output NAME,BACK-MAJ:MIN 2>/dev/null | while read -r name dev; do
-		grep -qx "$dev" "$root/.outer-loops" && losetup -d "$name" 2>/dev/null
+		case "$b" in "$root"/*) d=${f#/sys/block/}; outer="$outer$(cat "/sys/block/${d%%/*}/dev") " ;; esac
 	done
-	rm -f "$root/.outer-loops"
+	[ "$outer" = " " ] && return
+	for f in /sys/block/loop*/loop/backing_file; do
+		[ -e "$f" ] || continue
+		b=$(cat "$f" 2>/dev/null) || continue
+		case "$b" in "$root"/* | *" (deleted)") continue ;; esac
+		[ -e "$b" ] && continue
+		d=${f#/sys/block/}
+		d=/dev/${d%%/*}
+		dev=$(losetup --noheadings --output BACK-MAJ:MIN "$d" 2>/dev/null | tr -d ' ')
+		case "$outer" in *" $dev "*) losetup -d "$d" 2>/dev/null ;; esac
+	done
 }
 detach() {
 	for f in /sys/block/loop*/loop/backing_file; do

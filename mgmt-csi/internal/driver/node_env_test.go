@@ -9,6 +9,7 @@ import (
 	"strings"
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"golang.org/x/sys/unix"
@@ -91,7 +92,14 @@ func newNodeEnv(t *testing.T) *nodeEnv {
 					t.Errorf("detach %s: %v: %s", device, err, out)
 				}
 			}
-			if devs := loopsOf(t, file); len(devs) > 0 {
+			// A device that another process of the machine has open at that moment (losetup
+			// --associated of a lab's mgmt-csi opens every loop device) is only set to
+			// auto-clear, and goes at that process's close.
+			devs := loopsOf(t, file)
+			for deadline := time.Now().Add(10 * time.Second); len(devs) > 0 && time.Now().Before(deadline); devs = loopsOf(t, file) {
+				time.Sleep(20 * time.Millisecond)
+			}
+			if len(devs) > 0 {
 				t.Errorf("loop devices %v still attached to %s", devs, file)
 			}
 		}
