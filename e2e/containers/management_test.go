@@ -109,17 +109,8 @@ func newLab(t *testing.T) (*cluster.Lab, []string) {
 			_ = os.RemoveAll(root)
 		}
 	})
-	tags, err := images.Tags(filepath.Join(bin.Repo, "manifests", "components", "images", "kustomization.yaml"))
+	archives, err := images.BuildForLab(bin.Repo, bin.Dir, filepath.Join(root, "images"))
 	g.Expect(err).NotTo(HaveOccurred())
-	labImages, err := images.LabImages()
-	g.Expect(err).NotTo(HaveOccurred())
-	built, err := images.BuildAll(images.Options{Root: bin.Repo, Bin: bin.Dir, Out: filepath.Join(root, "images"), Tags: tags},
-		append(labImages, images.Catalogue...))
-	g.Expect(err).NotTo(HaveOccurred())
-	var archives []string
-	for _, b := range built {
-		archives = append(archives, b.File)
-	}
 	return lab, archives
 }
 

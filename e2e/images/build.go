@@ -113,3 +113,26 @@ func buildBinaries(root, dir string, imgs []Image) error {
 	}
 	return nil
 }
+
+// BuildForLab builds every image the manifests name and the lab's own (pause, busybox), tagged
+// as the manifests set them, into out, and returns the archives: what a lab's containerd
+// nodes import. root is pvbridge's repository, bin the pinned tool binaries.
+func BuildForLab(root, bin, out string) ([]string, error) {
+	tags, err := Tags(filepath.Join(root, "manifests", "components", "images", "kustomization.yaml"))
+	if err != nil {
+		return nil, err
+	}
+	lab, err := LabImages()
+	if err != nil {
+		return nil, err
+	}
+	built, err := BuildAll(Options{Root: root, Bin: bin, Out: out, Tags: tags}, append(lab, Catalogue...))
+	if err != nil {
+		return nil, err
+	}
+	archives := make([]string, len(built))
+	for i, b := range built {
+		archives[i] = b.File
+	}
+	return archives, nil
+}
