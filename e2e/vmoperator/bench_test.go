@@ -105,8 +105,7 @@ func BenchmarkAttachDetach100VolumesAcross10VMs(b *testing.B) {
 				start[v.Name] = time.Now()
 			}
 			mu.Unlock()
-			vm.Spec.Volumes = nil
-			g.Expect(c.Update(ctx, vm)).To(Succeed())
+			detachAll(ctx, g, vm)
 		}
 		<-done
 		watcher.Stop()

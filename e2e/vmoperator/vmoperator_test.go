@@ -167,6 +167,18 @@ func attachmentsOf(ctx context.Context, g Gomega, vm *vmv1.VirtualMachine) []sto
 	return list.Items
 }
 
+// detachAll empties a VM's spec.volumes. vm-operator writes the VM too (finalizer, status), so the
+// update retries on a conflict the way any client of a controller-owned object must.
+func detachAll(ctx context.Context, g Gomega, vm *vmv1.VirtualMachine) {
+	g.Expect(retry.RetryOnConflict(retry.DefaultRetry, func() error {
+		if err := c.Get(ctx, client.ObjectKeyFromObject(vm), vm); err != nil {
+			return err
+		}
+		vm.Spec.Volumes = nil
+		return c.Update(ctx, vm)
+	})).To(Succeed())
+}
+
 func TestAttachDetachAndReattachToASecondVM(t *testing.T) {
 	g := NewWithT(t)
 	ctx, ns := t.Context(), namespace(t)
@@ -182,9 +194,7 @@ func TestAttachDetachAndReattachToASecondVM(t *testing.T) {
 	g.Expect(*vas[0].Spec.Source.PersistentVolumeName).To(Equal(pv.Name))
 
 	// Detach: remove the volume from spec.
-	g.Expect(c.Get(ctx, client.ObjectKeyFromObject(vm1), vm1)).To(Succeed())
-	vm1.Spec.Volumes = nil
-	g.Expect(c.Update(ctx, vm1)).To(Succeed())
+	detachAll(ctx, g, vm1)
 	g.Eventually(func(g Gomega) {
 		g.Expect(c.Get(ctx, client.ObjectKeyFromObject(vm1), vm1)).To(Succeed())
 		g.Expect(vm1.Status.Volumes).To(BeEmpty())
@@ -249,13 +259,7 @@ func TestAVolumeIsAttachedToOneVMAtATime(t *testing.T) {
 	g.Expect(attachmentsOf(ctx, g, vm2)).To(BeEmpty())
 
 	// Once the first has let go, the second gets it.
-	g.Expect(retry.RetryOnConflict(retry.DefaultRetry, func() error {
-		if err := c.Get(ctx, client.ObjectKeyFromObject(vm1), vm1); err != nil {
-			return err
-		}
-		vm1.Spec.Volumes = nil
-		return c.Update(ctx, vm1)
-	})).To(Succeed())
+	detachAll(ctx, g, vm1)
 	e = volumeStatus(ctx, g, vm2, "data", attached)
 	diskInVM(g, "host-a", vm2, e.DiskSerial, pv.Spec.CSI.VolumeHandle)
 }
@@ -325,9 +329,7 @@ func TestHostAgentKilledMidAttachAndMidDetachConverges(t *testing.T) {
 	g.Expect(attachmentsOf(ctx, g, vm)).To(HaveLen(len(claims)))
 
 	// And mid-detach.
-	g.Expect(c.Get(ctx, client.ObjectKeyFromObject(vm), vm)).To(Succeed())
-	vm.Spec.Volumes = nil
-	g.Expect(c.Update(ctx, vm)).To(Succeed())
+	detachAll(ctx, g, vm)
 	g.Eventually(func() int {
 		g.Expect(c.Get(ctx, client.ObjectKeyFromObject(vm), vm)).To(Succeed())
 		return len(vm.Status.Volumes)
