@@ -31,10 +31,14 @@ help: ## Show this help.
 		/^[a-zA-Z_-]+:.*?##/ { printf "  \033[36m%-10s\033[0m %s\n", $$1, $$2 } \
 		/^##@/ { printf "\n%s\n", substr($$0, 5) }' $(MAKEFILE_LIST)
 
+# RUNTIME=containerd: every node runs containerd, pvbridge installed from the overlays and images.
+RUNTIME ?= process
+
 .PHONY: run
-run: deps lab-tools ## Start the lab (management + guest clusters on 127.0.0.1) until Ctrl-C.
+run: deps lab-tools ## Start the lab (management + guest clusters on 127.0.0.1) until Ctrl-C; RUNTIME=containerd for real containers.
+	$(if $(filter containerd,$(RUNTIME)),hack/phase.sh tools hack/build-tools.sh containerd)
 	go build -o bin/lab ./e2e/cmd/lab
-	bin/lab
+	bin/lab --runtime=$(RUNTIME)
 
 .PHONY: test
 test: deps test-tools ## Run every test: unit and integration (-race), end-to-end, fuzz, csi-sanity.

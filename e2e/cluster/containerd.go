@@ -3,9 +3,11 @@ package cluster
 import (
 	"context"
 	"fmt"
+	"maps"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -26,9 +28,10 @@ var nodePaths = []string{
 	"/var/log/pods", "/var/lib/pvbridge", "/run/pvbridge",
 }
 
-// startNamespace starts the node's namespace and returns once its bind mounts are made. Its
-// first process is pause, which ends on SIGTERM and so ends the namespace.
-func (n *Node) startNamespace(ctx context.Context) error {
+// startNamespace starts the node's namespace and returns once its bind mounts are made: its own
+// directories, then binds (path in the node → directory of the machine). Its first process is
+// pause, which ends on SIGTERM and so ends the namespace.
+func (n *Node) startNamespace(ctx context.Context, binds map[string]string) error {
 	pause, err := n.cp.lab.bin.Own("./e2e/cmd/pause")
 	if err != nil {
 		return err
@@ -45,6 +48,13 @@ func (n *Node) startNamespace(ctx context.Context) error {
 			return err
 		}
 		fmt.Fprintf(&script, "mount --bind %q %q\n", src, p)
+	}
+	for _, p := range slices.Sorted(maps.Keys(binds)) {
+		// The mount point is made in the node's tree: below one of its own directories.
+		if err := os.MkdirAll(n.HostPath(p), 0o755); err != nil {
+			return err
+		}
+		fmt.Fprintf(&script, "mount --bind %q %q\n", binds[p], p)
 	}
 	// Shared, so that a pod's Bidirectional mount propagation works inside the node; the machine,
 	// a master of this namespace, sees none of the node's mounts.

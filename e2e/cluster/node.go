@@ -55,6 +55,9 @@ type NodeOptions struct {
 	// Images are OCI archives a containerd node imports before its kubelet starts (no registry
 	// is reachable); they must include SandboxImage.
 	Images []string
+	// Binds are more directories of a containerd node: path in the node → directory of the
+	// machine, bind-mounted after the node's own (a VM's device tree, for a guest node).
+	Binds map[string]string
 }
 
 // PluginRegistryDir is where CSI node plugins put their kubelet registration sockets.
@@ -90,7 +93,7 @@ func (cp *ControlPlane) AddNode(ctx context.Context, name string, opts NodeOptio
 		kc.podLogs, kc.volumePlugins = filepath.Join(n.Dir, "podlogs"), filepath.Join(n.Dir, "volplugins")
 		args = append(args, "--root-dir="+n.KubeletDir, "--cert-dir="+filepath.Join(n.Dir, "pki"))
 	case Containerd:
-		if err := n.startNamespace(ctx); err != nil {
+		if err := n.startNamespace(ctx, opts.Binds); err != nil {
 			return nil, err
 		}
 		pn, err := cp.lab.startPodNetwork()

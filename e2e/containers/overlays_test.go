@@ -5,95 +5,72 @@ package containers_test
 
 import (
 	"context"
-	"fmt"
 	"os"
-	"os/exec"
-	"path/filepath"
 	"testing"
 	"time"
 
 	. "github.com/onsi/gomega"
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
-	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
-	"k8s.io/utils/ptr"
+	"k8s.io/klog/v2"
+	logf "sigs.k8s.io/controller-runtime/pkg/log"
 
 	"pvbridge.io/e2e/cluster"
-	"pvbridge.io/e2e/images"
+	"pvbridge.io/e2e/deploy"
 )
 
-// TestManagementOverlayInRealContainers applies the management overlay (file-mode PMEM) to a
-// cluster with one containerd host, waits until every pvbridge workload is ready (their
-// /healthz answers), and takes a volume of class pmem through mgmt-csi in real containers: one
-// pod writes, a second reads it back after the first one's detach.
-func TestManagementOverlayInRealContainers(t *testing.T) {
+func TestMain(m *testing.M) {
+	logf.SetLogger(klog.Background()) // deploy's controller-runtime clients log through klog
+	os.Exit(m.Run())
+}
+
+// TestOverlaysInRealContainers installs both overlays for real (deploy.Install: containerd
+// nodes, the built images, kubectl apply -k) on a management cluster with one host and a guest
+// cluster of two VMs on it, and takes a guest volume through both layers in real containers:
+// a pod on vm-1 writes, and after its volume is detached from vm-1 (hot-unplugged), a pod on
+// vm-2 reads it back. Deleting the claim deletes the management volume and its loop device.
+func TestOverlaysInRealContainers(t *testing.T) {
 	g := NewWithT(t)
 	ctx := t.Context()
-	lab, archives := newLab(t)
-	cp, err := lab.StartControlPlane(ctx, "mgmt")
-	g.Expect(err).NotTo(HaveOccurred())
-	host, err := cp.AddNode(ctx, "host-a", cluster.NodeOptions{
-		Runtime: cluster.Containerd, Images: archives, Labels: map[string]string{"vm.pvbridge.io/host": "true"},
+	lab := newLab(t)
+	in, err := deploy.Install(ctx, lab, deploy.InstalledOptions{
+		Hosts: []string{"host-a"}, PmemSize: 2 << 30,
+		Guest: deploy.GuestOptions{Name: "alpha", Namespace: "tenant-a", VMs: map[string]string{"vm-1": "host-a", "vm-2": "host-a"}},
 	})
 	g.Expect(err).NotTo(HaveOccurred())
+	gc, mc := in.Guest.Client(), in.Mgmt.Client()
 
-	// The host's emulated PMEM: an XFS filesystem in a file, mounted in the host.
-	pmem := filepath.Join(host.Dir, "pmem.img")
-	g.Expect(os.WriteFile(pmem, nil, 0o600)).To(Succeed())
-	g.Expect(os.Truncate(pmem, 2<<30)).To(Succeed())
-	g.Expect(os.MkdirAll(host.HostPath("/var/lib/pvbridge/pmem"), 0o755)).To(Succeed())
-	for _, cmd := range []*exec.Cmd{
-		exec.CommandContext(ctx, "mkfs.xfs", "-q", "-m", "reflink=1", pmem),
-		host.Command(ctx, "mount", "-o", "loop", pmem, "/var/lib/pvbridge/pmem"),
-	} {
-		out, err := cmd.CombinedOutput()
-		g.Expect(err).NotTo(HaveOccurred(), string(out))
-	}
-
-	kubectl, err := lab.Binaries().Tool("kubectl")
+	_, err = gc.CoreV1().PersistentVolumeClaims("default").Create(ctx, deploy.PVC("default", "data", "", "64Mi", false), metav1.CreateOptions{})
 	g.Expect(err).NotTo(HaveOccurred())
-	out, err := exec.CommandContext(ctx, kubectl, "--kubeconfig", cp.Kubeconfig, "apply", "--server-side", "--force-conflicts",
-		"-k", filepath.Join("testdata", "management")).CombinedOutput()
-	g.Expect(err).NotTo(HaveOccurred(), string(out))
-	c := cp.Client()
-	waitWorkloadsReady(ctx, g, c, "pvbridge-system")
-
-	claim := &corev1.PersistentVolumeClaim{
-		ObjectMeta: metav1.ObjectMeta{Namespace: "default", Name: "data"},
-		Spec: corev1.PersistentVolumeClaimSpec{
-			AccessModes:      []corev1.PersistentVolumeAccessMode{corev1.ReadWriteOnce},
-			StorageClassName: ptr.To("pmem"),
-			Resources:        corev1.VolumeResourceRequirements{Requests: corev1.ResourceList{corev1.ResourceStorage: resource.MustParse("64Mi")}},
-		},
-	}
-	_, err = c.CoreV1().PersistentVolumeClaims("default").Create(ctx, claim, metav1.CreateOptions{})
-	g.Expect(err).NotTo(HaveOccurred())
-
-	runToCompletion(ctx, g, c, "writer", "echo written-in-a-container > /data/file && sync")
+	runToCompletion(ctx, g, gc, "writer", "vm-1", "echo written-in-a-container > /data/file && sync")
 	g.Eventually(func(g Gomega) {
-		vas, err := c.StorageV1().VolumeAttachments().List(ctx, metav1.ListOptions{})
+		vas, err := gc.StorageV1().VolumeAttachments().List(ctx, metav1.ListOptions{})
 		g.Expect(err).NotTo(HaveOccurred())
-		g.Expect(vas.Items).To(BeEmpty(), "the writer's volume is detached")
+		g.Expect(vas.Items).To(BeEmpty(), "the writer's volume is detached from vm-1")
 	}).WithContext(ctx).WithTimeout(2 * time.Minute).Should(Succeed())
-	g.Expect(runToCompletion(ctx, g, c, "reader", "cat /data/file")).To(Equal("written-in-a-container\n"))
+	g.Expect(runToCompletion(ctx, g, gc, "reader", "vm-2", "cat /data/file")).To(Equal("written-in-a-container\n"))
 
-	// Deleting the claim deletes the volume: its PV, and the loop device mgmt-csi made for it.
-	pvc, err := c.CoreV1().PersistentVolumeClaims("default").Get(ctx, "data", metav1.GetOptions{})
+	// Deleting the claim deletes the guest PV, the management PVC and PV, and the loop device
+	// mgmt-csi made for the volume.
+	pvc, err := gc.CoreV1().PersistentVolumeClaims("default").Get(ctx, "data", metav1.GetOptions{})
 	g.Expect(err).NotTo(HaveOccurred())
-	g.Expect(c.CoreV1().PersistentVolumeClaims("default").Delete(ctx, "data", metav1.DeleteOptions{})).To(Succeed())
+	g.Expect(gc.CoreV1().PersistentVolumeClaims("default").Delete(ctx, "data", metav1.DeleteOptions{})).To(Succeed())
 	g.Eventually(func(g Gomega) {
-		_, err := c.CoreV1().PersistentVolumes().Get(ctx, pvc.Spec.VolumeName, metav1.GetOptions{})
-		g.Expect(apierrors.IsNotFound(err)).To(BeTrue(), "PV %s: %v", pvc.Spec.VolumeName, err)
+		_, err := gc.CoreV1().PersistentVolumes().Get(ctx, pvc.Spec.VolumeName, metav1.GetOptions{})
+		g.Expect(apierrors.IsNotFound(err)).To(BeTrue(), "guest PV %s: %v", pvc.Spec.VolumeName, err)
+		pvs, err := mc.CoreV1().PersistentVolumes().List(ctx, metav1.ListOptions{})
+		g.Expect(err).NotTo(HaveOccurred())
+		g.Expect(pvs.Items).To(BeEmpty(), "management PVs")
 		loops, err := cluster.LoopsBelow(lab.Root)
 		g.Expect(err).NotTo(HaveOccurred())
 		g.Expect(loops).To(HaveLen(1), "only the PMEM filesystem's loop device")
 	}).WithContext(ctx).WithTimeout(2 * time.Minute).Should(Succeed())
 }
 
-// newLab starts a lab that stops when the test ends, with every image built into it.
-func newLab(t *testing.T) (*cluster.Lab, []string) {
+// newLab starts a lab that stops when the test ends.
+func newLab(t *testing.T) *cluster.Lab {
 	g := NewWithT(t)
 	bin, err := cluster.DefaultBinaries()
 	g.Expect(err).NotTo(HaveOccurred())
@@ -109,69 +86,15 @@ func newLab(t *testing.T) (*cluster.Lab, []string) {
 			_ = os.RemoveAll(root)
 		}
 	})
-	archives, err := images.BuildForLab(bin.Repo, bin.Dir, filepath.Join(root, "images"))
-	g.Expect(err).NotTo(HaveOccurred())
-	return lab, archives
+	return lab
 }
 
-// waitWorkloadsReady waits until every Deployment and DaemonSet of ns has all its pods ready.
-func waitWorkloadsReady(ctx context.Context, g Gomega, c kubernetes.Interface, ns string) {
-	g.Eventually(func(g Gomega) {
-		deps, err := c.AppsV1().Deployments(ns).List(ctx, metav1.ListOptions{})
-		g.Expect(err).NotTo(HaveOccurred())
-		g.Expect(deps.Items).NotTo(BeEmpty())
-		for _, d := range deps.Items {
-			g.Expect(d.Status.ReadyReplicas).To(Equal(ptr.Deref(d.Spec.Replicas, 1)), "Deployment %s: %s", d.Name, podProblems(ctx, c, ns))
-		}
-		dss, err := c.AppsV1().DaemonSets(ns).List(ctx, metav1.ListOptions{})
-		g.Expect(err).NotTo(HaveOccurred())
-		for _, ds := range dss.Items {
-			g.Expect(ds.Status.DesiredNumberScheduled).To(BeNumerically(">", 0), "DaemonSet %s", ds.Name)
-			g.Expect(ds.Status.NumberReady).To(Equal(ds.Status.DesiredNumberScheduled), "DaemonSet %s: %s", ds.Name, podProblems(ctx, c, ns))
-		}
-	}).WithContext(ctx).WithTimeout(3 * time.Minute).Should(Succeed())
-}
-
-// podProblems describes the pods of ns that are not ready, for a failure message.
-func podProblems(ctx context.Context, c kubernetes.Interface, ns string) string {
-	pods, err := c.CoreV1().Pods(ns).List(ctx, metav1.ListOptions{})
-	if err != nil {
-		return err.Error()
-	}
-	var s string
-	for _, p := range pods.Items {
-		for _, cs := range p.Status.ContainerStatuses {
-			switch {
-			case cs.State.Waiting != nil:
-				s += fmt.Sprintf("\n%s/%s waiting: %s %s", p.Name, cs.Name, cs.State.Waiting.Reason, cs.State.Waiting.Message)
-			case cs.State.Terminated != nil:
-				s += fmt.Sprintf("\n%s/%s terminated: %s %s", p.Name, cs.Name, cs.State.Terminated.Reason, cs.State.Terminated.Message)
-			case !cs.Ready:
-				s += fmt.Sprintf("\n%s/%s not ready (restarts %d)", p.Name, cs.Name, cs.RestartCount)
-			}
-		}
-	}
-	return s
-}
-
-// runToCompletion runs script in a busybox pod that mounts claim "data" at /data, waits until
-// it succeeded, deletes it and returns its output.
-func runToCompletion(ctx context.Context, g Gomega, c kubernetes.Interface, name, script string) string {
-	pod := &corev1.Pod{
-		ObjectMeta: metav1.ObjectMeta{Namespace: "default", Name: name},
-		Spec: corev1.PodSpec{
-			RestartPolicy:                 corev1.RestartPolicyNever,
-			TerminationGracePeriodSeconds: ptr.To[int64](1),
-			Containers: []corev1.Container{{
-				Name: "app", Image: "busybox", ImagePullPolicy: corev1.PullIfNotPresent,
-				Command:      []string{"sh", "-c", script},
-				VolumeMounts: []corev1.VolumeMount{{Name: "data", MountPath: "/data"}},
-			}},
-			Volumes: []corev1.Volume{{Name: "data", VolumeSource: corev1.VolumeSource{
-				PersistentVolumeClaim: &corev1.PersistentVolumeClaimVolumeSource{ClaimName: "data"},
-			}}},
-		},
-	}
+// runToCompletion runs script on node in a busybox pod that mounts claim "data" at /data, waits
+// until it succeeded, deletes it and returns its output.
+func runToCompletion(ctx context.Context, g Gomega, c kubernetes.Interface, name, node, script string) string {
+	pod := deploy.Pod("default", name, "data", node, false)
+	pod.Spec.RestartPolicy = corev1.RestartPolicyNever
+	pod.Spec.Containers[0].Command = []string{"sh", "-c", script}
 	_, err := c.CoreV1().Pods("default").Create(ctx, pod, metav1.CreateOptions{})
 	g.Expect(err).NotTo(HaveOccurred())
 	g.Eventually(func(g Gomega) {

@@ -3,6 +3,7 @@ package deploy
 import (
 	"context"
 	"fmt"
+	"maps"
 	"net/url"
 	"os"
 	"path/filepath"
@@ -18,6 +19,7 @@ import (
 	"k8s.io/apimachinery/pkg/util/wait"
 	"k8s.io/client-go/dynamic"
 	clientgoscheme "k8s.io/client-go/kubernetes/scheme"
+	"k8s.io/client-go/tools/clientcmd"
 	"k8s.io/utils/ptr"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
@@ -112,13 +114,17 @@ func StartGuest(ctx context.Context, lab *cluster.Lab, m *Management, op *VMOper
 	if err != nil {
 		return nil, err
 	}
-	if err := g.createTenant(ctx, mc); err != nil {
+	kubeconfig, err := os.ReadFile(gcp.Kubeconfig)
+	if err != nil {
+		return nil, err
+	}
+	if g.UID, err = createTenant(ctx, mc, opts, gcp.Server, kubeconfig, nil); err != nil {
 		return nil, err
 	}
 	if err := g.syncCredential(ctx, lab); err != nil {
 		return nil, err
 	}
-	if err := g.createVMs(ctx, mc); err != nil {
+	if err := createVMs(ctx, mc, opts); err != nil {
 		return nil, err
 	}
 	for vm, host := range opts.VMs {
@@ -145,36 +151,45 @@ func StartGuest(ctx context.Context, lab *cluster.Lab, m *Management, op *VMOper
 
 // createTenant does in the management cluster what a platform admin and Cluster API do for a
 // new guest: its namespace, with the tenancy admission policy on; its Cluster object, opted in
-// to the tenants controller with its allow-list of management StorageClasses; and Cluster API's
-// Secret with the guest's admin kubeconfig. The tenants controller does the rest: identity,
-// credential (delivered into the guest), policy parameters, guest install.
-func (g *Guest) createTenant(ctx context.Context, mc client.Client) error {
-	ns, name := g.Options.Namespace, g.Options.Name
+// to the tenants controller with its allow-list of management StorageClasses (and annotations);
+// and Cluster API's Secret with the guest's admin kubeconfig, whose apiserver is server (the
+// Cluster's controlPlaneEndpoint). The tenants controller does the rest: identity, credential
+// (delivered into the guest), policy parameters, guest install. It returns the Cluster's UID.
+func createTenant(ctx context.Context, mc client.Client, opts GuestOptions, server string, kubeconfig []byte, annotations map[string]string) (string, error) {
+	ns, name := opts.Namespace, opts.Name
 	namespace := &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: ns, Labels: map[string]string{tenancy.TenancyNamespaceLabel: tenancy.TenancyEnforced}}}
 	if err := mc.Create(ctx, namespace); err != nil && !apierrors.IsAlreadyExists(err) {
-		return fmt.Errorf("namespace %s: %w", ns, err)
+		return "", fmt.Errorf("namespace %s: %w", ns, err)
+	}
+	kc, err := clientcmd.Load(kubeconfig)
+	if err != nil {
+		return "", err
+	}
+	for _, c := range kc.Clusters {
+		c.Server = server
+	}
+	if kubeconfig, err = clientcmd.Write(*kc); err != nil {
+		return "", err
 	}
 	// The Cluster names the guest's apiserver, as a Cluster API provider would fill it in.
-	endpoint, err := url.Parse(g.CP.RESTConfig().Host)
+	endpoint, err := url.Parse(server)
 	if err != nil {
-		return err
+		return "", err
 	}
 	port, err := strconv.Atoi(endpoint.Port())
 	if err != nil {
-		return fmt.Errorf("guest apiserver %s: %w", endpoint, err)
+		return "", fmt.Errorf("guest apiserver %s: %w", endpoint, err)
 	}
-	classes := g.Options.StorageClasses
+	classes := opts.StorageClasses
 	if classes == "" {
 		classes = DefaultAllowedClasses
 	}
 	capi := NewCluster(ns, name, classes, endpoint.Hostname(), port)
+	a := capi.GetAnnotations()
+	maps.Copy(a, annotations)
+	capi.SetAnnotations(a)
 	if err := mc.Create(ctx, capi); err != nil {
-		return fmt.Errorf("create the Cluster %s/%s: %w", ns, name, err)
-	}
-	g.UID = string(capi.GetUID())
-	kubeconfig, err := os.ReadFile(g.CP.Kubeconfig)
-	if err != nil {
-		return err
+		return "", fmt.Errorf("create the Cluster %s/%s: %w", ns, name, err)
 	}
 	secret := &corev1.Secret{
 		// Owned by the Cluster, as Cluster API's cluster controller writes it: the tenants
@@ -185,9 +200,9 @@ func (g *Guest) createTenant(ctx context.Context, mc client.Client) error {
 		Data: map[string][]byte{"value": kubeconfig},
 	}
 	if err := mc.Create(ctx, secret); err != nil {
-		return fmt.Errorf("the kubeconfig Secret of %s/%s: %w", ns, name, err)
+		return "", fmt.Errorf("the kubeconfig Secret of %s/%s: %w", ns, name, err)
 	}
-	return nil
+	return string(capi.GetUID()), nil
 }
 
 // NewCluster returns a Cluster API Cluster opted in to the tenants controller with the
@@ -245,12 +260,12 @@ func (g *Guest) syncCredential(ctx context.Context, lab *cluster.Lab) error {
 }
 
 // createVMs creates the guest's VirtualMachines on their hosts and waits until they run.
-func (g *Guest) createVMs(ctx context.Context, mc client.Client) error {
-	for name, host := range g.Options.VMs {
+func createVMs(ctx context.Context, mc client.Client, opts GuestOptions) error {
+	for name, host := range opts.VMs {
 		vm := &vmv1.VirtualMachine{
 			ObjectMeta: metav1.ObjectMeta{
-				Namespace: g.Options.Namespace, Name: name,
-				Labels: map[string]string{tenancy.CAPIClusterNameLabel: g.Options.Name},
+				Namespace: opts.Namespace, Name: name,
+				Labels: map[string]string{tenancy.CAPIClusterNameLabel: opts.Name},
 			},
 			Spec: vmv1.VirtualMachineSpec{Host: host, PowerState: vmv1.PowerStateOn},
 		}
@@ -261,9 +276,9 @@ func (g *Guest) createVMs(ctx context.Context, mc client.Client) error {
 	ctx, cancel := context.WithTimeout(ctx, time.Minute)
 	defer cancel()
 	return wait.PollUntilContextCancel(ctx, 100*time.Millisecond, true, func(ctx context.Context) (bool, error) {
-		for name := range g.Options.VMs {
+		for name := range opts.VMs {
 			vm := &vmv1.VirtualMachine{}
-			if err := mc.Get(ctx, client.ObjectKey{Namespace: g.Options.Namespace, Name: name}, vm); err != nil {
+			if err := mc.Get(ctx, client.ObjectKey{Namespace: opts.Namespace, Name: name}, vm); err != nil {
 				return false, nil
 			}
 			if vm.Status.Phase != vmv1.PhaseRunning {

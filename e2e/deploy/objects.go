@@ -39,7 +39,8 @@ func PVC(ns, name, storageClass, size string, block bool) *corev1.PersistentVolu
 // lab run no processes; the kubelet still stages and publishes their volumes.
 func Pod(ns, name, claim, node string, block bool) *corev1.Pod {
 	// The lab's nodes have busybox imported and reach no registry.
-	c := corev1.Container{Name: "app", Image: "busybox", ImagePullPolicy: corev1.PullIfNotPresent}
+	// In a real container it sleeps until deleted; the fake runtime runs no command.
+	c := corev1.Container{Name: "app", Image: "busybox", ImagePullPolicy: corev1.PullIfNotPresent, Command: []string{"sleep", "infinity"}}
 	if block {
 		c.VolumeDevices = []corev1.VolumeDevice{{Name: "data", DevicePath: "/dev/data"}}
 	} else {
@@ -81,7 +82,7 @@ func StatefulSet(ns, name string, replicas int32, size string) *appsv1.StatefulS
 				Spec: corev1.PodSpec{
 					TerminationGracePeriodSeconds: ptr.To[int64](0),
 					Containers: []corev1.Container{{
-						Name: "app", Image: "busybox", ImagePullPolicy: corev1.PullIfNotPresent,
+						Name: "app", Image: "busybox", ImagePullPolicy: corev1.PullIfNotPresent, Command: []string{"sleep", "infinity"},
 						VolumeMounts: []corev1.VolumeMount{{Name: "data", MountPath: "/data"}},
 					}},
 				},

@@ -12,15 +12,25 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/util/wait"
 
+	"pvbridge.io/e2e/cluster"
 	"pvbridge.io/e2e/deploy"
 )
+
+// demoLab is what the demo needs of a lab.
+type demoLab struct {
+	mgmt, guest *cluster.ControlPlane
+	// guestNodes are keyed by VM name.
+	guestNodes map[string]*cluster.Node
+	// containers: the pods run in real containers (and kubectl exec works).
+	containers bool
+}
 
 // demo gives a pod of the guest cluster a volume through both layers: a guest PVC (default
 // StorageClass), mirrored into the management cluster, provisioned from host-b's PMEM,
 // hot-plugged into VM vm-2 and mounted there; it writes to it and shows the objects involved.
-func demo(ctx context.Context, g *deploy.Guest, m *deploy.Management, kubectl string) error {
+func demo(ctx context.Context, d demoLab, kubectl string) error {
 	const ns, vm = "demo", "vm-2"
-	c := g.CP.Client()
+	c := d.guest.Client()
 	fmt.Printf("\ndemo: a PVC and a pod on %s in the guest cluster (default StorageClass %s)\n", vm, deploy.StorageClassGuest)
 	if _, err := c.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: ns}}, metav1.CreateOptions{}); err != nil {
 		return err
@@ -46,18 +56,29 @@ func demo(ctx context.Context, g *deploy.Guest, m *deploy.Management, kubectl st
 		return err
 	}
 	fmt.Printf("demo: pod running with its volume mounted after %.1fs\n", time.Since(start).Seconds())
-	path := deploy.PodVolumePath(g.Nodes[vm], pod.UID, pvc.Spec.VolumeName, false)
-	if err := os.WriteFile(filepath.Join(path, "hello.txt"), []byte("hello from pvbridge\n"), 0o644); err != nil {
-		return err
+	if d.containers {
+		cmd := exec.CommandContext(ctx, kubectl, "--kubeconfig", d.guest.Kubeconfig, "exec", "-n", ns, "app", "--",
+			"sh", "-c", "echo hello from pvbridge > /data/hello.txt && df -h /data")
+		cmd.Stdout, cmd.Stderr = os.Stdout, os.Stderr
+		if err := cmd.Run(); err != nil {
+			return err
+		}
+		fmt.Println("demo: wrote /data/hello.txt in the pod's container (kubectl exec)")
+	} else {
+		// The fake runtime runs no container: write where the container would see its /data.
+		path := filepath.Join(deploy.PodVolumePath(d.guestNodes[vm], pod.UID, pvc.Spec.VolumeName, false), "hello.txt")
+		if err := os.WriteFile(path, []byte("hello from pvbridge\n"), 0o644); err != nil {
+			return err
+		}
+		fmt.Printf("demo: wrote %s (the pod's /data)\n", path)
 	}
-	fmt.Printf("demo: wrote %s (the pod's /data)\n", filepath.Join(path, "hello.txt"))
 	for _, step := range []struct {
 		title, kubeconfig string
 		args              []string
 	}{
-		{"guest cluster: the PVC, its PV and the VolumeAttachment to " + vm, g.CP.Kubeconfig, []string{"get", "pvc,pv,volumeattachments", "-A"}},
-		{"management cluster: the mirrored PVC, its PMEM volume and the attachment to host-b", m.CP.Kubeconfig, []string{"get", "pvc,volumeattachments,pmemvolumes", "-A"}},
-		{"management cluster: " + vm + "'s volumes", m.CP.Kubeconfig, []string{"get", "virtualmachine", "-n", g.Options.Namespace, vm, "-o", "jsonpath={.status.volumes}"}},
+		{"guest cluster: the PVC, its PV and the VolumeAttachment to " + vm, d.guest.Kubeconfig, []string{"get", "pvc,pv,volumeattachments", "-A"}},
+		{"management cluster: the mirrored PVC, its PMEM volume and the attachment to host-b", d.mgmt.Kubeconfig, []string{"get", "pvc,volumeattachments,pmemvolumes", "-A"}},
+		{"management cluster: " + vm + "'s volumes", d.mgmt.Kubeconfig, []string{"get", "virtualmachine", "-n", guest.Namespace, vm, "-o", "jsonpath={.status.volumes}"}},
 	} {
 		fmt.Printf("\n%s:\n", step.title)
 		cmd := exec.CommandContext(ctx, kubectl, append([]string{"--kubeconfig", step.kubeconfig}, step.args...)...)

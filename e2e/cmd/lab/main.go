@@ -24,10 +24,16 @@ import (
 
 func main() {
 	dir := flag.String("dir", envOr("PVBRIDGE_LAB_DIR", "/tmp/pvbridge-lab"), "directory of the lab's state, logs and kubeconfigs (emptied on start; keep it short: unix socket paths are limited to 108 bytes)")
+	runtime := flag.String("runtime", envOr("PVBRIDGE_LAB_RUNTIME", "process"), "process: pvbridge runs as processes beside kubelets whose container runtime is a fake (the quicker lab); "+
+		"containerd: every node runs containerd, and pvbridge is installed in real containers with kubectl apply -k of the overlays and the images make images builds")
 	flag.Parse()
 	// The lab's own clients (controller-runtime's) log through klog, as the components do.
 	logf.SetLogger(klog.Background())
-	if err := run(*dir); err != nil {
+	if *runtime != "process" && *runtime != "containerd" {
+		fmt.Fprintf(os.Stderr, "lab: --runtime=%s: want process or containerd\n", *runtime)
+		os.Exit(2)
+	}
+	if err := run(*dir, *runtime == "containerd"); err != nil {
 		fmt.Fprintln(os.Stderr, "lab:", err)
 		os.Exit(1)
 	}
@@ -54,7 +60,7 @@ var (
 // space only as volumes are written).
 const pmemPerHost = 8 << 30
 
-func run(dir string) error {
+func run(dir string, containers bool) error {
 	dir, err := filepath.Abs(dir)
 	if err != nil {
 		return err
@@ -86,28 +92,12 @@ func run(dir string) error {
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
 	start := time.Now()
-	fmt.Println("starting the management cluster: control plane, hosts host-a and host-b with mgmt-csi and vm-operator ...")
-	mcp, err := lab.StartControlPlane(ctx, "mgmt")
-	if err != nil {
-		return err
+	var d demoLab
+	if containers {
+		d, err = startInstalled(ctx, lab)
+	} else {
+		d, err = startProcesses(ctx, lab)
 	}
-	mgmt, err := deploy.StartManagement(ctx, lab, mcp, deploy.MgmtOptions{Hosts: mgmtHosts, PmemSize: pmemPerHost, HostLabels: deploy.VMHostLabels})
-	if err != nil {
-		return err
-	}
-	op, err := deploy.StartVMOperator(lab, mgmt)
-	if err != nil {
-		return err
-	}
-	if _, err := deploy.StartTenants(ctx, lab, mgmt, deploy.TenantsOptions{}); err != nil {
-		return err
-	}
-	fmt.Println("starting the guest cluster alpha: control plane, VirtualMachines vm-1, vm-2 (host-b), vm-3 as its nodes, guest-csi ...")
-	gcp, err := lab.StartControlPlane(ctx, "guest")
-	if err != nil {
-		return err
-	}
-	g, err := deploy.StartGuest(ctx, lab, mgmt, op, gcp, guest)
 	if err != nil {
 		return err
 	}
@@ -117,14 +107,55 @@ func run(dir string) error {
 	if err != nil {
 		return err
 	}
-	if err := demo(ctx, g, mgmt, kubectl); err != nil {
+	if err := demo(ctx, d, kubectl); err != nil {
 		return fmt.Errorf("demo: %w", err)
 	}
-	fmt.Printf("\nmanagement cluster:\n  export KUBECONFIG=%s\n  %s get nodes,virtualmachines,pvc,pv,volumeattachments,pmemvolumes,pmemnodes -A\n", mcp.Kubeconfig, kubectl)
-	fmt.Printf("\nguest cluster %s:\n  export KUBECONFIG=%s\n  %s get nodes,pvc,pv,volumeattachments -A\n", guest.Name, gcp.Kubeconfig, kubectl)
+	fmt.Printf("\nmanagement cluster:\n  export KUBECONFIG=%s\n  %s get nodes,virtualmachines,pvc,pv,volumeattachments,pmemvolumes,pmemnodes -A\n", d.mgmt.Kubeconfig, kubectl)
+	fmt.Printf("\nguest cluster %s:\n  export KUBECONFIG=%s\n  %s get nodes,pvc,pv,volumeattachments -A\n", guest.Name, d.guest.Kubeconfig, kubectl)
 	fmt.Println("\nPress Ctrl-C to stop.")
 	<-ctx.Done()
 	return nil
+}
+
+// startProcesses starts both clusters with pvbridge's components as processes.
+func startProcesses(ctx context.Context, lab *cluster.Lab) (demoLab, error) {
+	fmt.Println("starting the management cluster: control plane, hosts host-a and host-b with mgmt-csi and vm-operator ...")
+	mcp, err := lab.StartControlPlane(ctx, "mgmt")
+	if err != nil {
+		return demoLab{}, err
+	}
+	mgmt, err := deploy.StartManagement(ctx, lab, mcp, deploy.MgmtOptions{Hosts: mgmtHosts, PmemSize: pmemPerHost, HostLabels: deploy.VMHostLabels})
+	if err != nil {
+		return demoLab{}, err
+	}
+	op, err := deploy.StartVMOperator(lab, mgmt)
+	if err != nil {
+		return demoLab{}, err
+	}
+	if _, err := deploy.StartTenants(ctx, lab, mgmt, deploy.TenantsOptions{}); err != nil {
+		return demoLab{}, err
+	}
+	fmt.Println("starting the guest cluster alpha: control plane, VirtualMachines vm-1, vm-2 (host-b), vm-3 as its nodes, guest-csi ...")
+	gcp, err := lab.StartControlPlane(ctx, "guest")
+	if err != nil {
+		return demoLab{}, err
+	}
+	g, err := deploy.StartGuest(ctx, lab, mgmt, op, gcp, guest)
+	if err != nil {
+		return demoLab{}, err
+	}
+	return demoLab{mgmt: mcp, guest: gcp, guestNodes: g.Nodes}, nil
+}
+
+// startInstalled starts both clusters on containerd nodes and installs pvbridge from the
+// overlays.
+func startInstalled(ctx context.Context, lab *cluster.Lab) (demoLab, error) {
+	fmt.Println("building the images, starting both clusters on containerd nodes (management: host-a, host-b; guest alpha: VirtualMachines vm-1, vm-2 (host-b), vm-3), installing pvbridge with kubectl apply -k of the overlays ...")
+	in, err := deploy.Install(ctx, lab, deploy.InstalledOptions{Hosts: mgmtHosts, PmemSize: pmemPerHost, Guest: guest})
+	if err != nil {
+		return demoLab{}, err
+	}
+	return demoLab{mgmt: in.Mgmt, guest: in.Guest, guestNodes: in.GuestNodes, containers: true}, nil
 }
 
 // lock takes an exclusive lock on path, or says which lab holds it.

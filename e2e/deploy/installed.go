@@ -1,0 +1,367 @@
+package deploy
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/util/wait"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/utils/ptr"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+
+	"pvbridge.io/e2e/cluster"
+	"pvbridge.io/e2e/images"
+	"pvbridge.io/pkg/tenancy"
+)
+
+// The installed lab: both clusters' nodes run real containers (containerd), and pvbridge is
+// installed with `kubectl apply -k` of the shipped overlays and the images `make images` builds,
+// as a platform admin installs it. The lab's own kustomizations (written below the lab's root)
+// change only what a machine without PMEM or a hypervisor needs:
+//   - mgmt-csi's node agents use PMEM mode file, on an XFS filesystem the lab mounts in each host
+//     at PmemDir;
+//   - the host agents use the local hypervisor, whose VMs are directories below VMRoot of the
+//     host;
+//   - the tenants controller names the management apiserver by its Service address;
+//   - the guest is installed from the guest overlay (the Cluster opts out of the tenants
+//     controller's install), with its identity, and with its node plugins looking at the VM's
+//     device tree, which each guest node has at VMDeviceRoot.
+
+const (
+	// PmemDir is where an installed lab's hosts mount their emulated PMEM.
+	PmemDir = "/var/lib/pvbridge/pmem"
+	// VMRoot is where an installed lab's host agents keep their VMs (local hypervisor).
+	VMRoot = "/var/lib/pvbridge/vms"
+	// VMDeviceRoot is where a guest node of an installed lab sees its VM's device tree.
+	VMDeviceRoot = "/var/lib/pvbridge/vm"
+	// guestInstallAnnotation opts a Cluster out of the tenants controller's guest install.
+	guestInstallAnnotation = "pvbridge.io/guest-install"
+	// installNamespace is the namespace of both overlays.
+	installNamespace = "pvbridge-system"
+)
+
+// InstalledOptions describe an installed lab.
+type InstalledOptions struct {
+	// Hosts are the management hosts; each has PmemSize bytes of emulated PMEM.
+	Hosts    []string
+	PmemSize int64
+	// Guest is the guest cluster; its VMs are its nodes.
+	Guest GuestOptions
+}
+
+// Installed is a lab whose pvbridge runs in containers, installed from the overlays.
+type Installed struct {
+	Mgmt  *cluster.ControlPlane
+	Guest *cluster.ControlPlane
+	// Hosts are keyed by host name, GuestNodes by VM name.
+	Hosts      map[string]*cluster.Node
+	GuestNodes map[string]*cluster.Node
+	Options    InstalledOptions
+	// UID is the UID of the guest's Cluster: its identity.
+	UID string
+}
+
+// Install builds the images, starts both clusters on containerd nodes and installs pvbridge in
+// them from the overlays; it returns once every pvbridge workload of both clusters is ready and
+// every guest node plugin is registered.
+func Install(ctx context.Context, lab *cluster.Lab, opts InstalledOptions) (*Installed, error) {
+	bin := lab.Binaries()
+	archives, err := images.BuildForLab(bin.Repo, bin.Dir, filepath.Join(lab.Root, "images"))
+	if err != nil {
+		return nil, err
+	}
+	in := &Installed{Options: opts, Hosts: map[string]*cluster.Node{}, GuestNodes: map[string]*cluster.Node{}}
+	if in.Mgmt, err = lab.StartControlPlane(ctx, "mgmt"); err != nil {
+		return nil, err
+	}
+	for _, h := range opts.Hosts {
+		node, err := in.Mgmt.AddNode(ctx, h, cluster.NodeOptions{Runtime: cluster.Containerd, Images: archives, Labels: VMHostLabels})
+		if err != nil {
+			return nil, err
+		}
+		if err := emulatePmem(ctx, node, opts.PmemSize); err != nil {
+			return nil, err
+		}
+		in.Hosts[h] = node
+	}
+	if err := in.apply(ctx, lab, in.Mgmt, "management", in.managementKustomization()); err != nil {
+		return nil, err
+	}
+
+	if in.Guest, err = lab.StartControlPlane(ctx, "guest"); err != nil {
+		return nil, err
+	}
+	if err := in.createTenant(ctx); err != nil {
+		return nil, err
+	}
+	for vm, host := range opts.Guest.VMs {
+		tree := in.Hosts[host].HostPath(filepath.Join(VMRoot, opts.Guest.Namespace, vm))
+		node, err := in.Guest.AddNode(ctx, vm, cluster.NodeOptions{
+			Runtime: cluster.Containerd, Images: archives, Binds: map[string]string{VMDeviceRoot: tree},
+		})
+		if err != nil {
+			return nil, err
+		}
+		in.GuestNodes[vm] = node
+	}
+	if err := in.apply(ctx, lab, in.Guest, "guest", in.guestKustomization()); err != nil {
+		return nil, err
+	}
+	for vm := range opts.Guest.VMs {
+		if err := waitDriverRegistered(ctx, in.Guest.Client(), vm, GuestDriver); err != nil {
+			return nil, err
+		}
+	}
+	return in, nil
+}
+
+// emulatePmem gives a containerd host size bytes of emulated PMEM: an XFS filesystem (reflink,
+// for snapshots) in a sparse file, mounted at PmemDir in the host.
+func emulatePmem(ctx context.Context, host *cluster.Node, size int64) error {
+	img := filepath.Join(host.Dir, "pmem.img")
+	if err := os.WriteFile(img, nil, 0o600); err != nil {
+		return err
+	}
+	if err := os.Truncate(img, size); err != nil {
+		return err
+	}
+	if err := os.MkdirAll(host.HostPath(PmemDir), 0o755); err != nil {
+		return err
+	}
+	for _, cmd := range []*exec.Cmd{
+		exec.CommandContext(ctx, "mkfs.xfs", "-q", "-m", "reflink=1", img),
+		host.Command(ctx, "mount", "-o", "loop", img, PmemDir),
+	} {
+		if out, err := cmd.CombinedOutput(); err != nil {
+			return fmt.Errorf("%s: PMEM: %s: %w\n%s", host.Name, cmd, err, out)
+		}
+	}
+	return nil
+}
+
+// managementKustomization is the management overlay as the installed lab applies it.
+func (in *Installed) managementKustomization() string {
+	return `configMapGenerator:
+  - name: pvbridge-tenants
+    namespace: pvbridge-system
+    behavior: merge
+    literals:
+      - mgmt-server=https://` + in.Mgmt.ServiceIP + `:443
+patches:
+  - target:
+      kind: DaemonSet
+      name: mgmt-csi-node
+    patch: |-
+      - op: test
+        path: /spec/template/spec/containers/0/args/5
+        value: --pmem-mode=ndctl
+      - op: replace
+        path: /spec/template/spec/containers/0/args/5
+        value: --pmem-mode=file
+      - op: add
+        path: /spec/template/spec/containers/0/args/6
+        value: --pmem-dir=` + PmemDir + `
+  - target:
+      kind: DaemonSet
+      name: vm-operator-host-agent
+    patch: |-
+      - op: test
+        path: /spec/template/spec/containers/0/args/2
+        value: --hypervisor=qemu
+      - op: replace
+        path: /spec/template/spec/containers/0/args/2
+        value: --hypervisor=local
+      - op: replace
+        path: /spec/template/spec/containers/0/args/3
+        value: --vm-root=` + VMRoot + `
+`
+}
+
+// guestKustomization is the guest overlay as the installed lab applies it.
+func (in *Installed) guestKustomization() string {
+	return `configMapGenerator:
+  - name: pvbridge-cluster
+    namespace: pvbridge-system
+    behavior: merge
+    options:
+      disableNameSuffixHash: true
+    literals:
+      - cluster-name=` + in.Options.Guest.Name + `
+      - cluster-uid=` + in.UID + `
+patches:
+  - target:
+      kind: DaemonSet
+      name: guest-csi-node
+    patch: |-
+      - op: add
+        path: /spec/template/spec/containers/0/args/-
+        value: --device-root=` + VMDeviceRoot + `
+      - op: add
+        path: /spec/template/spec/containers/0/volumeMounts/-
+        value: {name: vm-device-tree, mountPath: ` + VMDeviceRoot + `}
+      - op: add
+        path: /spec/template/spec/volumes/-
+        value: {name: vm-device-tree, hostPath: {path: ` + VMDeviceRoot + `, type: Directory}}
+`
+}
+
+// apply writes a kustomization of the overlay named overlay with more (generators and patches)
+// below the lab's root, applies it to cp as an admin would (server-side) and waits until every
+// workload of pvbridge-system is ready.
+func (in *Installed) apply(ctx context.Context, lab *cluster.Lab, cp *cluster.ControlPlane, overlay, more string) error {
+	dir := filepath.Join(lab.Root, "install", overlay)
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		return err
+	}
+	base, err := filepath.Rel(dir, filepath.Join(lab.Binaries().Repo, "manifests", "overlays", overlay))
+	if err != nil {
+		return err
+	}
+	k := "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\nresources:\n  - " + base + "\n" + more
+	if err := os.WriteFile(filepath.Join(dir, "kustomization.yaml"), []byte(k), 0o644); err != nil {
+		return err
+	}
+	kubectl, err := lab.Binaries().Tool("kubectl")
+	if err != nil {
+		return err
+	}
+	out, err := exec.CommandContext(ctx, kubectl, "--kubeconfig", cp.Kubeconfig, "apply", "--server-side", "--force-conflicts", "-k", dir).CombinedOutput()
+	if err != nil {
+		return fmt.Errorf("%s: apply %s: %w\n%s", cp.Name, dir, err, out)
+	}
+	return WaitWorkloadsReady(ctx, cp.Client(), installNamespace)
+}
+
+// createTenant makes the guest a tenant of the management cluster (createTenant, with the
+// guest's apiserver at its Service address, which the tenants controller's pod reaches), opted
+// out of the tenants controller's install, and its VMs; it waits until the tenants controller
+// has delivered the guest's credential.
+func (in *Installed) createTenant(ctx context.Context) error {
+	scheme, err := MgmtScheme()
+	if err != nil {
+		return err
+	}
+	mc, err := client.New(in.Mgmt.RESTConfig(), client.Options{Scheme: scheme})
+	if err != nil {
+		return err
+	}
+	// The credential goes into the guest's pvbridge-system, which the overlay applied later
+	// declares too.
+	gc := in.Guest.Client()
+	ns := &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: GuestInstallNamespace}}
+	if _, err := gc.CoreV1().Namespaces().Create(ctx, ns, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
+		return err
+	}
+	kubeconfig, err := os.ReadFile(in.Guest.Kubeconfig)
+	if err != nil {
+		return err
+	}
+	opts := in.Options.Guest
+	if in.UID, err = createTenant(ctx, mc, opts, "https://"+in.Guest.ServiceIP+":443", kubeconfig,
+		map[string]string{guestInstallAnnotation: "false"}); err != nil {
+		return err
+	}
+	if err := createVMs(ctx, mc, opts); err != nil {
+		return err
+	}
+	err = wait.PollUntilContextTimeout(ctx, 200*time.Millisecond, 2*time.Minute, true, func(ctx context.Context) (bool, error) {
+		_, err := gc.CoreV1().Secrets(GuestInstallNamespace).Get(ctx, tenancy.GuestCredentialsSecret, metav1.GetOptions{})
+		return err == nil, nil
+	})
+	if err != nil {
+		return fmt.Errorf("guest %s: no credential from the tenants controller: %w", opts.Name, err)
+	}
+	return nil
+}
+
+// waitDriverRegistered waits until the kubelet of node has registered the CSI driver.
+func waitDriverRegistered(ctx context.Context, c kubernetes.Interface, node, driver string) error {
+	err := wait.PollUntilContextTimeout(ctx, 200*time.Millisecond, 2*time.Minute, true, func(ctx context.Context) (bool, error) {
+		csiNode, err := c.StorageV1().CSINodes().Get(ctx, node, metav1.GetOptions{})
+		if err != nil {
+			return false, nil
+		}
+		for _, d := range csiNode.Spec.Drivers {
+			if d.Name == driver {
+				return true, nil
+			}
+		}
+		return false, nil
+	})
+	if err != nil {
+		return fmt.Errorf("node %s: CSI driver %s not registered: %w", node, driver, err)
+	}
+	return nil
+}
+
+// WaitWorkloadsReady waits until every Deployment and DaemonSet of ns has all its pods ready,
+// or says which pods are not.
+func WaitWorkloadsReady(ctx context.Context, c kubernetes.Interface, ns string) error {
+	var problem string
+	err := wait.PollUntilContextTimeout(ctx, time.Second, 3*time.Minute, true, func(ctx context.Context) (bool, error) {
+		problem = workloadsNotReady(ctx, c, ns)
+		return problem == "", nil
+	})
+	if err != nil {
+		return fmt.Errorf("workloads of %s not ready: %w: %s", ns, err, problem)
+	}
+	return nil
+}
+
+// workloadsNotReady describes the Deployments and DaemonSets of ns that are not ready, and their
+// pods that are not, or returns "".
+func workloadsNotReady(ctx context.Context, c kubernetes.Interface, ns string) string {
+	deps, err := c.AppsV1().Deployments(ns).List(ctx, metav1.ListOptions{})
+	if err != nil {
+		return err.Error()
+	}
+	dss, err := c.AppsV1().DaemonSets(ns).List(ctx, metav1.ListOptions{})
+	if err != nil {
+		return err.Error()
+	}
+	var s []string
+	for _, d := range deps.Items {
+		if d.Status.ReadyReplicas != ptr.Deref(d.Spec.Replicas, 1) {
+			s = append(s, fmt.Sprintf("Deployment %s: %d of %d ready", d.Name, d.Status.ReadyReplicas, ptr.Deref(d.Spec.Replicas, 1)))
+		}
+	}
+	for _, ds := range dss.Items {
+		if ds.Status.DesiredNumberScheduled == 0 || ds.Status.NumberReady != ds.Status.DesiredNumberScheduled {
+			s = append(s, fmt.Sprintf("DaemonSet %s: %d of %d ready", ds.Name, ds.Status.NumberReady, ds.Status.DesiredNumberScheduled))
+		}
+	}
+	if len(deps.Items) == 0 {
+		s = append(s, "no Deployment")
+	}
+	if len(s) == 0 {
+		return ""
+	}
+	pods, err := c.CoreV1().Pods(ns).List(ctx, metav1.ListOptions{})
+	if err != nil {
+		return err.Error()
+	}
+	for _, p := range pods.Items {
+		for _, cs := range p.Status.ContainerStatuses {
+			switch {
+			case cs.State.Waiting != nil:
+				s = append(s, fmt.Sprintf("%s/%s waiting: %s %s", p.Name, cs.Name, cs.State.Waiting.Reason, cs.State.Waiting.Message))
+			case cs.State.Terminated != nil:
+				s = append(s, fmt.Sprintf("%s/%s terminated: %s %s", p.Name, cs.Name, cs.State.Terminated.Reason, cs.State.Terminated.Message))
+			case !cs.Ready:
+				s = append(s, fmt.Sprintf("%s/%s not ready (restarts %d)", p.Name, cs.Name, cs.RestartCount))
+			}
+		}
+		if len(p.Status.ContainerStatuses) == 0 {
+			s = append(s, fmt.Sprintf("%s: %s", p.Name, p.Status.Phase))
+		}
+	}
+	return strings.Join(s, "; ")
+}
