@@ -14,9 +14,9 @@ export PVBRIDGE_ROOT := $(CURDIR)
 MODULES := pkg guest-csi mgmt-csi vm-operator e2e
 COMPONENTS := pkg guest-csi mgmt-csi vm-operator
 # The pinned third-party components (hack/build-tools.sh) the lab runs, and the tests (which
-# also run containerd nodes).
+# also run containerd nodes and Kubernetes' e2e.test).
 LAB_TOOLS := etcd kubernetes csi-provisioner csi-attacher csi-resizer csi-snapshotter
-TEST_TOOLS := $(LAB_TOOLS) containerd csi-sanity
+TEST_TOOLS := $(LAB_TOOLS) containerd kubernetes-e2e csi-sanity
 CONTROLLER_GEN := $(PVBRIDGE_BIN)/controller-gen
 GOLANGCI_LINT := $(PVBRIDGE_BIN)/golangci-lint
 KUBECTL := $(PVBRIDGE_BIN)/kubectl
@@ -91,6 +91,10 @@ soak: deps lab-tools ## The long runs: the kill -9 churn over 200 volume lifecyc
 .PHONY: e2e
 e2e: deps lab-tools ## Run the end-to-end suite; LABELS picks a subset (e.g. LABELS='isolation || reclaim').
 	cd e2e && go test -count=1 -timeout $(TEST_TIMEOUT) ./suite -args -ginkgo.v $(if $(LABELS),-ginkgo.label-filter='$(LABELS)')
+
+.PHONY: conformance
+conformance: deps test-tools ## Run Kubernetes' External Storage tests (e2e.test) against both drivers, all of them; make test runs a subset.
+	cd e2e && go test -count=1 -v -timeout 4h -run TestExternalStorage ./containers -args -conformance.full $(if $(FOCUS),-conformance.focus='$(FOCUS)')
 
 .PHONY: sanity
 sanity: deps test-tools ## Run the csi-sanity binary against both drivers as the lab runs them and print each summary.

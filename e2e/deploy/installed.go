@@ -55,6 +55,8 @@ type InstalledOptions struct {
 	PmemSize int64
 	// Guest is the guest cluster; its VMs are its nodes.
 	Guest GuestOptions
+	// Images are more image archives every node imports (test images).
+	Images []string
 }
 
 // Installed is a lab whose pvbridge runs in containers, installed from the overlays.
@@ -78,6 +80,7 @@ func Install(ctx context.Context, lab *cluster.Lab, opts InstalledOptions) (*Ins
 	if err != nil {
 		return nil, err
 	}
+	archives = append(archives, opts.Images...)
 	in := &Installed{Options: opts, Hosts: map[string]*cluster.Node{}, GuestNodes: map[string]*cluster.Node{}}
 	if in.Mgmt, err = lab.StartControlPlane(ctx, "mgmt"); err != nil {
 		return nil, err

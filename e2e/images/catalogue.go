@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"os"
 	"os/exec"
+	"path"
 	"strings"
 
 	"sigs.k8s.io/yaml"
@@ -70,9 +71,21 @@ var Catalogue = []Image{
 // LabImages are what the lab's nodes run besides the manifests' images, which no registry serves
 // here: the pod sandbox (pause) and the busybox of test pods, from Debian's busybox-static.
 func LabImages() ([]Image, error) {
+	bb, err := busybox("docker.io/library/busybox", "latest")
+	if err != nil {
+		return nil, err
+	}
+	return []Image{
+		{Name: "registry.k8s.io/pause", Tag: "3.10.2", Package: "./e2e/cmd/pause", User: "65535:65535", Source: pvbridgeSource},
+		bb,
+	}, nil
+}
+
+// busybox is an image of Debian's busybox-static with every applet, run as root with sh.
+func busybox(name, tag string) (Image, error) {
 	out, err := exec.Command("busybox", "--list-full").Output()
 	if err != nil {
-		return nil, fmt.Errorf("busybox --list-full (Debian package busybox-static): %w", err)
+		return Image{}, fmt.Errorf("busybox --list-full (Debian package busybox-static): %w", err)
 	}
 	var applets []Entry
 	for _, a := range strings.Fields(string(out)) {
@@ -80,13 +93,42 @@ func LabImages() ([]Image, error) {
 			applets = append(applets, Symlink(p, "/usr/bin/busybox"))
 		}
 	}
-	return []Image{
-		{Name: "registry.k8s.io/pause", Tag: "3.10.2", Package: "./e2e/cmd/pause", User: "65535:65535", Source: pvbridgeSource},
-		{
-			Name: "docker.io/library/busybox", Tag: "latest", User: "0", Programs: []string{"busybox"}, Extra: applets,
-			Cmd: []string{"sh"}, Source: "https://packages.debian.org/bookworm/busybox-static",
-		},
+	return Image{
+		Name: name, Tag: tag, User: "0", Programs: []string{"busybox"}, Extra: applets,
+		Cmd: []string{"sh"}, Source: "https://packages.debian.org/bookworm/busybox-static",
 	}, nil
+}
+
+// ConformanceImages are the images Kubernetes' storage tests run, as e2e.test names them (refs,
+// from `e2e.test --list-images`): agnhost is the one the lab builds at the pinned Kubernetes
+// version (hack/build-tools.sh), at /agnhost as upstream's, on busybox's applets (the tests run
+// shell scripts in its containers too); busybox is Debian's; nginx and glibc-dns-testing, in
+// which the storage tests only run shell scripts, are busybox too. Other refs are not built.
+func ConformanceImages(refs []string) ([]Image, error) {
+	var imgs []Image
+	for _, ref := range refs {
+		name, tag, ok := strings.Cut(ref, ":")
+		if !ok || strings.Contains(tag, "/") {
+			return nil, fmt.Errorf("image reference %q has no tag", ref)
+		}
+		switch path.Base(name) {
+		case "busybox", "nginx", "glibc-dns-testing":
+			bb, err := busybox(name, tag)
+			if err != nil {
+				return nil, err
+			}
+			imgs = append(imgs, bb)
+		case "agnhost":
+			bb, err := busybox(name, tag)
+			if err != nil {
+				return nil, err
+			}
+			bb.Tool, bb.Cmd, bb.Source = "agnhost", nil, "https://github.com/kubernetes/kubernetes/tree/master/test/images/agnhost"
+			bb.Extra = append(bb.Extra, Symlink("/agnhost", "/usr/local/bin/agnhost"))
+			imgs = append(imgs, bb)
+		}
+	}
+	return imgs, nil
 }
 
 // Tags reads the tag of each image from a kustomize images component (the manifests' one place

@@ -93,7 +93,8 @@ func ValidFilesystem(fsType string) bool {
 
 // Stage mounts the filesystem on device at path (created if missing) with the given mount
 // options, first formatting the device as fsType ("" for DefaultFilesystem) if and only if it
-// is blank. A device that holds another filesystem or unrecognised data is ErrHasData and is
+// is blank, and grows the filesystem to fill a larger device (a restore or clone of a smaller
+// volume) unless the mount is read-only: ext4 before it is mounted, xfs after. A device that holds another filesystem or unrecognised data is ErrHasData and is
 // left untouched. If path is already a mount of device's fsType filesystem, Stage succeeds
 // without doing anything; a mount of anything else there is ErrIncompatible. A device that
 // does not exist is ErrNotFound.
@@ -121,7 +122,7 @@ func (m *Mounter) Stage(ctx context.Context, device, path, fsType string, option
 			return err
 		}
 		logger.V(4).Info("Already staged")
-		return nil
+		return m.fill(ctx, device, path, fsType)
 	}
 
 	existing, err := m.mount.GetDiskFormat(device)
@@ -130,6 +131,11 @@ func (m *Mounter) Stage(ctx context.Context, device, path, fsType string, option
 	}
 	switch existing {
 	case fsType:
+		if fsType == "ext4" && !slices.Contains(options, "ro") {
+			if err := m.fillUnmountedExt4(ctx, dev, device); err != nil {
+				return err
+			}
+		}
 	case "":
 		if err := checkBlank(device); err != nil {
 			return err
@@ -144,7 +150,81 @@ func (m *Mounter) Stage(ctx context.Context, device, path, fsType string, option
 		return fmt.Errorf("format and mount %s at %s: %w", device, path, err)
 	}
 	logger.V(2).Info("Staged", "fsType", fsType, "options", options)
+	return m.fill(ctx, device, path, fsType)
+}
+
+// fill grows the xfs filesystem of device, writably mounted at path, when the device is larger
+// (xfs grows only mounted; ext4 grew before it was mounted). A read-only mount is left as it is.
+func (m *Mounter) fill(ctx context.Context, device, path, fsType string) error {
+	if fsType != "xfs" {
+		return nil
+	}
+	if ro, err := isReadOnly(path); err != nil || ro {
+		return err
+	}
+	// xfs_growfs says so and changes nothing when the filesystem fills its device.
+	if err := m.grow(device, path); err != nil {
+		return err
+	}
+	klog.FromContext(ctx).V(4).Info("Filesystem fills its device", "device", device, "stagingPath", path)
 	return nil
+}
+
+// ext4Slack is how much of its device an ext4 filesystem may leave unused without being grown:
+// mkfs and resize2fs leave a last block group out when it would not hold its own metadata
+// (bitmaps and inode table: at most a few MiB).
+const ext4Slack = 16 << 20
+
+// fillUnmountedExt4 grows the ext4 filesystem of the unmounted device when the device is larger
+// by more than ext4Slack: e2fsck -f first, as resize2fs requires, then resize2fs. Growing
+// unmounted needs no CAP_SYS_RESOURCE, which growing a mounted ext4 does.
+func (m *Mounter) fillUnmountedExt4(ctx context.Context, dev uint64, device string) error {
+	deviceSize, err := m.deviceSize(dev)
+	if err != nil {
+		return fmt.Errorf("size of %s: %w", device, err)
+	}
+	fsSize, err := m.ext4Size(device)
+	if err != nil {
+		return err
+	}
+	if deviceSize-fsSize <= ext4Slack {
+		return nil
+	}
+	out, err := m.mount.Exec.Command("e2fsck", "-f", "-p", device).CombinedOutput()
+	var exit utilexec.ExitError
+	if corrected := errors.As(err, &exit) && exit.ExitStatus() == 1; err != nil && !corrected {
+		return fmt.Errorf("e2fsck -f %s: %w: %s", device, err, out)
+	}
+	if err := m.grow(device, ""); err != nil {
+		return err
+	}
+	klog.FromContext(ctx).V(2).Info("Grew the filesystem to its device", "device", device, "from", fsSize, "to", deviceSize)
+	return nil
+}
+
+// ext4Size is the size of the ext4 filesystem on device, from its superblock (dumpe2fs -h).
+func (m *Mounter) ext4Size(device string) (int64, error) {
+	out, err := m.mount.Exec.Command("dumpe2fs", "-h", device).CombinedOutput()
+	if err != nil {
+		return 0, fmt.Errorf("dumpe2fs -h %s: %w: %s", device, err, out)
+	}
+	var blocks, blockSize int64
+	for line := range strings.Lines(string(out)) {
+		key, value, _ := strings.Cut(line, ":")
+		switch key {
+		case "Block count":
+			blocks, err = strconv.ParseInt(strings.TrimSpace(value), 10, 64)
+		case "Block size":
+			blockSize, err = strconv.ParseInt(strings.TrimSpace(value), 10, 64)
+		}
+		if err != nil {
+			return 0, fmt.Errorf("dumpe2fs -h %s: %q: %w", device, line, err)
+		}
+	}
+	if blocks == 0 || blockSize == 0 {
+		return 0, fmt.Errorf("dumpe2fs -h %s: no block count or size in %q", device, out)
+	}
+	return blocks * blockSize, nil
 }
 
 // checkStaged accepts the mount at path if it is dev's filesystem of type fsType.
@@ -468,13 +548,21 @@ func (m *Mounter) Expand(ctx context.Context, path, device string) error {
 	if err != nil {
 		return err
 	}
-	if _, err := m.resize.Resize(device, writable); err != nil {
+	if err := m.grow(device, writable); err != nil {
+		return err
+	}
+	klog.FromContext(ctx).V(2).Info("Filesystem fills its device", "device", device, "path", writable)
+	return nil
+}
+
+// grow runs resize2fs or xfs_growfs on the filesystem of device, writably mounted at path.
+func (m *Mounter) grow(device, path string) error {
+	if _, err := m.resize.Resize(device, path); err != nil {
 		if strings.Contains(err.Error(), "Permission denied to resize") {
 			err = fmt.Errorf("%w (growing a mounted ext4 needs CAP_SYS_RESOURCE)", err)
 		}
 		return fmt.Errorf("grow the filesystem on %s: %w", device, err)
 	}
-	klog.FromContext(ctx).V(2).Info("Filesystem fills its device", "device", device, "path", writable)
 	return nil
 }
 

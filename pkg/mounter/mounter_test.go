@@ -196,6 +196,51 @@ func TestStage(t *testing.T) {
 	}
 }
 
+func TestStageGrowsAFilesystemSmallerThanItsDevice(t *testing.T) {
+	tests := []struct {
+		name   string
+		fsType string
+		// restaged: the device grows while staged and Stage is called again (a retry after a
+		// failed grow), rather than grown before the first Stage (a restore into a larger volume).
+		restaged bool
+		readOnly bool
+	}{
+		{name: "ext4 is grown before it is mounted", fsType: "ext4"},
+		{name: "xfs is grown once mounted", fsType: "xfs"},
+		{name: "xfs is grown when staged again", fsType: "xfs", restaged: true},
+		{name: "a read-only staging is left as it is", fsType: "ext4", readOnly: true},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			g := NewWithT(t)
+			e := newEnv(t)
+			l, path := e.staged(t, tt.fsType)
+			before, err := e.m.Stats(t.Context(), path, l.device)
+			g.Expect(err).NotTo(HaveOccurred())
+			if !tt.restaged {
+				g.Expect(e.m.Unmount(t.Context(), path)).To(Succeed())
+			}
+			e.grow(t, l, 2*volumeSize)
+			var options []string
+			if tt.readOnly {
+				options = []string{"ro"}
+			}
+
+			g.Expect(e.m.Stage(t.Context(), l.device, path, tt.fsType, options)).To(Succeed())
+			g.Expect(e.m.Stage(t.Context(), l.device, path, tt.fsType, options)).To(Succeed(), "again")
+
+			after, err := e.m.Stats(t.Context(), path, l.device)
+			g.Expect(err).NotTo(HaveOccurred())
+			if tt.readOnly {
+				g.Expect(after.TotalBytes).To(Equal(before.TotalBytes))
+				return
+			}
+			g.Expect(after.TotalBytes).To(BeNumerically(">", before.TotalBytes+volumeSize*9/10))
+			g.Expect(after.TotalBytes).To(BeNumerically("<=", 2*volumeSize))
+		})
+	}
+}
+
 func TestPublish(t *testing.T) {
 	tests := []struct {
 		name     string

@@ -1,9 +1,8 @@
-package images_test
+package containers_test
 
 import (
 	"context"
 	"fmt"
-	"os"
 	"path"
 	"path/filepath"
 	"regexp"
@@ -14,49 +13,27 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
-	"pvbridge.io/e2e/cluster"
 	"pvbridge.io/e2e/images"
 )
 
-// TestImagesRunTheirPrograms builds every image the manifests name and runs it on a containerd
-// node of a lab: in each, the entrypoint and every program the image carries start in a real
+// TestImagesRunTheirPrograms runs every image the manifests name on host-a: in each, the entrypoint and every program the image carries start in a real
 // container (asked for --help or --version) with all they load, as the node plugins will run
 // them.
 func TestImagesRunTheirPrograms(t *testing.T) {
 	g := NewWithT(t)
 	ctx := t.Context()
-	bin, err := cluster.DefaultBinaries()
-	g.Expect(err).NotTo(HaveOccurred())
-	root, err := os.MkdirTemp("", "pvb-")
-	g.Expect(err).NotTo(HaveOccurred())
-	lab, err := cluster.NewLab(root, bin)
-	g.Expect(err).NotTo(HaveOccurred())
-	t.Cleanup(func() {
-		g.Expect(lab.Stop()).To(Succeed())
-		if !t.Failed() {
-			_ = os.RemoveAll(root)
-		}
-	})
-
-	archives, err := images.BuildForLab(bin.Repo, bin.Dir, filepath.Join(root, "images"))
-	g.Expect(err).NotTo(HaveOccurred())
-	tags, err := images.Tags(filepath.Join(bin.Repo, "manifests", "components", "images", "kustomization.yaml"))
+	tags, err := images.Tags(filepath.Join(lab.Binaries().Repo, "manifests", "components", "images", "kustomization.yaml"))
 	g.Expect(err).NotTo(HaveOccurred())
 	refs := map[string]string{} // name -> reference
 	for _, i := range images.Catalogue {
 		refs[i.Name] = i.Name + ":" + tags[i.Name]
 	}
-	cp, err := lab.StartControlPlane(ctx, "images")
-	g.Expect(err).NotTo(HaveOccurred())
-	_, err = cp.AddNode(ctx, "node-1", cluster.NodeOptions{Runtime: cluster.Containerd, Images: archives})
-	g.Expect(err).NotTo(HaveOccurred())
-
-	c := cp.Client()
+	c := in.Mgmt.Client()
 	for _, i := range images.Catalogue {
 		pod := &corev1.Pod{
 			ObjectMeta: metav1.ObjectMeta{Namespace: "default", Name: path.Base(i.Name)},
 			Spec: corev1.PodSpec{
-				NodeName: "node-1", RestartPolicy: corev1.RestartPolicyNever,
+				NodeName: "host-a", RestartPolicy: corev1.RestartPolicyNever,
 				Containers: []corev1.Container{{Name: "entrypoint", Image: refs[i.Name], Args: []string{"--help"}}},
 			},
 		}

@@ -1,0 +1,174 @@
+package containers_test
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"flag"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"slices"
+	"strings"
+	"testing"
+
+	"github.com/onsi/ginkgo/v2/types"
+	. "github.com/onsi/gomega"
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/util/retry"
+
+	"pvbridge.io/e2e/cluster"
+	"pvbridge.io/e2e/deploy"
+)
+
+var (
+	full = flag.Bool("conformance.full", false, "run every External Storage test but the skipped ones (make conformance), not the CI subset")
+	only = flag.String("conformance.focus", "", "a regular expression of the tests to run instead (after the driver's name)")
+)
+
+// subset is what CI runs of each driver: provisioning (empty, from a snapshot, from a clone,
+// with mount options) and the data tests of one filesystem volume, not the [Slow] ones.
+const (
+	subset     = `\[Testpattern: Dynamic PV \(default fs\)\] (provisioning|volumes)`
+	subsetSkip = `\[Slow\]`
+)
+
+// skip are the tests no run includes, each for the reason docs/conformance.md gives.
+var skip = []string{
+	`\[Disruptive\]`,
+	`should provision storage with any volume data source`,
+}
+
+// confinement is the taint that keeps e2e.test's pods off the nodes of every host but host-a:
+// a snapshot or a clone is made on its source's host, and some tests run the restoring pod
+// with no node selection at all (docs/conformance.md).
+const confinement = "pvbridge.io/conformance"
+
+// TestExternalStorage runs Kubernetes' own storage tests, the External Storage suite of e2e.test
+// at the pinned Kubernetes version, against guest-csi in the guest cluster and mgmt-csi in the
+// management cluster, each declared by testdata/<driver>.yaml; a failed test fails the driver's
+// subtest, and the totals are logged. docs/conformance.md explains every skip.
+func TestExternalStorage(t *testing.T) {
+	ctx := t.Context()
+	var vmsOfHostA []string
+	for vm, host := range in.Options.Guest.VMs {
+		if host == "host-a" {
+			vmsOfHostA = append(vmsOfHostA, vm)
+		}
+	}
+	for _, d := range []struct {
+		driver, definition string
+		cp                 *cluster.ControlPlane
+		nodes              []string
+	}{
+		{deploy.GuestDriver, "guest-csi.yaml", in.Guest, vmsOfHostA},
+		{deploy.PmemDriver, "mgmt-csi.yaml", in.Mgmt, []string{"host-a"}},
+	} {
+		t.Run(d.driver, func(t *testing.T) {
+			g := NewWithT(t)
+			confine(t, d.cp.Client(), d.nodes)
+			definition, err := filepath.Abs(filepath.Join("testdata", d.definition))
+			g.Expect(err).NotTo(HaveOccurred())
+			skips := slices.Clone(skip)
+			focus := `External.Storage \[Driver: ` + strings.ReplaceAll(d.driver, ".", `\.`) + `\]`
+			switch {
+			case *only != "":
+				focus += ".*" + *only
+			case !*full:
+				focus += ".*" + subset
+				skips = append(skips, subsetSkip)
+			}
+			report := filepath.Join(lab.Root, d.driver+".json")
+			cmd := exec.CommandContext(ctx, e2eTest,
+				"--kubeconfig="+d.cp.Kubeconfig, "--storage.testdriver="+definition,
+				"--non-blocking-taints=node-role.kubernetes.io/control-plane,"+confinement,
+				"--ginkgo.focus="+focus, "--ginkgo.skip="+strings.Join(skips, "|"),
+				"--ginkgo.json-report="+report, "--ginkgo.no-color", "--ginkgo.v",
+				"--report-dir="+filepath.Join(lab.Root, "reports-"+d.driver))
+			var out bytes.Buffer
+			cmd.Stdout, cmd.Stderr = &out, &out
+			runErr := cmd.Run()
+			passed, failed, skipped := summarize(t, report)
+			t.Logf("%s: %d passed, %d failed, %d skipped:\n  %s", d.driver, len(passed), len(failed), len(skipped), strings.Join(skipped, "\n  "))
+			if runErr != nil || len(failed) > 0 {
+				t.Errorf("e2e.test against %s: %v; failed:\n  %s\n%s", d.driver, runErr, strings.Join(failed, "\n  "), tail(out.String(), 200))
+			}
+			g.Expect(passed).NotTo(BeEmpty(), "no test ran")
+		})
+	}
+}
+
+// confine taints every node of a cluster but those named NoSchedule with confinement until the
+// test ends; pods already running stay.
+func confine(t *testing.T, cs kubernetes.Interface, keep []string) {
+	g := NewWithT(t)
+	nodes, err := cs.CoreV1().Nodes().List(t.Context(), metav1.ListOptions{})
+	g.Expect(err).NotTo(HaveOccurred())
+	taint := corev1.Taint{Key: confinement, Effect: corev1.TaintEffectNoSchedule}
+	for _, n := range nodes.Items {
+		if slices.Contains(keep, n.Name) {
+			continue
+		}
+		setTaint(g, cs, n.Name, &taint)
+		t.Cleanup(func() { setTaint(NewWithT(t), cs, n.Name, nil) })
+	}
+}
+
+// setTaint replaces node's confinement taint with taint (nil: removes it).
+func setTaint(g Gomega, cs kubernetes.Interface, node string, taint *corev1.Taint) {
+	err := retry.RetryOnConflict(retry.DefaultRetry, func() error {
+		n, err := cs.CoreV1().Nodes().Get(context.Background(), node, metav1.GetOptions{})
+		if err != nil {
+			return err
+		}
+		n.Spec.Taints = slices.DeleteFunc(n.Spec.Taints, func(t corev1.Taint) bool { return t.Key == confinement })
+		if taint != nil {
+			n.Spec.Taints = append(n.Spec.Taints, *taint)
+		}
+		_, err = cs.CoreV1().Nodes().Update(context.Background(), n, metav1.UpdateOptions{})
+		return err
+	})
+	g.Expect(err).NotTo(HaveOccurred(), "taint node %s", node)
+}
+
+// summarize reads a ginkgo JSON report: the names of the specs that passed, failed (or
+// panicked, timed out, ...) and were skipped by the suite itself (a capability the driver does
+// not declare); specs the focus filtered out are not counted.
+func summarize(t *testing.T, file string) (passed, failed, skipped []string) {
+	data, err := os.ReadFile(file)
+	if err != nil {
+		t.Errorf("report: %v", err)
+		return nil, nil, nil
+	}
+	var reports []types.Report
+	if err := json.Unmarshal(data, &reports); err != nil {
+		t.Errorf("report %s: %v", file, err)
+		return nil, nil, nil
+	}
+	for _, r := range reports {
+		for _, s := range r.SpecReports {
+			if s.LeafNodeType != types.NodeTypeIt {
+				continue
+			}
+			name := s.FullText()
+			switch {
+			case s.State == types.SpecStatePassed:
+				passed = append(passed, name)
+			case s.State == types.SpecStateSkipped && s.Failure.Message != "":
+				skipped = append(skipped, fmt.Sprintf("%s (%s)", name, s.Failure.Message))
+			case s.State.Is(types.SpecStateFailureStates):
+				failed = append(failed, name)
+			}
+		}
+	}
+	return passed, failed, skipped
+}
+
+// tail is the last n lines of s.
+func tail(s string, n int) string {
+	lines := strings.Split(s, "\n")
+	return strings.Join(lines[max(0, len(lines)-n):], "\n")
+}
