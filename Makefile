@@ -93,8 +93,9 @@ e2e: deps lab-tools ## Run the end-to-end suite; LABELS picks a subset (e.g. LAB
 	cd e2e && go test -count=1 -timeout $(TEST_TIMEOUT) ./suite -args -ginkgo.v $(if $(LABELS),-ginkgo.label-filter='$(LABELS)')
 
 .PHONY: conformance
-conformance: deps test-tools ## Run Kubernetes' External Storage tests (e2e.test) against both drivers, all of them; make test runs a subset.
-	cd e2e && go test -count=1 -v -timeout 4h -run TestExternalStorage ./containers -args -conformance.full $(if $(FOCUS),-conformance.focus='$(FOCUS)')
+conformance: deps test-tools ## Run Kubernetes' External Storage tests (e2e.test) against both drivers, all of them, in PROCS parallel processes (default 3); make test runs a subset.
+	hack/build-tools.sh ginkgo
+	cd e2e && go test -count=1 -v -timeout 4h -run TestExternalStorage ./containers -args -conformance.full -conformance.procs=$(or $(PROCS),3) $(if $(FOCUS),-conformance.focus='$(FOCUS)')
 
 .PHONY: sanity
 sanity: deps test-tools ## Run the csi-sanity binary against both drivers as the lab runs them and print each summary.

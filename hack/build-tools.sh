@@ -36,6 +36,7 @@ components() {
 etcd|v3.6.4|||etcd=go.etcd.io/etcd/server/v3
 kubernetes|$k8s_version|selinux,notest,grpcnotrace|$(k8s_ldflags $k8s_version)|kube-apiserver=k8s.io/kubernetes/cmd/kube-apiserver kube-controller-manager=k8s.io/kubernetes/cmd/kube-controller-manager kube-scheduler=k8s.io/kubernetes/cmd/kube-scheduler kubelet=k8s.io/kubernetes/cmd/kubelet kubectl=k8s.io/kubernetes/cmd/kubectl
 kubernetes-e2e|$k8s_version|selinux,notest,grpcnotrace|$(k8s_ldflags $k8s_version)|e2e.test=k8s.io/kubernetes/test/e2e agnhost=k8s.io/kubernetes/test/images/agnhost
+ginkgo|v2.32.0|||ginkgo=github.com/onsi/ginkgo/v2/ginkgo
 csi-provisioner|v6.3.0|| -X main.version=v6.3.0|csi-provisioner=github.com/kubernetes-csi/external-provisioner/v6/cmd/csi-provisioner
 csi-attacher|v4.13.0|| -X main.version=v4.13.0|csi-attacher=github.com/kubernetes-csi/external-attacher/v4/cmd/csi-attacher
 csi-resizer|v2.3.0|| -X main.version=v2.3.0|csi-resizer=github.com/kubernetes-csi/external-resizer/v2/cmd/csi-resizer

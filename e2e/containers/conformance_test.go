@@ -26,7 +26,8 @@ import (
 
 var (
 	full = flag.Bool("conformance.full", false, "run every External Storage test but the skipped ones (make conformance), not the CI subset")
-	only = flag.String("conformance.focus", "", "a regular expression of the tests to run instead (after the driver's name)")
+	only  = flag.String("conformance.focus", "", "a regular expression of the tests to run instead (after the driver's name)")
+	procs = flag.Int("conformance.procs", 1, "parallel processes of e2e.test, run by the ginkgo CLI when more than 1")
 )
 
 // subset is what CI runs of each driver: provisioning (empty, from a snapshot, from a clone,
@@ -82,12 +83,21 @@ func TestExternalStorage(t *testing.T) {
 				skips = append(skips, subsetSkip)
 			}
 			report := filepath.Join(lab.Root, d.driver+".json")
-			cmd := exec.CommandContext(ctx, e2eTest,
-				"--kubeconfig="+d.cp.Kubeconfig, "--storage.testdriver="+definition,
-				"--non-blocking-taints=node-role.kubernetes.io/control-plane,"+confinement,
-				"--ginkgo.focus="+focus, "--ginkgo.skip="+strings.Join(skips, "|"),
-				"--ginkgo.json-report="+report, "--ginkgo.no-color", "--ginkgo.v",
-				"--report-dir="+filepath.Join(lab.Root, "reports-"+d.driver))
+			ginkgoArgs := []string{"focus=" + focus, "skip=" + strings.Join(skips, "|"), "json-report=" + report, "no-color", "v"}
+			args := []string{
+				"--kubeconfig=" + d.cp.Kubeconfig, "--storage.testdriver=" + definition,
+				"--non-blocking-taints=node-role.kubernetes.io/control-plane," + confinement,
+				"--report-dir=" + filepath.Join(lab.Root, "reports-"+d.driver),
+			}
+			cmd := exec.CommandContext(ctx, e2eTest, append(args, prefixed("--ginkgo.", ginkgoArgs)...)...)
+			if *procs > 1 {
+				// The ginkgo CLI runs the binary's specs in parallel processes ([Serial] ones
+				// alone at the end) and merges their reports.
+				cli, err := lab.Binaries().Tool("ginkgo")
+				g.Expect(err).NotTo(HaveOccurred(), "make conformance builds it")
+				cliArgs := append(prefixed("--", ginkgoArgs), fmt.Sprintf("--procs=%d", *procs), "--timeout=4h", e2eTest, "--")
+				cmd = exec.CommandContext(ctx, cli, append(cliArgs, args...)...)
+			}
 			var out bytes.Buffer
 			cmd.Stdout, cmd.Stderr = &out, &out
 			runErr := cmd.Run()
@@ -99,6 +109,15 @@ func TestExternalStorage(t *testing.T) {
 			g.Expect(passed).NotTo(BeEmpty(), "no test ran")
 		})
 	}
+}
+
+// prefixed returns each of args with prefix before it.
+func prefixed(prefix string, args []string) []string {
+	out := make([]string, len(args))
+	for i, a := range args {
+		out[i] = prefix + a
+	}
+	return out
 }
 
 // confine taints every node of a cluster but those named NoSchedule with confinement until the
