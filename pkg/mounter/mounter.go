@@ -144,6 +144,11 @@ func (m *Mounter) Stage(ctx context.Context, device, path, fsType string, option
 	default:
 		return fmt.Errorf("%w: %s holds %s, not %s; it is not formatted over", ErrHasData, device, existing, fsType)
 	}
+	// A snapshot's restore or a clone is a copy of its source, UUID included, and XFS refuses
+	// to mount a second filesystem of one UUID: the two could not be used on one node.
+	if fsType == "xfs" && !slices.Contains(options, "nouuid") {
+		options = append(slices.Clone(options), "nouuid")
+	}
 	// FormatAndMount formats only when blkid finds nothing, which was checked above, and runs
 	// fsck before mounting an existing filesystem read-write.
 	if err := m.mount.FormatAndMount(device, path, fsType, options); err != nil {

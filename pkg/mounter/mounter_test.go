@@ -61,6 +61,20 @@ func TestStage(t *testing.T) {
 			},
 		},
 		{
+			name: "a copy of a mounted xfs filesystem (a restore, a clone) is mounted beside it",
+			prepare: func(t *testing.T, e *env) (string, string) {
+				source, _ := e.staged(t, "xfs")
+				clone := e.loopDevice(t, volumeSize).device
+				run(t, "dd", "if="+source.device, "of="+clone, "bs=1M", "conv=sparse")
+				return clone, e.path("staging-clone")
+			},
+			fsType: "xfs",
+			check: func(g Gomega, t *testing.T, e *env, device, path string) {
+				g.Expect(mountOf(g, e, path).Type).To(Equal("xfs"))
+				g.Expect(mountOf(g, e, path).Opts).To(ContainElement("nouuid"))
+			},
+		},
+		{
 			name:    "mount options are applied",
 			prepare: blankDevice,
 			options: []string{"noatime"},
