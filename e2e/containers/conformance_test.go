@@ -1,7 +1,6 @@
 package containers_test
 
 import (
-	"bytes"
 	"context"
 	"encoding/json"
 	"flag"
@@ -98,13 +97,18 @@ func TestExternalStorage(t *testing.T) {
 				cliArgs := append(prefixed("--", ginkgoArgs), fmt.Sprintf("--procs=%d", *procs), "--timeout=4h", e2eTest, "--")
 				cmd = exec.CommandContext(ctx, cli, append(cliArgs, args...)...)
 			}
-			var out bytes.Buffer
-			cmd.Stdout, cmd.Stderr = &out, &out
+			// The output goes to a file of the lab, to follow a long run and read after it.
+			logFile := filepath.Join(lab.Root, d.driver+".log")
+			out, err := os.Create(logFile)
+			g.Expect(err).NotTo(HaveOccurred())
+			defer out.Close()
+			cmd.Stdout, cmd.Stderr = out, out
+			t.Logf("e2e.test against %s, output in %s", d.driver, logFile)
 			runErr := cmd.Run()
 			passed, failed, skipped := summarize(t, report)
 			t.Logf("%s: %d passed, %d failed, %d skipped:\n  %s", d.driver, len(passed), len(failed), len(skipped), strings.Join(skipped, "\n  "))
 			if runErr != nil || len(failed) > 0 {
-				t.Errorf("e2e.test against %s: %v; failed:\n  %s\n%s", d.driver, runErr, strings.Join(failed, "\n  "), tail(out.String(), 200))
+				t.Errorf("e2e.test against %s: %v; failed:\n  %s\n%s", d.driver, runErr, strings.Join(failed, "\n  "), tail(logFile, 200))
 			}
 			g.Expect(passed).NotTo(BeEmpty(), "no test ran")
 		})
@@ -186,8 +190,12 @@ func summarize(t *testing.T, file string) (passed, failed, skipped []string) {
 	return passed, failed, skipped
 }
 
-// tail is the last n lines of s.
-func tail(s string, n int) string {
-	lines := strings.Split(s, "\n")
+// tail is the last n lines of a file.
+func tail(file string, n int) string {
+	data, err := os.ReadFile(file)
+	if err != nil {
+		return err.Error()
+	}
+	lines := strings.Split(string(data), "\n")
 	return strings.Join(lines[max(0, len(lines)-n):], "\n")
 }
