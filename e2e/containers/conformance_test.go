@@ -24,7 +24,7 @@ import (
 )
 
 var (
-	full = flag.Bool("conformance.full", false, "run every External Storage test but the skipped ones (make conformance), not the CI subset")
+	full  = flag.Bool("conformance.full", false, "run every External Storage test but the skipped ones (make conformance), not the CI subset")
 	only  = flag.String("conformance.focus", "", "a regular expression of the tests to run instead (after the driver's name)")
 	procs = flag.Int("conformance.procs", 1, "parallel processes of e2e.test, run by the ginkgo CLI when more than 1")
 )
