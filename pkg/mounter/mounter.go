@@ -94,9 +94,10 @@ func ValidFilesystem(fsType string) bool {
 // Stage mounts the filesystem on device at path (created if missing) with the given mount
 // options, first formatting the device as fsType ("" for DefaultFilesystem) if and only if it
 // is blank, and grows the filesystem to fill a larger device (a restore or clone of a smaller
-// volume) unless the mount is read-only: ext4 before it is mounted, xfs after. A device that holds another filesystem or unrecognised data is ErrHasData and is
-// left untouched. If path is already a mount of device's fsType filesystem, Stage succeeds
-// without doing anything; a mount of anything else there is ErrIncompatible. A device that
+// volume) unless the mount is read-only: ext4 before it is mounted, xfs after. A device that
+// holds another filesystem or unrecognised data is ErrHasData and is left untouched. If path
+// is already a mount of device's fsType filesystem, Stage only grows an xfs filesystem that is
+// smaller than its device; a mount of anything else there is ErrIncompatible. A device that
 // does not exist is ErrNotFound.
 func (m *Mounter) Stage(ctx context.Context, device, path, fsType string, options []string) error {
 	logger := klog.FromContext(ctx).WithValues("device", device, "stagingPath", path)
@@ -560,7 +561,8 @@ func (m *Mounter) Expand(ctx context.Context, path, device string) error {
 	return nil
 }
 
-// grow runs resize2fs or xfs_growfs on the filesystem of device, writably mounted at path.
+// grow runs resize2fs or xfs_growfs on the filesystem of device, writably mounted at path (an
+// ext4 may also be unmounted, path "").
 func (m *Mounter) grow(device, path string) error {
 	if _, err := m.resize.Resize(device, path); err != nil {
 		if strings.Contains(err.Error(), "Permission denied to resize") {
