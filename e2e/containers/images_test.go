@@ -16,9 +16,9 @@ import (
 	"pvbridge.io/e2e/images"
 )
 
-// TestImagesRunTheirPrograms runs every image the manifests name on host-a: in each, the entrypoint and every program the image carries start in a real
-// container (asked for --help or --version) with all they load, as the node plugins will run
-// them.
+// TestImagesRunTheirPrograms runs every image the manifests name on host-a: in each, the
+// entrypoint and every program the image carries start in a real container (asked for --help
+// or --version) with all they load, as the node plugins will run them.
 func TestImagesRunTheirPrograms(t *testing.T) {
 	g := NewWithT(t)
 	ctx := t.Context()

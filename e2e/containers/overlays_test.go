@@ -2,7 +2,6 @@ package containers_test
 
 import (
 	"context"
-	"strings"
 	"testing"
 	"time"
 
@@ -41,9 +40,10 @@ func TestOverlaysInRealContainers(t *testing.T) {
 	}).WithContext(ctx).WithTimeout(2 * time.Minute).Should(Succeed())
 	g.Expect(runToCompletion(ctx, g, gc, "reader", "vm-3", "cat /data/file")).To(Equal("written-in-a-container\n"))
 
-	// The guest volume's management PVC is <cluster UID>-<the guest PV's name without "pvc-">.
-	mgmtPVC, err := mc.CoreV1().PersistentVolumeClaims(in.Options.Guest.Namespace).Get(ctx,
-		in.UID+"-"+strings.TrimPrefix(pvc.Spec.VolumeName, "pvc-"), metav1.GetOptions{})
+	// A guest volume's handle is the name of its management PVC.
+	pv, err := gc.CoreV1().PersistentVolumes().Get(ctx, pvc.Spec.VolumeName, metav1.GetOptions{})
+	g.Expect(err).NotTo(HaveOccurred())
+	mgmtPVC, err := mc.CoreV1().PersistentVolumeClaims(in.Options.Guest.Namespace).Get(ctx, pv.Spec.CSI.VolumeHandle, metav1.GetOptions{})
 	g.Expect(err).NotTo(HaveOccurred())
 	mgmtPV := mgmtPVC.Spec.VolumeName
 	g.Expect(gc.CoreV1().PersistentVolumeClaims("default").Delete(ctx, "data", metav1.DeleteOptions{})).To(Succeed())

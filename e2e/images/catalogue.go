@@ -5,6 +5,7 @@ import (
 	"os"
 	"os/exec"
 	"path"
+	"slices"
 	"strings"
 
 	"sigs.k8s.io/yaml"
@@ -81,7 +82,13 @@ func LabImages() ([]Image, error) {
 	}, nil
 }
 
-// busybox is an image of Debian's busybox-static with every applet, run as root with sh.
+// coreutils are the programs a busybox image takes from Debian's coreutils instead of busybox's
+// applets: the storage tests write block volumes with `dd oflag=nocache`, which busybox's dd
+// lacks.
+var coreutils = []string{"dd"}
+
+// busybox is an image of Debian's busybox-static with every applet (but coreutils), run as root
+// with sh.
 func busybox(name, tag string) (Image, error) {
 	out, err := exec.Command("busybox", "--list-full").Output()
 	if err != nil {
@@ -89,12 +96,13 @@ func busybox(name, tag string) (Image, error) {
 	}
 	var applets []Entry
 	for _, a := range strings.Fields(string(out)) {
-		if p := "/usr/" + strings.TrimPrefix(a, "usr/"); p != "/usr/bin/busybox" {
+		p := "/usr/" + strings.TrimPrefix(a, "usr/")
+		if p != "/usr/bin/busybox" && !slices.Contains(coreutils, path.Base(p)) {
 			applets = append(applets, Symlink(p, "/usr/bin/busybox"))
 		}
 	}
 	return Image{
-		Name: name, Tag: tag, User: "0", Programs: []string{"busybox"}, Extra: applets,
+		Name: name, Tag: tag, User: "0", Programs: append([]string{"busybox"}, coreutils...), Extra: applets,
 		Cmd: []string{"sh"}, Source: "https://packages.debian.org/bookworm/busybox-static",
 	}, nil
 }
@@ -111,22 +119,19 @@ func ConformanceImages(refs []string) ([]Image, error) {
 		if !ok || strings.Contains(tag, "/") {
 			return nil, fmt.Errorf("image reference %q has no tag", ref)
 		}
-		switch path.Base(name) {
-		case "busybox", "nginx", "glibc-dns-testing":
-			bb, err := busybox(name, tag)
-			if err != nil {
-				return nil, err
-			}
-			imgs = append(imgs, bb)
-		case "agnhost":
-			bb, err := busybox(name, tag)
-			if err != nil {
-				return nil, err
-			}
-			bb.Tool, bb.Cmd, bb.Source = "agnhost", nil, "https://github.com/kubernetes/kubernetes/tree/master/test/images/agnhost"
-			bb.Extra = append(bb.Extra, Symlink("/agnhost", "/usr/local/bin/agnhost"))
-			imgs = append(imgs, bb)
+		base := path.Base(name)
+		if !slices.Contains([]string{"busybox", "nginx", "glibc-dns-testing", "agnhost"}, base) {
+			continue
 		}
+		img, err := busybox(name, tag)
+		if err != nil {
+			return nil, err
+		}
+		if base == "agnhost" {
+			img.Tool, img.Cmd, img.Source = "agnhost", nil, "https://github.com/kubernetes/kubernetes/tree/master/test/images/agnhost"
+			img.Extra = append(img.Extra, Symlink("/agnhost", "/usr/local/bin/agnhost"))
+		}
+		imgs = append(imgs, img)
 	}
 	return imgs, nil
 }

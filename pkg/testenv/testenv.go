@@ -10,7 +10,9 @@ import (
 	"os"
 	"path/filepath"
 	"runtime"
+	"testing"
 
+	"github.com/onsi/ginkgo/v2"
 	"sigs.k8s.io/controller-runtime/pkg/envtest"
 )
 
@@ -97,4 +99,17 @@ func Fuzzing() bool {
 		}
 	}
 	return false
+}
+
+// ReportFailures makes each failed spec of the Ginkgo suite t runs a failure of t, with its
+// name, place and message: go test prints those below "--- FAIL", after the suite's output and
+// whatever the test's cleanups log, where the tail of a CI log shows them.
+func ReportFailures(t *testing.T) {
+	ginkgo.ReportAfterSuite("failures of "+t.Name(), func(r ginkgo.Report) {
+		for _, s := range r.SpecReports {
+			if s.Failed() {
+				t.Errorf("%s\n%s\n%s", s.FullText(), s.Failure.Location, s.Failure.Message)
+			}
+		}
+	})
 }

@@ -10,6 +10,8 @@ import (
 	"github.com/onsi/ginkgo/v2"
 	"github.com/onsi/gomega"
 	"google.golang.org/grpc"
+
+	"pvbridge.io/pkg/testenv"
 )
 
 const (
@@ -57,6 +59,7 @@ func TestSanity(t *testing.T) {
 	}
 	suiteConfig, reporterConfig := ginkgo.GinkgoConfiguration()
 	gomega.RegisterFailHandler(ginkgo.Fail)
+	testenv.ReportFailures(t)
 	ginkgo.RunSpecs(t, "csi-sanity", suiteConfig, reporterConfig)
 }
 

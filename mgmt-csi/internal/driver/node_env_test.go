@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
+	. "github.com/onsi/gomega"
 	"golang.org/x/sys/unix"
 
 	"pvbridge.io/mgmt-csi/internal/pmem"
@@ -95,13 +96,10 @@ func newNodeEnv(t *testing.T) *nodeEnv {
 			// A device that another process of the machine has open at that moment (losetup
 			// --associated of a lab's mgmt-csi opens every loop device) is only set to
 			// auto-clear, and goes at that process's close.
-			devs := loopsOf(t, file)
-			for deadline := time.Now().Add(10 * time.Second); len(devs) > 0 && time.Now().Before(deadline); devs = loopsOf(t, file) {
-				time.Sleep(20 * time.Millisecond)
-			}
-			if len(devs) > 0 {
-				t.Errorf("loop devices %v still attached to %s", devs, file)
-			}
+			g := NewGomega(func(message string, _ ...int) { t.Error(message) })
+			g.Eventually(func() []string { return loopsOf(t, file) }).
+				WithTimeout(10*time.Second).WithPolling(20*time.Millisecond).
+				Should(BeEmpty(), "loop devices still attached to %s", file)
 		}
 	})
 	return e

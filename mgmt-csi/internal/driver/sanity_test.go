@@ -19,6 +19,7 @@ import (
 
 	"pvbridge.io/mgmt-csi/internal/pmem"
 	pmemv1 "pvbridge.io/pkg/apis/pmem/v1alpha1"
+	"pvbridge.io/pkg/testenv"
 )
 
 const (
@@ -84,6 +85,7 @@ func TestSanity(t *testing.T) {
 	}
 	suiteConfig, reporterConfig := ginkgo.GinkgoConfiguration()
 	gomega.RegisterFailHandler(ginkgo.Fail)
+	testenv.ReportFailures(t)
 	ginkgo.RunSpecs(t, "csi-sanity", suiteConfig, reporterConfig)
 }
 
