@@ -21,7 +21,8 @@ CONTROLLER_GEN := $(PVBRIDGE_BIN)/controller-gen
 GOLANGCI_LINT := $(PVBRIDGE_BIN)/golangci-lint
 KUBECTL := $(PVBRIDGE_BIN)/kubectl
 # The end-to-end and integration tests start real clusters; give them room on a loaded 2-core machine.
-TEST_TIMEOUT ?= 30m
+# The lab suites run side by side (e2e/suite took 869-1341 s beside e2e/containers' lab).
+TEST_TIMEOUT ?= 45m
 
 ##@ Everyday
 

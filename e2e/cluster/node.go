@@ -239,6 +239,18 @@ syncFrequency: 10s
 # pod was gone; the lab reports every 20 s.
 nodeStatusReportFrequency: 20s
 makeIPTablesUtilChains: false
+# The nodes share the machine's disk, most of which is not theirs: at the default thresholds
+# (85%% used) a node removed the images it had not run yet (the conformance tests' busybox, which
+# no registry serves here) and would evict pods. No image garbage collection; evictions only
+# when the machine is really out of room.
+imageGCHighThresholdPercent: 100
+imageGCLowThresholdPercent: 99
+evictionHard:
+  memory.available: 100Mi
+  nodefs.available: 1%%
+  nodefs.inodesFree: 1%%
+  imagefs.available: 1%%
+  imagefs.inodesFree: 1%%
 `, o.address, o.port, o.healthzPort, o.endpoint, o.podLogs, o.volumePlugins)
 }
 

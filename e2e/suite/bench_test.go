@@ -2,6 +2,7 @@ package suite_test
 
 import (
 	"bufio"
+	"cmp"
 	"context"
 	"fmt"
 	"io"
@@ -18,35 +19,45 @@ import (
 	. "github.com/onsi/gomega"
 	corev1 "k8s.io/api/core/v1"
 	storagev1 "k8s.io/api/storage/v1"
+	"k8s.io/apimachinery/pkg/api/meta"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/watch"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	"pvbridge.io/e2e/cluster"
 	"pvbridge.io/e2e/deploy"
+	pmemv1 "pvbridge.io/pkg/apis/pmem/v1alpha1"
+	vmv1 "pvbridge.io/pkg/apis/vm/v1alpha1"
+	"pvbridge.io/pkg/tenancy"
 )
 
 // The figures of `make bench` (go test ./suite -args -ginkgo.label-filter=bench), each printed
 // as `BENCH <name> <value> <unit>`. The sidecars, controller-managers and clients run with the
 // lab's settings, which are those of the shipped manifests.
+//
+// A burst creates 100 PVCs and 100 pods using them at once, then deletes them and waits until
+// both clusters hold what they held before. Bursts alternate through both layers (guest-csi)
+// and directly against mgmt-csi on the same hosts, three of each; every figure is the median of
+// the three, with its spread (largest ÷ smallest). Each volume's way is timed hop by hop from
+// its PVC's creation, as the watches of both clusters see the objects change.
 var _ = Describe("Benchmarks", Label("bench"), Ordered, func() {
-	const n = 100
-	var bridge, direct *podStartFigures
+	const n, bursts = 100, 3
 
-	It("starts 100 guest pods with new volumes at once, through both layers", func(ctx SpecContext) {
-		writes := apiWrites(ctx, mgmt.CP)
-		bridge = podStart(ctx, alpha.CP, alpha.c, deploy.StorageClassGuest, n)
-		perVolume := float64(apiWrites(ctx, mgmt.CP)-writes) / n
-		bridge.print("guest")
-		benchf("mgmt_api_writes_per_volume %.1f writes\n", perVolume)
-	}, NodeTimeout(30*time.Minute))
-
-	It("starts 100 pods with new volumes at once directly against mgmt-csi", func(ctx SpecContext) {
-		direct = podStart(ctx, mgmt.CP, mc, deploy.StorageClassPmem, n)
-		direct.print("direct")
-		benchf("bridge_over_direct_pod_running_p50 %.2f x\n", bridge.running.percentile(0.5)/direct.running.percentile(0.5))
-		benchf("bridge_over_direct_pod_running_p99 %.2f x\n", bridge.running.percentile(0.99)/direct.running.percentile(0.99))
-	}, NodeTimeout(30*time.Minute))
+	It("starts 100 pods with new volumes at once, through both layers and directly", func(ctx SpecContext) {
+		var bridge, direct []*burst
+		for range bursts {
+			bridge = append(bridge, podStart(ctx, alpha.CP, alpha.c, deploy.StorageClassGuest, n))
+			direct = append(direct, podStart(ctx, mgmt.CP, mc, deploy.StorageClassPmem, n))
+		}
+		printBursts("guest", bridge)
+		printBursts("direct", direct)
+		for _, q := range []float64{0.5, 0.99} {
+			ratio := func(i int) float64 {
+				return bridge[i].hops.percentile(hopPodRunning, q) / direct[i].hops.percentile(hopPodRunning, q)
+			}
+			benchFigure(fmt.Sprintf("bridge_over_direct_pod_running_p%02.0f", q*100), "x", bursts, ratio)
+		}
+	}, NodeTimeout(60*time.Minute))
 
 	It("reports the peak memory of every component", func() {
 		peak := map[string]int{}
@@ -70,60 +81,119 @@ func benchf(format string, args ...any) {
 	fmt.Printf("\nBENCH "+format, args...)
 }
 
-// podStartFigures are the latencies of one pod-start run.
-type podStartFigures struct {
-	bound, attached, running *firsts
-	throughput               float64
-}
-
-func (f *podStartFigures) print(prefix string) {
-	benchf("%s_pvc_bound_p50 %.3f s\n", prefix, f.bound.percentile(0.5))
-	benchf("%s_pvc_bound_p99 %.3f s\n", prefix, f.bound.percentile(0.99))
-	if f.attached.count() > 0 {
-		benchf("%s_attach_p50 %.3f s\n", prefix, f.attached.percentile(0.5))
-		benchf("%s_attach_p99 %.3f s\n", prefix, f.attached.percentile(0.99))
+// benchFigure prints the median of a figure over n bursts and its spread (largest ÷ smallest).
+func benchFigure(name, unit string, n int, figure func(burst int) float64) {
+	vs := make([]float64, n)
+	for i := range n {
+		vs[i] = figure(i)
 	}
-	benchf("%s_pod_running_p50 %.3f s\n", prefix, f.running.percentile(0.5))
-	benchf("%s_pod_running_p99 %.3f s\n", prefix, f.running.percentile(0.99))
-	benchf("%s_provisioning_throughput %.2f volumes/s\n", prefix, f.throughput)
+	slices.Sort(vs)
+	benchf("%s %.3f %s (spread %.2fx)\n", name, vs[n/2], unit, vs[n-1]/vs[0])
 }
 
-// podStart creates n PVCs of class and n pods using them at once in cluster cp and measures
-// PVC created → Bound, VolumeAttachment created → attached (where the driver attaches) and pod
-// created → Running, and the provisioning throughput; then deletes them all and waits until
-// every PV is gone.
-func podStart(ctx context.Context, cp *cluster.ControlPlane, c client.Client, class string, n int) *podStartFigures {
+// The hops of a volume's way, named as the bench prints them. The ones of the cluster where the
+// PVC and pod are made have no prefix; "mgmt_" ones are the management cluster's objects of a
+// guest volume.
+const (
+	hopPodScheduled   = "pod_scheduled"
+	hopMgmtPVCCreated = "mgmt_pvc_created"
+	hopPmemReady      = "pmem_volume_ready"
+	hopMgmtPVCBound   = "mgmt_pvc_bound"
+	hopPVCBound       = "pvc_bound"
+	hopVACreated      = "va_created"
+	hopVMSpecVolume   = "vm_spec_volume"
+	hopMgmtVACreated  = "mgmt_va_created"
+	hopMgmtVAAttached = "mgmt_va_attached"
+	hopVMStatusAttach = "vm_status_attached"
+	hopVAAttached     = "va_attached"
+	hopVolumesMounted = "pod_volumes_mounted"
+	hopPodRunning     = "pod_running"
+)
+
+// burst is what one burst measured.
+type burst struct {
+	hops *hops
+	// throughput is volumes per second, from the first PVC created to the last one bound.
+	throughput float64
+	// writes and conflicts are the management apiserver's write requests (see apiWrites) and
+	// those answered 409 Conflict, per volume, from the burst's start to its end (deletion
+	// included).
+	writes, conflicts float64
+}
+
+// printBursts prints the figures of bursts of one kind: the ends (PVC bound, attach, pod
+// running, throughput, API writes), then the hop table: every hop in the order the volumes
+// pass them (by median time), the time from the PVC's creation to it and the step from the
+// hop before, p50 and p99.
+func printBursts(prefix string, bs []*burst) {
+	n := len(bs)
+	at := func(hop string, q float64) func(int) float64 {
+		return func(i int) float64 { return bs[i].hops.percentile(hop, q) }
+	}
+	for _, q := range []float64{0.5, 0.99} {
+		benchFigure(fmt.Sprintf("%s_pvc_bound_p%02.0f", prefix, q*100), "s", n, at(hopPVCBound, q))
+		if bs[0].hops.count(hopVAAttached) > 0 {
+			attach := func(i int) float64 { return bs[i].hops.stepPercentile(hopVACreated, hopVAAttached, q) }
+			benchFigure(fmt.Sprintf("%s_attach_p%02.0f", prefix, q*100), "s", n, attach)
+		}
+		benchFigure(fmt.Sprintf("%s_pod_running_p%02.0f", prefix, q*100), "s", n, at(hopPodRunning, q))
+	}
+	benchFigure(prefix+"_provisioning_throughput", "volumes/s", n, func(i int) float64 { return bs[i].throughput })
+	benchFigure(prefix+"_mgmt_api_writes_per_volume", "writes", n, func(i int) float64 { return bs[i].writes })
+	benchFigure(prefix+"_mgmt_api_conflicts_per_volume", "conflicts", n, func(i int) float64 { return bs[i].conflicts })
+
+	order := bs[0].hops.order()
+	benchf("%s hops (median of %d bursts; time from the PVC's creation, step from the hop before):\n", prefix, n)
+	for k, hop := range order {
+		prev := ""
+		if k > 0 {
+			prev = order[k-1]
+		}
+		var cols []string
+		for _, q := range []float64{0.5, 0.99} {
+			cols = append(cols, fmt.Sprintf("at_p%02.0f %6.2f s", q*100, median(n, at(hop, q))))
+		}
+		for _, q := range []float64{0.5, 0.99} {
+			step := func(i int) float64 { return bs[i].hops.stepPercentile(prev, hop, q) }
+			cols = append(cols, fmt.Sprintf("step_p%02.0f %6.2f s", q*100, median(n, step)))
+		}
+		benchf("%s_hop %-20s %s\n", prefix, hop, strings.Join(cols, "  "))
+	}
+}
+
+// median is the median of figure over n bursts.
+func median(n int, figure func(burst int) float64) float64 {
+	vs := make([]float64, n)
+	for i := range n {
+		vs[i] = figure(i)
+	}
+	slices.Sort(vs)
+	return vs[n/2]
+}
+
+// podStart runs one burst in cluster cp: it creates n PVCs of class and n pods using them at
+// once and times each volume's hops; then deletes them all and waits until both clusters hold
+// as many PVs, VolumeAttachments and PMEM volumes as before.
+func podStart(ctx context.Context, cp *cluster.ControlPlane, c client.Client, class string, n int) *burst {
 	GinkgoHelper()
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
-	f := &podStartFigures{bound: newFirsts(), attached: newFirsts(), running: newFirsts()}
+	before := storageObjects(ctx)
+	writes, conflicts := apiWrites(ctx, mgmt.CP)
+	h := newHops()
 	ns, err := deploy.CreateNamespace(ctx, cp.Client(), "bench")
 	Expect(err).NotTo(HaveOccurred())
-	watchEach(ctx, cp.Client().CoreV1().PersistentVolumeClaims(ns).Watch, func(ev watch.Event) {
-		if pvc, ok := ev.Object.(*corev1.PersistentVolumeClaim); ok && pvc.Status.Phase == corev1.ClaimBound {
-			f.bound.happened(pvc.Name)
-		}
-	})
-	watchEach(ctx, cp.Client().CoreV1().Pods(ns).Watch, func(ev watch.Event) {
-		if pod, ok := ev.Object.(*corev1.Pod); ok && pod.Status.Phase == corev1.PodRunning {
-			f.running.happened(pod.Name)
-		}
-	})
-	watchEach(ctx, cp.Client().StorageV1().VolumeAttachments().Watch, func(ev watch.Event) {
-		if va, ok := ev.Object.(*storagev1.VolumeAttachment); ok {
-			f.attached.started(va.Name)
-			if va.Status.Attached {
-				f.attached.happened(va.Name)
-			}
-		}
-	})
+	watchClaims(ctx, h, cp, ns)
+	watchPmemVolumes(ctx, h)
+	if cp != mgmt.CP {
+		watchManagement(ctx, h)
+	}
 
 	start := time.Now()
 	var wg sync.WaitGroup
 	for i := range n {
 		name := fmt.Sprintf("b%03d", i)
-		f.bound.started(name)
-		f.running.started(name)
+		h.start("pvc/" + name)
 		wg.Go(func() {
 			defer GinkgoRecover()
 			Expect(c.Create(ctx, deploy.PVC(ns, name, class, "16Mi", false))).To(Succeed())
@@ -131,64 +201,245 @@ func podStart(ctx context.Context, cp *cluster.ControlPlane, c client.Client, cl
 		})
 	}
 	wg.Wait()
-	Eventually(f.bound.count).WithContext(ctx).WithTimeout(10 * time.Minute).Should(BeNumerically(">=", n))
-	f.throughput = float64(n) / time.Since(start).Seconds()
-	Eventually(f.running.count).WithContext(ctx).WithTimeout(10 * time.Minute).Should(BeNumerically(">=", n))
+	Eventually(func() int { return h.count(hopPVCBound) }).WithContext(ctx).WithTimeout(10 * time.Minute).Should(BeNumerically(">=", n))
+	b := &burst{hops: h, throughput: float64(n) / time.Since(start).Seconds()}
+	Eventually(func() int { return h.count(hopPodRunning) }).WithContext(ctx).WithTimeout(10 * time.Minute).Should(BeNumerically(">=", n))
 
 	Expect(c.DeleteAllOf(ctx, &corev1.Pod{}, client.InNamespace(ns))).To(Succeed())
 	Expect(c.DeleteAllOf(ctx, &corev1.PersistentVolumeClaim{}, client.InNamespace(ns))).To(Succeed())
-	Eventually(func(g Gomega) {
-		pvs := &corev1.PersistentVolumeList{}
-		g.Expect(c.List(ctx, pvs)).To(Succeed())
-		g.Expect(pvs.Items).To(BeEmpty())
-	}).WithContext(ctx).WithTimeout(10 * time.Minute).Should(Succeed())
-	return f
+	Eventually(storageObjects).WithContext(ctx).WithTimeout(10 * time.Minute).Should(Equal(before))
+	w, cf := apiWrites(ctx, mgmt.CP)
+	b.writes, b.conflicts = float64(w-writes)/float64(n), float64(cf-conflicts)/float64(n)
+	return b
 }
 
-// firsts records when each named thing first happened, measured from its start.
-type firsts struct {
-	mu    sync.Mutex
-	start map[string]time.Time
-	at    map[string]time.Duration
+// storageObjects counts the PVs and VolumeAttachments of every cluster and the PMEM volumes.
+func storageObjects(ctx context.Context) map[string]int {
+	GinkgoHelper()
+	counts := map[string]int{}
+	for name, c := range map[string]client.Client{"mgmt": mc, "alpha": alpha.c} {
+		pvs, vas := &corev1.PersistentVolumeList{}, &storagev1.VolumeAttachmentList{}
+		Expect(c.List(ctx, pvs)).To(Succeed())
+		Expect(c.List(ctx, vas)).To(Succeed())
+		counts[name+" PVs"], counts[name+" VolumeAttachments"] = len(pvs.Items), len(vas.Items)
+	}
+	vols := &pmemv1.PmemVolumeList{}
+	Expect(mc.List(ctx, vols)).To(Succeed())
+	counts["PmemVolumes"] = len(vols.Items)
+	return counts
 }
 
-func newFirsts() *firsts {
-	return &firsts{start: map[string]time.Time{}, at: map[string]time.Duration{}}
+// watchClaims times the hops of the cluster where the burst's PVCs and pods are (namespace ns),
+// and of the management cluster's PVCs and VolumeAttachments when that is another one.
+func watchClaims(ctx context.Context, h *hops, cp *cluster.ControlPlane, ns string) {
+	GinkgoHelper()
+	watchEach(ctx, cp.Client().CoreV1().PersistentVolumeClaims(ns).Watch, func(ev watch.Event) {
+		if pvc, ok := ev.Object.(*corev1.PersistentVolumeClaim); ok && pvc.Status.Phase == corev1.ClaimBound {
+			h.alias("pv/"+pvc.Spec.VolumeName, "pvc/"+pvc.Name)
+			h.seen(hopPVCBound, "pvc/"+pvc.Name)
+		}
+	})
+	watchEach(ctx, cp.Client().CoreV1().Pods(ns).Watch, func(ev watch.Event) {
+		pod, ok := ev.Object.(*corev1.Pod)
+		if !ok || len(pod.Spec.Volumes) == 0 || pod.Spec.Volumes[0].PersistentVolumeClaim == nil {
+			return
+		}
+		ref := "pvc/" + pod.Spec.Volumes[0].PersistentVolumeClaim.ClaimName
+		for _, c := range pod.Status.Conditions {
+			if c.Status != corev1.ConditionTrue {
+				continue
+			}
+			switch c.Type {
+			case corev1.PodScheduled:
+				h.seen(hopPodScheduled, ref)
+			case corev1.PodReadyToStartContainers:
+				h.seen(hopVolumesMounted, ref)
+			}
+		}
+		if pod.Status.Phase == corev1.PodRunning {
+			h.seen(hopPodRunning, ref)
+		}
+	})
+	watchAttachments(ctx, h, cp, "")
 }
 
-func (f *firsts) started(name string) {
-	f.mu.Lock()
-	defer f.mu.Unlock()
-	if _, ok := f.start[name]; !ok {
-		f.start[name] = time.Now()
+// watchAttachments times the VolumeAttachments of cp, their hops named with prefix.
+func watchAttachments(ctx context.Context, h *hops, cp *cluster.ControlPlane, prefix string) {
+	GinkgoHelper()
+	watchEach(ctx, cp.Client().StorageV1().VolumeAttachments().Watch, func(ev watch.Event) {
+		if va, ok := ev.Object.(*storagev1.VolumeAttachment); ok && va.Spec.Source.PersistentVolumeName != nil {
+			ref := "pv/" + *va.Spec.Source.PersistentVolumeName
+			h.seen(prefix+hopVACreated, ref)
+			if va.Status.Attached {
+				h.seen(prefix+hopVAAttached, ref)
+			}
+		}
+	})
+}
+
+// watchPmemVolumes times when PMEM volumes become ready, known by the PV they were created for.
+func watchPmemVolumes(ctx context.Context, h *hops) {
+	GinkgoHelper()
+	watchObjects(ctx, &pmemv1.PmemVolumeList{}, func(o client.Object) {
+		if meta.IsStatusConditionTrue(o.(*pmemv1.PmemVolume).Status.Conditions, pmemv1.ReadyCondition) {
+			h.seen(hopPmemReady, "pv/"+o.GetAnnotations()[pmemv1.NameAnnotation])
+		}
+	})
+}
+
+// watchManagement times the management hops of guest volumes: their management PVCs (named by
+// the guest PV they were created for), PMEM volumes, VolumeAttachments and VirtualMachine
+// entries.
+func watchManagement(ctx context.Context, h *hops) {
+	GinkgoHelper()
+	watchEach(ctx, mgmt.CP.Client().CoreV1().PersistentVolumeClaims(alpha.Options.Namespace).Watch, func(ev watch.Event) {
+		pvc, ok := ev.Object.(*corev1.PersistentVolumeClaim)
+		if !ok || pvc.Annotations[tenancy.GuestPVAnnotation] == "" {
+			return
+		}
+		ref := "mpvc/" + pvc.Name
+		h.alias(ref, "pv/"+pvc.Annotations[tenancy.GuestPVAnnotation])
+		h.seen(hopMgmtPVCCreated, ref)
+		if pvc.Status.Phase == corev1.ClaimBound {
+			h.alias("pv/"+pvc.Spec.VolumeName, ref)
+			h.seen(hopMgmtPVCBound, ref)
+		}
+	})
+	watchAttachments(ctx, h, mgmt.CP, "mgmt_")
+	watchObjects(ctx, &vmv1.VirtualMachineList{}, func(o client.Object) {
+		vm := o.(*vmv1.VirtualMachine)
+		for _, v := range vm.Spec.Volumes {
+			h.seen(hopVMSpecVolume, "mpvc/"+v.PersistentVolumeClaim.ClaimName)
+		}
+		for _, v := range vm.Status.Volumes {
+			if v.Attached {
+				h.seen(hopVMStatusAttach, "mpvc/"+v.Name)
+			}
+		}
+	})
+}
+
+// hops records, for every volume, when each hop of its way was first seen. Objects are known by
+// refs ("pvc/<name>", "pv/<name>", "mpvc/<name>") that aliases lead to the volume's own ref, the
+// PVC the burst created; aliases may come after the hops they resolve.
+type hops struct {
+	mu      sync.Mutex
+	started map[string]time.Time            // volume ref -> its PVC's creation
+	seenAt  map[string]map[string]time.Time // hop -> ref -> first seen
+	aliases map[string]string               // ref -> ref closer to the volume's
+}
+
+func newHops() *hops {
+	return &hops{started: map[string]time.Time{}, seenAt: map[string]map[string]time.Time{}, aliases: map[string]string{}}
+}
+
+func (h *hops) start(volume string) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	h.started[volume] = time.Now()
+}
+
+func (h *hops) alias(ref, to string) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	h.aliases[ref] = to
+}
+
+func (h *hops) seen(hop, ref string) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if h.seenAt[hop] == nil {
+		h.seenAt[hop] = map[string]time.Time{}
+	}
+	if _, ok := h.seenAt[hop][ref]; !ok {
+		h.seenAt[hop][ref] = time.Now()
 	}
 }
 
-func (f *firsts) happened(name string) {
-	f.mu.Lock()
-	defer f.mu.Unlock()
-	if _, done := f.at[name]; !done {
-		if s, ok := f.start[name]; ok {
-			f.at[name] = time.Since(s)
+// times returns, per volume, the time from its start to hop; volumes not seen there are absent.
+func (h *hops) times(hop string) map[string]time.Duration {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	out := map[string]time.Duration{}
+	for ref, at := range h.seenAt[hop] {
+		for range 4 { // pvc/ <- pv/ <- mpvc/ <- pv/ (management)
+			if _, ok := h.started[ref]; ok {
+				break
+			}
+			ref = h.aliases[ref]
+		}
+		if s, ok := h.started[ref]; ok {
+			out[ref] = at.Sub(s)
 		}
 	}
+	return out
 }
 
-func (f *firsts) count() int {
-	f.mu.Lock()
-	defer f.mu.Unlock()
-	return len(f.at)
+func (h *hops) count(hop string) int { return len(h.times(hop)) }
+
+// percentile is quantile q of the times to hop, in seconds (0 when no volume got there).
+func (h *hops) percentile(hop string, q float64) float64 {
+	return quantile(slices.Collect(maps.Values(h.times(hop))), q)
 }
 
-// percentile returns quantile q of the recorded durations, in seconds.
-func (f *firsts) percentile(q float64) float64 {
-	f.mu.Lock()
-	defer f.mu.Unlock()
-	l := slices.Sorted(maps.Values(f.at))
-	if len(l) == 0 {
+// stepPercentile is quantile q of the time from hop from to hop to, per volume, in seconds;
+// from "" is the volume's start.
+func (h *hops) stepPercentile(from, to string, q float64) float64 {
+	end := h.times(to)
+	var steps []time.Duration
+	if from == "" {
+		steps = slices.Collect(maps.Values(end))
+	} else {
+		for v, t0 := range h.times(from) {
+			if t1, ok := end[v]; ok {
+				steps = append(steps, t1-t0)
+			}
+		}
+	}
+	return quantile(steps, q)
+}
+
+// order is every hop seen, by its median time.
+func (h *hops) order() []string {
+	h.mu.Lock()
+	names := slices.Collect(maps.Keys(h.seenAt))
+	h.mu.Unlock()
+	medians := map[string]float64{}
+	for _, hop := range names {
+		medians[hop] = h.percentile(hop, 0.5)
+	}
+	slices.SortFunc(names, func(a, b string) int { return cmp.Compare(medians[a], medians[b]) })
+	return names
+}
+
+// quantile returns quantile q of ds, in seconds.
+func quantile(ds []time.Duration, q float64) float64 {
+	if len(ds) == 0 {
 		return 0
 	}
-	return l[int(q*float64(len(l)-1))].Seconds()
+	slices.Sort(ds)
+	return ds[int(q*float64(len(ds)-1))].Seconds()
+}
+
+// watchObjects starts a watch of the management cluster's objects of list's kind and feeds every
+// object to fn until ctx ends.
+func watchObjects(ctx context.Context, list client.ObjectList, fn func(client.Object)) {
+	GinkgoHelper()
+	c, err := client.NewWithWatch(mgmt.CP.RESTConfig(), client.Options{Scheme: scheme()})
+	Expect(err).NotTo(HaveOccurred())
+	w, err := c.Watch(ctx, list)
+	Expect(err).NotTo(HaveOccurred())
+	go func() {
+		<-ctx.Done()
+		w.Stop()
+	}()
+	go func() {
+		for ev := range w.ResultChan() {
+			if o, ok := ev.Object.(client.Object); ok {
+				fn(o)
+			}
+		}
+	}()
 }
 
 // watchEach starts a watch and feeds every event to fn until ctx ends.
@@ -208,14 +459,13 @@ func watchEach(ctx context.Context, start func(context.Context, metav1.ListOptio
 }
 
 // apiWrites is the number of write requests (create, update, patch, delete) the apiserver of cp
-// has served for storage objects so far: every resource but the heartbeats of nodes (Node
-// status, Leases) and Events.
-func apiWrites(ctx context.Context, cp *cluster.ControlPlane) int {
+// has served for storage objects so far, and how many of them it answered 409 Conflict: every
+// resource but the heartbeats of nodes (Node status, Leases) and Events.
+func apiWrites(ctx context.Context, cp *cluster.ControlPlane) (writes, conflicts int) {
 	GinkgoHelper()
 	body, err := cp.Client().CoreV1().RESTClient().Get().AbsPath("/metrics").Stream(ctx)
 	Expect(err).NotTo(HaveOccurred())
 	defer body.Close()
-	total := 0
 	scanner := bufio.NewScanner(body)
 	scanner.Buffer(make([]byte, 1<<20), 1<<20)
 	for scanner.Scan() {
@@ -231,11 +481,14 @@ func apiWrites(ctx context.Context, cp *cluster.ControlPlane) int {
 		default:
 			v, err := strconv.ParseFloat(value, 64)
 			Expect(err).NotTo(HaveOccurred())
-			total += int(v)
+			writes += int(v)
+			if label(labels, "code") == "409" {
+				conflicts += int(v)
+			}
 		}
 	}
 	Expect(scanner.Err()).To(Or(Not(HaveOccurred()), MatchError(io.EOF)))
-	return total
+	return writes, conflicts
 }
 
 // label returns the value of a Prometheus label in a list of them.

@@ -30,10 +30,6 @@ import (
 const (
 	// TopologyKey is the topology segment of a volume: the node whose PMEM holds it.
 	TopologyKey = "pmem.csi.pvbridge.io/node"
-	// NodeLabel carries spec.node on PmemVolumes and PmemSnapshots.
-	NodeLabel = "pmem.pvbridge.io/node"
-	// NameAnnotation records the CSI name a PmemVolume or PmemSnapshot was created for.
-	NameAnnotation = "pmem.pvbridge.io/csi-name"
 
 	kindVolume   = "PmemVolume"
 	kindSnapshot = "PmemSnapshot"
@@ -211,8 +207,8 @@ func (s *controllerServer) createVolumeObject(ctx context.Context, id, name, nod
 	vol := &pmemv1.PmemVolume{
 		ObjectMeta: metav1.ObjectMeta{
 			Name:        id,
-			Labels:      map[string]string{NodeLabel: node},
-			Annotations: map[string]string{NameAnnotation: name},
+			Labels:      map[string]string{pmemv1.NodeLabel: node},
+			Annotations: map[string]string{pmemv1.NameAnnotation: name},
 			Finalizers:  []string{agent.Finalizer},
 		},
 		Spec: pmemv1.PmemVolumeSpec{
@@ -521,8 +517,8 @@ func (s *controllerServer) CreateSnapshot(ctx context.Context, req *csi.CreateSn
 		snap = &pmemv1.PmemSnapshot{
 			ObjectMeta: metav1.ObjectMeta{
 				Name:        id,
-				Labels:      map[string]string{NodeLabel: vol.Spec.Node},
-				Annotations: map[string]string{NameAnnotation: req.GetName()},
+				Labels:      map[string]string{pmemv1.NodeLabel: vol.Spec.Node},
+				Annotations: map[string]string{pmemv1.NameAnnotation: req.GetName()},
 				Finalizers:  []string{agent.Finalizer},
 			},
 			Spec: pmemv1.PmemSnapshotSpec{Node: vol.Spec.Node, SnapshotID: id, SourceVolumeID: vol.Name},

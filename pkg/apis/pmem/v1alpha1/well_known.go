@@ -1,0 +1,11 @@
+package v1alpha1
+
+// Labels and annotations of PmemVolumes and PmemSnapshots, set by mgmt-csi's controller and read
+// by administrators' tools and the benchmarks.
+const (
+	// NodeLabel carries spec.node on PmemVolumes and PmemSnapshots.
+	NodeLabel = "pmem.pvbridge.io/node"
+	// NameAnnotation records the CSI name a PmemVolume or PmemSnapshot was created for (for a
+	// volume csi-provisioner provisions, the name of its PV).
+	NameAnnotation = "pmem.pvbridge.io/csi-name"
+)
