@@ -4,6 +4,7 @@ import (
 	"bufio"
 	"cmp"
 	"context"
+	"flag"
 	"fmt"
 	"io"
 	"maps"
@@ -41,9 +42,10 @@ import (
 // the three, with its spread (largest ÷ smallest). Each volume's way is timed hop by hop from
 // its PVC's creation, as the watches of both clusters see the objects change.
 var _ = Describe("Benchmarks", Label("bench"), Ordered, func() {
-	const n, bursts = 100, 3
+	const n = 100
 
 	It("starts 100 pods with new volumes at once, through both layers and directly", func(ctx SpecContext) {
+		bursts := *benchBursts
 		var bridge, direct []*burst
 		for range bursts {
 			bridge = append(bridge, podStart(ctx, alpha.CP, alpha.c, deploy.StorageClassGuest, n))
@@ -75,6 +77,9 @@ var _ = Describe("Benchmarks", Label("bench"), Ordered, func() {
 		}
 	})
 })
+
+// benchBursts is how many bursts of each kind the bench runs.
+var benchBursts = flag.Int("bench.bursts", 3, "bursts of each kind the benchmark runs; each figure is their median")
 
 // benchf prints one figure on a line of its own (Ginkgo's progress marks share stdout).
 func benchf(format string, args ...any) {
