@@ -82,27 +82,27 @@ func LabImages() ([]Image, error) {
 	}, nil
 }
 
-// coreutils are the programs a busybox image takes from Debian's coreutils instead of busybox's
-// applets: the storage tests write block volumes with `dd oflag=nocache`, which busybox's dd
-// lacks.
-var coreutils = []string{"dd"}
+// notApplets are the programs a busybox image takes from Debian instead of busybox's applets:
+// the storage tests write block volumes with `dd oflag=nocache`, which busybox's dd lacks, and
+// sh is dash, because Debian's busybox sh runs its own applets before looking at PATH.
+var notApplets = []string{"dd", "sh"}
 
-// busybox is an image of Debian's busybox-static with every applet (but coreutils), run as root
-// with sh.
+// busybox is an image of Debian's busybox-static with every applet but notApplets, which come
+// from coreutils and dash, run as root with sh.
 func busybox(name, tag string) (Image, error) {
 	out, err := exec.Command("busybox", "--list-full").Output()
 	if err != nil {
 		return Image{}, fmt.Errorf("busybox --list-full (Debian package busybox-static): %w", err)
 	}
-	var applets []Entry
+	applets := []Entry{Symlink("/usr/bin/sh", "/usr/bin/dash")}
 	for _, a := range strings.Fields(string(out)) {
 		p := "/usr/" + strings.TrimPrefix(a, "usr/")
-		if p != "/usr/bin/busybox" && !slices.Contains(coreutils, path.Base(p)) {
+		if p != "/usr/bin/busybox" && !slices.Contains(notApplets, path.Base(p)) {
 			applets = append(applets, Symlink(p, "/usr/bin/busybox"))
 		}
 	}
 	return Image{
-		Name: name, Tag: tag, User: "0", Programs: append([]string{"busybox"}, coreutils...), Extra: applets,
+		Name: name, Tag: tag, User: "0", Programs: []string{"busybox", "dash", "dd"}, Extra: applets,
 		Cmd: []string{"sh"}, Source: "https://packages.debian.org/bookworm/busybox-static",
 	}, nil
 }

@@ -192,8 +192,15 @@ func (r *Reconciler) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Resu
 				return ctrl.Result{}, err
 			}
 		}
+		// What the VM has plugged now: a volume recorded attached whose disk is plugged from
+		// its published device is settled, and costs no CSI call. A listing error only means
+		// every volume takes the full (idempotent) way.
+		plugged, err := r.Hypervisor.Disks(ctx, ref)
+		if err != nil {
+			ctrl.LoggerFrom(ctx).V(1).Info("Cannot list the VM's disks", "err", err)
+		}
 		for _, v := range vm.Spec.Volumes {
-			entry, done := r.attach(ctx, vm, ref, v.Name)
+			entry, done := r.attach(ctx, vm, ref, v.Name, plugged)
 			if entry != nil {
 				set[v.Name] = *entry
 			}
@@ -252,10 +259,11 @@ func (r *Reconciler) attachmentReady(ctx context.Context, vm *vmv1.VirtualMachin
 	return err == nil && va.Status.Attached
 }
 
-// attach makes volume name a disk of the VM once its VolumeAttachment is attached. It returns
-// the status entry to record (nil: leave the entry as it is, the controller reports why the
-// volume is not attached yet) and whether the volume is settled.
-func (r *Reconciler) attach(ctx context.Context, vm *vmv1.VirtualMachine, ref hypervisor.VM, name string) (*vmv1.VirtualMachineVolumeStatus, bool) {
+// attach makes volume name a disk of the VM once its VolumeAttachment is attached, unless the
+// status records it attached and the disk is among the plugged ones with its serial and
+// published device. It returns the status entry to record (nil: leave the entry as it is, the
+// controller reports why the volume is not attached yet) and whether the volume is settled.
+func (r *Reconciler) attach(ctx context.Context, vm *vmv1.VirtualMachine, ref hypervisor.VM, name string, plugged []hypervisor.Disk) (*vmv1.VirtualMachineVolumeStatus, bool) {
 	log := ctrl.LoggerFrom(ctx).WithValues("volume", name)
 	vaName := vmcontroller.AttachmentName(vm.Namespace, vm.Name, name)
 	va := &storagev1.VolumeAttachment{}
@@ -269,6 +277,10 @@ func (r *Reconciler) attach(ctx context.Context, vm *vmv1.VirtualMachine, ref hy
 
 	serial := SerialFor(pv.Name)
 	dir := filepath.Join(r.StateDir, vaName)
+	recorded := vmv1.VirtualMachineVolumeStatus{Name: name, Attached: true, DiskSerial: serial}
+	if slices.Contains(vm.Status.Volumes, recorded) && slices.Contains(plugged, hypervisor.Disk{Serial: serial, Device: filepath.Join(dir, "device")}) {
+		return &recorded, true
+	}
 	device, err := r.publish(ctx, dir, pv.Spec.CSI.VolumeHandle, serial, va.Status.AttachmentMetadata)
 	if err != nil {
 		log.Error(err, "Cannot publish the volume on the host")

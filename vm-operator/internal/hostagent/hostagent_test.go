@@ -187,10 +187,12 @@ func TestReconcile(t *testing.T) {
 	serial := SerialFor(pvName)
 	attachedEntry := vmv1.VirtualMachineVolumeStatus{Name: "data", Attached: true, DiskSerial: serial}
 	tests := []struct {
-		name        string
-		vm          *vmv1.VirtualMachine
-		vaAttached  bool
-		prepare     func(h *fakeHypervisor)
+		name       string
+		vm         *vmv1.VirtualMachine
+		vaAttached bool
+		prepare    func(h *fakeHypervisor)
+		// plugged: the disk of "data" is plugged as the agent plugs it (its published device).
+		plugged     bool
 		wantStatus  []vmv1.VirtualMachineVolumeStatus
 		wantCalls   []string
 		wantDisks   int
@@ -198,6 +200,17 @@ func TestReconcile(t *testing.T) {
 	}{
 		{
 			name: "an attached volume is staged, published and hot-plugged", vm: virtualMachine([]string{"data"}, nil), vaAttached: true,
+			wantStatus: []vmv1.VirtualMachineVolumeStatus{attachedEntry},
+			wantCalls:  []string{"stage pvc-1", "publish pvc-1"}, wantDisks: 1,
+		},
+		{
+			name: "a volume recorded attached whose disk is plugged costs no call", vaAttached: true,
+			vm: virtualMachine([]string{"data"}, []vmv1.VirtualMachineVolumeStatus{attachedEntry}), plugged: true,
+			wantStatus: []vmv1.VirtualMachineVolumeStatus{attachedEntry}, wantCalls: nil, wantDisks: 1,
+		},
+		{
+			name: "a volume recorded attached whose disk is gone (the VM restarted) is plugged again", vaAttached: true,
+			vm:         virtualMachine([]string{"data"}, []vmv1.VirtualMachineVolumeStatus{attachedEntry}),
 			wantStatus: []vmv1.VirtualMachineVolumeStatus{attachedEntry},
 			wantCalls:  []string{"stage pvc-1", "publish pvc-1"}, wantDisks: 1,
 		},
@@ -260,6 +273,9 @@ func TestReconcile(t *testing.T) {
 				_, err := r.publish(t.Context(), filepath.Join(r.StateDir, controller.AttachmentName("tenant", "vm-1", "data")), pvName, serial, nil)
 				g.Expect(err).NotTo(HaveOccurred())
 				fc.calls = nil
+			}
+			if tt.plugged {
+				h.disks["vm-1"] = map[string]string{serial: filepath.Join(r.StateDir, controller.AttachmentName("tenant", "vm-1", "data"), "device")}
 			}
 
 			res, err := r.Reconcile(t.Context(), ctrl.Request{NamespacedName: client.ObjectKeyFromObject(tt.vm)})
