@@ -88,12 +88,25 @@ func benchf(format string, args ...any) {
 
 // benchFigure prints the median of a figure over n bursts and its spread (largest ÷ smallest).
 func benchFigure(name, unit string, n int, figure func(burst int) float64) {
+	vs := sorted(n, figure)
+	spread := "-"
+	if vs[0] > 0 {
+		spread = fmt.Sprintf("%.2fx", vs[n-1]/vs[0])
+	}
+	benchf("%s %.3f %s (spread %s)\n", name, vs[n/2], unit, spread)
+}
+
+// median is the median of figure over n bursts.
+func median(n int, figure func(burst int) float64) float64 { return sorted(n, figure)[n/2] }
+
+// sorted returns figure of each of n bursts, in increasing order.
+func sorted(n int, figure func(burst int) float64) []float64 {
 	vs := make([]float64, n)
 	for i := range n {
 		vs[i] = figure(i)
 	}
 	slices.Sort(vs)
-	benchf("%s %.3f %s (spread %.2fx)\n", name, vs[n/2], unit, vs[n-1]/vs[0])
+	return vs
 }
 
 // The hops of a volume's way, named as the bench prints them. The ones of the cluster where the
@@ -164,16 +177,6 @@ func printBursts(prefix string, bs []*burst) {
 		}
 		benchf("%s_hop %-20s %s\n", prefix, hop, strings.Join(cols, "  "))
 	}
-}
-
-// median is the median of figure over n bursts.
-func median(n int, figure func(burst int) float64) float64 {
-	vs := make([]float64, n)
-	for i := range n {
-		vs[i] = figure(i)
-	}
-	slices.Sort(vs)
-	return vs[n/2]
 }
 
 // podStart runs one burst in cluster cp: it creates n PVCs of class and n pods using them at
