@@ -191,18 +191,27 @@ func (cp *ControlPlane) StopAPIServer() error {
 }
 
 // StartAPIServer starts the stopped kube-apiserver again, on the same address, and waits until
-// it is ready.
+// it is ready. An apiserver that exits while starting is started again, up to three times, as
+// its supervisor (kubelet for a static pod, systemd) would: on a loaded machine a starting
+// apiserver exited on a post-start hook's timeout ("unable to perform initial IP and Port
+// allocation check").
 func (cp *ControlPlane) StartAPIServer(ctx context.Context) error {
-	cp.mu.Lock()
-	p, err := cp.apiserver.Respawn()
-	if err == nil {
-		cp.apiserver = p
+	var err error
+	for range 3 {
+		cp.mu.Lock()
+		p, respawnErr := cp.apiserver.Respawn()
+		if respawnErr == nil {
+			cp.apiserver = p
+		}
+		cp.mu.Unlock()
+		if respawnErr != nil {
+			return respawnErr
+		}
+		if err = cp.waitReady(ctx); err == nil || !p.Exited() {
+			return err
+		}
 	}
-	cp.mu.Unlock()
-	if err != nil {
-		return err
-	}
-	return cp.waitReady(ctx)
+	return err
 }
 
 // RESTConfig returns an admin client configuration.
