@@ -9,12 +9,12 @@ import (
 	"os/exec"
 	"path/filepath"
 	"slices"
-	"strconv"
 	"strings"
 	"testing"
 
 	"github.com/onsi/ginkgo/v2/types"
 	. "github.com/onsi/gomega"
+	"golang.org/x/sys/unix"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
@@ -22,6 +22,7 @@ import (
 
 	"pvbridge.io/e2e/cluster"
 	"pvbridge.io/e2e/deploy"
+	"pvbridge.io/pkg/testenv"
 )
 
 var (
@@ -50,28 +51,6 @@ var skip = []string{
 var onlineExt4Growth = []string{
 	`\(default fs\)\(allowExpansion\)\] volume-expand .*should resize volume when PVC is edited while pod is using it`,
 	`Generic Ephemeral-volume \(default fs\).*should support expansion of pvcs created for ephemeral pvcs`,
-}
-
-// capSysResource is CAP_SYS_RESOURCE's bit in /proc/<pid>/status's capability masks.
-const capSysResource = 24
-
-// boundingHas reports whether the bounding set of this process has capability bit.
-func boundingHas(t *testing.T, bit uint) bool {
-	status, err := os.ReadFile("/proc/self/status")
-	if err != nil {
-		t.Fatal(err)
-	}
-	for line := range strings.SplitSeq(string(status), "\n") {
-		if hex, ok := strings.CutPrefix(line, "CapBnd:"); ok {
-			mask, err := strconv.ParseUint(strings.TrimSpace(hex), 16, 64)
-			if err != nil {
-				t.Fatal(err)
-			}
-			return mask&(1<<bit) != 0
-		}
-	}
-	t.Fatal("no CapBnd in /proc/self/status")
-	return false
 }
 
 // confinement is the taint that keeps e2e.test's pods off the nodes of every host but host-a:
@@ -105,7 +84,7 @@ func TestExternalStorage(t *testing.T) {
 			definition, err := filepath.Abs(filepath.Join("testdata", d.definition))
 			g.Expect(err).NotTo(HaveOccurred())
 			skips := slices.Clone(skip)
-			if !boundingHas(t, capSysResource) {
+			if !testenv.HasCapability(t, "CapBnd", unix.CAP_SYS_RESOURCE) {
 				t.Logf("this machine has no CAP_SYS_RESOURCE to give a container: the tests that grow a mounted ext4 are skipped")
 				skips = append(skips, onlineExt4Growth...)
 			}

@@ -433,21 +433,12 @@ func quantile(ds []time.Duration, q float64) float64 {
 // object to fn until ctx ends.
 func watchObjects(ctx context.Context, list client.ObjectList, fn func(client.Object)) {
 	GinkgoHelper()
-	c, err := client.NewWithWatch(mgmt.CP.RESTConfig(), client.Options{Scheme: scheme()})
-	Expect(err).NotTo(HaveOccurred())
-	w, err := c.Watch(ctx, list)
-	Expect(err).NotTo(HaveOccurred())
-	go func() {
-		<-ctx.Done()
-		w.Stop()
-	}()
-	go func() {
-		for ev := range w.ResultChan() {
-			if o, ok := ev.Object.(client.Object); ok {
-				fn(o)
-			}
+	start := func(ctx context.Context, _ metav1.ListOptions) (watch.Interface, error) { return mc.Watch(ctx, list) }
+	watchEach(ctx, start, func(ev watch.Event) {
+		if o, ok := ev.Object.(client.Object); ok {
+			fn(o)
 		}
-	}()
+	})
 }
 
 // watchEach starts a watch and feeds every event to fn until ctx ends.

@@ -42,7 +42,7 @@ var (
 	mgmt *deploy.Management
 	op   *deploy.VMOperator
 	// mc is the management cluster's admin client.
-	mc client.Client
+	mc client.WithWatch
 	// alpha and beta are the two guest clusters.
 	alpha, beta *guestCluster
 )
@@ -103,7 +103,7 @@ var _ = BeforeSuite(func(ctx SpecContext) {
 	// (after 6m40s) while the suite runs.
 	_, err = deploy.StartTenants(ctx, lab, mgmt, deploy.TenantsOptions{TokenTTL: "10m"})
 	Expect(err).NotTo(HaveOccurred())
-	mc, err = client.New(mcp.RESTConfig(), client.Options{Scheme: scheme()})
+	mc, err = client.NewWithWatch(mcp.RESTConfig(), client.Options{Scheme: scheme()})
 	Expect(err).NotTo(HaveOccurred())
 	alpha = startGuest(ctx, "guest-a", alphaOptions)
 	beta = startGuest(ctx, "guest-b", betaOptions)

@@ -7,7 +7,6 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
-	"strconv"
 	"strings"
 	"testing"
 
@@ -230,26 +229,6 @@ func partitionTable(t *testing.T, device string) {
 func mkfs(t *testing.T, fsType, device string, args ...string) {
 	t.Helper()
 	run(t, "mkfs."+fsType, append(args, device)...)
-}
-
-// hasCapability reports whether the process has capability c in its effective set.
-func hasCapability(t *testing.T, c int) bool {
-	t.Helper()
-	b, err := os.ReadFile("/proc/self/status")
-	if err != nil {
-		t.Fatal(err)
-	}
-	for line := range strings.Lines(string(b)) {
-		if hex, ok := strings.CutPrefix(line, "CapEff:"); ok {
-			caps, err := strconv.ParseUint(strings.TrimSpace(hex), 16, 64)
-			if err != nil {
-				t.Fatal(err)
-			}
-			return caps&(1<<c) != 0
-		}
-	}
-	t.Fatal("no CapEff in /proc/self/status")
-	return false
 }
 
 func expectNoMount(g Gomega, t *testing.T, path string) {

@@ -10,6 +10,8 @@ import (
 	"os"
 	"path/filepath"
 	"runtime"
+	"strconv"
+	"strings"
 	"testing"
 
 	"github.com/onsi/ginkgo/v2"
@@ -112,4 +114,26 @@ func ReportFailures(t *testing.T) {
 			}
 		}
 	})
+}
+
+// HasCapability reports whether capability c (unix.CAP_*) is in set of this process: "CapEff"
+// (what it may do now) or "CapBnd" (what any process it starts, containers included, may ever
+// have), as /proc/self/status shows them.
+func HasCapability(t *testing.T, set string, c int) bool {
+	t.Helper()
+	b, err := os.ReadFile("/proc/self/status")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for line := range strings.Lines(string(b)) {
+		if hex, ok := strings.CutPrefix(line, set+":"); ok {
+			caps, err := strconv.ParseUint(strings.TrimSpace(hex), 16, 64)
+			if err != nil {
+				t.Fatal(err)
+			}
+			return caps&(1<<c) != 0
+		}
+	}
+	t.Fatalf("no %s in /proc/self/status", set)
+	return false
 }
