@@ -215,7 +215,7 @@ func podStart(ctx context.Context, cp *cluster.ControlPlane, c client.Client, cl
 
 	Expect(c.DeleteAllOf(ctx, &corev1.Pod{}, client.InNamespace(ns))).To(Succeed())
 	Expect(c.DeleteAllOf(ctx, &corev1.PersistentVolumeClaim{}, client.InNamespace(ns))).To(Succeed())
-	Eventually(storageObjects).WithContext(ctx).WithTimeout(10 * time.Minute).Should(Equal(before))
+	Eventually(storageObjects).WithContext(ctx).WithTimeout(10 * time.Minute).WithPolling(time.Second).Should(Equal(before))
 	w, cf := apiWrites(ctx, mgmt.CP)
 	b.writes, b.conflicts = float64(w-writes)/float64(n), float64(cf-conflicts)/float64(n)
 	return b
