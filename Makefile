@@ -86,7 +86,7 @@ bench: deps lab-tools ## Run the benchmarks; each figure prints as `BENCH <name>
 
 .PHONY: soak
 soak: deps lab-tools ## The long runs: the kill -9 churn over 200 volume lifecycles; a controller-manager restart watched for 10 minutes.
-	cd e2e && go test -count=1 -timeout $(TEST_TIMEOUT) ./suite -args -ginkgo.v -ginkgo.label-filter=churn -churn-lifecycles=200
+	cd e2e && go test -count=1 -timeout $(TEST_TIMEOUT) ./suite -args -ginkgo.v -ginkgo.label-filter=churn -churn-lifecycles=200 -churn-rounds=20
 	cd e2e && go test -count=1 -timeout 30m -run TestControllerManagerRestartDetachesNothing ./vmoperator/ -args -soak=10m
 
 .PHONY: e2e

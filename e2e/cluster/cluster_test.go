@@ -159,6 +159,8 @@ func TestKilledOwnerLeavesNothingBehind(t *testing.T) {
 	g.Expect(MountsBelow(root)).NotTo(BeEmpty(), "the kubelet bind-mounts its root dir")
 	bridge := readFirst(t, filepath.Join(root, "bridges"))
 	g.Expect(exec.Command("pgrep", "-f", "sleep 3601").Run()).To(Succeed(), "the containerd node's pod runs")
+	cgroups := containerCgroups(root)
+	g.Expect(cgroups).NotTo(BeEmpty(), "the pod's containers have cgroups")
 
 	g.Expect(child.Process.Kill()).To(Succeed())
 	_ = child.Wait()
@@ -173,7 +175,24 @@ func TestKilledOwnerLeavesNothingBehind(t *testing.T) {
 		nat, err := exec.Command("iptables-save", "-t", "nat").Output()
 		g.Expect(err).NotTo(HaveOccurred())
 		g.Expect(string(nat)).NotTo(ContainSubstring(root))
+		for _, c := range cgroups {
+			g.Expect(c).NotTo(BeADirectory(), "the cgroup of a container is left")
+		}
 	}).WithTimeout(time.Minute).WithPolling(100 * time.Millisecond).Should(Succeed())
+}
+
+// containerCgroups lists the cgroups of the containerd nodes' containers below root, in every
+// hierarchy.
+func containerCgroups(root string) []string {
+	var cgroups []string
+	tasks, _ := filepath.Glob(filepath.Join(root, "*", "nodes", "*", "root", "run", "containerd", "io.containerd.runtime.v2.task", "k8s.io", "*"))
+	for _, t := range tasks {
+		for _, pattern := range []string{"/sys/fs/cgroup/k8s.io/", "/sys/fs/cgroup/*/k8s.io/"} {
+			found, _ := filepath.Glob(pattern + filepath.Base(t))
+			cgroups = append(cgroups, found...)
+		}
+	}
+	return cgroups
 }
 
 // processAlive reports whether pid exists and is not a zombie waiting to be reaped.

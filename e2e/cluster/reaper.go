@@ -11,17 +11,38 @@ import (
 // reaperScript runs in its own session and waits for end-of-file on its standard input, a pipe
 // whose only writer is the process that owns the lab. The kernel closes that pipe however the
 // owner ends (Stop, panic, SIGKILL), and the script then kills every process group still
-// recorded under pids/, unmounts everything below the lab root (deepest first), detaches the
-// loop devices of files below it (and of files on those), and removes the pod networks of its
-// containerd nodes (bridges recorded under bridges/, their subnet locks, the DNAT rules marked
-// with the root). After a clean Stop there is nothing left to do, so running it twice is
-// harmless. It needs bash: dash's kill cannot signal a process group.
+// recorded under pids/, removes the cgroups of its containerd nodes' containers, unmounts
+// everything below the lab root (deepest first), detaches the loop devices of files below it
+// (and of files on those), and removes the pod networks of its containerd nodes (bridges
+// recorded under bridges/, their subnet locks, the DNAT rules marked with the root). Stop runs
+// it last; what Stop already cleaned up it finds gone, so running it twice is harmless. It needs
+// bash: dash's kill cannot signal a process group.
 const reaperScript = `
 root=$1
 cat >/dev/null
 for f in "$root"/pids/*; do
 	[ -e "$f" ] || continue
 	kill -KILL -- "-${f##*/}" 2>/dev/null
+done
+# The cgroups runc made for the containerd nodes' containers, /k8s.io/<id> in each hierarchy
+# (named by the tasks' state directories): the containers die with their node's namespace and
+# nobody deletes them, and every kubelet's cAdvisor on the machine that watches "/" would read
+# them every 10 s. A cgroup can go once the kernel has ended its processes: up to 10 s.
+cgroups=""
+for t in "$root"/*/nodes/*/root/run/containerd/io.containerd.runtime.v2.task/k8s.io/*; do
+	[ -e "$t" ] || continue
+	for c in /sys/fs/cgroup/k8s.io/"${t##*/}" /sys/fs/cgroup/*/k8s.io/"${t##*/}"; do
+		[ -d "$c" ] && cgroups="$cgroups $c"
+	done
+done
+for i in $(seq 100); do
+	left=""
+	for c in $cgroups; do
+		rmdir "$c" 2>/dev/null || { [ -d "$c" ] && left="$left $c"; }
+	done
+	cgroups=$left
+	[ -z "$cgroups" ] && break
+	sleep 0.1
 done
 # Loop devices whose backing file is on a loop device below the root (a containerd node's
 # volumes on its PMEM filesystem, with the container's path) go first: they keep that

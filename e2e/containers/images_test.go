@@ -6,6 +6,7 @@ import (
 	"path"
 	"path/filepath"
 	"regexp"
+	"strings"
 	"testing"
 	"time"
 
@@ -59,11 +60,13 @@ func TestImagesRunTheirPrograms(t *testing.T) {
 		t.Run(name, func(t *testing.T) {
 			g := NewWithT(t)
 			var pod *corev1.Pod
+			// The pods start together and their containers one after the other: under CI's load
+			// a container takes 3-5 s to start, and guest-csi's pod has a dozen (ci13: 4 minutes).
 			g.Eventually(func(g Gomega) {
 				pod, err = c.CoreV1().Pods("default").Get(ctx, name, metav1.GetOptions{})
 				g.Expect(err).NotTo(HaveOccurred())
-				g.Expect(pod.Status.Phase).To(BeElementOf(corev1.PodSucceeded, corev1.PodFailed))
-			}).WithContext(ctx).WithTimeout(3 * time.Minute).Should(Succeed())
+				g.Expect(pod.Status.Phase).To(BeElementOf(corev1.PodSucceeded, corev1.PodFailed), "containers: %s", containerStates(pod))
+			}).WithContext(ctx).WithTimeout(10 * time.Minute).Should(Succeed())
 			for _, cs := range pod.Status.ContainerStatuses {
 				what := cs.Name
 				for _, ct := range pod.Spec.Containers {
@@ -82,4 +85,20 @@ func TestImagesRunTheirPrograms(t *testing.T) {
 			}
 		})
 	}
+}
+
+// containerStates says where each container of pod is: waiting (and why), running, or terminated.
+func containerStates(pod *corev1.Pod) string {
+	var states []string
+	for _, cs := range pod.Status.ContainerStatuses {
+		switch st := cs.State; {
+		case st.Waiting != nil:
+			states = append(states, cs.Name+" waiting ("+st.Waiting.Reason+")")
+		case st.Running != nil:
+			states = append(states, cs.Name+" running")
+		case st.Terminated != nil:
+			states = append(states, cs.Name+" terminated ("+st.Terminated.Reason+")")
+		}
+	}
+	return strings.Join(states, ", ")
 }
