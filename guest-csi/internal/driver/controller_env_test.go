@@ -179,8 +179,14 @@ func call[Req, Resp any](t *testing.T, rpc func(context.Context, Req, ...grpc.Ca
 // retried runs an RPC until it succeeds or fails with a code a sidecar does not retry, as the
 // sidecars do.
 func retried[Req, Resp any](t *testing.T, rpc func(context.Context, Req, ...grpc.CallOption) (Resp, error), req Req) (Resp, error) {
+	return retriedSeeing(t, rpc, req, func(error) {})
+}
+
+// retriedSeeing is retried that shows every answer's error to seen.
+func retriedSeeing[Req, Resp any](t *testing.T, rpc func(context.Context, Req, ...grpc.CallOption) (Resp, error), req Req, seen func(error)) (Resp, error) {
 	for {
 		resp, err := call(t, rpc, req)
+		seen(err)
 		switch status.Code(err) {
 		case codes.Unavailable, codes.DeadlineExceeded, codes.Aborted:
 			if t.Context().Err() != nil {

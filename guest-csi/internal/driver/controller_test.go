@@ -4,12 +4,14 @@ import (
 	"encoding/json"
 	"fmt"
 	"sync"
+	"sync/atomic"
 	"testing"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	snapshotv1 "github.com/kubernetes-csi/external-snapshotter/client/v8/apis/volumesnapshot/v1"
 	. "github.com/onsi/gomega"
 	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
 	corev1 "k8s.io/api/core/v1"
 	storagev1 "k8s.io/api/storage/v1"
@@ -183,8 +185,9 @@ func TestPublishErrors(t *testing.T) {
 	g.Expect(err).NotTo(HaveOccurred())
 }
 
-// Fifty volumes published to one VM at once: every patch of spec.volumes carries the
-// resourceVersion it was made from, so conflicting writers retry and no entry is lost.
+// Fifty volumes published to one VM at once, then unpublished at once: the entries are
+// appended and removed with JSON patches that the apiserver applies to the object as it stores
+// it, so no entry is lost and no call is answered Aborted for a conflict.
 func TestConcurrentPublishesToOneVM(t *testing.T) {
 	g := NewWithT(t)
 	e := newGuestEnv(t, envOptions{vms: []string{"vm-1"}})
@@ -205,10 +208,17 @@ func TestConcurrentPublishesToOneVM(t *testing.T) {
 	wg.Wait()
 	g.Expect(errs).To(BeEmpty())
 
+	var aborted atomic.Int32
+	counted := func(err error) {
+		if status.Code(err) == codes.Aborted {
+			t.Log(err)
+			aborted.Add(1)
+		}
+	}
 	serials := make([]string, n)
 	for i, id := range ids {
 		wg.Go(func() {
-			resp, err := retried(t, e.ctrl.ControllerPublishVolume, e.publishReq(id, "vm-1"))
+			resp, err := retriedSeeing(t, e.ctrl.ControllerPublishVolume, e.publishReq(id, "vm-1"), counted)
 			if err != nil {
 				errs <- err
 				return
@@ -225,13 +235,39 @@ func TestConcurrentPublishesToOneVM(t *testing.T) {
 
 	for _, id := range ids {
 		wg.Go(func() {
-			if _, err := retried(t, e.ctrl.ControllerUnpublishVolume, e.unpublishReq(id, "vm-1")); err != nil {
+			if _, err := retriedSeeing(t, e.ctrl.ControllerUnpublishVolume, e.unpublishReq(id, "vm-1"), counted); err != nil {
 				errs <- err
 			}
 		})
 	}
 	wg.Wait()
 	g.Expect(errs).To(BeEmpty())
+	g.Expect(e.vmVolumes(t, "vm-1")).To(BeEmpty())
+	g.Expect(aborted.Load()).To(BeZero(), "calls answered Aborted")
+}
+
+// An entry of spec.volumes that another writer also owns (an earlier guest-csi, which wrote the
+// list with updates, or an admin's edit) is removed all the same.
+func TestUnpublishRemovesAnEntryOthersWrote(t *testing.T) {
+	g := NewWithT(t)
+	e := newGuestEnv(t, envOptions{})
+	ids := []string{e.createVolume(t, "theirs-1"), e.createVolume(t, "theirs-2")}
+	vm := &vmv1.VirtualMachine{}
+	g.Expect(e.admin.Get(t.Context(), client.ObjectKey{Namespace: e.ns, Name: "vm-1"}, vm)).To(Succeed())
+	for _, id := range ids {
+		vm.Spec.Volumes = append(vm.Spec.Volumes, vmv1.VirtualMachineVolume{Name: id, PersistentVolumeClaim: vmv1.PersistentVolumeClaimVolumeSource{ClaimName: id}})
+	}
+	g.Expect(e.admin.Update(t.Context(), vm)).To(Succeed())
+	for _, id := range ids {
+		_, err := retried(t, e.ctrl.ControllerPublishVolume, e.publishReq(id, "vm-1"))
+		g.Expect(err).NotTo(HaveOccurred())
+	}
+
+	_, err := retried(t, e.ctrl.ControllerUnpublishVolume, e.unpublishReq(ids[1], "vm-1"))
+	g.Expect(err).NotTo(HaveOccurred())
+	g.Expect(e.vmVolumes(t, "vm-1")).To(Equal(ids[:1]))
+	_, err = retried(t, e.ctrl.ControllerUnpublishVolume, e.unpublishReq(ids[0], "vm-1"))
+	g.Expect(err).NotTo(HaveOccurred())
 	g.Expect(e.vmVolumes(t, "vm-1")).To(BeEmpty())
 }
 
