@@ -129,7 +129,7 @@ lint-modules:
 
 .PHONY: build
 build: ## Build pvbridge's binaries into ./bin.
-	go build -o bin/ ./guest-csi/cmd/... ./mgmt-csi/cmd/... ./vm-operator/cmd/... ./e2e/cmd/...
+	go build -o bin/ ./pkg/cmd/... ./guest-csi/cmd/... ./mgmt-csi/cmd/... ./vm-operator/cmd/... ./e2e/cmd/...
 
 .PHONY: images
 images: deps lab-tools ## Build the images the manifests name, without a container engine: OCI archives in $(CACHE)/images.

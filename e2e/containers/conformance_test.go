@@ -21,7 +21,7 @@ import (
 	"k8s.io/client-go/util/retry"
 
 	"pvbridge.io/e2e/cluster"
-	"pvbridge.io/e2e/deploy"
+	"pvbridge.io/pkg/names"
 	"pvbridge.io/pkg/testenv"
 )
 
@@ -75,8 +75,8 @@ func TestExternalStorage(t *testing.T) {
 		cp                 *cluster.ControlPlane
 		nodes              []string
 	}{
-		{deploy.GuestDriver, "guest-csi.yaml", in.Guest, vmsOfHostA},
-		{deploy.PmemDriver, "mgmt-csi.yaml", in.Mgmt, []string{"host-a"}},
+		{names.GuestDriver, "guest-csi.yaml", in.Guest, vmsOfHostA},
+		{names.PmemDriver, "mgmt-csi.yaml", in.Mgmt, []string{"host-a"}},
 	} {
 		t.Run(d.driver, func(t *testing.T) {
 			g := NewWithT(t)

@@ -18,7 +18,7 @@ import (
 // TestOverlaysInRealContainers takes a guest volume through both layers in real containers: a
 // pod on vm-1 writes, and after its volume is detached from vm-1 (hot-unplugged), a pod on vm-3
 // (the same host) reads it back. Deleting the claim deletes the management volume and the loop
-// device mgmt-csi made for it.
+// device mgmt-csi made for it. guest-csi's metrics endpoint counts the calls it served.
 func TestOverlaysInRealContainers(t *testing.T) {
 	g := NewWithT(t)
 	ctx := t.Context()
@@ -39,6 +39,18 @@ func TestOverlaysInRealContainers(t *testing.T) {
 		}
 	}).WithContext(ctx).WithTimeout(2 * time.Minute).Should(Succeed())
 	g.Expect(runToCompletion(ctx, g, gc, "reader", "vm-3", "cat /data/file")).To(Equal("written-in-a-container\n"))
+
+	// The drivers measure the calls they served: guest-csi's controller, scraped through the
+	// apiserver's pod proxy on the port its manifest names, counts the volume's CreateVolume.
+	g.Eventually(func(g Gomega) {
+		pods, err := gc.CoreV1().Pods("pvbridge-system").List(ctx, metav1.ListOptions{
+			LabelSelector: "app.kubernetes.io/name=guest-csi,app.kubernetes.io/component=controller"})
+		g.Expect(err).NotTo(HaveOccurred())
+		g.Expect(pods.Items).To(HaveLen(1))
+		metrics, err := gc.CoreV1().Pods("pvbridge-system").ProxyGet("http", pods.Items[0].Name, "8090", "/metrics", nil).DoRaw(ctx)
+		g.Expect(err).NotTo(HaveOccurred())
+		g.Expect(string(metrics)).To(MatchRegexp(`(?m)^csi_plugin_operations_seconds_count\{driver_name="guest\.csi\.pvbridge\.io",grpc_status_code="OK",method_name="/csi\.v1\.Controller/CreateVolume"\} [1-9]`))
+	}).WithContext(ctx).WithTimeout(time.Minute).Should(Succeed())
 
 	// A guest volume's handle is the name of its management PVC.
 	pv, err := gc.CoreV1().PersistentVolumes().Get(ctx, pvc.Spec.VolumeName, metav1.GetOptions{})

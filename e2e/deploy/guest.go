@@ -25,14 +25,11 @@ import (
 
 	"pvbridge.io/e2e/cluster"
 	vmv1 "pvbridge.io/pkg/apis/vm/v1alpha1"
+	"pvbridge.io/pkg/names"
 	"pvbridge.io/pkg/tenancy"
 )
 
 const (
-	// GuestDriver is the guest cluster's CSI driver.
-	GuestDriver = "guest.csi.pvbridge.io"
-	// GuestTopologyKey is its topology key: the management host of a VM.
-	GuestTopologyKey = "topology.guest.csi.pvbridge.io/host"
 	// StorageClassGuest is the guest's default StorageClass (WaitForFirstConsumer, ext4, on
 	// the management class StorageClassPmem).
 	StorageClassGuest = "pvbridge"
@@ -301,7 +298,7 @@ func (g *Guest) waitInstalled(ctx context.Context) error {
 	ctx, cancel := context.WithTimeout(ctx, 2*time.Minute)
 	defer cancel()
 	err = wait.PollUntilContextCancel(ctx, 200*time.Millisecond, true, func(ctx context.Context) (bool, error) {
-		if _, err := c.StorageV1().CSIDrivers().Get(ctx, GuestDriver, metav1.GetOptions{}); err != nil {
+		if _, err := c.StorageV1().CSIDrivers().Get(ctx, names.GuestDriver, metav1.GetOptions{}); err != nil {
 			return false, nil
 		}
 		for _, sc := range []string{StorageClassGuest, StorageClassGuestXFS} {
@@ -352,7 +349,7 @@ func (g *Guest) startNode(ctx context.Context, lab *cluster.Lab, bin, vm string)
 		return err
 	}
 	g.Nodes[vm] = node
-	socketDir := node.PluginDir(GuestDriver)
+	socketDir := node.PluginDir(names.GuestDriver)
 	if err := os.MkdirAll(socketDir, 0o755); err != nil {
 		return err
 	}
@@ -385,7 +382,7 @@ func (g *Guest) waitRegistered(ctx context.Context, vm string) error {
 			return false, nil
 		}
 		for _, d := range csiNode.Spec.Drivers {
-			if d.Name == GuestDriver {
+			if d.Name == names.GuestDriver {
 				return true, nil
 			}
 		}

@@ -19,6 +19,7 @@ import (
 
 	"pvbridge.io/e2e/cluster"
 	"pvbridge.io/e2e/images"
+	"pvbridge.io/pkg/names"
 	"pvbridge.io/pkg/tenancy"
 )
 
@@ -119,7 +120,7 @@ func Install(ctx context.Context, lab *cluster.Lab, opts InstalledOptions) (*Ins
 		return nil, err
 	}
 	for vm := range opts.Guest.VMs {
-		if err := waitDriverRegistered(ctx, in.Guest.Client(), vm, GuestDriver); err != nil {
+		if err := waitDriverRegistered(ctx, in.Guest.Client(), vm, names.GuestDriver); err != nil {
 			return nil, err
 		}
 	}

@@ -22,13 +22,10 @@ import (
 	"k8s.io/utils/ptr"
 
 	"pvbridge.io/e2e/cluster"
+	"pvbridge.io/pkg/names"
 )
 
 const (
-	// PmemDriver is the management cluster's CSI driver.
-	PmemDriver = "pmem.csi.pvbridge.io"
-	// PmemTopologyKey is its topology key.
-	PmemTopologyKey = "pmem.csi.pvbridge.io/node"
 	// StorageClassPmem binds WaitForFirstConsumer and formats ext4.
 	StorageClassPmem = "pmem"
 	// StorageClassPmemImmediate binds at once, on the host with the most room.
@@ -109,7 +106,7 @@ func (m *Management) installObjects(ctx context.Context) error {
 	// attachRequired is false: otherwise a kube-controller-manager restart detaches the
 	// VolumeAttachments vm-operator creates for VMs (see docs/design.md). csi-attacher still
 	// handles those.
-	if err := createCSIDriver(ctx, m.CP, PmemDriver, false); err != nil {
+	if err := createCSIDriver(ctx, m.CP, names.PmemDriver, false); err != nil {
 		return err
 	}
 	for _, class := range []struct {
@@ -123,7 +120,7 @@ func (m *Management) installObjects(ctx context.Context) error {
 	} {
 		sc := &storagev1.StorageClass{
 			ObjectMeta:           metav1.ObjectMeta{Name: class.name},
-			Provisioner:          PmemDriver,
+			Provisioner:          names.PmemDriver,
 			Parameters:           map[string]string{"csi.storage.k8s.io/fstype": class.fsType},
 			ReclaimPolicy:        ptr.To(corev1.PersistentVolumeReclaimDelete),
 			VolumeBindingMode:    ptr.To(class.mode),
@@ -133,7 +130,7 @@ func (m *Management) installObjects(ctx context.Context) error {
 			return err
 		}
 	}
-	return createSnapshotClass(ctx, m.CP, SnapshotClassPmem, PmemDriver, nil)
+	return createSnapshotClass(ctx, m.CP, SnapshotClassPmem, names.PmemDriver, nil)
 }
 
 // createCSIDriver creates the CSIDriver object of driver: persistent volumes with storage
@@ -255,7 +252,7 @@ func (m *Management) startHost(ctx context.Context, lab *cluster.Lab, bin, name 
 	if err := makePmemRegion(ctx, filepath.Join(node.Dir, "pmem.img"), h.PmemDir, opts.PmemSize); err != nil {
 		return nil, err
 	}
-	socketDir := node.PluginDir(PmemDriver)
+	socketDir := node.PluginDir(names.PmemDriver)
 	h.Agent, err = lab.Start(cluster.Command{
 		Name: m.CP.Name + "/" + name + "/mgmt-csi", Bin: bin, Dir: socketDir,
 		LogPath: filepath.Join(node.Dir, "mgmt-csi.log"),
@@ -295,7 +292,7 @@ func (m *Management) waitHostReady(ctx context.Context, h *Host) error {
 		}
 		registered := false
 		for _, d := range csiNode.Spec.Drivers {
-			registered = registered || d.Name == PmemDriver
+			registered = registered || d.Name == names.PmemDriver
 		}
 		pn, err := dyn.Resource(gvr).Get(ctx, h.Node.Name, metav1.GetOptions{})
 		if !registered || err != nil {

@@ -6,6 +6,7 @@ import (
 	"time"
 
 	"pvbridge.io/e2e/cluster"
+	"pvbridge.io/pkg/names"
 )
 
 // VMOperator is vm-operator deployed into the management cluster: its controller and, on every
@@ -52,7 +53,7 @@ func StartVMOperator(lab *cluster.Lab, m *Management) (*VMOperator, error) {
 			Args: append([]string{
 				"--role=host-agent", "--node-name=" + name,
 				"--hypervisor=local", "--vm-root=" + root,
-				"--csi-endpoint=unix://" + filepath.Join(h.Node.PluginDir(PmemDriver), "csi.sock"),
+				"--csi-endpoint=unix://" + filepath.Join(h.Node.PluginDir(names.PmemDriver), "csi.sock"),
 				"--state-dir=" + filepath.Join(h.Node.Dir, "host-agent"),
 				"--unplug-timeout=" + UnplugTimeout.String(),
 			}, common...),

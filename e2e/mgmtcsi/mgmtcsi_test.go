@@ -28,6 +28,7 @@ import (
 	"pvbridge.io/e2e/cluster"
 	"pvbridge.io/e2e/deploy"
 	pmemv1 "pvbridge.io/pkg/apis/pmem/v1alpha1"
+	"pvbridge.io/pkg/names"
 )
 
 const pmemSize = 4 << 30 // per host
@@ -208,7 +209,7 @@ func TestStorageCapacityFollowsPmemNode(t *testing.T) {
 		g.Expect(c.List(ctx, list, client.InNamespace(deploy.CSINamespace))).To(Succeed())
 		for _, sc := range list.Items {
 			if sc.StorageClassName == deploy.StorageClassPmem && sc.NodeTopology != nil &&
-				sc.NodeTopology.MatchLabels[deploy.PmemTopologyKey] == node && sc.Capacity != nil {
+				sc.NodeTopology.MatchLabels[names.PmemTopologyKey] == node && sc.Capacity != nil {
 				return sc.Capacity.Value()
 			}
 		}

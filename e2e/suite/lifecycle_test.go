@@ -16,6 +16,7 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	"pvbridge.io/e2e/deploy"
+	"pvbridge.io/pkg/names"
 	"pvbridge.io/pkg/tenancy"
 )
 
@@ -61,9 +62,9 @@ var _ = Describe("Reclaim policy", Label("reclaim"), func() {
 		func(ctx SpecContext, guestPolicy, mgmtPolicy corev1.PersistentVolumeReclaimPolicy) {
 			suffix := strings.ToLower(fmt.Sprintf("%s-%s", guestPolicy, mgmtPolicy))
 			mgmtClass, guestClass := "pmem-"+suffix, "pvbridge-"+suffix
-			storageClass(ctx, mc, mgmtClass, deploy.PmemDriver, mgmtPolicy, map[string]string{"csi.storage.k8s.io/fstype": "ext4"})
+			storageClass(ctx, mc, mgmtClass, names.PmemDriver, mgmtPolicy, map[string]string{"csi.storage.k8s.io/fstype": "ext4"})
 			allowClass(ctx, alpha, mgmtClass)
-			storageClass(ctx, alpha.c, guestClass, deploy.GuestDriver, guestPolicy, map[string]string{"mgmtStorageClass": mgmtClass})
+			storageClass(ctx, alpha.c, guestClass, names.GuestDriver, guestPolicy, map[string]string{names.MgmtStorageClassParam: mgmtClass})
 
 			ns := alpha.namespace(ctx)
 			alpha.create(ctx, deploy.PVC(ns, "data", guestClass, "256Mi", false))

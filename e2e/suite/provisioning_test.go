@@ -2,7 +2,9 @@ package suite_test
 
 import (
 	"context"
+	"errors"
 	"fmt"
+	"os/exec"
 	"sync"
 	"time"
 
@@ -23,6 +25,7 @@ import (
 	"pvbridge.io/e2e/deploy"
 	vmv1 "pvbridge.io/pkg/apis/vm/v1alpha1"
 	"pvbridge.io/pkg/mounter"
+	"pvbridge.io/pkg/names"
 	"pvbridge.io/pkg/tenancy"
 )
 
@@ -36,7 +39,7 @@ var _ = Describe("Dynamic provisioning", Label("provisioning"), func() {
 
 			host := alpha.Options.VMs[pod.Spec.NodeName]
 			Expect(pv.Spec.NodeAffinity.Required.NodeSelectorTerms).To(HaveExactElements(
-				HaveField("MatchExpressions", HaveExactElements(And(HaveField("Key", deploy.GuestTopologyKey), HaveField("Values", Equal([]string{host}))))),
+				HaveField("MatchExpressions", HaveExactElements(And(HaveField("Key", names.GuestTopologyKey), HaveField("Values", Equal([]string{host}))))),
 			))
 			mpvc := mgmtClaim(ctx, alpha, pv)
 			Expect(mpvc.Labels).To(HaveKeyWithValue(tenancy.ClusterUIDLabel, alpha.UID))
@@ -112,6 +115,14 @@ var _ = Describe("Static provisioning", Label("static"), func() {
 		staticVolume(ctx, alpha, ns, "static-"+ns, "", mpvc.Name)
 		pod := alpha.runPod(ctx, ns, "app", "data", "", false)
 		Expect(alpha.Options.VMs[pod.Spec.NodeName]).To(Equal("host-a"))
+
+		By("the operator CLI shows every step of the volume done")
+		Eventually(func(g Gomega) {
+			out, code := trace(ctx, alpha, "pvc", "data", "-n", ns)
+			g.Expect(code).To(Equal(0), "%s", out)
+			g.Expect(out).To(ContainSubstring("management PVC %s/%s", alpha.Options.Namespace, mpvc.Name))
+			g.Expect(out).To(MatchRegexp(`VirtualMachine %s/%s +done +attached on host host-a as disk pvb`, alpha.Options.Namespace, pod.Spec.NodeName))
+		}).WithContext(ctx).WithTimeout(timeout).Should(Succeed())
 		alpha.deletePod(ctx, pod)
 
 		Expect(alpha.c.Delete(ctx, &corev1.PersistentVolumeClaim{ObjectMeta: metaName(ns, "data")})).To(Succeed())
@@ -128,8 +139,29 @@ var _ = Describe("Static provisioning", Label("static"), func() {
 		Eventually(attachErrors).WithContext(ctx).WithArguments(alpha, "static-"+ns).WithTimeout(timeout).
 			Should(ContainElement(ContainSubstring("was not created for cluster alpha and is not shared with it")))
 		Expect(vm(ctx, alpha.Options.Namespace, "vm-1").Spec.Volumes).NotTo(ContainElement(HaveField("Name", mpvc.Name)), "never attached")
+
+		By("the operator CLI names the guest VolumeAttachment as what holds the volume, with the reason")
+		out, code := trace(ctx, alpha, "pv", "static-"+ns)
+		Expect(code).To(Equal(3), "%s", out)
+		Expect(out).To(MatchRegexp(`(?m)^held by guest VolumeAttachment \S+ \(node vm-1\): .*was not created for cluster alpha and is not shared with it`))
 	})
 })
+
+// trace runs the operator CLI, `kubectl pvbridge trace <args>`, against guest g and the
+// management cluster as its admin, and returns its output and exit code.
+func trace(ctx context.Context, g *guestCluster, args ...string) (string, int) {
+	GinkgoHelper()
+	bin, err := lab.Binaries().Own("./pkg/cmd/kubectl-pvbridge")
+	Expect(err).NotTo(HaveOccurred())
+	cmd := exec.CommandContext(ctx, bin, append([]string{"trace"}, append(args,
+		"--kubeconfig="+g.CP.Kubeconfig, "--mgmt-kubeconfig="+mgmt.CP.Kubeconfig, "--mgmt-namespace="+g.Options.Namespace)...)...)
+	out, err := cmd.CombinedOutput()
+	var exit *exec.ExitError
+	if err != nil && !errors.As(err, &exit) {
+		Fail(fmt.Sprintf("kubectl-pvbridge: %v: %s", err, out))
+	}
+	return string(out), cmd.ProcessState.ExitCode()
+}
 
 // attachErrors returns the attach errors of the guest VolumeAttachments of PV pv.
 func attachErrors(ctx context.Context, g *guestCluster, pv string) ([]string, error) {
@@ -179,10 +211,10 @@ func staticVolume(ctx context.Context, g *guestCluster, ns, pv, class, handle st
 			StorageClassName:              class,
 			ClaimRef:                      &corev1.ObjectReference{Namespace: ns, Name: "data"},
 			PersistentVolumeSource: corev1.PersistentVolumeSource{CSI: &corev1.CSIPersistentVolumeSource{
-				Driver: deploy.GuestDriver, VolumeHandle: handle, FSType: "ext4",
+				Driver: names.GuestDriver, VolumeHandle: handle, FSType: "ext4",
 			}},
 			NodeAffinity: &corev1.VolumeNodeAffinity{Required: &corev1.NodeSelector{NodeSelectorTerms: []corev1.NodeSelectorTerm{{
-				MatchExpressions: []corev1.NodeSelectorRequirement{{Key: deploy.GuestTopologyKey, Operator: corev1.NodeSelectorOpIn, Values: []string{"host-a"}}},
+				MatchExpressions: []corev1.NodeSelectorRequirement{{Key: names.GuestTopologyKey, Operator: corev1.NodeSelectorOpIn, Values: []string{"host-a"}}},
 			}}}},
 		},
 	}
@@ -221,7 +253,7 @@ var _ = Describe("Attach", Label("provisioning"), func() {
 				resp, err := retried(ctx, ctrl.CreateVolume, &csi.CreateVolumeRequest{
 					Name: fmt.Sprintf("pvc-e2e-%d", i), CapacityRange: &csi.CapacityRange{RequiredBytes: 16 << 20},
 					VolumeCapabilities:        []*csi.VolumeCapability{capability},
-					AccessibilityRequirements: &csi.TopologyRequirement{Requisite: []*csi.Topology{{Segments: map[string]string{deploy.GuestTopologyKey: "host-b"}}}},
+					AccessibilityRequirements: &csi.TopologyRequirement{Requisite: []*csi.Topology{{Segments: map[string]string{names.GuestTopologyKey: "host-b"}}}},
 				})
 				if err != nil {
 					errs <- err

@@ -19,6 +19,7 @@ import (
 
 	"pvbridge.io/e2e/deploy"
 	vmv1 "pvbridge.io/pkg/apis/vm/v1alpha1"
+	"pvbridge.io/pkg/names"
 	"pvbridge.io/pkg/tenancy"
 )
 
@@ -82,8 +83,8 @@ var _ = Describe("Tenancy", Label("tenancy"), func() {
 		By("a guest StorageClass naming a management class the cluster may not use")
 		// The premium class exists (so the guest sees its capacity and schedules the pod); it is
 		// only not on alpha's allow-list.
-		storageClass(ctx, mc, "pmem-premium", deploy.PmemDriver, corev1.PersistentVolumeReclaimDelete, map[string]string{"csi.storage.k8s.io/fstype": "ext4"})
-		storageClass(ctx, alpha.c, "premium", deploy.GuestDriver, corev1.PersistentVolumeReclaimDelete, map[string]string{"mgmtStorageClass": "pmem-premium"})
+		storageClass(ctx, mc, "pmem-premium", names.PmemDriver, corev1.PersistentVolumeReclaimDelete, map[string]string{"csi.storage.k8s.io/fstype": "ext4"})
+		storageClass(ctx, alpha.c, "premium", names.GuestDriver, corev1.PersistentVolumeReclaimDelete, map[string]string{names.MgmtStorageClassParam: "pmem-premium"})
 		alpha.create(ctx, deploy.PVC(ns, "premium", "premium", "64Mi", false))
 		alpha.create(ctx, deploy.Pod(ns, "premium", "premium", "vm-1", false))
 		Eventually(events).WithContext(ctx).WithArguments(alpha, ns, "premium").WithTimeout(timeout).Should(ContainElement(And(

@@ -10,6 +10,8 @@ import (
 	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
 	"k8s.io/klog/v2"
@@ -54,19 +56,37 @@ func (s *Server) HealthHandler() http.Handler {
 
 // ServeHealth serves HealthHandler on addr (host:port) until ctx ends.
 func (s *Server) ServeHealth(ctx context.Context, addr string) error {
+	return serveHTTP(ctx, addr, s.HealthHandler(), "/healthz")
+}
+
+// MetricsHandler answers /metrics with the metrics of g (OperationsMetric among them) in
+// Prometheus' text format.
+func MetricsHandler(g prometheus.Gatherer) http.Handler {
+	mux := http.NewServeMux()
+	mux.Handle("GET /metrics", promhttp.HandlerFor(g, promhttp.HandlerOpts{}))
+	return mux
+}
+
+// ServeMetrics serves MetricsHandler on addr (host:port) until ctx ends.
+func ServeMetrics(ctx context.Context, addr string, g prometheus.Gatherer) error {
+	return serveHTTP(ctx, addr, MetricsHandler(g), "/metrics")
+}
+
+// serveHTTP serves handler, whose one path is path, on addr until ctx ends.
+func serveHTTP(ctx context.Context, addr string, handler http.Handler, path string) error {
 	l, err := net.Listen("tcp", addr)
 	if err != nil {
-		return fmt.Errorf("health endpoint: %w", err)
+		return fmt.Errorf("%s endpoint: %w", path, err)
 	}
-	hs := &http.Server{Handler: s.HealthHandler(), ReadHeaderTimeout: 5 * time.Second}
+	hs := &http.Server{Handler: handler, ReadHeaderTimeout: 5 * time.Second}
 	go func() {
 		<-ctx.Done()
-		// The health checks are quick: close at once rather than wait for them.
+		// Health checks and scrapes are quick: close at once rather than wait for them.
 		_ = hs.Close()
 	}()
-	klog.FromContext(ctx).Info("Serving health checks", "address", l.Addr().String(), "path", "/healthz")
+	klog.FromContext(ctx).Info("Serving HTTP", "address", l.Addr().String(), "path", path)
 	if err := hs.Serve(l); !errors.Is(err, http.ErrServerClosed) {
-		return fmt.Errorf("health endpoint: %w", err)
+		return fmt.Errorf("%s endpoint: %w", path, err)
 	}
 	return nil
 }

@@ -27,6 +27,12 @@ import (
 // bytes, including the terminating NUL).
 const maxSocketPath = 107
 
+// OperationsMetric is the histogram of the CSI calls a driver served, by driver, method and gRPC
+// status code: the name, labels and buckets of the kubernetes-csi plugins' metric
+// (csi-lib-utils' NewCSIMetricsManagerForPlugin), so that the dashboards and alerts made for
+// the sidecars' csi_sidecar_operations_seconds work on the drivers too.
+const OperationsMetric = "csi_plugin_operations_seconds"
+
 // DefaultGracePeriod is how long Serve lets in-flight RPCs finish after its context ends.
 const DefaultGracePeriod = 10 * time.Second
 
@@ -34,8 +40,10 @@ const DefaultGracePeriod = 10 * time.Second
 type Options struct {
 	// Endpoint is the socket to listen on: `unix:///abs/path` or an absolute path.
 	Endpoint string
-	// Registerer receives the RPC latency histogram. Nil disables metrics.
+	// Registerer receives the RPC latency histogram (OperationsMetric). Nil disables metrics.
 	Registerer prometheus.Registerer
+	// DriverName labels the histogram's samples (driver_name).
+	DriverName string
 	// GracePeriod bounds the graceful stop; zero means DefaultGracePeriod.
 	GracePeriod time.Duration
 }
@@ -47,6 +55,7 @@ type Server struct {
 	listener    net.Listener
 	grpc        *grpc.Server
 	duration    *prometheus.HistogramVec
+	driver      string
 	gracePeriod time.Duration
 	// logger is the base of every RPC's logger. Serve sets it before it accepts connections.
 	logger logr.Logger
@@ -60,7 +69,7 @@ func New(opts Options) (*Server, error) {
 	if err != nil {
 		return nil, err
 	}
-	s := &Server{path: path, gracePeriod: opts.GracePeriod, logger: klog.Background()}
+	s := &Server{path: path, driver: opts.DriverName, gracePeriod: opts.GracePeriod, logger: klog.Background()}
 	if s.gracePeriod == 0 {
 		s.gracePeriod = DefaultGracePeriod
 	}
@@ -76,10 +85,10 @@ func New(opts Options) (*Server, error) {
 	}
 	if opts.Registerer != nil {
 		s.duration = prometheus.NewHistogramVec(prometheus.HistogramOpts{
-			Name:    "pvbridge_csi_rpc_duration_seconds",
-			Help:    "Duration of the gRPC calls the driver served, by method and gRPC status code.",
-			Buckets: []float64{0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30, 60},
-		}, []string{"method", "code"})
+			Name:    OperationsMetric,
+			Help:    "Container Storage Interface operation duration with gRPC error code status total",
+			Buckets: []float64{.1, .25, .5, 1, 2.5, 5, 10, 15, 25, 50, 120, 300, 600},
+		}, []string{"driver_name", "method_name", "grpc_status_code"})
 		if err := opts.Registerer.Register(s.duration); err != nil {
 			// A server started again in the same process (a restart in a test) keeps counting
 			// in the histogram the first one registered.
@@ -185,7 +194,7 @@ func (s *Server) intercept(ctx context.Context, req any, info *grpc.UnaryServerI
 	resp, err := handler(ctx, req)
 	code := status.Code(err)
 	if s.duration != nil {
-		s.duration.WithLabelValues(info.FullMethod, code.String()).Observe(time.Since(start).Seconds())
+		s.duration.WithLabelValues(s.driver, info.FullMethod, code.String()).Observe(time.Since(start).Seconds())
 	}
 	if err != nil {
 		logger.V(2).Info("Request failed", "code", code.String(), "err", err)

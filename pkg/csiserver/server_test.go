@@ -4,6 +4,8 @@ import (
 	"context"
 	"errors"
 	"net"
+	"net/http"
+	"net/http/httptest"
 	"os"
 	"path/filepath"
 	"strings"
@@ -263,12 +265,12 @@ func TestMetricsRecordLatencyByMethodAndCode(t *testing.T) {
 		t.Run(tt.name, func(t *testing.T) {
 			g := NewWithT(t)
 			reg := prometheus.NewPedanticRegistry()
-			conn, _ := start(t.Context(), t, Options{Registerer: reg}, func(s *Server) {
+			conn, _ := start(t.Context(), t, Options{Registerer: reg, DriverName: "test.csi.pvbridge.io"}, func(s *Server) {
 				csi.RegisterIdentityServer(s, &fakeIdentity{probeErr: tt.probeErr})
 			})
 			_, _ = csi.NewIdentityClient(conn).Probe(t.Context(), &csi.ProbeRequest{})
 
-			g.Expect(testutil.CollectAndCount(reg, "pvbridge_csi_rpc_duration_seconds")).To(Equal(1))
+			g.Expect(testutil.CollectAndCount(reg, OperationsMetric)).To(Equal(1))
 			families, err := reg.Gather()
 			g.Expect(err).NotTo(HaveOccurred())
 			g.Expect(families).To(HaveLen(1))
@@ -277,10 +279,26 @@ func TestMetricsRecordLatencyByMethodAndCode(t *testing.T) {
 			for _, l := range m.GetLabel() {
 				labels[l.GetName()] = l.GetValue()
 			}
-			g.Expect(labels).To(Equal(map[string]string{"method": "/csi.v1.Identity/Probe", "code": tt.wantCode}))
+			g.Expect(labels).To(Equal(map[string]string{"driver_name": "test.csi.pvbridge.io", "method_name": "/csi.v1.Identity/Probe", "grpc_status_code": tt.wantCode}))
 			g.Expect(m.GetHistogram().GetSampleCount()).To(Equal(uint64(1)))
 		})
 	}
+}
+
+func TestMetricsHandlerServesTheHistogram(t *testing.T) {
+	g := NewWithT(t)
+	reg := prometheus.NewRegistry()
+	conn, _ := start(t.Context(), t, Options{Registerer: reg, DriverName: "test.csi.pvbridge.io"}, func(s *Server) {
+		csi.RegisterIdentityServer(s, &fakeIdentity{})
+	})
+	_, err := csi.NewIdentityClient(conn).Probe(t.Context(), &csi.ProbeRequest{})
+	g.Expect(err).NotTo(HaveOccurred())
+
+	rec := httptest.NewRecorder()
+	MetricsHandler(reg).ServeHTTP(rec, httptest.NewRequest(http.MethodGet, "/metrics", nil))
+	g.Expect(rec.Code).To(Equal(http.StatusOK))
+	g.Expect(rec.Body.String()).To(ContainSubstring(
+		`csi_plugin_operations_seconds_count{driver_name="test.csi.pvbridge.io",grpc_status_code="OK",method_name="/csi.v1.Identity/Probe"} 1`))
 }
 
 func TestASecondServerSharesTheRegisteredHistogram(t *testing.T) {
@@ -295,7 +313,7 @@ func TestASecondServerSharesTheRegisteredHistogram(t *testing.T) {
 	defer second.listener.Close()
 	g.Expect(second.duration).To(BeIdenticalTo(first.duration))
 
-	clash := prometheus.NewCounter(prometheus.CounterOpts{Name: "pvbridge_csi_rpc_duration_seconds", Help: "x"})
+	clash := prometheus.NewCounter(prometheus.CounterOpts{Name: OperationsMetric, Help: "x"})
 	other := prometheus.NewRegistry()
 	g.Expect(other.Register(clash)).To(Succeed())
 	path := filepath.Join(t.TempDir(), "c.sock")

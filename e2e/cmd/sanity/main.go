@@ -32,6 +32,7 @@ import (
 
 	"pvbridge.io/e2e/cluster"
 	"pvbridge.io/e2e/deploy"
+	"pvbridge.io/pkg/names"
 )
 
 const (
@@ -128,7 +129,7 @@ func sanity(ctx context.Context, verbose bool) ([]driverTotal, error) {
 	}
 	var errs []error
 	total, err := runDriver(ctx, csiSanity, filepath.Join(dirs, "mgmt-csi"), verbose,
-		filepath.Join(mgmt.Hosts[0].Node.PluginDir(deploy.PmemDriver), "csi.sock"),
+		filepath.Join(mgmt.Hosts[0].Node.PluginDir(names.PmemDriver), "csi.sock"),
 		filepath.Join(cp.Dir, "mgmt-csi", "csi.sock"), "")
 	totals = append(totals, driverTotal{"mgmt-csi", total})
 	errs = append(errs, err)
@@ -152,11 +153,11 @@ func sanity(ctx context.Context, verbose bool) ([]driverTotal, error) {
 		}
 		// Volumes without topology bind at once, on the one host.
 		params := filepath.Join(dirs, "guest-parameters.yaml")
-		if err := os.WriteFile(params, []byte("mgmtStorageClass: "+deploy.StorageClassPmemImmediate+"\n"), 0o644); err != nil {
+		if err := os.WriteFile(params, []byte(names.MgmtStorageClassParam+": "+deploy.StorageClassPmemImmediate+"\n"), 0o644); err != nil {
 			return totals, err
 		}
 		total, err = runDriver(ctx, csiSanity, filepath.Join(dirs, "guest-csi"), verbose,
-			filepath.Join(g.Nodes["vm-1"].PluginDir(deploy.GuestDriver), "csi.sock"),
+			filepath.Join(g.Nodes["vm-1"].PluginDir(names.GuestDriver), "csi.sock"),
 			g.ControllerSocket(), params)
 		totals = append(totals, driverTotal{"guest-csi", total})
 		errs = append(errs, err)

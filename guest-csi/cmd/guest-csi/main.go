@@ -32,6 +32,8 @@ func main() {
 		"Name of this guest node, which is also the name of its VirtualMachine in the management cluster; usually the pod's spec.nodeName. Required with --mode=node.")
 	fs.StringVar(&opts.HealthAddress, "health-address", "",
 		`host:port to serve /healthz on, e.g. ":9808": it calls the driver's CSI Probe through its socket, in place of the livenessprobe sidecar; empty for none.`)
+	fs.StringVar(&opts.MetricsAddress, "metrics-address", "0",
+		`Address to serve Prometheus metrics on (CSI RPC latency and errors by method and code), e.g. ":8080"; "0" turns them off.`)
 	fs.StringVar(&opts.KubeletRegistrationDir, "kubelet-registration-dir", "",
 		"Kubelet's plugin registration directory, usually /var/lib/kubelet/plugins_registry. When set, the node plugin registers itself with kubelet there, in place of node-driver-registrar, once the controller has labelled the node with its host. Only with --mode=node.")
 	fs.StringVar(&opts.DeviceRoot, "device-root", "",

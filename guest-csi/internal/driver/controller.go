@@ -3,7 +3,6 @@ package driver
 import (
 	"context"
 	"encoding/json"
-	"errors"
 	"fmt"
 	"slices"
 	"time"
@@ -18,7 +17,6 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/apimachinery/pkg/fields"
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/klog/v2"
@@ -28,14 +26,13 @@ import (
 	vmv1 "pvbridge.io/pkg/apis/vm/v1alpha1"
 	"pvbridge.io/pkg/await"
 	"pvbridge.io/pkg/csiserver"
+	"pvbridge.io/pkg/events"
 	"pvbridge.io/pkg/keylock"
+	"pvbridge.io/pkg/names"
 	"pvbridge.io/pkg/tenancy"
 )
 
 const (
-	// MgmtTopologyKey is mgmt-csi's topology key: the management host whose PMEM holds a
-	// volume. The management CSIStorageCapacity objects are per host.
-	MgmtTopologyKey = "pmem.csi.pvbridge.io/node"
 	// selectedNodeAnnotation puts a management PVC on a host: the annotation the scheduler sets,
 	// which csi-provisioner follows and removes when the host has no room.
 	selectedNodeAnnotation = "volume.kubernetes.io/selected-node"
@@ -157,11 +154,11 @@ func (s *controllerServer) CreateVolume(ctx context.Context, req *csi.CreateVolu
 	case apierrors.IsNotFound(err):
 		pvc = s.newClaim(ctx, c, name, req.GetName(), host, size, params, source)
 		if err := s.mgmt.Create(ctx, pvc); err != nil {
-			return nil, apiError(err, "create management PVC %s/%s", c.Namespace, name)
+			return nil, csiserver.APIError(err, "create management PVC %s/%s", c.Namespace, name)
 		}
 		klog.FromContext(ctx).V(2).Info("Created management PVC", "host", host, "size", size, "class", params.class)
 	case err != nil:
-		return nil, apiError(err, "get management PVC %s/%s", c.Namespace, name)
+		return nil, csiserver.APIError(err, "get management PVC %s/%s", c.Namespace, name)
 	default:
 		if err := compatibleClaim(pvc, c, size, req.GetCapacityRange().GetLimitBytes(), params.class, source); err != nil {
 			return nil, err
@@ -176,7 +173,7 @@ func (s *controllerServer) CreateVolume(ctx context.Context, req *csi.CreateVolu
 				metav1.SetMetaDataAnnotation(&pvc.ObjectMeta, selectedNodeAnnotation, host)
 				return true
 			}); err != nil {
-				return nil, apiError(err, "move management PVC %s/%s to host %s", c.Namespace, name, host)
+				return nil, csiserver.APIError(err, "move management PVC %s/%s to host %s", c.Namespace, name, host)
 			}
 		}
 	}
@@ -318,7 +315,7 @@ func (s *controllerServer) accessible(ctx context.Context, c tenancy.Cluster, ki
 	case apierrors.IsNotFound(err):
 		return nil, tenancy.Foreign, status.Errorf(codes.NotFound, "management %s %s/%s does not exist", kind, c.Namespace, id)
 	case err != nil:
-		return nil, tenancy.Foreign, apiError(err, "get management %s %s/%s", kind, c.Namespace, id)
+		return nil, tenancy.Foreign, csiserver.APIError(err, "get management %s %s/%s", kind, c.Namespace, id)
 	}
 	access := tenancy.AccessOf(obj, c)
 	if access == tenancy.Foreign {
@@ -384,75 +381,41 @@ func (s *controllerServer) deleteIfOwned(ctx context.Context, obj client.Object)
 	uid := obj.GetUID()
 	err := s.mgmt.Delete(ctx, obj, client.Preconditions{UID: &uid})
 	if err != nil && !apierrors.IsNotFound(err) && !apierrors.IsConflict(err) {
-		return apiError(err, "delete %s/%s", obj.GetNamespace(), obj.GetName())
+		return csiserver.APIError(err, "delete %s/%s", obj.GetNamespace(), obj.GetName())
 	}
 	return nil
 }
 
-// await waits, by watch and within the call's deadline, until check reports done or fails.
-// check sees obj as the cache has it (found is false when the cache has no such object). A wait
-// that runs out answers DeadlineExceeded early enough for the answer to reach the sidecar, with
-// the management side's latest warning about obj: the sidecar retries, and the guest object's
-// Events show why it waits.
+// await waits (csiserver.Await) until check reports done or fails. check sees obj as the
+// cache has it (found is false when the cache has no such object). A wait that runs out
+// answers DeadlineExceeded with the management side's latest warning about obj: the sidecar
+// retries, and the guest object's Events show why it waits.
 func (s *controllerServer) await(ctx context.Context, kind, name string, obj client.Object, check func(found bool) (bool, error)) error {
 	ns := s.mgmt.Namespace()
-	wctx, cancel := waitContext(ctx)
-	defer cancel()
 	var failure error
-	err := s.hub.Until(wctx, await.Key{Kind: kind, Namespace: ns, Name: name}, func() (bool, error) {
-		err := s.mgmt.Get(wctx, client.ObjectKey{Namespace: ns, Name: name}, obj)
-		if err != nil && !apierrors.IsNotFound(err) {
-			return false, err
-		}
-		done, f := check(err == nil)
-		failure = f
-		return done || f != nil, nil
-	})
-	switch {
-	case err == nil:
-		return failure
-	case wctx.Err() != nil && ctx.Err() == nil, errors.Is(err, context.DeadlineExceeded):
-		return status.Errorf(codes.DeadlineExceeded, "%s %s/%s is not ready yet%s", kind, ns, name, s.warnings(ctx, obj))
+	err := csiserver.Await(ctx, s.hub, await.Key{Kind: kind, Namespace: ns, Name: name}, fmt.Sprintf("%s %s/%s", kind, ns, name),
+		func() string { return s.warnings(ctx, obj) },
+		func(ctx context.Context) (bool, error) {
+			err := s.mgmt.Get(ctx, client.ObjectKey{Namespace: ns, Name: name}, obj)
+			if err != nil && !apierrors.IsNotFound(err) {
+				return false, err
+			}
+			done, f := check(err == nil)
+			failure = f
+			return done || f != nil, nil
+		})
+	if err != nil {
+		return err
 	}
-	return apiError(err, "wait for %s %s/%s", kind, ns, name)
-}
-
-// waitContext ends a little before ctx: a call must answer before its deadline to be heard.
-func waitContext(ctx context.Context) (context.Context, context.CancelFunc) {
-	deadline, ok := ctx.Deadline()
-	if !ok {
-		return context.WithCancel(ctx)
-	}
-	margin := min(2*time.Second, time.Until(deadline)/10)
-	return context.WithDeadline(ctx, deadline.Add(-margin))
+	return failure
 }
 
 // warnings returns ": <reason>: <message>" of the latest Warning Event about obj in the
 // management cluster, "" if there is none or obj was never seen.
 func (s *controllerServer) warnings(ctx context.Context, obj client.Object) string {
-	if obj.GetUID() == "" {
-		return ""
-	}
 	ctx, cancel := context.WithTimeout(ctx, time.Second)
 	defer cancel()
-	events := &corev1.EventList{}
-	err := s.mgmt.Live().List(ctx, events, client.InNamespace(obj.GetNamespace()),
-		client.MatchingFieldsSelector{Selector: fields.SelectorFromSet(fields.Set{"involvedObject.uid": string(obj.GetUID()), "type": corev1.EventTypeWarning})})
-	if err != nil || len(events.Items) == 0 {
-		return ""
-	}
-	latest := slices.MaxFunc(events.Items, func(a, b corev1.Event) int { return eventTime(a).Compare(eventTime(b)) })
-	return fmt.Sprintf(": %s: %s", latest.Reason, latest.Message)
-}
-
-func eventTime(e corev1.Event) time.Time {
-	switch {
-	case !e.LastTimestamp.IsZero():
-		return e.LastTimestamp.Time
-	case !e.EventTime.IsZero():
-		return e.EventTime.Time
-	}
-	return e.CreationTimestamp.Time
+	return events.LatestWarning(ctx, s.mgmt.Live(), obj)
 }
 
 // DeleteVolume deletes the management PVC of a volume the cluster created, once no VM uses it.
@@ -510,7 +473,7 @@ func (s *controllerServer) DeleteVolume(ctx context.Context, req *csi.DeleteVolu
 func (s *controllerServer) notInUse(ctx context.Context, c tenancy.Cluster, claim string) error {
 	vms := &vmv1.VirtualMachineList{}
 	if err := s.mgmt.Live().List(ctx, vms, client.InNamespace(c.Namespace)); err != nil {
-		return apiError(err, "list the VirtualMachines of namespace %s", c.Namespace)
+		return csiserver.APIError(err, "list the VirtualMachines of namespace %s", c.Namespace)
 	}
 	for _, vm := range vms.Items {
 		if slices.ContainsFunc(vm.Spec.Volumes, func(v vmv1.VirtualMachineVolume) bool { return v.PersistentVolumeClaim.ClaimName == claim }) ||
@@ -567,7 +530,7 @@ func (s *controllerServer) GetCapacity(ctx context.Context, req *csi.GetCapacity
 	} else {
 		vms := &vmv1.VirtualMachineList{}
 		if err := s.mgmt.List(ctx, vms); err != nil {
-			return nil, apiError(err, "list the cluster's VirtualMachines")
+			return nil, csiserver.APIError(err, "list the cluster's VirtualMachines")
 		}
 		for _, vm := range vms.Items {
 			if vm.Status.Host != "" {
@@ -577,11 +540,11 @@ func (s *controllerServer) GetCapacity(ctx context.Context, req *csi.GetCapacity
 	}
 	list := &storagev1.CSIStorageCapacityList{}
 	if err := s.mgmt.Live().List(ctx, list, client.InNamespace(s.cfg.capacityNamespace)); err != nil {
-		return nil, apiError(err, "list the management cluster's CSIStorageCapacity in namespace %s", s.cfg.capacityNamespace)
+		return nil, csiserver.APIError(err, "list the management cluster's CSIStorageCapacity in namespace %s", s.cfg.capacityNamespace)
 	}
 	var available, largest int64
 	for _, c := range list.Items {
-		if (params.class != "" && c.StorageClassName != params.class) || c.NodeTopology == nil || !hosts[c.NodeTopology.MatchLabels[MgmtTopologyKey]] {
+		if (params.class != "" && c.StorageClassName != params.class) || c.NodeTopology == nil || !hosts[c.NodeTopology.MatchLabels[names.PmemTopologyKey]] {
 			continue
 		}
 		if c.Capacity != nil {
@@ -638,7 +601,7 @@ func (s *controllerServer) ControllerExpandVolume(ctx context.Context, req *csi.
 		klog.FromContext(ctx).V(2).Info("Expanding management PVC", "volumeID", id, "size", size)
 		return true
 	}); err != nil {
-		return nil, apiError(err, "expand management PVC %s/%s", c.Namespace, id)
+		return nil, csiserver.APIError(err, "expand management PVC %s/%s", c.Namespace, id)
 	}
 	got := &corev1.PersistentVolumeClaim{}
 	if err := s.await(ctx, kindPVC, id, got, func(found bool) (bool, error) {

@@ -22,6 +22,7 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	vmv1 "pvbridge.io/pkg/apis/vm/v1alpha1"
+	"pvbridge.io/pkg/names"
 	"pvbridge.io/pkg/tenancy"
 )
 
@@ -418,7 +419,7 @@ func TestGetCapacity(t *testing.T) {
 	}{{"host-a", envClass, 10 * mib}, {"host-b", envClass, 20 * mib}, {"host-c", envClass, 40 * mib}, {"host-a", "premium", 80 * mib}} {
 		obj := &storagev1.CSIStorageCapacity{
 			ObjectMeta:        metav1.ObjectMeta{Namespace: capacityNS, GenerateName: "csisc-"},
-			NodeTopology:      &metav1.LabelSelector{MatchLabels: map[string]string{MgmtTopologyKey: c.host}},
+			NodeTopology:      &metav1.LabelSelector{MatchLabels: map[string]string{names.PmemTopologyKey: c.host}},
 			StorageClassName:  c.class,
 			Capacity:          ptr.To(volumeQuantity(c.free)),
 			MaximumVolumeSize: ptr.To(volumeQuantity(c.free / 2)),

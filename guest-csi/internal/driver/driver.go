@@ -11,6 +11,8 @@ import (
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	snapshotv1 "github.com/kubernetes-csi/external-snapshotter/client/v8/apis/volumesnapshot/v1"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
 	"golang.org/x/sync/errgroup"
 	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/labels"
@@ -30,12 +32,13 @@ import (
 	"pvbridge.io/pkg/await"
 	"pvbridge.io/pkg/csiserver"
 	"pvbridge.io/pkg/mounter"
+	"pvbridge.io/pkg/names"
 	"pvbridge.io/pkg/registration"
 	"pvbridge.io/pkg/tenancy"
 )
 
 // Name is the CSI driver name.
-const Name = "guest.csi.pvbridge.io"
+const Name = names.GuestDriver
 
 // Mode selects the CSI services a process serves.
 type Mode string
@@ -85,6 +88,9 @@ type Options struct {
 	// HealthAddress (host:port) serves /healthz, which calls Probe through the CSI socket;
 	// empty for none.
 	HealthAddress string
+	// MetricsAddress (host:port) serves Prometheus metrics: the CSI calls' latency and codes
+	// (csiserver.OperationsMetric) and the Go runtime's; "" or "0" for none.
+	MetricsAddress string
 	// KubeletRegistrationDir is kubelet's plugin registration directory. When set, the driver
 	// registers itself with kubelet there, once the node's host is known.
 	KubeletRegistrationDir string
@@ -201,7 +207,9 @@ func (d *Driver) Run(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
-	server, err := csiserver.New(csiserver.Options{Endpoint: d.opts.Endpoint})
+	registry := prometheus.NewRegistry()
+	registry.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	server, err := csiserver.New(csiserver.Options{Endpoint: d.opts.Endpoint, Registerer: registry, DriverName: Name})
 	if err != nil {
 		return err
 	}
@@ -212,6 +220,9 @@ func (d *Driver) Run(ctx context.Context) error {
 	g, ctx := errgroup.WithContext(ctx)
 	if d.opts.HealthAddress != "" {
 		g.Go(func() error { return server.ServeHealth(ctx, d.opts.HealthAddress) })
+	}
+	if d.opts.MetricsAddress != "" && d.opts.MetricsAddress != "0" {
+		g.Go(func() error { return csiserver.ServeMetrics(ctx, d.opts.MetricsAddress, registry) })
 	}
 	if d.opts.Mode == ModeController {
 		conn, labeller, err := d.setupController(server, guest)

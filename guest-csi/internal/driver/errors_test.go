@@ -9,8 +9,6 @@ import (
 	. "github.com/onsi/gomega"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
-	apierrors "k8s.io/apimachinery/pkg/api/errors"
-	"k8s.io/apimachinery/pkg/runtime/schema"
 
 	"pvbridge.io/pkg/mounter"
 )
@@ -39,26 +37,4 @@ func TestStatusError(t *testing.T) {
 		})
 	}
 	NewWithT(t).Expect(statusError(nil)).To(Succeed())
-}
-
-func TestAPIError(t *testing.T) {
-	gr := schema.GroupResource{Resource: "persistentvolumeclaims"}
-	for _, tt := range []struct {
-		name     string
-		err      error
-		wantCode codes.Code
-	}{
-		{"a quota is exhausted", apierrors.NewForbidden(gr, "x", errors.New(`exceeded quota: q, requested: requests.storage=1Gi`)), codes.ResourceExhausted},
-		{"RBAC or the admission policy is a permission denied", apierrors.NewForbidden(gr, "x", errors.New("denied")), codes.PermissionDenied},
-		{"a credential not accepted while it rotates is retryable", apierrors.NewUnauthorized("token revoked"), codes.Unavailable},
-		{"an invalid object is an invalid argument", apierrors.NewInvalid(schema.GroupKind{Kind: "PersistentVolumeClaim"}, "x", nil), codes.InvalidArgument},
-		{"a missing object is not found", apierrors.NewNotFound(gr, "x"), codes.NotFound},
-		{"a conflict is aborted", apierrors.NewConflict(gr, "x", errors.New("changed")), codes.Aborted},
-		{"an unreachable apiserver is unavailable", errors.New("connection refused"), codes.Unavailable},
-		{"a deadline is a deadline", fmt.Errorf("wait: %w", context.DeadlineExceeded), codes.DeadlineExceeded},
-	} {
-		t.Run(tt.name, func(t *testing.T) {
-			expectCodeIn(NewWithT(t), apiError(tt.err, "create management PVC %s", "x"), tt.wantCode, "create management PVC x: ")
-		})
-	}
 }

@@ -19,6 +19,7 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	vmv1 "pvbridge.io/pkg/apis/vm/v1alpha1"
+	"pvbridge.io/pkg/csiserver"
 	"pvbridge.io/pkg/tenancy"
 )
 
@@ -161,7 +162,7 @@ func (s *controllerServer) vm(ctx context.Context, c tenancy.Cluster, name strin
 	case apierrors.IsNotFound(err):
 		return nil, nil
 	case err != nil:
-		return nil, apiError(err, "get VirtualMachine %s/%s", c.Namespace, name)
+		return nil, csiserver.APIError(err, "get VirtualMachine %s/%s", c.Namespace, name)
 	}
 	return vm, nil
 }
@@ -171,7 +172,7 @@ func (s *controllerServer) vm(ctx context.Context, c tenancy.Cluster, name strin
 func (s *controllerServer) attachedElsewhere(ctx context.Context, c tenancy.Cluster, claim, node string) error {
 	vms := &vmv1.VirtualMachineList{}
 	if err := s.mgmt.List(ctx, vms); err != nil {
-		return apiError(err, "list the cluster's VirtualMachines")
+		return csiserver.APIError(err, "list the cluster's VirtualMachines")
 	}
 	for _, vm := range vms.Items {
 		if vm.Name == node {
@@ -285,7 +286,7 @@ func volumesError(vm *vmv1.VirtualMachine, err error) error {
 		// A conflict is applyVolume's UID precondition: the VM is gone.
 		return status.Errorf(codes.NotFound, "VirtualMachine %s/%s does not exist", vm.Namespace, vm.Name)
 	}
-	return apiError(err, "update the volumes of VirtualMachine %s/%s", vm.Namespace, vm.Name)
+	return csiserver.APIError(err, "update the volumes of VirtualMachine %s/%s", vm.Namespace, vm.Name)
 }
 
 // named matches the VM volume entry of management PVC id.

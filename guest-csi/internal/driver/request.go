@@ -12,13 +12,15 @@ import (
 	"google.golang.org/grpc/status"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/apimachinery/pkg/util/validation"
+
+	"pvbridge.io/pkg/names"
 )
 
 // StorageClass and VolumeSnapshotClass parameters of the guest. Every other parameter is
 // refused, so that a typo is an error and not a silently ignored setting.
 const (
 	// ParamMgmtStorageClass names the management StorageClass of the management PVC.
-	ParamMgmtStorageClass = "mgmtStorageClass"
+	ParamMgmtStorageClass = names.MgmtStorageClassParam
 	// ParamMgmtSnapshotClass names the management VolumeSnapshotClass of the management
 	// VolumeSnapshot.
 	ParamMgmtSnapshotClass = "mgmtSnapshotClass"

@@ -70,11 +70,11 @@ func (s *controllerServer) CreateSnapshot(ctx context.Context, req *csi.CreateSn
 			snap.Annotations[tenancy.GuestSnapshotAnnotation] = v
 		}
 		if err := s.mgmt.Create(ctx, snap); err != nil {
-			return nil, apiError(err, "create management VolumeSnapshot %s/%s", c.Namespace, name)
+			return nil, csiserver.APIError(err, "create management VolumeSnapshot %s/%s", c.Namespace, name)
 		}
 		klog.FromContext(ctx).V(2).Info("Created management VolumeSnapshot", "snapshotID", name, "source", source)
 	case err != nil:
-		return nil, apiError(err, "get management VolumeSnapshot %s/%s", c.Namespace, name)
+		return nil, csiserver.APIError(err, "get management VolumeSnapshot %s/%s", c.Namespace, name)
 	case ptr.Deref(snap.Spec.Source.PersistentVolumeClaimName, "") != source:
 		return nil, status.Errorf(codes.AlreadyExists, "management VolumeSnapshot %s/%s exists for volume %s", c.Namespace, name, ptr.Deref(snap.Spec.Source.PersistentVolumeClaimName, ""))
 	}
@@ -140,7 +140,7 @@ func (s *controllerServer) DeleteSnapshot(ctx context.Context, req *csi.DeleteSn
 func (s *controllerServer) ListSnapshots(ctx context.Context, req *csi.ListSnapshotsRequest) (*csi.ListSnapshotsResponse, error) {
 	list := &snapshotv1.VolumeSnapshotList{}
 	if err := s.mgmt.List(ctx, list); err != nil {
-		return nil, apiError(err, "list the cluster's management VolumeSnapshots")
+		return nil, csiserver.APIError(err, "list the cluster's management VolumeSnapshots")
 	}
 	var entries []*csi.ListSnapshotsResponse_Entry
 	for i := range list.Items {

@@ -29,6 +29,7 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/predicate"
 	"sigs.k8s.io/controller-runtime/pkg/reconcile"
 
+	"pvbridge.io/pkg/names"
 	"pvbridge.io/pkg/tenancy"
 )
 
@@ -39,12 +40,9 @@ const (
 
 	// clusterConfigMap is the install's ConfigMap with the cluster's identity, read by the
 	// guest-csi controller's --cluster-name and --cluster-uid (through its environment).
-	clusterConfigMap      = "pvbridge-cluster"
-	clusterNameKey        = "cluster-name"
-	clusterUIDKey         = "cluster-uid"
-	mgmtStorageClassParam = "mgmtStorageClass"
-	// guestDriver is the provisioner of the install's StorageClasses.
-	guestDriver = "guest.csi.pvbridge.io"
+	clusterConfigMap = "pvbridge-cluster"
+	clusterNameKey   = "cluster-name"
+	clusterUIDKey    = "cluster-uid"
 )
 
 // Events of the guest install, on the Cluster.
@@ -102,8 +100,8 @@ func parseInstall(data []byte) ([]*unstructured.Unstructured, error) {
 			}
 			identity = true
 		case isGuestStorageClass(u):
-			if _, ok, _ := unstructured.NestedString(u.Object, "parameters", mgmtStorageClassParam); !ok {
-				return nil, fmt.Errorf("guest install: StorageClass %s has no %s parameter", u.GetName(), mgmtStorageClassParam)
+			if _, ok, _ := unstructured.NestedString(u.Object, "parameters", names.MgmtStorageClassParam); !ok {
+				return nil, fmt.Errorf("guest install: StorageClass %s has no %s parameter", u.GetName(), names.MgmtStorageClassParam)
 			}
 			classes++
 		}
@@ -113,7 +111,7 @@ func parseInstall(data []byte) ([]*unstructured.Unstructured, error) {
 		return nil, fmt.Errorf("guest install: no ConfigMap %s with the cluster's identity", clusterConfigMap)
 	}
 	if classes == 0 {
-		return nil, fmt.Errorf("guest install: no StorageClass of %s", guestDriver)
+		return nil, fmt.Errorf("guest install: no StorageClass of %s", names.GuestDriver)
 	}
 	return objs, nil
 }
@@ -124,7 +122,7 @@ func isClusterConfigMap(u *unstructured.Unstructured) bool {
 
 func isGuestStorageClass(u *unstructured.Unstructured) bool {
 	provisioner, _, _ := unstructured.NestedString(u.Object, "provisioner")
-	return u.GroupVersionKind().GroupKind() == storageClassKind && provisioner == guestDriver
+	return u.GroupVersionKind().GroupKind() == storageClassKind && provisioner == names.GuestDriver
 }
 
 var (
@@ -156,7 +154,7 @@ func renderInstall(base []*unstructured.Unstructured, cluster *clusterv1.Cluster
 				skipped = append(skipped, "StorageClass "+u.GetName())
 				continue
 			}
-			err = unstructured.SetNestedField(u.Object, mgmtClass, "parameters", mgmtStorageClassParam)
+			err = unstructured.SetNestedField(u.Object, mgmtClass, "parameters", names.MgmtStorageClassParam)
 		case readsClusterConfigMap(u):
 			annotations, _, _ := unstructured.NestedStringMap(u.Object, "spec", "template", "metadata", "annotations")
 			if annotations == nil {

@@ -18,6 +18,7 @@ import (
 	clusterv1 "sigs.k8s.io/cluster-api/api/core/v1beta2"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
+	"pvbridge.io/pkg/names"
 	"pvbridge.io/pkg/tenancy"
 )
 
@@ -112,7 +113,7 @@ func TestRenderInstall(t *testing.T) {
 				}
 				if obj.GetKind() == "StorageClass" {
 					classes = append(classes, obj.GetName())
-					param, _, _ := unstructured.NestedString(obj.Object, "parameters", mgmtStorageClassParam)
+					param, _, _ := unstructured.NestedString(obj.Object, "parameters", names.MgmtStorageClassParam)
 					g.Expect(param).To(Equal(tc.class))
 				}
 			}
@@ -242,7 +243,7 @@ func TestGuestInstall(t *testing.T) {
 	for _, key := range []client.ObjectKey{defaultClassKey, xfsClassKey} {
 		sc := &storagev1.StorageClass{}
 		g.Expect(guestAdmin.Get(ctx, key, sc)).To(Succeed())
-		g.Expect(sc.Parameters).To(HaveKeyWithValue(mgmtStorageClassParam, "fast"), "the Namespace's first allowed class")
+		g.Expect(sc.Parameters).To(HaveKeyWithValue(names.MgmtStorageClassParam, "fast"), "the Namespace's first allowed class")
 	}
 	g.Expect(guestAdmin.Get(ctx, snapshotClassKey, &snapshotv1.VolumeSnapshotClass{})).To(Succeed())
 	eventually(g, reasons).WithContext(ctx).Should(ContainElement(eventGuestInstalled))
@@ -253,13 +254,13 @@ func TestGuestInstall(t *testing.T) {
 	deployment.Spec.Template.Spec.Containers[0].Image = "example.com/not-guest-csi:latest"
 	g.Expect(guestAdmin.Patch(ctx, deployment, patch, client.FieldOwner("kubectl-edit"))).To(Succeed())
 	driver := &storagev1.CSIDriver{}
-	g.Expect(guestAdmin.Get(ctx, client.ObjectKey{Name: guestDriver}, driver)).To(Succeed())
+	g.Expect(guestAdmin.Get(ctx, client.ObjectKey{Name: names.GuestDriver}, driver)).To(Succeed())
 	g.Expect(guestAdmin.Delete(ctx, driver)).To(Succeed())
 	eventually(g, func(g Gomega, ctx context.Context) {
 		g.Expect(guestAdmin.Get(ctx, controllerKey, deployment)).To(Succeed())
 		g.Expect(deployment.Spec.Replicas).To(HaveValue(BeEquivalentTo(1)))
 		g.Expect(deployment.Spec.Template.Spec.Containers[0].Image).To(Equal("ghcr.io/pvbridge/guest-csi:v0.1.0"))
-		g.Expect(guestAdmin.Get(ctx, client.ObjectKey{Name: guestDriver}, &storagev1.CSIDriver{})).To(Succeed())
+		g.Expect(guestAdmin.Get(ctx, client.ObjectKey{Name: names.GuestDriver}, &storagev1.CSIDriver{})).To(Succeed())
 	}).WithContext(ctx).Should(Succeed())
 
 	// A new allow-list on the Cluster: the StorageClasses, whose parameters cannot change, are
@@ -271,7 +272,7 @@ func TestGuestInstall(t *testing.T) {
 		for _, key := range []client.ObjectKey{defaultClassKey, xfsClassKey} {
 			sc := &storagev1.StorageClass{}
 			g.Expect(guestAdmin.Get(ctx, key, sc)).To(Succeed())
-			g.Expect(sc.Parameters).To(HaveKeyWithValue(mgmtStorageClassParam, "pmem"))
+			g.Expect(sc.Parameters).To(HaveKeyWithValue(names.MgmtStorageClassParam, "pmem"))
 		}
 	}).WithContext(ctx).Should(Succeed())
 	replaced := &storagev1.StorageClass{}
@@ -307,12 +308,12 @@ func TestGuestInstall(t *testing.T) {
 	patch = client.MergeFrom(deployment.DeepCopy())
 	deployment.Spec.Replicas = ptr.To[int32](5)
 	g.Expect(guestAdmin.Patch(ctx, deployment, patch, client.FieldOwner("kubectl-edit"))).To(Succeed())
-	g.Expect(guestAdmin.Delete(ctx, &storagev1.CSIDriver{ObjectMeta: metav1.ObjectMeta{Name: guestDriver}})).To(Succeed())
+	g.Expect(guestAdmin.Delete(ctx, &storagev1.CSIDriver{ObjectMeta: metav1.ObjectMeta{Name: names.GuestDriver}})).To(Succeed())
 	annotateCluster(t, c, "touched", "1") // a reconcile, which must not apply
 	g.Consistently(func(g Gomega, ctx context.Context) {
 		g.Expect(guestAdmin.Get(ctx, controllerKey, deployment)).To(Succeed())
 		g.Expect(deployment.Spec.Replicas).To(HaveValue(BeEquivalentTo(5)))
-		err := guestAdmin.Get(ctx, client.ObjectKey{Name: guestDriver}, &storagev1.CSIDriver{})
+		err := guestAdmin.Get(ctx, client.ObjectKey{Name: names.GuestDriver}, &storagev1.CSIDriver{})
 		g.Expect(apierrors.IsNotFound(err)).To(BeTrue(), "the deleted CSIDriver stays deleted: %v", err)
 	}).WithContext(ctx).WithTimeout(2 * time.Second).WithPolling(100 * time.Millisecond).Should(Succeed())
 
@@ -320,7 +321,7 @@ func TestGuestInstall(t *testing.T) {
 	annotateCluster(t, c, tenancy.GuestInstallAnnotation, "true")
 	annotateCluster(t, c, tenancy.StorageClassesAnnotation, "pmem")
 	eventually(g, func(ctx context.Context) error {
-		return guestAdmin.Get(ctx, client.ObjectKey{Name: guestDriver}, &storagev1.CSIDriver{})
+		return guestAdmin.Get(ctx, client.ObjectKey{Name: names.GuestDriver}, &storagev1.CSIDriver{})
 	}).WithContext(ctx).Should(Succeed())
 	g.Expect(mgmtClient.Delete(ctx, c)).To(Succeed())
 	eventually(g, func(ctx context.Context) bool {

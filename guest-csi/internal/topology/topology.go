@@ -25,10 +25,12 @@ import (
 	watchtools "k8s.io/client-go/tools/watch"
 	"k8s.io/client-go/util/workqueue"
 	"k8s.io/klog/v2"
+
+	"pvbridge.io/pkg/names"
 )
 
 // Key is the topology segment, and the guest Node label, naming the management host.
-const Key = "topology.guest.csi.pvbridge.io/host"
+const Key = names.GuestTopologyKey
 
 // ErrHostUnknown is what a node's host is while the controller has not labelled the node.
 var ErrHostUnknown = errors.New("the host of this node is not known yet")

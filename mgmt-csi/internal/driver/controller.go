@@ -2,7 +2,6 @@ package driver
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"slices"
 	"sort"
@@ -25,11 +24,12 @@ import (
 	"pvbridge.io/pkg/await"
 	"pvbridge.io/pkg/csiserver"
 	"pvbridge.io/pkg/keylock"
+	"pvbridge.io/pkg/names"
 )
 
 const (
 	// TopologyKey is the topology segment of a volume: the node whose PMEM holds it.
-	TopologyKey = "pmem.csi.pvbridge.io/node"
+	TopologyKey = names.PmemTopologyKey
 
 	kindVolume   = "PmemVolume"
 	kindSnapshot = "PmemSnapshot"
@@ -112,7 +112,7 @@ func (s *controllerServer) CreateVolume(ctx context.Context, req *csi.CreateVolu
 		}
 		logger.V(2).Info("Recorded volume", "node", node, "size", size)
 	case err != nil:
-		return nil, status.Errorf(codes.Unavailable, "get PmemVolume %s: %v", id, err)
+		return nil, csiserver.APIError(err, "get PmemVolume %s", id)
 	default:
 		if err := compatibleVolume(vol, size, req.GetCapacityRange().GetLimitBytes(), source); err != nil {
 			return nil, err
@@ -137,7 +137,7 @@ func (s *controllerServer) contentSource(ctx context.Context, src *csi.VolumeCon
 			return nil, "", err
 		}
 		if !isReady(snap.Status.Conditions) {
-			return nil, "", status.Errorf(codes.Unavailable, "snapshot %s is not ready yet", id)
+			return nil, "", status.Errorf(codes.Aborted, "snapshot %s is not ready yet", id)
 		}
 		if snap.Status.Size != nil && size < snap.Status.Size.Value() {
 			return nil, "", status.Errorf(codes.OutOfRange, "snapshot %s needs a volume of at least %d bytes", id, snap.Status.Size.Value())
@@ -166,7 +166,7 @@ func (s *controllerServer) contentSource(ctx context.Context, src *csi.VolumeCon
 func (s *controllerServer) chooseNode(ctx context.Context, req *csi.TopologyRequirement, size, limit int64) (string, error) {
 	nodes := &pmemv1.PmemNodeList{}
 	if err := s.reader.List(ctx, nodes); err != nil {
-		return "", status.Errorf(codes.Unavailable, "list PmemNodes: %v", err)
+		return "", csiserver.APIError(err, "list PmemNodes")
 	}
 	byName := map[string]*pmemv1.PmemNode{}
 	for i := range nodes.Items {
@@ -224,7 +224,7 @@ func (s *controllerServer) createVolumeObject(ctx context.Context, id, name, nod
 		return nil, status.Errorf(codes.Aborted, "volume %s is being created concurrently", id)
 	}
 	if err != nil {
-		return nil, status.Errorf(codes.Unavailable, "create PmemVolume %s: %v", id, err)
+		return nil, csiserver.APIError(err, "create PmemVolume %s", id)
 	}
 	return vol, nil
 }
@@ -259,36 +259,28 @@ func compatibleVolume(vol *pmemv1.PmemVolume, size, limit int64, src *pmemv1.Pme
 func (s *controllerServer) waitVolumeReady(ctx context.Context, vol *pmemv1.PmemVolume) (*pmemv1.PmemVolume, error) {
 	got := &pmemv1.PmemVolume{}
 	var failure error
-	err := s.hub.Until(ctx, await.Key{Kind: kindVolume, Name: vol.Name}, func() (bool, error) {
+	err := csiserver.Await(ctx, s.hub, await.Key{Kind: kindVolume, Name: vol.Name}, "volume "+vol.Name, nil, func(ctx context.Context) (bool, error) {
 		if err := s.reader.Get(ctx, client.ObjectKeyFromObject(vol), got); err != nil {
 			if apierrors.IsNotFound(err) {
 				return false, nil // the cache has not seen our create yet
 			}
 			return false, err
 		}
-		if got.DeletionTimestamp != nil {
+		switch {
+		case got.DeletionTimestamp != nil:
 			failure = status.Errorf(codes.Aborted, "volume %s is being deleted", vol.Name)
 			return true, nil
-		}
-		c := meta.FindStatusCondition(got.Status.Conditions, pmemv1.ReadyCondition)
-		switch {
 		// A cache that has not seen our write yet (an expansion) reports the old generation
 		// as ready.
 		case got.Generation < vol.Generation:
 			return false, nil
-		case c == nil || c.ObservedGeneration < got.Generation:
-			return false, nil
-		case c.Status == metav1.ConditionTrue:
-			return true, nil
-		case c.Reason == pmemv1.InsufficientCapacityReason:
-			failure = status.Errorf(codes.ResourceExhausted, "node %s: %s", got.Spec.Node, c.Message)
-		case c.Reason == pmemv1.SourceNotFoundReason:
-			failure = status.Errorf(codes.NotFound, "node %s: %s", got.Spec.Node, c.Message)
 		}
-		return failure != nil, nil
+		var ready bool
+		ready, failure = readiness(got.Status.Conditions, got.Generation, got.Spec.Node)
+		return ready || failure != nil, nil
 	})
 	if err != nil {
-		return nil, waitError(err, "volume "+vol.Name)
+		return nil, err
 	}
 	if failure != nil {
 		// A volume whose device was never made is only intent: removing it leaves nothing
@@ -325,13 +317,13 @@ func (s *controllerServer) deleteAndWait(ctx context.Context, kind, name string,
 	if err := s.reader.Get(ctx, key, obj); apierrors.IsNotFound(err) {
 		return nil
 	} else if err != nil {
-		return status.Errorf(codes.Unavailable, "get %s %s: %v", kind, name, err)
+		return csiserver.APIError(err, "get %s %s", kind, name)
 	}
 	if err := s.deleteObject(ctx, obj); err != nil {
 		return err
 	}
 	var inUse string
-	err := s.hub.Until(ctx, await.Key{Kind: kind, Name: name}, func() (bool, error) {
+	err := csiserver.Await(ctx, s.hub, await.Key{Kind: kind, Name: name}, kind+" "+name, nil, func(ctx context.Context) (bool, error) {
 		err := s.reader.Get(ctx, key, obj)
 		if apierrors.IsNotFound(err) {
 			return true, nil
@@ -343,7 +335,7 @@ func (s *controllerServer) deleteAndWait(ctx context.Context, kind, name string,
 		return false, err
 	})
 	if err != nil {
-		return waitError(err, kind+" "+name)
+		return err
 	}
 	if inUse != "" {
 		return status.Errorf(codes.FailedPrecondition, "%s %s is in use: %s", kind, name, inUse)
@@ -360,7 +352,7 @@ func (s *controllerServer) deleteObject(ctx context.Context, obj client.Object) 
 	uid := obj.GetUID()
 	err := s.client.Delete(ctx, obj, client.Preconditions{UID: &uid})
 	if err != nil && !apierrors.IsNotFound(err) && !apierrors.IsConflict(err) {
-		return status.Errorf(codes.Unavailable, "delete %s: %v", obj.GetName(), err)
+		return csiserver.APIError(err, "delete %s", obj.GetName())
 	}
 	return nil
 }
@@ -428,7 +420,7 @@ func (s *controllerServer) GetCapacity(ctx context.Context, req *csi.GetCapacity
 	}
 	nodes := &pmemv1.PmemNodeList{}
 	if err := s.reader.List(ctx, nodes); err != nil {
-		return nil, status.Errorf(codes.Unavailable, "list PmemNodes: %v", err)
+		return nil, csiserver.APIError(err, "list PmemNodes")
 	}
 	want, byTopology := req.GetAccessibleTopology().GetSegments()[TopologyKey]
 	var available, maxSize int64
@@ -478,7 +470,7 @@ func (s *controllerServer) ControllerExpandVolume(ctx context.Context, req *csi.
 		patch := client.MergeFromWithOptions(vol.DeepCopy(), client.MergeFromWithOptimisticLock{})
 		vol.Spec.Size = *resource.NewQuantity(size, resource.BinarySI)
 		if err := s.client.Patch(ctx, vol, patch); err != nil {
-			return nil, status.Errorf(codes.Unavailable, "grow PmemVolume %s: %v", id, err)
+			return nil, csiserver.APIError(err, "grow PmemVolume %s", id)
 		}
 		klog.FromContext(ctx).V(2).Info("Growing volume", "volumeID", id, "size", size)
 	}
@@ -526,34 +518,25 @@ func (s *controllerServer) CreateSnapshot(ctx context.Context, req *csi.CreateSn
 		if err := s.client.Create(ctx, snap); apierrors.IsAlreadyExists(err) {
 			return nil, status.Errorf(codes.Aborted, "snapshot %s is being created concurrently", id)
 		} else if err != nil {
-			return nil, status.Errorf(codes.Unavailable, "create PmemSnapshot %s: %v", id, err)
+			return nil, csiserver.APIError(err, "create PmemSnapshot %s", id)
 		}
 	case err != nil:
-		return nil, status.Errorf(codes.Unavailable, "get PmemSnapshot %s: %v", id, err)
+		return nil, csiserver.APIError(err, "get PmemSnapshot %s", id)
 	case snap.Spec.SourceVolumeID != req.GetSourceVolumeId():
 		return nil, status.Errorf(codes.AlreadyExists, "snapshot %s exists for volume %s", id, snap.Spec.SourceVolumeID)
 	}
 
 	var failure error
-	err = s.hub.Until(ctx, await.Key{Kind: kindSnapshot, Name: id}, func() (bool, error) {
+	err = csiserver.Await(ctx, s.hub, await.Key{Kind: kindSnapshot, Name: id}, "snapshot "+id, nil, func(ctx context.Context) (bool, error) {
 		if err := s.reader.Get(ctx, client.ObjectKey{Name: id}, snap); err != nil {
 			return false, client.IgnoreNotFound(err)
 		}
-		c := meta.FindStatusCondition(snap.Status.Conditions, pmemv1.ReadyCondition)
-		switch {
-		case c == nil:
-			return false, nil
-		case c.Status == metav1.ConditionTrue:
-			return true, nil
-		case c.Reason == pmemv1.InsufficientCapacityReason:
-			failure = status.Errorf(codes.ResourceExhausted, "node %s: %s", snap.Spec.Node, c.Message)
-		case c.Reason == pmemv1.SourceNotFoundReason:
-			failure = status.Errorf(codes.NotFound, "node %s: %s", snap.Spec.Node, c.Message)
-		}
-		return failure != nil, nil
+		var ready bool
+		ready, failure = readiness(snap.Status.Conditions, snap.Generation, snap.Spec.Node)
+		return ready || failure != nil, nil
 	})
 	if err != nil {
-		return nil, waitError(err, "snapshot "+id)
+		return nil, err
 	}
 	if failure != nil {
 		if err := s.deleteObject(ctx, snap); err != nil {
@@ -584,7 +567,7 @@ func (s *controllerServer) DeleteSnapshot(ctx context.Context, req *csi.DeleteSn
 func (s *controllerServer) ListSnapshots(ctx context.Context, req *csi.ListSnapshotsRequest) (*csi.ListSnapshotsResponse, error) {
 	list := &pmemv1.PmemSnapshotList{}
 	if err := s.reader.List(ctx, list); err != nil {
-		return nil, status.Errorf(codes.Unavailable, "list PmemSnapshots: %v", err)
+		return nil, csiserver.APIError(err, "list PmemSnapshots")
 	}
 	var entries []*csi.ListSnapshotsResponse_Entry
 	for i := range list.Items {
@@ -614,21 +597,27 @@ func (s *controllerServer) getOrNotFound(ctx context.Context, name string, obj c
 	case apierrors.IsNotFound(err):
 		return status.Errorf(codes.NotFound, "%s %s does not exist", what, name)
 	case err != nil:
-		return status.Errorf(codes.Unavailable, "get %s %s: %v", what, name, err)
+		return csiserver.APIError(err, "get %s %s", what, name)
 	}
 	return nil
 }
 
-// waitError turns the end of a wait into the code that makes the sidecar retry.
-func waitError(err error, what string) error {
+// readiness reads the Ready condition a node agent reports on a PmemVolume or PmemSnapshot of
+// generation gen on node: ready, not yet (also while the condition is of an older generation),
+// or failed for good with the CSI code of its reason.
+func readiness(conditions []metav1.Condition, gen int64, node string) (bool, error) {
+	c := meta.FindStatusCondition(conditions, pmemv1.ReadyCondition)
 	switch {
-	case errors.Is(err, context.DeadlineExceeded):
-		return status.Errorf(codes.DeadlineExceeded, "%s is not ready yet", what)
-	case errors.Is(err, context.Canceled):
-		return status.Errorf(codes.Canceled, "waiting for %s was canceled", what)
-	default:
-		return status.Errorf(codes.Unavailable, "waiting for %s: %v", what, err)
+	case c == nil || c.ObservedGeneration < gen:
+		return false, nil
+	case c.Status == metav1.ConditionTrue:
+		return true, nil
+	case c.Reason == pmemv1.InsufficientCapacityReason:
+		return false, status.Errorf(codes.ResourceExhausted, "node %s: %s", node, c.Message)
+	case c.Reason == pmemv1.SourceNotFoundReason:
+		return false, status.Errorf(codes.NotFound, "node %s: %s", node, c.Message)
 	}
+	return false, nil
 }
 
 func csiVolume(vol *pmemv1.PmemVolume, src *csi.VolumeContentSource) *csi.Volume {

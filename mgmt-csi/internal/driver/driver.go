@@ -20,11 +20,12 @@ import (
 	pmemv1 "pvbridge.io/pkg/apis/pmem/v1alpha1"
 	"pvbridge.io/pkg/csiserver"
 	"pvbridge.io/pkg/mounter"
+	"pvbridge.io/pkg/names"
 	"pvbridge.io/pkg/registration"
 )
 
 // Name is the CSI driver name.
-const Name = "pmem.csi.pvbridge.io"
+const Name = names.PmemDriver
 
 // Mode selects the CSI services a process serves.
 type Mode string
@@ -158,7 +159,7 @@ func (d *Driver) Run(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
-	server, err := csiserver.New(csiserver.Options{Endpoint: d.opts.Endpoint, Registerer: metrics.Registry})
+	server, err := csiserver.New(csiserver.Options{Endpoint: d.opts.Endpoint, Registerer: metrics.Registry, DriverName: Name})
 	if err != nil {
 		return err
 	}

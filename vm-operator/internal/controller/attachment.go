@@ -21,6 +21,7 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/reconcile"
 
 	vmv1 "pvbridge.io/pkg/apis/vm/v1alpha1"
+	"pvbridge.io/pkg/names"
 )
 
 // Event reasons of the attachment reconciler.
@@ -40,7 +41,7 @@ const attachmentReconciles = 4
 // VolumeAttachment, and removes the VolumeAttachments of volumes that are gone.
 //
 // A volume gets its VolumeAttachment (attacher pmem.csi.pvbridge.io, nodeName = status.host,
-// source = the PersistentVolume, named by AttachmentName, labelled by AttachmentLabels) once the
+// source = the PersistentVolume, named by vmv1.AttachmentName, labelled by vmv1.AttachmentLabels) once the
 // VirtualMachine has a host and its claim is Bound to a Block PersistentVolume of that driver
 // that may live on that host. The attachment is got or created, never deleted and recreated. It
 // is deleted only when its volume is neither in spec.volumes nor in status.volumes, that is
@@ -192,13 +193,13 @@ func (r *AttachmentReconciler) inputs(ctx context.Context, vm *vmv1.VirtualMachi
 	// The attachments of every VirtualMachine of the namespace: this one's, and those that
 	// hold a volume elsewhere.
 	all := &storagev1.VolumeAttachmentList{}
-	if err := r.Client.List(ctx, all, client.MatchingLabels{vmv1.VMNamespaceLabel: labelValue(vm.Namespace)}); err != nil {
+	if err := r.Client.List(ctx, all, client.MatchingLabels{vmv1.VMNamespaceLabel: vmv1.LabelValue(vm.Namespace)}); err != nil {
 		return in, nil, fmt.Errorf("list VolumeAttachments: %w", err)
 	}
 	vas := &storagev1.VolumeAttachmentList{}
 	byName := make(map[string]*storagev1.VolumeAttachment, len(all.Items))
 	for _, va := range all.Items {
-		if other := va.Labels[vmv1.VMNameLabel]; other != labelValue(vm.Name) {
+		if other := va.Labels[vmv1.VMNameLabel]; other != vmv1.LabelValue(vm.Name) {
 			if pv := va.Spec.Source.PersistentVolumeName; pv != nil {
 				in.Elsewhere[*pv] = other
 			}
@@ -211,7 +212,7 @@ func (r *AttachmentReconciler) inputs(ctx context.Context, vm *vmv1.VirtualMachi
 	}
 	named := map[string]bool{}
 	for _, name := range volumeNames(in.Volumes, in.Status) {
-		va := AttachmentName(vm.Namespace, vm.Name, name)
+		va := vmv1.AttachmentName(vm.Namespace, vm.Name, name)
 		named[va] = true
 		if byName[va] != nil {
 			in.Attachments[name] = byName[va]
@@ -303,12 +304,12 @@ func volumeNames(volumes []vmv1.VirtualMachineVolume, status []vmv1.VirtualMachi
 func (r *AttachmentReconciler) createAttachment(ctx context.Context, vm *vmv1.VirtualMachine, volume, pv string) error {
 	va := &storagev1.VolumeAttachment{
 		ObjectMeta: metav1.ObjectMeta{
-			Name:        AttachmentName(vm.Namespace, vm.Name, volume),
-			Labels:      AttachmentLabels(vm),
+			Name:        vmv1.AttachmentName(vm.Namespace, vm.Name, volume),
+			Labels:      vmv1.AttachmentLabels(vm),
 			Annotations: map[string]string{vmv1.VolumeAnnotation: volume},
 		},
 		Spec: storagev1.VolumeAttachmentSpec{
-			Attacher: driverName,
+			Attacher: names.PmemDriver,
 			NodeName: vm.Status.Host,
 			Source:   storagev1.VolumeAttachmentSource{PersistentVolumeName: &pv},
 		},
@@ -350,7 +351,7 @@ func (r *AttachmentReconciler) deleteAttachments(ctx context.Context, vm *vmv1.V
 		volumes = nil
 	}
 	for _, name := range volumeNames(volumes, live.Status.Volumes) {
-		keep[AttachmentName(vm.Namespace, vm.Name, name)] = true
+		keep[vmv1.AttachmentName(vm.Namespace, vm.Name, name)] = true
 	}
 	log := ctrl.LoggerFrom(ctx)
 	var failed []error
@@ -413,7 +414,7 @@ func (r *AttachmentReconciler) vmOfAttachment(ctx context.Context, obj client.Ob
 	}
 	reqs := waiting
 	for i := range vms.Items {
-		if labelValue(vms.Items[i].Name) == name {
+		if vmv1.LabelValue(vms.Items[i].Name) == name {
 			reqs = append(reqs, reconcile.Request{NamespacedName: client.ObjectKeyFromObject(&vms.Items[i])})
 		}
 	}

@@ -49,9 +49,9 @@ func TestAttachmentReconciler(t *testing.T) {
 			name:          "a bound volume of a placed VirtualMachine gets its VolumeAttachment",
 			vm:            newVM("vm-1", withFinalizer, onHost("host-a"), withVolumes(a)),
 			objs:          boundA,
-			wantVAs:       map[string]string{AttachmentName(testNamespace, "vm-1", "a"): "pv-a"},
+			wantVAs:       map[string]string{vmv1.AttachmentName(testNamespace, "vm-1", "a"): "pv-a"},
 			wantCondition: vmv1.AttachPendingReason, wantFinalizer: true,
-			wantEvents: []string{"Normal Attaching volume a: created VolumeAttachment " + AttachmentName(testNamespace, "vm-1", "a") +
+			wantEvents: []string{"Normal Attaching volume a: created VolumeAttachment " + vmv1.AttachmentName(testNamespace, "vm-1", "a") +
 				" of PersistentVolume pv-a on host host-a"},
 		},
 		{
@@ -77,9 +77,9 @@ func TestAttachmentReconciler(t *testing.T) {
 			vm:            newVM("vm-1", withFinalizer, onHost("host-a"), withVolumes(a)),
 			objs:          []client.Object{newPVC("claim-a", "")},
 			live:          []client.Object{newPVC("claim-a", "pv-a"), newPV("pv-a", "host-a")},
-			wantVAs:       map[string]string{AttachmentName(testNamespace, "vm-1", "a"): "pv-a"},
+			wantVAs:       map[string]string{vmv1.AttachmentName(testNamespace, "vm-1", "a"): "pv-a"},
 			wantCondition: vmv1.AttachPendingReason, wantFinalizer: true,
-			wantEvents: []string{"Normal Attaching volume a: created VolumeAttachment " + AttachmentName(testNamespace, "vm-1", "a") +
+			wantEvents: []string{"Normal Attaching volume a: created VolumeAttachment " + vmv1.AttachmentName(testNamespace, "vm-1", "a") +
 				" of PersistentVolume pv-a on host host-a"},
 		},
 		{
@@ -104,7 +104,7 @@ func TestAttachmentReconciler(t *testing.T) {
 			name:          "an existing attachment is kept as it is",
 			vm:            newVM("vm-1", withFinalizer, onHost("host-a"), withVolumes(a), withStatusVolumes(attachedA)),
 			objs:          append([]client.Object{vaA(attached)}, boundA...),
-			wantVAs:       map[string]string{AttachmentName(testNamespace, "vm-1", "a"): "pv-a"},
+			wantVAs:       map[string]string{vmv1.AttachmentName(testNamespace, "vm-1", "a"): "pv-a"},
 			wantStatus:    []vmv1.VirtualMachineVolumeStatus{attachedA},
 			wantCondition: vmv1.AttachedReason, wantFinalizer: true,
 		},
@@ -112,7 +112,7 @@ func TestAttachmentReconciler(t *testing.T) {
 			name:    "an attach error reaches status",
 			vm:      newVM("vm-1", withFinalizer, onHost("host-a"), withVolumes(a)),
 			objs:    append([]client.Object{vaA(attachError("rpc error: code = FailedPrecondition desc = not on this node"))}, boundA...),
-			wantVAs: map[string]string{AttachmentName(testNamespace, "vm-1", "a"): "pv-a"},
+			wantVAs: map[string]string{vmv1.AttachmentName(testNamespace, "vm-1", "a"): "pv-a"},
 			wantStatus: []vmv1.VirtualMachineVolumeStatus{
 				{Name: "a", Error: "attach failed: rpc error: code = FailedPrecondition desc = not on this node"},
 			},
@@ -123,7 +123,7 @@ func TestAttachmentReconciler(t *testing.T) {
 			name:          "the attachment of a removed volume stays while status lists the volume",
 			vm:            newVM("vm-1", withFinalizer, onHost("host-a"), withStatusVolumes(attachedA)),
 			objs:          []client.Object{vaA(attached)},
-			wantVAs:       map[string]string{AttachmentName(testNamespace, "vm-1", "a"): "pv-a"},
+			wantVAs:       map[string]string{vmv1.AttachmentName(testNamespace, "vm-1", "a"): "pv-a"},
 			wantStatus:    []vmv1.VirtualMachineVolumeStatus{attachedA},
 			wantCondition: vmv1.AttachPendingReason, wantFinalizer: true,
 		},
@@ -133,7 +133,7 @@ func TestAttachmentReconciler(t *testing.T) {
 			objs:          []client.Object{vaA(attached)},
 			wantVAs:       map[string]string{},
 			wantCondition: vmv1.AttachedReason, wantFinalizer: true,
-			wantEvents: []string{"Normal Detached volume a: deleted VolumeAttachment " + AttachmentName(testNamespace, "vm-1", "a")},
+			wantEvents: []string{"Normal Detached volume a: deleted VolumeAttachment " + vmv1.AttachmentName(testNamespace, "vm-1", "a")},
 		},
 		{
 			name: "an attachment is deleted only on a fresh read of the VirtualMachine",
@@ -141,7 +141,7 @@ func TestAttachmentReconciler(t *testing.T) {
 			objs: []client.Object{vaA(attached)},
 			// The host agent has just taken the volume up; the cache does not show it yet.
 			live:          []client.Object{newVM("vm-1", withFinalizer, onHost("host-a"), withStatusVolumes(vmv1.VirtualMachineVolumeStatus{Name: "a"}))},
-			wantVAs:       map[string]string{AttachmentName(testNamespace, "vm-1", "a"): "pv-a"},
+			wantVAs:       map[string]string{vmv1.AttachmentName(testNamespace, "vm-1", "a"): "pv-a"},
 			wantCondition: vmv1.AttachedReason, wantFinalizer: true,
 		},
 		{
@@ -149,7 +149,7 @@ func TestAttachmentReconciler(t *testing.T) {
 			vm:   newVM("vm-1", withFinalizer, onHost("host-a")),
 			objs: []client.Object{newVA("vm-2", "a", "pv-a", "host-a", attached)},
 			wantVAs: map[string]string{
-				AttachmentName(testNamespace, "vm-2", "a"): "pv-a",
+				vmv1.AttachmentName(testNamespace, "vm-2", "a"): "pv-a",
 			},
 			wantCondition: vmv1.AttachedReason, wantFinalizer: true,
 		},
@@ -157,7 +157,7 @@ func TestAttachmentReconciler(t *testing.T) {
 			name:          "a deleted VirtualMachine is kept while status lists a volume",
 			vm:            newVM("vm-1", deleted, onHost("host-a"), withVolumes(a), withStatusVolumes(attachedA)),
 			objs:          append([]client.Object{vaA(attached)}, boundA...),
-			wantVAs:       map[string]string{AttachmentName(testNamespace, "vm-1", "a"): "pv-a"},
+			wantVAs:       map[string]string{vmv1.AttachmentName(testNamespace, "vm-1", "a"): "pv-a"},
 			wantStatus:    []vmv1.VirtualMachineVolumeStatus{attachedA},
 			wantCondition: vmv1.AttachPendingReason, wantFinalizer: true,
 		},
@@ -167,7 +167,7 @@ func TestAttachmentReconciler(t *testing.T) {
 			objs:          append([]client.Object{vaA(attached)}, boundA...),
 			wantVAs:       map[string]string{},
 			wantCondition: vmv1.AttachedReason, wantFinalizer: true,
-			wantEvents: []string{"Normal Detached volume a: deleted VolumeAttachment " + AttachmentName(testNamespace, "vm-1", "a")},
+			wantEvents: []string{"Normal Detached volume a: deleted VolumeAttachment " + vmv1.AttachmentName(testNamespace, "vm-1", "a")},
 		},
 		{
 			name:    "a deleted VirtualMachine without volumes and attachments is released",
@@ -188,7 +188,7 @@ func TestAttachmentReconciler(t *testing.T) {
 				va.Finalizers = []string{"external-attacher/pmem-csi-pvbridge-io"}
 				va.DeletionTimestamp = &metav1.Time{Time: metav1.Now().Time}
 			})},
-			wantVAs:       map[string]string{AttachmentName(testNamespace, "vm-1", "a"): "pv-a"},
+			wantVAs:       map[string]string{vmv1.AttachmentName(testNamespace, "vm-1", "a"): "pv-a"},
 			wantCondition: vmv1.AttachedReason, wantFinalizer: true,
 		},
 	}
@@ -246,7 +246,7 @@ func TestAttachmentReconcilerCreatesTheAttachmentTheContractDescribes(t *testing
 	g.Expect(err).NotTo(HaveOccurred())
 
 	va := &storagev1.VolumeAttachment{}
-	g.Expect(c.Get(ctx, client.ObjectKey{Name: AttachmentName(testNamespace, "vm-1", "a")}, va)).To(Succeed())
+	g.Expect(c.Get(ctx, client.ObjectKey{Name: vmv1.AttachmentName(testNamespace, "vm-1", "a")}, va)).To(Succeed())
 	g.Expect(va.Labels).To(Equal(map[string]string{vmv1.VMNamespaceLabel: testNamespace, vmv1.VMNameLabel: "vm-1"}))
 	g.Expect(va.Annotations).To(Equal(map[string]string{vmv1.VolumeAnnotation: "a"}))
 	g.Expect(va.Spec).To(Equal(storagev1.VolumeAttachmentSpec{
@@ -297,7 +297,7 @@ func TestAttachmentReconcilerMapsWatchedObjectsToVirtualMachines(t *testing.T) {
 	g.Expect(names(r.vmsOfPV(ctx, pv))).To(ConsistOf("vm-2", "vm-3"))
 	g.Expect(names(r.vmOfAttachment(ctx, newVA("vm-1", "a", "pv-a", "host-a")))).To(ConsistOf("vm-1"))
 	longVA := newVA(long, "a", "pv-a", "host-a")
-	longVA.Labels = AttachmentLabels(newVM(long))
+	longVA.Labels = vmv1.AttachmentLabels(newVM(long))
 	g.Expect(names(r.vmOfAttachment(ctx, longVA))).To(ConsistOf(long))
 	g.Expect(r.vmOfAttachment(ctx, &storagev1.VolumeAttachment{})).To(BeEmpty())
 }

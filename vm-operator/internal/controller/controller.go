@@ -29,12 +29,6 @@ import (
 )
 
 const (
-	// driverName is the CSI driver of the management cluster's PMEM volumes (mgmt-csi), the
-	// attacher of every VolumeAttachment made here.
-	driverName = "pmem.csi.pvbridge.io"
-	// topologyKey is that driver's topology key: a PersistentVolume's node affinity names the
-	// one host whose PMEM holds it.
-	topologyKey = "pmem.csi.pvbridge.io/node"
 	// fieldManager names the controller in managedFields and Events.
 	fieldManager = "vm-operator"
 	// conflictRetry is how soon a reconcile whose status write lost a race runs again. The

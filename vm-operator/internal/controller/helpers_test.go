@@ -11,6 +11,7 @@ import (
 	"k8s.io/utils/ptr"
 
 	vmv1 "pvbridge.io/pkg/apis/vm/v1alpha1"
+	"pvbridge.io/pkg/names"
 )
 
 // Builders of the objects the tests feed the reconcilers. Each takes optional mutators.
@@ -82,11 +83,11 @@ func newPV(name, host string, mutate ...func(*corev1.PersistentVolume)) *corev1.
 			AccessModes: []corev1.PersistentVolumeAccessMode{corev1.ReadWriteOnce},
 			VolumeMode:  ptr.To(corev1.PersistentVolumeBlock),
 			PersistentVolumeSource: corev1.PersistentVolumeSource{
-				CSI: &corev1.CSIPersistentVolumeSource{Driver: driverName, VolumeHandle: "handle-" + name},
+				CSI: &corev1.CSIPersistentVolumeSource{Driver: names.PmemDriver, VolumeHandle: "handle-" + name},
 			},
 			NodeAffinity: &corev1.VolumeNodeAffinity{Required: &corev1.NodeSelector{
 				NodeSelectorTerms: []corev1.NodeSelectorTerm{{MatchExpressions: []corev1.NodeSelectorRequirement{
-					{Key: topologyKey, Operator: corev1.NodeSelectorOpIn, Values: []string{host}},
+					{Key: names.PmemTopologyKey, Operator: corev1.NodeSelectorOpIn, Values: []string{host}},
 				}}},
 			}},
 		},
@@ -101,15 +102,15 @@ func newPV(name, host string, mutate ...func(*corev1.PersistentVolume)) *corev1.
 func newVA(vmName, volumeName, pv, host string, mutate ...func(*storagev1.VolumeAttachment)) *storagev1.VolumeAttachment {
 	va := &storagev1.VolumeAttachment{
 		ObjectMeta: metav1.ObjectMeta{
-			Name: AttachmentName(testNamespace, vmName, volumeName),
-			UID:  types.UID("uid-" + AttachmentName(testNamespace, vmName, volumeName)),
+			Name: vmv1.AttachmentName(testNamespace, vmName, volumeName),
+			UID:  types.UID("uid-" + vmv1.AttachmentName(testNamespace, vmName, volumeName)),
 			Labels: map[string]string{
 				vmv1.VMNamespaceLabel: testNamespace, vmv1.VMNameLabel: vmName,
 			},
 			Annotations: map[string]string{vmv1.VolumeAnnotation: volumeName},
 		},
 		Spec: storagev1.VolumeAttachmentSpec{
-			Attacher: driverName, NodeName: host,
+			Attacher: names.PmemDriver, NodeName: host,
 			Source: storagev1.VolumeAttachmentSource{PersistentVolumeName: ptr.To(pv)},
 		},
 	}

@@ -23,6 +23,7 @@ import (
 	metricsserver "sigs.k8s.io/controller-runtime/pkg/metrics/server"
 
 	vmv1 "pvbridge.io/pkg/apis/vm/v1alpha1"
+	"pvbridge.io/pkg/names"
 )
 
 // These tests run the real reconcilers in a manager against the package's test apiserver. No
@@ -186,8 +187,8 @@ func TestVirtualMachineIsPlacedAttachedAndDetachedAgainstARealAPIServer(t *testi
 	// One VolumeAttachment per volume, on the VirtualMachine's host, of the claim's PV.
 	g.Eventually(func() map[string]storagev1.VolumeAttachment { return e.attachments(ctx, "vm-1") }).Should(HaveLen(2))
 	for volume, va := range e.attachments(ctx, "vm-1") {
-		g.Expect(va.Name).To(Equal(AttachmentName(e.ns, "vm-1", volume)))
-		g.Expect(va.Spec.Attacher).To(Equal(driverName))
+		g.Expect(va.Name).To(Equal(vmv1.AttachmentName(e.ns, "vm-1", volume)))
+		g.Expect(va.Spec.Attacher).To(Equal(names.PmemDriver))
 		g.Expect(va.Spec.NodeName).To(Equal(hostB))
 		g.Expect(va.Spec.Source.PersistentVolumeName).To(HaveValue(Equal(pvs[volume])))
 	}

@@ -12,6 +12,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	vmv1 "pvbridge.io/pkg/apis/vm/v1alpha1"
+	"pvbridge.io/pkg/names"
 )
 
 // vmPhase derives status.phase, which only the controller writes, from status.host and the
@@ -127,9 +128,9 @@ func volumeError(in volumeInputs, v vmv1.VirtualMachineVolume) string {
 	case !ok:
 		return fmt.Sprintf("PersistentVolume %s of PersistentVolumeClaim %s not found", pvName, claimName)
 	case pv.Spec.CSI == nil:
-		return fmt.Sprintf("PersistentVolume %s is not a %s volume", pvName, driverName)
-	case pv.Spec.CSI.Driver != driverName:
-		return fmt.Sprintf("PersistentVolume %s is a %s volume, not a %s volume", pvName, pv.Spec.CSI.Driver, driverName)
+		return fmt.Sprintf("PersistentVolume %s is not a %s volume", pvName, names.PmemDriver)
+	case pv.Spec.CSI.Driver != names.PmemDriver:
+		return fmt.Sprintf("PersistentVolume %s is a %s volume, not a %s volume", pvName, pv.Spec.CSI.Driver, names.PmemDriver)
 	case pv.Spec.VolumeMode == nil || *pv.Spec.VolumeMode != corev1.PersistentVolumeBlock:
 		// The host agent hands the VM the raw device; a filesystem volume would be formatted by
 		// the guest under whoever else mounts it.
@@ -162,7 +163,7 @@ func volumeError(in volumeInputs, v vmv1.VirtualMachineVolume) string {
 	return ""
 }
 
-// pvHosts returns the hosts a PersistentVolume's node affinity allows through driverName's
+// pvHosts returns the hosts a PersistentVolume's node affinity allows through names.PmemDriver's
 // topology key; nil when it does not restrict it.
 func pvHosts(pv *corev1.PersistentVolume) []string {
 	if pv.Spec.NodeAffinity == nil || pv.Spec.NodeAffinity.Required == nil {
@@ -171,7 +172,7 @@ func pvHosts(pv *corev1.PersistentVolume) []string {
 	var hosts []string
 	for _, term := range pv.Spec.NodeAffinity.Required.NodeSelectorTerms {
 		for _, expr := range term.MatchExpressions {
-			if expr.Key == topologyKey && expr.Operator == corev1.NodeSelectorOpIn {
+			if expr.Key == names.PmemTopologyKey && expr.Operator == corev1.NodeSelectorOpIn {
 				hosts = append(hosts, expr.Values...)
 			}
 		}

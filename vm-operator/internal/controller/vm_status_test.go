@@ -10,11 +10,11 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	storagev1 "k8s.io/api/storage/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/apimachinery/pkg/util/validation"
 	"k8s.io/utils/ptr"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	vmv1 "pvbridge.io/pkg/apis/vm/v1alpha1"
+	"pvbridge.io/pkg/names"
 )
 
 // makeInputs files objs (claims, volumes, attachments of vm-1) into volumeInputs.
@@ -163,7 +163,7 @@ func TestVolumeErrors(t *testing.T) {
 			in: makeInputs("host-a", one, nil, newPVC("claim-a", "pv-a"), newPV("pv-a", "host-b", func(pv *corev1.PersistentVolume) {
 				terms := &pv.Spec.NodeAffinity.Required.NodeSelectorTerms
 				*terms = append(*terms, corev1.NodeSelectorTerm{MatchExpressions: []corev1.NodeSelectorRequirement{
-					{Key: topologyKey, Operator: corev1.NodeSelectorOpIn, Values: []string{"host-a"}},
+					{Key: names.PmemTopologyKey, Operator: corev1.NodeSelectorOpIn, Values: []string{"host-a"}},
 				}})
 			})),
 			want: map[string]string{},
@@ -400,36 +400,4 @@ func TestVolumesAttachedCondition(t *testing.T) {
 			g.Expect(c.ObservedGeneration).To(Equal(int64(7)))
 		})
 	}
-}
-
-func TestAttachmentNameNeverChanges(t *testing.T) {
-	g := NewWithT(t)
-	// Golden: a changed scheme would orphan every existing attachment.
-	g.Expect(AttachmentName("tenant-a", "node-1", "3f2a-vol")).To(Equal("vm-21e115ff454b053796a011da54aa25a02bc9799c"))
-	g.Expect(AttachmentName("tenant-a", "node-1", "vol-b")).NotTo(Equal(AttachmentName("tenant-a", "node-1b", "vol")))
-	g.Expect(validation.IsDNS1123Subdomain(AttachmentName("a", "b", "c"))).To(BeEmpty())
-}
-
-func TestAttachmentLabelsFitLongNames(t *testing.T) {
-	long := strings.Repeat("n", 60) + ".example-machine-1"
-	tests := []struct {
-		name, vmName, want string
-	}{
-		{name: "a short name is the label", vmName: "node-1", want: "node-1"},
-		{name: "a 63-character name is the label", vmName: strings.Repeat("a", 63), want: strings.Repeat("a", 63)},
-		{name: "a longer name is shortened with its hash", vmName: long, want: strings.Repeat("n", 22) + "-"},
-	}
-	for _, tt := range tests {
-		t.Run(tt.name, func(t *testing.T) {
-			g := NewWithT(t)
-			labels := AttachmentLabels(newVM(tt.vmName))
-			got := labels[vmv1.VMNameLabel]
-			g.Expect(validation.IsValidLabelValue(got)).To(BeEmpty())
-			g.Expect(got).To(HavePrefix(tt.want))
-			g.Expect(labels).To(HaveKeyWithValue(vmv1.VMNamespaceLabel, testNamespace))
-		})
-	}
-	g := NewWithT(t)
-	g.Expect(labelValue(long)).To(HaveLen(validation.LabelValueMaxLength))
-	g.Expect(labelValue(long)).NotTo(Equal(labelValue(long + "x")))
 }

@@ -38,7 +38,6 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/recorder"
 
 	vmv1 "pvbridge.io/pkg/apis/vm/v1alpha1"
-	vmcontroller "pvbridge.io/vm-operator/internal/controller"
 	"pvbridge.io/vm-operator/internal/hypervisor"
 )
 
@@ -135,7 +134,7 @@ func (r *Reconciler) vmsOfAttachment(ctx context.Context, obj client.Object) []r
 	for i := range vms.Items {
 		vm := &vms.Items[i]
 		matches := true
-		for k, v := range vmcontroller.AttachmentLabels(vm) {
+		for k, v := range vmv1.AttachmentLabels(vm) {
 			matches = matches && obj.GetLabels()[k] == v
 		}
 		if matches {
@@ -152,7 +151,10 @@ func SerialFor(pvName string) string {
 	return "pvb" + hex.EncodeToString(sum[:])[:17]
 }
 
-// Reconcile makes the disks of a VM on this host match its spec.volumes.
+// Reconcile makes the disks of a VM on this host match its spec.volumes, in phases of one
+// concern each: power on, claim, attach (a VM that should run); force off when the guest
+// overstayed its unplug time, detach what the spec no longer holds, power off (a VM being
+// stopped or deleted); then one status write of every decision and the Ready condition.
 func (r *Reconciler) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Result, error) {
 	vm := &vmv1.VirtualMachine{}
 	if err := r.Client.Get(ctx, req.NamespacedName, vm); err != nil {
@@ -164,98 +166,134 @@ func (r *Reconciler) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Resu
 	ref := hypervisor.VM{Namespace: vm.Namespace, Name: vm.Name, UID: vm.Status.UniqueID}
 	// A VM being deleted or powered off keeps no disk.
 	wantOn := vm.DeletionTimestamp.IsZero() && vm.Spec.PowerState != vmv1.PowerStateOff
-	ready := metav1.Condition{Type: vmv1.ReadyCondition, Status: metav1.ConditionTrue, Reason: vmv1.PoweredOnReason, ObservedGeneration: vm.Generation}
+	d := &decisions{set: map[string]vmv1.VirtualMachineVolumeStatus{}}
 	if wantOn {
 		if err := r.Hypervisor.PowerOn(ctx, ref); err != nil {
-			ready.Status, ready.Reason, ready.Message = metav1.ConditionFalse, vmv1.HypervisorErrorReason, "power on: "+err.Error()
-			return ctrl.Result{}, errors.Join(err, r.writeStatus(ctx, vm, nil, nil, &ready))
+			return ctrl.Result{}, errors.Join(err, r.writeStatus(ctx, vm, nil, nil, hypervisorError(vm, "power on", err)))
+		}
+		if err := r.claim(ctx, vm); err != nil {
+			return ctrl.Result{}, err
+		}
+		r.attachAll(ctx, vm, ref, d)
+	} else if len(vm.Status.Volumes) > 0 && r.unplugOverdue(vm.UID) {
+		if err := r.forceOff(ctx, vm, ref); err != nil {
+			return ctrl.Result{RequeueAfter: retryAfter}, r.writeStatus(ctx, vm, nil, nil, hypervisorError(vm, "force off", err))
 		}
 	}
+	r.detachRemoved(ctx, vm, ref, wantOn, d)
+	ready := &metav1.Condition{Type: vmv1.ReadyCondition, Status: metav1.ConditionTrue, Reason: vmv1.PoweredOnReason, ObservedGeneration: vm.Generation}
+	if !wantOn {
+		ready = r.powerOff(ctx, vm, ref, d)
+	}
+	if wantOn || len(applyDecisions(vm.Status.Volumes, d.set, d.drop)) == 0 {
+		r.forgetStop(vm.UID)
+	}
+	if err := r.writeStatus(ctx, vm, d.set, d.drop, ready); err != nil {
+		return ctrl.Result{}, err
+	}
+	if d.waiting {
+		return ctrl.Result{RequeueAfter: retryAfter}, nil
+	}
+	return ctrl.Result{}, nil
+}
 
-	// The agent's decisions: entries to set and entries to drop. Only these are written, so an
-	// entry the controller wrote meanwhile (an error for a volume not attached yet) survives.
-	set := map[string]vmv1.VirtualMachineVolumeStatus{}
-	var drop []string
-	waiting := false
-	if wantOn {
-		// Claim in status, in one write, the volumes about to be staged: while an entry exists
-		// the controller keeps the VolumeAttachment, so a volume removed from spec meanwhile is
-		// unstaged before it is detached (kubelet's volumesInUse does the same for pods).
-		claim := map[string]vmv1.VirtualMachineVolumeStatus{}
-		for _, v := range vm.Spec.Volumes {
-			if !slices.ContainsFunc(vm.Status.Volumes, func(e vmv1.VirtualMachineVolumeStatus) bool { return e.Name == v.Name }) && r.attachmentReady(ctx, vm, v.Name) {
-				claim[v.Name] = vmv1.VirtualMachineVolumeStatus{Name: v.Name}
-			}
-		}
-		if len(claim) > 0 {
-			if err := r.writeStatus(ctx, vm, claim, nil, nil); err != nil {
-				return ctrl.Result{}, err
-			}
-		}
-		// What the VM has plugged now: a volume recorded attached whose disk is plugged from
-		// its published device is settled, and costs no CSI call. A listing error only means
-		// every volume takes the full (idempotent) way.
-		plugged, err := r.Hypervisor.Disks(ctx, ref)
-		if err != nil {
-			ctrl.LoggerFrom(ctx).V(1).Info("Cannot list the VM's disks", "err", err)
-		}
-		for _, v := range vm.Spec.Volumes {
-			entry, done := r.attach(ctx, vm, ref, v.Name, plugged)
-			if entry != nil {
-				set[v.Name] = *entry
-			}
-			waiting = waiting || !done
+// decisions are what one reconcile decided about status.volumes: entries to set and entries to
+// drop. Only these are written, so an entry the controller wrote meanwhile (an error for a
+// volume not attached yet) survives. waiting asks for another reconcile soon.
+type decisions struct {
+	set     map[string]vmv1.VirtualMachineVolumeStatus
+	drop    []string
+	waiting bool
+}
+
+// claim records in status, in one write, the volumes about to be staged: while an entry exists
+// the controller keeps the VolumeAttachment, so a volume removed from spec meanwhile is unstaged
+// before it is detached (kubelet's volumesInUse does the same for pods).
+func (r *Reconciler) claim(ctx context.Context, vm *vmv1.VirtualMachine) error {
+	claim := map[string]vmv1.VirtualMachineVolumeStatus{}
+	for _, v := range vm.Spec.Volumes {
+		if !slices.ContainsFunc(vm.Status.Volumes, func(e vmv1.VirtualMachineVolumeStatus) bool { return e.Name == v.Name }) && r.attachmentReady(ctx, vm, v.Name) {
+			claim[v.Name] = vmv1.VirtualMachineVolumeStatus{Name: v.Name}
 		}
 	}
-	if !wantOn && len(vm.Status.Volumes) > 0 && r.unplugOverdue(vm.UID) {
-		// The guest had its time: pull the plug, and the disks go with it.
-		if err := r.Hypervisor.ForceOff(ctx, ref); err != nil {
-			ready.Status, ready.Reason, ready.Message = metav1.ConditionFalse, vmv1.HypervisorErrorReason, "force off: "+err.Error()
-			return ctrl.Result{RequeueAfter: retryAfter}, r.writeStatus(ctx, vm, nil, nil, &ready)
-		}
-		ctrl.LoggerFrom(ctx).Info("Forced the VM off: its guest did not release its disks in time", "unplugTimeout", r.UnplugTimeout)
-		r.event(vm, corev1.EventTypeWarning, "ForcedOff", "The guest did not release its disks within %s of being asked to; the VM was forced off", r.UnplugTimeout)
+	if len(claim) == 0 {
+		return nil
 	}
+	return r.writeStatus(ctx, vm, claim, nil, nil)
+}
+
+// attachAll attaches every volume of the spec. What the VM has plugged now decides what is left
+// to do: a volume recorded attached whose disk is plugged from its published device is settled,
+// and costs no CSI call. A listing error only means every volume takes the full (idempotent) way.
+func (r *Reconciler) attachAll(ctx context.Context, vm *vmv1.VirtualMachine, ref hypervisor.VM, d *decisions) {
+	plugged, err := r.Hypervisor.Disks(ctx, ref)
+	if err != nil {
+		ctrl.LoggerFrom(ctx).V(1).Info("Cannot list the VM's disks", "err", err)
+	}
+	for _, v := range vm.Spec.Volumes {
+		entry, done := r.attach(ctx, vm, ref, v.Name, plugged)
+		if entry != nil {
+			d.set[v.Name] = *entry
+		}
+		d.waiting = d.waiting || !done
+	}
+}
+
+// forceOff pulls the plug of a VM whose guest had its time to release its disks; the disks go
+// with it.
+func (r *Reconciler) forceOff(ctx context.Context, vm *vmv1.VirtualMachine, ref hypervisor.VM) error {
+	if err := r.Hypervisor.ForceOff(ctx, ref); err != nil {
+		return err
+	}
+	ctrl.LoggerFrom(ctx).Info("Forced the VM off: its guest did not release its disks in time", "unplugTimeout", r.UnplugTimeout)
+	r.event(vm, corev1.EventTypeWarning, "ForcedOff", "The guest did not release its disks within %s of being asked to; the VM was forced off", r.UnplugTimeout)
+	return nil
+}
+
+// detachRemoved detaches every volume of the status that the VM should not have: all of them
+// when it should not run.
+func (r *Reconciler) detachRemoved(ctx context.Context, vm *vmv1.VirtualMachine, ref hypervisor.VM, wantOn bool, d *decisions) {
 	for _, e := range vm.Status.Volumes {
 		if wantOn && slices.ContainsFunc(vm.Spec.Volumes, func(v vmv1.VirtualMachineVolume) bool { return v.Name == e.Name }) {
 			continue
 		}
 		if err := r.detach(ctx, vm, ref, e); err != nil {
 			e.Error = err.Error()
-			set[e.Name] = e
-			waiting = true
+			d.set[e.Name] = e
+			d.waiting = true
 			continue
 		}
-		drop = append(drop, e.Name)
+		d.drop = append(d.drop, e.Name)
 	}
-	if !wantOn {
-		ready.Status, ready.Reason, ready.Message = metav1.ConditionTrue, vmv1.PoweredOffReason, ""
-		if len(applyDecisions(vm.Status.Volumes, set, drop)) > 0 {
-			ready.Status, ready.Reason, ready.Message = metav1.ConditionFalse, vmv1.PoweredOnReason, "detaching volumes before powering off"
-			if deadline := r.stopDeadline(vm.UID); !deadline.IsZero() {
-				ready.Message += fmt.Sprintf("; forced off at %s if the guest still holds them", deadline.UTC().Format(time.RFC3339))
-			}
-		} else if err := r.Hypervisor.PowerOff(ctx, ref); err != nil {
-			ready.Status, ready.Reason, ready.Message = metav1.ConditionFalse, vmv1.HypervisorErrorReason, "power off: "+err.Error()
-			waiting = true
+}
+
+// powerOff powers the VM off once it has no volume left, and returns its Ready condition.
+func (r *Reconciler) powerOff(ctx context.Context, vm *vmv1.VirtualMachine, ref hypervisor.VM, d *decisions) *metav1.Condition {
+	ready := &metav1.Condition{Type: vmv1.ReadyCondition, Status: metav1.ConditionTrue, Reason: vmv1.PoweredOffReason, ObservedGeneration: vm.Generation}
+	if len(applyDecisions(vm.Status.Volumes, d.set, d.drop)) > 0 {
+		ready.Status, ready.Reason, ready.Message = metav1.ConditionFalse, vmv1.PoweredOnReason, "detaching volumes before powering off"
+		if deadline := r.stopDeadline(vm.UID); !deadline.IsZero() {
+			ready.Message += fmt.Sprintf("; forced off at %s if the guest still holds them", deadline.UTC().Format(time.RFC3339))
 		}
+		return ready
 	}
-	if wantOn || len(applyDecisions(vm.Status.Volumes, set, drop)) == 0 {
-		r.forgetStop(vm.UID)
+	if err := r.Hypervisor.PowerOff(ctx, ref); err != nil {
+		d.waiting = true
+		return hypervisorError(vm, "power off", err)
 	}
-	if err := r.writeStatus(ctx, vm, set, drop, &ready); err != nil {
-		return ctrl.Result{}, err
-	}
-	if waiting {
-		return ctrl.Result{RequeueAfter: retryAfter}, nil
-	}
-	return ctrl.Result{}, nil
+	return ready
+}
+
+// hypervisorError is the Ready condition of a VM whose hypervisor call op failed.
+func hypervisorError(vm *vmv1.VirtualMachine, op string, err error) *metav1.Condition {
+	return &metav1.Condition{Type: vmv1.ReadyCondition, Status: metav1.ConditionFalse, Reason: vmv1.HypervisorErrorReason,
+		Message: op + ": " + err.Error(), ObservedGeneration: vm.Generation}
 }
 
 // attachmentReady reports whether the VolumeAttachment of volume name is attached.
 func (r *Reconciler) attachmentReady(ctx context.Context, vm *vmv1.VirtualMachine, name string) bool {
 	va := &storagev1.VolumeAttachment{}
-	err := r.Client.Get(ctx, client.ObjectKey{Name: vmcontroller.AttachmentName(vm.Namespace, vm.Name, name)}, va)
+	err := r.Client.Get(ctx, client.ObjectKey{Name: vmv1.AttachmentName(vm.Namespace, vm.Name, name)}, va)
 	return err == nil && va.Status.Attached
 }
 
@@ -265,7 +303,7 @@ func (r *Reconciler) attachmentReady(ctx context.Context, vm *vmv1.VirtualMachin
 // controller reports why the volume is not attached yet) and whether the volume is settled.
 func (r *Reconciler) attach(ctx context.Context, vm *vmv1.VirtualMachine, ref hypervisor.VM, name string, plugged []hypervisor.Disk) (*vmv1.VirtualMachineVolumeStatus, bool) {
 	log := ctrl.LoggerFrom(ctx).WithValues("volume", name)
-	vaName := vmcontroller.AttachmentName(vm.Namespace, vm.Name, name)
+	vaName := vmv1.AttachmentName(vm.Namespace, vm.Name, name)
 	va := &storagev1.VolumeAttachment{}
 	if err := r.Client.Get(ctx, client.ObjectKey{Name: vaName}, va); err != nil || !va.Status.Attached || va.Spec.Source.PersistentVolumeName == nil {
 		return nil, true // the VolumeAttachment's watch brings us back
@@ -341,7 +379,7 @@ const (
 // shown in the status entry, while the guest still holds the disk: the volume is never reported
 // detached before the hypervisor let go of it.
 func (r *Reconciler) detach(ctx context.Context, vm *vmv1.VirtualMachine, ref hypervisor.VM, e vmv1.VirtualMachineVolumeStatus) error {
-	dir := filepath.Join(r.StateDir, vmcontroller.AttachmentName(vm.Namespace, vm.Name, e.Name))
+	dir := filepath.Join(r.StateDir, vmv1.AttachmentName(vm.Namespace, vm.Name, e.Name))
 	serial := e.DiskSerial
 	if serial == "" {
 		// An entry without a serial may still have a disk: the agent plugged it and died

@@ -22,7 +22,6 @@ import (
 	clientfake "sigs.k8s.io/controller-runtime/pkg/client/fake"
 
 	vmv1 "pvbridge.io/pkg/apis/vm/v1alpha1"
-	"pvbridge.io/vm-operator/internal/controller"
 	"pvbridge.io/vm-operator/internal/hypervisor"
 )
 
@@ -144,7 +143,7 @@ const pvName = "pvc-1"
 
 func objects(vm *vmv1.VirtualMachine, attached bool) []client.Object {
 	va := &storagev1.VolumeAttachment{
-		ObjectMeta: metav1.ObjectMeta{Name: controller.AttachmentName(vm.Namespace, vm.Name, "data"), Labels: controller.AttachmentLabels(vm)},
+		ObjectMeta: metav1.ObjectMeta{Name: vmv1.AttachmentName(vm.Namespace, vm.Name, "data"), Labels: vmv1.AttachmentLabels(vm)},
 		Spec: storagev1.VolumeAttachmentSpec{
 			Attacher: "pmem.csi.pvbridge.io", NodeName: "host-a",
 			Source: storagev1.VolumeAttachmentSource{PersistentVolumeName: ptr.To(pvName)},
@@ -270,12 +269,12 @@ func TestReconcile(t *testing.T) {
 			r := &Reconciler{Client: c, Node: "host-a", Hypervisor: h, CSI: fc, StateDir: t.TempDir()}
 			// A volume in status was published by an earlier run, which left its volume ID.
 			if len(tt.vm.Status.Volumes) > 0 {
-				_, err := r.publish(t.Context(), filepath.Join(r.StateDir, controller.AttachmentName("tenant", "vm-1", "data")), pvName, serial, nil)
+				_, err := r.publish(t.Context(), filepath.Join(r.StateDir, vmv1.AttachmentName("tenant", "vm-1", "data")), pvName, serial, nil)
 				g.Expect(err).NotTo(HaveOccurred())
 				fc.calls = nil
 			}
 			if tt.plugged {
-				h.disks["vm-1"] = map[string]string{serial: filepath.Join(r.StateDir, controller.AttachmentName("tenant", "vm-1", "data"), "device")}
+				h.disks["vm-1"] = map[string]string{serial: filepath.Join(r.StateDir, vmv1.AttachmentName("tenant", "vm-1", "data"), "device")}
 			}
 
 			res, err := r.Reconcile(t.Context(), ctrl.Request{NamespacedName: client.ObjectKeyFromObject(tt.vm)})
@@ -364,7 +363,7 @@ func TestVMWhoseGuestKeepsItsDisksIsForcedOffAfterTheUnplugTimeout(t *testing.T)
 	now := time.Date(2026, 11, 24, 12, 0, 0, 0, time.UTC)
 	r := &Reconciler{Client: c, Node: "host-a", Hypervisor: h, CSI: fc, StateDir: t.TempDir(),
 		UnplugTimeout: time.Minute, now: func() time.Time { return now }}
-	_, err := r.publish(t.Context(), filepath.Join(r.StateDir, controller.AttachmentName("tenant", "vm-1", "data")), pvName, serial, nil)
+	_, err := r.publish(t.Context(), filepath.Join(r.StateDir, vmv1.AttachmentName("tenant", "vm-1", "data")), pvName, serial, nil)
 	g.Expect(err).NotTo(HaveOccurred())
 	fc.calls = nil
 	req := ctrl.Request{NamespacedName: client.ObjectKeyFromObject(vm)}

@@ -1,0 +1,21 @@
+// Package names holds the names that tie pvbridge's parts together: the CSI drivers and their
+// topology keys, which guest-csi, mgmt-csi, vm-operator, the manifests and the tests must spell
+// alike.
+package names
+
+const (
+	// GuestDriver is the CSI driver of guest clusters (guest-csi).
+	GuestDriver = "guest.csi.pvbridge.io"
+	// GuestTopologyKey is its topology key: the management host of a guest node's VirtualMachine.
+	GuestTopologyKey = "topology.guest.csi.pvbridge.io/host"
+	// PmemDriver is the management cluster's CSI driver of PMEM volumes (mgmt-csi), the attacher
+	// of every VolumeAttachment vm-operator makes.
+	PmemDriver = "pmem.csi.pvbridge.io"
+	// PmemTopologyKey is its topology key: the host whose PMEM holds a volume. The management
+	// CSIStorageCapacity objects are per host.
+	PmemTopologyKey = "pmem.csi.pvbridge.io/node"
+
+	// MgmtStorageClassParam is the guest StorageClass parameter that names the management
+	// StorageClass of a guest volume's management PVC.
+	MgmtStorageClassParam = "mgmtStorageClass"
+)
