@@ -89,6 +89,10 @@ soak: deps lab-tools ## The long runs: the kill -9 churn over 200 volume lifecyc
 	cd e2e && go test -count=1 -timeout $(TEST_TIMEOUT) ./suite -args -ginkgo.v -ginkgo.label-filter=churn -churn-lifecycles=200 -churn-rounds=20
 	cd e2e && go test -count=1 -timeout 30m -run TestControllerManagerRestartDetachesNothing ./vmoperator/ -args -soak=10m
 
+.PHONY: pmem-vm
+pmem-vm: deps ## The lvm and ndctl PMEM modes and DAX filesystems on emulated NVDIMMs in a QEMU guest.
+	cd mgmt-csi && go test -count=1 -v -run TestModesOnEmulatedNVDIMMs ./internal/pmem
+
 .PHONY: e2e
 e2e: deps lab-tools ## Run the end-to-end suite; LABELS picks a subset (e.g. LABELS='isolation || reclaim').
 	cd e2e && go test -count=1 -timeout $(TEST_TIMEOUT) ./suite -args -ginkgo.v $(if $(LABELS),-ginkgo.label-filter='$(LABELS)')

@@ -151,8 +151,14 @@ func (m *Mounter) Stage(ctx context.Context, device, path, fsType string, option
 		options = append(slices.Clone(options), "nouuid")
 	}
 	// FormatAndMount formats only when blkid finds nothing, which was checked above, and runs
-	// fsck before mounting an existing filesystem read-write.
-	if err := m.mount.FormatAndMount(device, path, fsType, options); err != nil {
+	// fsck before mounting an existing filesystem read-write. ext4 gets blocks of a page, as
+	// DAX needs: mkfs.ext4 picks 1 KiB blocks below 512 MiB, and such a filesystem refuses
+	// -o dax (EINVAL), found on emulated NVDIMMs.
+	var formatOptions []string
+	if fsType == "ext4" {
+		formatOptions = []string{"-b", "4096"}
+	}
+	if err := m.mount.FormatAndMountSensitiveWithFormatOptions(device, path, fsType, options, nil, formatOptions); err != nil {
 		return fmt.Errorf("format and mount %s at %s: %w", device, path, err)
 	}
 	logger.V(2).Info("Staged", "fsType", fsType, "options", options)

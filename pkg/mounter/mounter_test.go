@@ -31,6 +31,17 @@ func TestStage(t *testing.T) {
 			},
 		},
 		{
+			name: "ext4 gets blocks of a page on a small device too, as DAX needs",
+			prepare: func(t *testing.T, e *env) (string, string) {
+				// mkfs.ext4 alone picks 1 KiB blocks below 512 MiB.
+				return e.loopDevice(t, 64*mib).device, e.path("staging")
+			},
+			fsType: "ext4",
+			check: func(g Gomega, t *testing.T, e *env, device, path string) {
+				g.Expect(run(t, "dumpe2fs", "-h", device)).To(MatchRegexp(`(?m)^Block size:\s+4096$`))
+			},
+		},
+		{
 			name:    "a blank device is formatted as xfs",
 			prepare: blankDevice,
 			fsType:  "xfs",

@@ -24,6 +24,7 @@ import (
 
 	"pvbridge.io/guest-csi/internal/mgmt"
 	vmv1 "pvbridge.io/pkg/apis/vm/v1alpha1"
+	"pvbridge.io/pkg/csinode/csinodetest"
 	"pvbridge.io/pkg/tenancy"
 )
 
@@ -87,7 +88,7 @@ func newGuestEnv(t *testing.T, opts envOptions) *guestEnv {
 	}
 	e.resp = startResponder(t, e.ns, e.roots, opts.fullHosts...)
 
-	dir := socketDir(t)
+	dir := csinodetest.SocketDir(t)
 	e.socket = filepath.Join(dir, "controller.sock")
 	cred := mgmt.Credentials{Kubeconfig: kubeconfigIn(t, e.ns)}
 	if opts.mgmt != nil {
@@ -99,7 +100,7 @@ func newGuestEnv(t *testing.T, opts envOptions) *guestEnv {
 		ClusterName: e.cluster.Name, ClusterUID: e.cluster.UID, Mgmt: cred, CredentialPoll: 100 * time.Millisecond,
 		StorageClass: envClass, CapacityNamespace: capacityNS,
 	})
-	e.ctrl = csi.NewControllerClient(dial(t, e.socket))
+	e.ctrl = csi.NewControllerClient(csinodetest.Dial(t, e.socket))
 	if opts.mgmt == nil {
 		e.waitConnected(t)
 	}

@@ -12,11 +12,11 @@ import (
 	. "github.com/onsi/gomega"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
-	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/status"
 	registerapi "k8s.io/kubelet/pkg/apis/pluginregistration/v1"
 
 	"pvbridge.io/guest-csi/internal/mgmt"
+	"pvbridge.io/pkg/csinode/csinodetest"
 )
 
 func TestOptionsValidate(t *testing.T) {
@@ -88,26 +88,6 @@ func TestOptionsValidate(t *testing.T) {
 	}
 }
 
-// socketDir returns a temporary directory with a path short enough for unix sockets.
-func socketDir(t *testing.T) string {
-	dir, err := os.MkdirTemp("", "guest-csi")
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = os.RemoveAll(dir) })
-	return dir
-}
-
-func dial(t *testing.T, path string) *grpc.ClientConn {
-	t.Helper()
-	conn, err := grpc.NewClient("unix://"+path, grpc.WithTransportCredentials(insecure.NewCredentials()))
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = conn.Close() })
-	return conn
-}
-
 func TestRunServesIdentityAndRegistersWithKubelet(t *testing.T) {
 	tests := []struct {
 		name         string
@@ -122,7 +102,7 @@ func TestRunServesIdentityAndRegistersWithKubelet(t *testing.T) {
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			g := NewWithT(t)
-			dir := socketDir(t)
+			dir := csinodetest.SocketDir(t)
 			opts := Options{
 				Endpoint: "unix://" + filepath.Join(dir, "csi.sock"), Mode: tt.mode, NodeID: tt.nodeID, Version: "v1.2.3",
 				GuestKubeconfig: adminKubeconfig, Host: fakeHost{host: testHost},
@@ -138,13 +118,13 @@ func TestRunServesIdentityAndRegistersWithKubelet(t *testing.T) {
 			done := make(chan error, 1)
 			go func() { done <- d.Run(ctx) }()
 
-			info, err := csi.NewIdentityClient(dial(t, filepath.Join(dir, "csi.sock"))).
+			info, err := csi.NewIdentityClient(csinodetest.Dial(t, filepath.Join(dir, "csi.sock"))).
 				GetPluginInfo(t.Context(), &csi.GetPluginInfoRequest{}, grpc.WaitForReady(true))
 			g.Expect(err).NotTo(HaveOccurred())
 			g.Expect(info.GetName()).To(Equal("guest.csi.pvbridge.io"))
 			g.Expect(info.GetVendorVersion()).To(Equal("v1.2.3"))
 
-			_, err = csi.NewNodeClient(dial(t, filepath.Join(dir, "csi.sock"))).
+			_, err = csi.NewNodeClient(csinodetest.Dial(t, filepath.Join(dir, "csi.sock"))).
 				NodeGetCapabilities(t.Context(), &csi.NodeGetCapabilitiesRequest{})
 			if tt.mode == ModeNode {
 				g.Expect(err).NotTo(HaveOccurred(), "the Node service is served in node mode")
@@ -154,7 +134,7 @@ func TestRunServesIdentityAndRegistersWithKubelet(t *testing.T) {
 
 			regSock := filepath.Join(registry, "guest.csi.pvbridge.io-reg.sock")
 			if tt.wantRegistry {
-				reg, err := registerapi.NewRegistrationClient(dial(t, regSock)).
+				reg, err := registerapi.NewRegistrationClient(csinodetest.Dial(t, regSock)).
 					GetInfo(t.Context(), &registerapi.InfoRequest{}, grpc.WaitForReady(true))
 				g.Expect(err).NotTo(HaveOccurred())
 				g.Expect(reg.Endpoint).To(Equal(filepath.Join(dir, "csi.sock")))
@@ -172,7 +152,7 @@ func TestRunServesIdentityAndRegistersWithKubelet(t *testing.T) {
 
 func TestRunFailsWhenRegistrationSocketCannotBeCreated(t *testing.T) {
 	g := NewWithT(t)
-	dir := socketDir(t)
+	dir := csinodetest.SocketDir(t)
 	notADir := filepath.Join(dir, "file")
 	g.Expect(os.WriteFile(notADir, nil, 0o600)).To(Succeed())
 	d, err := New(Options{

@@ -11,6 +11,7 @@ import (
 	"github.com/onsi/gomega"
 	"google.golang.org/grpc"
 
+	"pvbridge.io/pkg/csinode/csinodetest"
 	"pvbridge.io/pkg/testenv"
 )
 
@@ -32,7 +33,7 @@ const (
 // refuses `go test -count` other than 1.
 func TestSanity(t *testing.T) {
 	e := newGuestEnv(t, envOptions{vms: []string{sanityVM}})
-	dir := socketDir(t)
+	dir := csinodetest.SocketDir(t)
 	t.Cleanup(func() {
 		for _, mp := range mountsUnder(t, dir) {
 			t.Errorf("mount left behind at %s", mp)

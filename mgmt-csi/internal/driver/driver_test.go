@@ -11,12 +11,12 @@ import (
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	. "github.com/onsi/gomega"
 	"google.golang.org/grpc"
-	"google.golang.org/grpc/credentials/insecure"
 	registerapi "k8s.io/kubelet/pkg/apis/pluginregistration/v1"
 
 	"pvbridge.io/mgmt-csi/internal/pmem"
 	"pvbridge.io/mgmt-csi/internal/pmem/fake"
 	pmemv1 "pvbridge.io/pkg/apis/pmem/v1alpha1"
+	"pvbridge.io/pkg/csinode/csinodetest"
 )
 
 func TestOptionsValidate(t *testing.T) {
@@ -82,26 +82,6 @@ func TestOptionsValidate(t *testing.T) {
 	}
 }
 
-// socketDir returns a temporary directory with a path short enough for unix sockets.
-func socketDir(t *testing.T) string {
-	dir, err := os.MkdirTemp("", "mgmt-csi")
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = os.RemoveAll(dir) })
-	return dir
-}
-
-func dial(t *testing.T, path string) *grpc.ClientConn {
-	t.Helper()
-	conn, err := grpc.NewClient("unix://"+path, grpc.WithTransportCredentials(insecure.NewCredentials()))
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = conn.Close() })
-	return conn
-}
-
 func TestRunServesIdentityAndRegistersWithKubelet(t *testing.T) {
 	tests := []struct {
 		name         string
@@ -117,7 +97,7 @@ func TestRunServesIdentityAndRegistersWithKubelet(t *testing.T) {
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			g := NewWithT(t)
-			dir := socketDir(t)
+			dir := csinodetest.SocketDir(t)
 			opts := Options{Endpoint: "unix://" + filepath.Join(dir, "csi.sock"), Mode: tt.mode, NodeID: tt.nodeID, Version: "v1.2.3", Kubeconfig: kubeconfig}
 			if tt.mode == ModeNode {
 				opts.PmemMode, opts.Pmem.File.Dir = pmemv1.ModeFile, dir
@@ -145,7 +125,7 @@ func TestRunServesIdentityAndRegistersWithKubelet(t *testing.T) {
 				case <-waitCtx.Done():
 				}
 			}()
-			info, err := csi.NewIdentityClient(dial(t, filepath.Join(dir, "csi.sock"))).
+			info, err := csi.NewIdentityClient(csinodetest.Dial(t, filepath.Join(dir, "csi.sock"))).
 				GetPluginInfo(waitCtx, &csi.GetPluginInfoRequest{}, grpc.WaitForReady(true))
 			g.Expect(err).NotTo(HaveOccurred())
 			g.Expect(info.GetName()).To(Equal("pmem.csi.pvbridge.io"))
@@ -153,7 +133,7 @@ func TestRunServesIdentityAndRegistersWithKubelet(t *testing.T) {
 
 			regSock := filepath.Join(registry, "pmem.csi.pvbridge.io-reg.sock")
 			if tt.wantRegistry {
-				reg, err := registerapi.NewRegistrationClient(dial(t, regSock)).
+				reg, err := registerapi.NewRegistrationClient(csinodetest.Dial(t, regSock)).
 					GetInfo(waitCtx, &registerapi.InfoRequest{}, grpc.WaitForReady(true))
 				g.Expect(err).NotTo(HaveOccurred())
 				g.Expect(reg.Endpoint).To(Equal(filepath.Join(dir, "csi.sock")))
@@ -172,7 +152,7 @@ func TestRunServesIdentityAndRegistersWithKubelet(t *testing.T) {
 
 func TestRunFailsWhenRegistrationSocketCannotBeCreated(t *testing.T) {
 	g := NewWithT(t)
-	dir := socketDir(t)
+	dir := csinodetest.SocketDir(t)
 	notADir := filepath.Join(dir, "file")
 	g.Expect(os.WriteFile(notADir, nil, 0o600)).To(Succeed())
 	d, err := New(Options{Endpoint: filepath.Join(dir, "csi.sock"), Mode: ModeNode, NodeID: "host-a", KubeletRegistrationDir: notADir,

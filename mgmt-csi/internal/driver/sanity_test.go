@@ -19,6 +19,7 @@ import (
 
 	"pvbridge.io/mgmt-csi/internal/pmem"
 	pmemv1 "pvbridge.io/pkg/apis/pmem/v1alpha1"
+	"pvbridge.io/pkg/csinode/csinodetest"
 	"pvbridge.io/pkg/testenv"
 )
 
@@ -51,7 +52,7 @@ func TestSanity(t *testing.T) {
 	if os.Geteuid() != 0 {
 		t.Fatal("csi-sanity stages volumes on real loop devices and must run as root")
 	}
-	dir := socketDir(t)
+	dir := csinodetest.SocketDir(t)
 	pmemDir := filepath.Join(dir, "pmem")
 	if err := os.Mkdir(pmemDir, 0o700); err != nil {
 		t.Fatal(err)

@@ -1,20 +1,46 @@
-// Package csinodetest holds the test helpers of the drivers' Node services: capabilities,
-// gRPC status expectations, and what is mounted or attached on the machine.
+// Package csinodetest holds the test helpers of the drivers: their sockets, capabilities, gRPC
+// status expectations, and what is mounted or attached on the machine.
 package csinodetest
 
 import (
 	"fmt"
+	"os"
 	"os/exec"
 	"strings"
 	"testing"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"github.com/onsi/gomega"
+	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/status"
 
 	"pvbridge.io/pkg/mounter"
 )
+
+// SocketDir returns a temporary directory with a path short enough for unix sockets (t.TempDir's
+// can exceed their 107 bytes), removed when the test ends.
+func SocketDir(t *testing.T) string {
+	t.Helper()
+	dir, err := os.MkdirTemp("", "csi-sock")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = os.RemoveAll(dir) })
+	return dir
+}
+
+// Dial connects to the gRPC server on unix socket path, until the test ends.
+func Dial(t *testing.T, path string) *grpc.ClientConn {
+	t.Helper()
+	conn, err := grpc.NewClient("unix://"+path, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = conn.Close() })
+	return conn
+}
 
 // FsCap is a single-node-writer mount capability.
 func FsCap(fsType string, flags ...string) *csi.VolumeCapability {

@@ -419,7 +419,7 @@ func (r *Reconciler) detach(ctx context.Context, vm *vmv1.VirtualMachine, ref hy
 }
 
 // writeStatus applies the agent's decisions to status.volumes (sorted by name) and the Ready
-// condition when ready is set, and writes them with the resourceVersion it read; on a conflict
+// condition when ready is set, and patches them with the resourceVersion it read; on a conflict
 // it reads the VM again from the API server and applies the decisions to it.
 func (r *Reconciler) writeStatus(ctx context.Context, vm *vmv1.VirtualMachine, set map[string]vmv1.VirtualMachineVolumeStatus, drop []string, ready *metav1.Condition) error {
 	reader := r.APIReader
@@ -434,6 +434,7 @@ func (r *Reconciler) writeStatus(ctx context.Context, vm *vmv1.VirtualMachine, s
 			}
 		}
 		first = false
+		base := vm.DeepCopy()
 		want := applyDecisions(vm.Status.Volumes, set, drop)
 		changed := !slices.Equal(want, vm.Status.Volumes)
 		vm.Status.Volumes = want
@@ -443,7 +444,9 @@ func (r *Reconciler) writeStatus(ctx context.Context, vm *vmv1.VirtualMachine, s
 		if !changed {
 			return nil
 		}
-		return client.IgnoreNotFound(r.Client.Status().Update(ctx, vm))
+		// As the controller writes status: a patch of what changed, with the resourceVersion
+		// read as its precondition.
+		return client.IgnoreNotFound(r.Client.Status().Patch(ctx, vm, client.MergeFromWithOptions(base, client.MergeFromWithOptimisticLock{})))
 	})
 }
 
