@@ -135,8 +135,9 @@ type burst struct {
 	throughput float64
 	// writes and conflicts are the management apiserver's write requests (see apiWrites) and
 	// those answered 409 Conflict, per volume, from the burst's start to its end (deletion
-	// included).
+	// included); conflictsBy splits the conflicts by "<verb>_<resource>[_<subresource>]".
 	writes, conflicts float64
+	conflictsBy       map[string]float64
 }
 
 // printBursts prints the figures of bursts of one kind: the ends (PVC bound, attach, pod
@@ -159,6 +160,15 @@ func printBursts(prefix string, bs []*burst) {
 	benchFigure(prefix+"_provisioning_throughput", "volumes/s", n, func(i int) float64 { return bs[i].throughput })
 	benchFigure(prefix+"_mgmt_api_writes_per_volume", "writes", n, func(i int) float64 { return bs[i].writes })
 	benchFigure(prefix+"_mgmt_api_conflicts_per_volume", "conflicts", n, func(i int) float64 { return bs[i].conflicts })
+	kinds := map[string]bool{}
+	for _, b := range bs {
+		for k := range b.conflictsBy {
+			kinds[k] = true
+		}
+	}
+	for _, k := range slices.Sorted(maps.Keys(kinds)) {
+		benchFigure(prefix+"_mgmt_api_conflicts_per_volume_"+k, "conflicts", n, func(i int) float64 { return bs[i].conflictsBy[k] })
+	}
 
 	order := bs[0].hops.order()
 	benchf("%s hops (median of %d bursts; time from the PVC's creation, step from the hop before):\n", prefix, n)
@@ -217,7 +227,13 @@ func podStart(ctx context.Context, cp *cluster.ControlPlane, c client.Client, cl
 	Expect(c.DeleteAllOf(ctx, &corev1.PersistentVolumeClaim{}, client.InNamespace(ns))).To(Succeed())
 	Eventually(storageObjects).WithContext(ctx).WithTimeout(10 * time.Minute).WithPolling(time.Second).Should(Equal(before))
 	w, cf := apiWrites(ctx, mgmt.CP)
-	b.writes, b.conflicts = float64(w-writes)/float64(n), float64(cf-conflicts)/float64(n)
+	b.writes, b.conflictsBy = float64(w-writes)/float64(n), map[string]float64{}
+	for k, v := range cf {
+		if d := float64(v-conflicts[k]) / float64(n); d > 0 {
+			b.conflictsBy[k] = d
+			b.conflicts += d
+		}
+	}
 	return b
 }
 
@@ -458,13 +474,15 @@ func watchEach(ctx context.Context, start func(context.Context, metav1.ListOptio
 }
 
 // apiWrites is the number of write requests (create, update, patch, delete) the apiserver of cp
-// has served for storage objects so far, and how many of them it answered 409 Conflict: every
-// resource but the heartbeats of nodes (Node status, Leases) and Events.
-func apiWrites(ctx context.Context, cp *cluster.ControlPlane) (writes, conflicts int) {
+// has served for storage objects so far, and how many of them it answered 409 (a conflict or a
+// create of an object that exists), by verb, resource and subresource: every resource but the
+// heartbeats of nodes (Node status, Leases) and Events.
+func apiWrites(ctx context.Context, cp *cluster.ControlPlane) (writes int, conflicts map[string]int) {
 	GinkgoHelper()
 	body, err := cp.Client().CoreV1().RESTClient().Get().AbsPath("/metrics").Stream(ctx)
 	Expect(err).NotTo(HaveOccurred())
 	defer body.Close()
+	conflicts = map[string]int{}
 	scanner := bufio.NewScanner(body)
 	scanner.Buffer(make([]byte, 1<<20), 1<<20)
 	for scanner.Scan() {
@@ -482,7 +500,11 @@ func apiWrites(ctx context.Context, cp *cluster.ControlPlane) (writes, conflicts
 			Expect(err).NotTo(HaveOccurred())
 			writes += int(v)
 			if label(labels, "code") == "409" {
-				conflicts += int(v)
+				kind := verb + "_" + resource
+				if sub := label(labels, "subresource"); sub != "" {
+					kind += "_" + sub
+				}
+				conflicts[kind] += int(v)
 			}
 		}
 	}
