@@ -38,8 +38,8 @@ Prints the objects a guest volume is made of, in the guest cluster (--kubeconfig
 default) and in the management cluster (--mgmt-kubeconfig, an admin's: it reads PVs,
 PmemVolumes and VolumeAttachments): guest PVC, guest PV, management PVC and PV, PmemVolume and
 its host, and for each guest VolumeAttachment the VirtualMachine's volume entries and the
-management VolumeAttachment. For the first step that is not done it names the object that holds
-it and its latest warning Event. Exits 0 when every step is done, 3 when one is not, 1 when the
+management VolumeAttachment. It names the step that holds the volume (the first that failed,
+else the first that waits) and the latest warning Event about its object. Exits 0 when every step is done, 3 when one is not, 1 when the
 chain cannot be read, 2 on a bad command line.
 
 Flags:
