@@ -16,6 +16,7 @@ import (
 	storagev1 "k8s.io/api/storage/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/api/meta"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	pmemv1 "pvbridge.io/pkg/apis/pmem/v1alpha1"
@@ -137,7 +138,7 @@ func (t *Tracer) management(ctx context.Context, handle string) []Step {
 	}
 	c := meta.FindStatusCondition(vol.Status.Conditions, pmemv1.ReadyCondition)
 	switch {
-	case c != nil && c.Status == "True":
+	case c != nil && c.Status == metav1.ConditionTrue:
 		step.State, step.Detail = Done, fmt.Sprintf("Ready: %s on host %s", vol.Status.Device, vol.Spec.Node)
 	case c == nil:
 		step.State, step.Why = Waiting, "the node agent of host "+vol.Spec.Node+" has not reported it yet"

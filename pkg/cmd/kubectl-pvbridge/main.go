@@ -69,12 +69,17 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		return exitUsage
 	}
 
-	guest, guestNamespace, err := reader(*kubeconfig)
+	scheme := runtime.NewScheme()
+	if err := errors.Join(clientgoscheme.AddToScheme(scheme), vmv1.AddToScheme(scheme), pmemv1.AddToScheme(scheme)); err != nil {
+		fmt.Fprintln(stderr, err)
+		return exitError
+	}
+	guest, guestNamespace, err := reader(*kubeconfig, scheme)
 	if err != nil {
 		fmt.Fprintln(stderr, "guest cluster:", err)
 		return exitError
 	}
-	mgmt, contextNamespace, err := reader(*mgmtKubeconfig)
+	mgmt, contextNamespace, err := reader(*mgmtKubeconfig, scheme)
 	if err != nil {
 		fmt.Fprintln(stderr, "management cluster:", err)
 		return exitError
@@ -123,7 +128,7 @@ func printSteps(w io.Writer, steps []chain.Step) {
 
 // reader returns a client of the cluster of kubeconfig (kubectl's loading rules when empty) and
 // the namespace of its context ("default" when it names none).
-func reader(kubeconfig string) (client.Reader, string, error) {
+func reader(kubeconfig string, scheme *runtime.Scheme) (client.Reader, string, error) {
 	rules := clientcmd.NewDefaultClientConfigLoadingRules()
 	rules.ExplicitPath = kubeconfig
 	loader := clientcmd.NewNonInteractiveDeferredLoadingClientConfig(rules, &clientcmd.ConfigOverrides{})
@@ -133,10 +138,6 @@ func reader(kubeconfig string) (client.Reader, string, error) {
 	}
 	namespace, _, err := loader.Namespace()
 	if err != nil {
-		return nil, "", err
-	}
-	scheme := runtime.NewScheme()
-	if err := errors.Join(clientgoscheme.AddToScheme(scheme), vmv1.AddToScheme(scheme), pmemv1.AddToScheme(scheme)); err != nil {
 		return nil, "", err
 	}
 	c, err := client.New(cfg, client.Options{Scheme: scheme})

@@ -181,11 +181,12 @@ func (r *Reconciler) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Resu
 		}
 	}
 	r.detachRemoved(ctx, vm, ref, wantOn, d)
-	ready := &metav1.Condition{Type: vmv1.ReadyCondition, Status: metav1.ConditionTrue, Reason: vmv1.PoweredOnReason, ObservedGeneration: vm.Generation}
+	holding := len(applyDecisions(vm.Status.Volumes, d.set, d.drop)) > 0
+	ready := readyCondition(vm, metav1.ConditionTrue, vmv1.PoweredOnReason, "")
 	if !wantOn {
-		ready = r.powerOff(ctx, vm, ref, d)
+		ready = r.powerOff(ctx, vm, ref, holding, d)
 	}
-	if wantOn || len(applyDecisions(vm.Status.Volumes, d.set, d.drop)) == 0 {
+	if wantOn || !holding {
 		r.forgetStop(vm.UID)
 	}
 	if err := r.writeStatus(ctx, vm, d.set, d.drop, ready); err != nil {
@@ -267,27 +268,30 @@ func (r *Reconciler) detachRemoved(ctx context.Context, vm *vmv1.VirtualMachine,
 	}
 }
 
-// powerOff powers the VM off once it has no volume left, and returns its Ready condition.
-func (r *Reconciler) powerOff(ctx context.Context, vm *vmv1.VirtualMachine, ref hypervisor.VM, d *decisions) *metav1.Condition {
-	ready := &metav1.Condition{Type: vmv1.ReadyCondition, Status: metav1.ConditionTrue, Reason: vmv1.PoweredOffReason, ObservedGeneration: vm.Generation}
-	if len(applyDecisions(vm.Status.Volumes, d.set, d.drop)) > 0 {
-		ready.Status, ready.Reason, ready.Message = metav1.ConditionFalse, vmv1.PoweredOnReason, "detaching volumes before powering off"
+// powerOff powers the VM off once it holds no volume, and returns its Ready condition.
+func (r *Reconciler) powerOff(ctx context.Context, vm *vmv1.VirtualMachine, ref hypervisor.VM, holding bool, d *decisions) *metav1.Condition {
+	if holding {
+		msg := "detaching volumes before powering off"
 		if deadline := r.stopDeadline(vm.UID); !deadline.IsZero() {
-			ready.Message += fmt.Sprintf("; forced off at %s if the guest still holds them", deadline.UTC().Format(time.RFC3339))
+			msg += fmt.Sprintf("; forced off at %s if the guest still holds them", deadline.UTC().Format(time.RFC3339))
 		}
-		return ready
+		return readyCondition(vm, metav1.ConditionFalse, vmv1.PoweredOnReason, msg)
 	}
 	if err := r.Hypervisor.PowerOff(ctx, ref); err != nil {
 		d.waiting = true
 		return hypervisorError(vm, "power off", err)
 	}
-	return ready
+	return readyCondition(vm, metav1.ConditionTrue, vmv1.PoweredOffReason, "")
+}
+
+// readyCondition is the VM's Ready condition, of its generation.
+func readyCondition(vm *vmv1.VirtualMachine, status metav1.ConditionStatus, reason, message string) *metav1.Condition {
+	return &metav1.Condition{Type: vmv1.ReadyCondition, Status: status, Reason: reason, Message: message, ObservedGeneration: vm.Generation}
 }
 
 // hypervisorError is the Ready condition of a VM whose hypervisor call op failed.
 func hypervisorError(vm *vmv1.VirtualMachine, op string, err error) *metav1.Condition {
-	return &metav1.Condition{Type: vmv1.ReadyCondition, Status: metav1.ConditionFalse, Reason: vmv1.HypervisorErrorReason,
-		Message: op + ": " + err.Error(), ObservedGeneration: vm.Generation}
+	return readyCondition(vm, metav1.ConditionFalse, vmv1.HypervisorErrorReason, op+": "+err.Error())
 }
 
 // attachmentReady reports whether the VolumeAttachment of volume name is attached.
