@@ -95,6 +95,35 @@ func MgmtScheme() (*runtime.Scheme, error) {
 // controller with its sidecars. The tenants controller (StartTenants) must be running: it makes
 // the guest's identity, delivers its credential and installs the CSIDriver and the classes.
 func StartGuest(ctx context.Context, lab *cluster.Lab, m *Management, op *VMOperator, gcp *cluster.ControlPlane, opts GuestOptions) (*Guest, error) {
+	g, err := StartGuestController(ctx, lab, m, op, gcp, opts)
+	if err != nil {
+		return nil, err
+	}
+	if g.Sidecars, err = startSidecars(lab, g.CP, filepath.Dir(g.ControllerSocket()), g.ControllerSocket(), guestCSINamespace); err != nil {
+		return nil, err
+	}
+	bin, err := lab.Binaries().Own("./guest-csi/cmd/guest-csi")
+	if err != nil {
+		return nil, err
+	}
+	for vm := range opts.VMs {
+		if err := g.startNode(ctx, lab, bin, vm); err != nil {
+			return nil, err
+		}
+	}
+	for vm := range opts.VMs {
+		if err := g.waitRegistered(ctx, vm); err != nil {
+			return nil, err
+		}
+	}
+	return g, nil
+}
+
+// StartGuestController makes the management side of a guest cluster of gcp, as StartGuest
+// does, and starts its guest-csi controller, without sidecars and without nodes: a guest whose
+// controller a test drives over CSI (ControllerSocket), as the scale benchmark does for
+// clusters whose kubelets would not fit on the machine.
+func StartGuestController(ctx context.Context, lab *cluster.Lab, m *Management, op *VMOperator, gcp *cluster.ControlPlane, opts GuestOptions) (*Guest, error) {
 	bin, err := lab.Binaries().Own("./guest-csi/cmd/guest-csi")
 	if err != nil {
 		return nil, err
@@ -132,16 +161,6 @@ func StartGuest(ctx context.Context, lab *cluster.Lab, m *Management, op *VMOper
 	}
 	if err := g.startController(ctx, lab, bin); err != nil {
 		return nil, err
-	}
-	for vm := range opts.VMs {
-		if err := g.startNode(ctx, lab, bin, vm); err != nil {
-			return nil, err
-		}
-	}
-	for vm := range opts.VMs {
-		if err := g.waitRegistered(ctx, vm); err != nil {
-			return nil, err
-		}
 	}
 	return g, nil
 }
@@ -336,11 +355,7 @@ func (g *Guest) startController(ctx context.Context, lab *cluster.Lab, bin strin
 		return err
 	}
 	g.Controller = p
-	if err := cluster.WaitForFile(ctx, socket, p); err != nil {
-		return err
-	}
-	g.Sidecars, err = startSidecars(lab, g.CP, dir, socket, guestCSINamespace)
-	return err
+	return cluster.WaitForFile(ctx, socket, p)
 }
 
 func (g *Guest) startNode(ctx context.Context, lab *cluster.Lab, bin, vm string) error {

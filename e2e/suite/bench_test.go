@@ -61,20 +61,12 @@ var _ = Describe("Benchmarks", Label("bench"), Ordered, func() {
 		}
 	}, NodeTimeout(60*time.Minute))
 
+	It("attaches 1 000 volumes across 50 VMs of 10 guest clusters, then one more", Label("scale"), func(ctx SpecContext) {
+		scale(ctx)
+	}, NodeTimeout(60*time.Minute))
+
 	It("reports the peak memory of every component", func() {
-		peak := map[string]int{}
-		for _, p := range lab.Processes() {
-			if p.Exited() {
-				continue
-			}
-			kib, err := peakRSS(p.Pid())
-			Expect(err).NotTo(HaveOccurred(), p.Name)
-			c := component(p.Name)
-			peak[c] = max(peak[c], kib)
-		}
-		for _, c := range slices.Sorted(maps.Keys(peak)) {
-			benchf("peak_rss_%s %.1f MiB\n", c, float64(peak[c])/1024)
-		}
+		printRSS("peak_rss", "VmHWM")
 	})
 })
 
@@ -138,6 +130,8 @@ type burst struct {
 	// included); conflictsBy splits the conflicts by "<verb>_<resource>[_<subresource>]".
 	writes, conflicts float64
 	conflictsBy       map[string]float64
+	// cpu is the CPU time per volume, in seconds, by "<cluster>/<component>" (see cpuTimes).
+	cpu map[string]float64
 }
 
 // printBursts prints the figures of bursts of one kind: the ends (PVC bound, attach, pod
@@ -169,9 +163,29 @@ func printBursts(prefix string, bs []*burst) {
 	for _, k := range slices.Sorted(maps.Keys(kinds)) {
 		benchFigure(prefix+"_mgmt_api_conflicts_per_volume_"+k, "conflicts", n, func(i int) float64 { return bs[i].conflictsBy[k] })
 	}
+	cpu := func(c string) func(int) float64 { return func(i int) float64 { return bs[i].cpu[c] } }
+	benchFigure(prefix+"_cpu_per_volume", "s", n, func(i int) float64 { return sum(slices.Collect(maps.Values(bs[i].cpu))) })
+	for _, c := range largest(bs[0].cpu, 10) {
+		benchFigure(prefix+"_cpu_per_volume_"+strings.ReplaceAll(c, "/", "_"), "s", n, cpu(c))
+	}
 
-	order := bs[0].hops.order()
-	benchf("%s hops (median of %d bursts; time from the PVC's creation, step from the hop before):\n", prefix, n)
+	hs := make([]*hops, n)
+	for i, b := range bs {
+		hs[i] = b.hops
+	}
+	printHopTable(prefix, hs)
+}
+
+// printHopTable prints every hop in the order the volumes pass them (by median time), the time
+// from the volume's start to it and the step from the hop before, p50 and p99, each the median
+// over hs.
+func printHopTable(prefix string, hs []*hops) {
+	n := len(hs)
+	at := func(hop string, q float64) func(int) float64 {
+		return func(i int) float64 { return hs[i].percentile(hop, q) }
+	}
+	order := hs[0].order()
+	benchf("%s hops (median of %d runs; time from the volume's start, step from the hop before):\n", prefix, n)
 	for k, hop := range order {
 		prev := ""
 		if k > 0 {
@@ -182,7 +196,7 @@ func printBursts(prefix string, bs []*burst) {
 			cols = append(cols, fmt.Sprintf("at_p%02.0f %6.2f s", q*100, median(n, at(hop, q))))
 		}
 		for _, q := range []float64{0.5, 0.99} {
-			step := func(i int) float64 { return bs[i].hops.stepPercentile(prev, hop, q) }
+			step := func(i int) float64 { return hs[i].stepPercentile(prev, hop, q) }
 			cols = append(cols, fmt.Sprintf("step_p%02.0f %6.2f s", q*100, median(n, step)))
 		}
 		benchf("%s_hop %-20s %s\n", prefix, hop, strings.Join(cols, "  "))
@@ -198,13 +212,14 @@ func podStart(ctx context.Context, cp *cluster.ControlPlane, c client.Client, cl
 	defer cancel()
 	before := storageObjects(ctx)
 	writes, conflicts := apiWrites(ctx, mgmt.CP)
+	cpuBefore := cpuTimes()
 	h := newHops()
 	ns, err := deploy.CreateNamespace(ctx, cp.Client(), "bench")
 	Expect(err).NotTo(HaveOccurred())
 	watchClaims(ctx, h, cp, ns)
 	watchPmemVolumes(ctx, h)
 	if cp != mgmt.CP {
-		watchManagement(ctx, h)
+		watchManagement(ctx, h, alpha.Options.Namespace)
 	}
 
 	start := time.Now()
@@ -228,6 +243,7 @@ func podStart(ctx context.Context, cp *cluster.ControlPlane, c client.Client, cl
 	Eventually(storageObjects).WithContext(ctx).WithTimeout(10 * time.Minute).WithPolling(time.Second).Should(Equal(before))
 	w, cf := apiWrites(ctx, mgmt.CP)
 	b.writes, b.conflictsBy = float64(w-writes)/float64(n), map[string]float64{}
+	b.cpu = cpuPerVolume(cpuBefore, n)
 	for k, v := range cf {
 		if d := float64(v-conflicts[k]) / float64(n); d > 0 {
 			b.conflictsBy[k] = d
@@ -311,12 +327,12 @@ func watchPmemVolumes(ctx context.Context, h *hops) {
 	})
 }
 
-// watchManagement times the management hops of guest volumes: their management PVCs (named by
-// the guest PV they were created for), PMEM volumes, VolumeAttachments and VirtualMachine
-// entries.
-func watchManagement(ctx context.Context, h *hops) {
+// watchManagement times the management hops of guest volumes: their management PVCs in
+// namespace ns ("" for all; known by the guest PV they were created for), PMEM volumes,
+// VolumeAttachments and VirtualMachine entries.
+func watchManagement(ctx context.Context, h *hops, ns string) {
 	GinkgoHelper()
-	watchEach(ctx, mgmt.CP.Client().CoreV1().PersistentVolumeClaims(alpha.Options.Namespace).Watch, func(ev watch.Event) {
+	watchEach(ctx, mgmt.CP.Client().CoreV1().PersistentVolumeClaims(ns).Watch, func(ev watch.Event) {
 		pvc, ok := ev.Object.(*corev1.PersistentVolumeClaim)
 		if !ok || pvc.Annotations[tenancy.GuestPVAnnotation] == "" {
 			return
@@ -522,18 +538,110 @@ func label(labels, name string) string {
 	return ""
 }
 
-// peakRSS is the peak resident set size (VmHWM) of a process, in KiB.
-func peakRSS(pid int) (int, error) {
-	data, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", pid))
-	if err != nil {
-		return 0, err
+// printRSS prints, for every component (see component) of the running lab, the largest
+// resident set size of its processes: field "VmHWM" for their peaks, "VmRSS" for now, which
+// also prints the anonymous part (RssAnon): the rest is pages of the binary, shared by the
+// instances of a binary and given back under memory pressure.
+func printRSS(prefix, field string) {
+	GinkgoHelper()
+	largest, anon := map[string]int{}, map[string]int{}
+	for _, p := range lab.Processes() {
+		if p.Exited() {
+			continue
+		}
+		fields, err := procStatus(p.Pid())
+		Expect(err).NotTo(HaveOccurred(), p.Name)
+		c := component(p.Name)
+		largest[c] = max(largest[c], fields[field])
+		anon[c] = max(anon[c], fields["RssAnon"])
 	}
-	for line := range strings.SplitSeq(string(data), "\n") {
-		if rest, ok := strings.CutPrefix(line, "VmHWM:"); ok {
-			return strconv.Atoi(strings.TrimSuffix(strings.TrimSpace(rest), " kB"))
+	for _, c := range slices.Sorted(maps.Keys(largest)) {
+		if field == "VmRSS" {
+			benchf("%s_%s %.1f MiB (anonymous %.1f MiB)\n", prefix, c, float64(largest[c])/1024, float64(anon[c])/1024)
+		} else {
+			benchf("%s_%s %.1f MiB\n", prefix, c, float64(largest[c])/1024)
 		}
 	}
-	return 0, fmt.Errorf("no VmHWM in /proc/%d/status", pid)
+}
+
+// cpuTimes is the CPU time (user and system, in seconds) the lab's running processes and the
+// bench itself have used so far, summed by "<cluster>/<component>": the cluster is "mgmt" or
+// "guest" (every guest cluster), the component as component names it.
+func cpuTimes() map[string]float64 {
+	GinkgoHelper()
+	times := map[string]float64{"bench/suite.test": cpuTime(os.Getpid())}
+	for _, p := range lab.Processes() {
+		if p.Exited() {
+			continue
+		}
+		cluster, _, _ := strings.Cut(p.Name, "/")
+		if cluster != mgmt.CP.Name {
+			cluster = "guest"
+		}
+		times[cluster+"/"+component(p.Name)] += cpuTime(p.Pid())
+	}
+	return times
+}
+
+// cpuPerVolume is the CPU time per volume of n volumes since before (cpuTimes), by component.
+func cpuPerVolume(before map[string]float64, n int) map[string]float64 {
+	GinkgoHelper()
+	cpu := map[string]float64{}
+	for c, t := range cpuTimes() {
+		cpu[c] = (t - before[c]) / float64(n)
+	}
+	return cpu
+}
+
+// largest returns the k keys of m with the largest values, largest first.
+func largest(m map[string]float64, k int) []string {
+	keys := slices.Collect(maps.Keys(m))
+	slices.SortFunc(keys, func(a, b string) int { return cmp.Compare(m[b], m[a]) })
+	return keys[:min(k, len(keys))]
+}
+
+// cpuTime is the user and system time of a process, in seconds; 0 if it is gone.
+func cpuTime(pid int) float64 {
+	data, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	if err != nil {
+		return 0
+	}
+	// Fields after the command's closing parenthesis: state is the 3rd field of stat, utime
+	// and stime the 14th and 15th, in clock ticks (100 per second on Linux).
+	_, rest, _ := strings.Cut(string(data), ") ")
+	fields := strings.Fields(rest)
+	utime, _ := strconv.ParseFloat(fields[11], 64)
+	stime, _ := strconv.ParseFloat(fields[12], 64)
+	return (utime + stime) / 100
+}
+
+// sum adds vs.
+func sum(vs []float64) float64 {
+	var s float64
+	for _, v := range vs {
+		s += v
+	}
+	return s
+}
+
+// procStatus returns the sizes (in KiB) of a process's status file: VmHWM, VmRSS, RssAnon...
+func procStatus(pid int) (map[string]int, error) {
+	data, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", pid))
+	if err != nil {
+		return nil, err
+	}
+	fields := map[string]int{}
+	for line := range strings.SplitSeq(string(data), "\n") {
+		name, value, ok := strings.Cut(line, ":")
+		if value, isKiB := strings.CutSuffix(strings.TrimSpace(value), " kB"); ok && isKiB {
+			kib, err := strconv.Atoi(value)
+			if err != nil {
+				return nil, fmt.Errorf("/proc/%d/status: %s: %w", pid, name, err)
+			}
+			fields[name] = kib
+		}
+	}
+	return fields, nil
 }
 
 // component names a lab process by what it runs: its binary, and "-node" for pvbridge's node

@@ -317,6 +317,7 @@ func (d *Driver) setupController(server *csiserver.Server, guest kubernetes.Inte
 		CacheOptions: func(namespace string) cache.Options {
 			return cache.Options{
 				DefaultNamespaces: map[string]cache.Config{namespace: {}},
+				DefaultTransform:  cache.TransformStripManagedFields(),
 				ByObject: map[client.Object]cache.ByObject{
 					watched[kindPVC]:      {Label: own},
 					watched[kindSnapshot]: {Label: own},

@@ -277,7 +277,7 @@ func CacheOptions() cache.Options {
 	if err != nil {
 		panic(err) // a constant, valid label key
 	}
-	return cache.Options{ByObject: map[client.Object]cache.ByObject{
+	return cache.Options{DefaultTransform: cache.TransformStripManagedFields(), ByObject: map[client.Object]cache.ByObject{
 		&corev1.Secret{}:         {Label: labels.NewSelector().Add(*capi)},
 		&corev1.ConfigMap{}:      {Label: labels.SelectorFromSet(labels.Set{ManagedByLabel: fieldManager})},
 		&corev1.ServiceAccount{}: {Label: labels.SelectorFromSet(labels.Set{ManagedByLabel: fieldManager})},

@@ -51,6 +51,8 @@ func newManager(cfg *rest.Config, mode Mode, node, metricsAddress string) (ctrl.
 		Controller:             config.Controller{SkipNameValidation: ptr.To(true)},
 		Metrics:                metricsserver.Options{BindAddress: metricsAddress},
 		HealthProbeBindAddress: "0",
+		// Nothing here reads managedFields: the cache does not keep them.
+		Cache: cache.Options{DefaultTransform: cache.TransformStripManagedFields()},
 	}
 	if mode == ModeNode {
 		own := fields.OneTermEqualSelector("spec.node", node)

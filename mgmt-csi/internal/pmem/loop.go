@@ -50,6 +50,16 @@ func loopAttachments() (map[string][]string, error) {
 	return attached, nil
 }
 
+// loopBacking returns the backing file of loop device dev (/dev/loopN), "" if it has none or
+// cannot be read.
+func loopBacking(dev string) string {
+	data, err := os.ReadFile(filepath.Join(sysBlock, filepath.Base(dev), "loop", "backing_file"))
+	if err != nil {
+		return ""
+	}
+	return strings.TrimSuffix(string(data), "\n")
+}
+
 // attachLoop binds a free loop device to the file at path and returns the device.
 func attachLoop(path string) (string, error) {
 	ctl, err := os.OpenFile(loopControl, os.O_RDWR, 0)

@@ -208,6 +208,11 @@ func TestReconcile(t *testing.T) {
 			wantStatus: []vmv1.VirtualMachineVolumeStatus{attachedEntry}, wantCalls: nil, wantDisks: 1,
 		},
 		{
+			name: "a plugged disk whose status entry is not written yet is recorded without a call", vaAttached: true,
+			vm: virtualMachine([]string{"data"}, nil), plugged: true,
+			wantStatus: []vmv1.VirtualMachineVolumeStatus{attachedEntry}, wantCalls: nil, wantDisks: 1,
+		},
+		{
 			name: "a volume recorded attached whose disk is gone (the VM restarted) is plugged again", vaAttached: true,
 			vm:         virtualMachine([]string{"data"}, []vmv1.VirtualMachineVolumeStatus{attachedEntry}),
 			wantStatus: []vmv1.VirtualMachineVolumeStatus{attachedEntry},

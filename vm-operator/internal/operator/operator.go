@@ -177,6 +177,8 @@ func New(opts Options) (*Operator, error) {
 		Scheme:                 scheme,
 		Metrics:                metricsserver.Options{BindAddress: opts.MetricsAddress},
 		HealthProbeBindAddress: opts.HealthAddress,
+		// Nothing here reads managedFields: the cache does not keep them.
+		Cache: cache.Options{DefaultTransform: cache.TransformStripManagedFields()},
 	}
 	if opts.Role == RoleHostAgent {
 		// A host agent caches only the VMs placed on its host.
