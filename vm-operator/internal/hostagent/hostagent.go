@@ -304,8 +304,9 @@ func (r *Reconciler) attachmentReady(ctx context.Context, vm *vmv1.VirtualMachin
 // attach makes volume name a disk of the VM once its VolumeAttachment is attached, unless the
 // disk is among the plugged ones with its serial and published device: then only its status
 // entry may be missing (its write lost a race, or the cache does not show it yet), and it is
-// recorded without a CSI call or a second hot-plug. It returns the status entry to record (nil: leave the entry as it is, the
-// controller reports why the volume is not attached yet) and whether the volume is settled.
+// recorded without a CSI call or a second hot-plug. It returns the status entry to record
+// (nil: leave the entry as it is, the controller reports why the volume is not attached yet)
+// and whether the volume is settled.
 func (r *Reconciler) attach(ctx context.Context, vm *vmv1.VirtualMachine, ref hypervisor.VM, name string, plugged []hypervisor.Disk) (*vmv1.VirtualMachineVolumeStatus, bool) {
 	log := ctrl.LoggerFrom(ctx).WithValues("volume", name)
 	vaName := vmv1.AttachmentName(vm.Namespace, vm.Name, name)
@@ -428,7 +429,7 @@ func (r *Reconciler) detach(ctx context.Context, vm *vmv1.VirtualMachine, ref hy
 // that change nothing in the cached VM cost nothing. Others are applied to the VM as the API
 // server has it, read just before the patch, and again after a conflict: the cache lags the
 // agent's own writes, and a patch from it lost the race to the agent's previous write whenever
-// volumes arrived in quick succession (9 conflicts per volume in a 100-volume burst).
+// volumes arrived in quick succession.
 func (r *Reconciler) writeStatus(ctx context.Context, vm *vmv1.VirtualMachine, set map[string]vmv1.VirtualMachineVolumeStatus, drop []string, ready *metav1.Condition) error {
 	if !statusChanges(vm.DeepCopy(), set, drop, ready) {
 		return nil
