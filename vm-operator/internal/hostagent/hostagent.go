@@ -52,7 +52,7 @@ type Reconciler struct {
 	Hypervisor hypervisor.Driver
 	// CSI is the Node service of the host's mgmt-csi node plugin.
 	CSI csi.NodeClient
-	// APIReader reads around the cache: the VM a status write starts from.
+	// APIReader reads around the cache, after a write conflict.
 	APIReader client.Reader
 	// StateDir holds, per volume, the staging directory, the published device file and the
 	// volume ID: <StateDir>/<VolumeAttachment name>/.
@@ -425,43 +425,35 @@ func (r *Reconciler) detach(ctx context.Context, vm *vmv1.VirtualMachine, ref hy
 }
 
 // writeStatus applies the agent's decisions to status.volumes (sorted by name) and the Ready
-// condition when ready is set, and patches them with the resourceVersion it read. Decisions
-// that change nothing in the cached VM cost nothing. Others are applied to the VM as the API
-// server has it, read just before the patch, and again after a conflict: the cache lags the
-// agent's own writes, and a patch from it lost the race to the agent's previous write whenever
-// volumes arrived in quick succession.
+// condition when ready is set, and patches them with the resourceVersion it read; on a conflict
+// it reads the VM again from the API server and applies the decisions to it.
 func (r *Reconciler) writeStatus(ctx context.Context, vm *vmv1.VirtualMachine, set map[string]vmv1.VirtualMachineVolumeStatus, drop []string, ready *metav1.Condition) error {
-	if !statusChanges(vm.DeepCopy(), set, drop, ready) {
-		return nil
-	}
 	reader := r.APIReader
 	if reader == nil {
 		reader = r.Client
 	}
+	first := true
 	return retry.RetryOnConflict(retry.DefaultRetry, func() error {
-		if err := reader.Get(ctx, client.ObjectKeyFromObject(vm), vm); err != nil {
-			return client.IgnoreNotFound(err)
+		if !first {
+			if err := reader.Get(ctx, client.ObjectKeyFromObject(vm), vm); err != nil {
+				return client.IgnoreNotFound(err)
+			}
 		}
+		first = false
 		base := vm.DeepCopy()
-		if !statusChanges(vm, set, drop, ready) {
+		want := applyDecisions(vm.Status.Volumes, set, drop)
+		changed := !slices.Equal(want, vm.Status.Volumes)
+		vm.Status.Volumes = want
+		if ready != nil && meta.SetStatusCondition(&vm.Status.Conditions, *ready) {
+			changed = true
+		}
+		if !changed {
 			return nil
 		}
 		// As the controller writes status: a patch of what changed, with the resourceVersion
 		// read as its precondition.
 		return client.IgnoreNotFound(r.Client.Status().Patch(ctx, vm, client.MergeFromWithOptions(base, client.MergeFromWithOptimisticLock{})))
 	})
-}
-
-// statusChanges applies the decisions and ready (when set) to vm's status and reports whether
-// that changed it.
-func statusChanges(vm *vmv1.VirtualMachine, set map[string]vmv1.VirtualMachineVolumeStatus, drop []string, ready *metav1.Condition) bool {
-	want := applyDecisions(vm.Status.Volumes, set, drop)
-	changed := !slices.Equal(want, vm.Status.Volumes)
-	vm.Status.Volumes = want
-	if ready != nil && meta.SetStatusCondition(&vm.Status.Conditions, *ready) {
-		changed = true
-	}
-	return changed
 }
 
 // applyDecisions returns status with the entries of set replacing or adding to those of the
