@@ -88,7 +88,7 @@ var _ = Describe("Isolation between guest clusters", Label("isolation"), func() 
 
 	It("cannot create from, or reach with its own identity, the other cluster's volume", func(ctx SpecContext) {
 		By("a clone whose source is the other cluster's volume, through beta's controller")
-		ctrl := controllerClient(beta)
+		ctrl := controllerClient(beta.Guest)
 		_, err := ctrl.CreateVolume(ctx, &csi.CreateVolumeRequest{
 			Name:          "pvc-isolation-clone",
 			CapacityRange: &csi.CapacityRange{RequiredBytes: 256 << 20},

@@ -239,7 +239,7 @@ var _ = Describe("Attach", Label("provisioning"), func() {
 		}
 		obj.Labels = map[string]string{tenancy.CAPIClusterNameLabel: alpha.Options.Name}
 		Expect(mc.Create(ctx, obj)).To(Succeed())
-		ctrl := controllerClient(alpha)
+		ctrl := controllerClient(alpha.Guest)
 		capability := &csi.VolumeCapability{
 			AccessType: &csi.VolumeCapability_Block{Block: &csi.VolumeCapability_BlockVolume{}},
 			AccessMode: &csi.VolumeCapability_AccessMode{Mode: csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER},
@@ -290,7 +290,7 @@ var _ = Describe("Attach", Label("provisioning"), func() {
 })
 
 // controllerClient dials guest g's guest-csi controller as its sidecars do.
-func controllerClient(g *guestCluster) csi.ControllerClient {
+func controllerClient(g *deploy.Guest) csi.ControllerClient {
 	GinkgoHelper()
 	conn, err := grpc.NewClient("unix://"+g.ControllerSocket(), grpc.WithTransportCredentials(insecure.NewCredentials()))
 	Expect(err).NotTo(HaveOccurred())
@@ -298,16 +298,24 @@ func controllerClient(g *guestCluster) csi.ControllerClient {
 	return csi.NewControllerClient(conn)
 }
 
-// retried calls rpc until it succeeds or fails with a code the sidecars do not retry as work in
-// progress.
+// retried calls rpc, each call bounded by the sidecars' 30 s, until it succeeds or fails with a
+// code the sidecars do not retry as work in progress. Its backoff doubles from 100 ms to 1 s:
+// an Aborted answer comes at once, and a thousand callers must not spin on it.
 func retried[Req, Resp any](ctx context.Context, rpc func(context.Context, Req, ...grpc.CallOption) (Resp, error), req Req) (Resp, error) {
+	backoff := 100 * time.Millisecond
 	for {
 		cctx, cancel := context.WithTimeout(ctx, 30*time.Second)
 		resp, err := rpc(cctx, req)
 		cancel()
-		if err == nil || ctx.Err() != nil || !retryable(err) {
+		if err == nil || !retryable(err) {
 			return resp, err
 		}
+		select {
+		case <-ctx.Done():
+			return resp, err
+		case <-time.After(backoff):
+		}
+		backoff = min(2*backoff, time.Second)
 	}
 }
 

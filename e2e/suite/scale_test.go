@@ -12,10 +12,6 @@ import (
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	. "github.com/onsi/ginkgo/v2"
 	. "github.com/onsi/gomega"
-	"google.golang.org/grpc"
-	"google.golang.org/grpc/codes"
-	"google.golang.org/grpc/credentials/insecure"
-	"google.golang.org/grpc/status"
 
 	"pvbridge.io/e2e/deploy"
 	"pvbridge.io/pkg/csinode/csinodetest"
@@ -27,7 +23,7 @@ import (
 // Cluster, credential delivered by the tenants controller) and its guest-csi controller; its
 // kubelets and sidecars would not fit on the machine, so the bench calls the controllers over
 // CSI as csi-provisioner and csi-attacher would (with their workers: every volume of a cluster
-// at once, retrying Aborted, DeadlineExceeded and Unavailable).
+// at once, each call retried as work in progress as they do; see retried).
 const (
 	scaleClusters      = 10
 	scaleVMsPerCluster = 5
@@ -36,8 +32,6 @@ const (
 	scaleVolumeSize = 4 << 20
 	// scaleProbes is how many more volumes are attached, one at a time, at the full population.
 	scaleProbes = 5
-	// scaleCallTimeout is the sidecars' --timeout (deploy's sidecarTimeout).
-	scaleCallTimeout = 30 * time.Second
 )
 
 // scaleCluster is a guest cluster of the scale benchmark: its guest-csi controller's client and
@@ -144,10 +138,7 @@ func startScaleClusters(ctx context.Context) []*scaleCluster {
 		}
 		g, err := deploy.StartGuestController(ctx, lab, mgmt, op, gcp, opts)
 		Expect(err).NotTo(HaveOccurred())
-		conn, err := grpc.NewClient("unix://"+g.ControllerSocket(), grpc.WithTransportCredentials(insecure.NewCredentials()))
-		Expect(err).NotTo(HaveOccurred())
-		DeferCleanup(conn.Close)
-		clusters = append(clusters, &scaleCluster{Guest: g, csi: csi.NewControllerClient(conn)})
+		clusters = append(clusters, &scaleCluster{Guest: g, csi: controllerClient(g)})
 	}
 	return clusters
 }
@@ -198,71 +189,38 @@ func createScaleVolume(ctx context.Context, h *hops, v *scaleVolume) error {
 	h.start(v.ref())
 	defer h.seen(hopCreateReturned, v.ref())
 	host := v.cluster.Options.VMs[v.vm]
-	return retry(ctx, func(ctx context.Context) error {
-		resp, err := v.cluster.csi.CreateVolume(ctx, &csi.CreateVolumeRequest{
-			Name:               v.name,
-			CapacityRange:      &csi.CapacityRange{RequiredBytes: scaleVolumeSize},
-			VolumeCapabilities: []*csi.VolumeCapability{csinodetest.RawCap()},
-			Parameters:         map[string]string{"csi.storage.k8s.io/pv/name": v.name},
-			AccessibilityRequirements: &csi.TopologyRequirement{
-				Requisite: []*csi.Topology{{Segments: map[string]string{names.GuestTopologyKey: host}}},
-				Preferred: []*csi.Topology{{Segments: map[string]string{names.GuestTopologyKey: host}}},
-			},
-		})
-		v.id = resp.GetVolume().GetVolumeId()
-		return err
+	resp, err := retried(ctx, v.cluster.csi.CreateVolume, &csi.CreateVolumeRequest{
+		Name:               v.name,
+		CapacityRange:      &csi.CapacityRange{RequiredBytes: scaleVolumeSize},
+		VolumeCapabilities: []*csi.VolumeCapability{csinodetest.RawCap()},
+		Parameters:         map[string]string{"csi.storage.k8s.io/pv/name": v.name},
+		AccessibilityRequirements: &csi.TopologyRequirement{
+			Requisite: []*csi.Topology{{Segments: map[string]string{names.GuestTopologyKey: host}}},
+			Preferred: []*csi.Topology{{Segments: map[string]string{names.GuestTopologyKey: host}}},
+		},
 	})
+	v.id = resp.GetVolume().GetVolumeId()
+	return err
 }
 
 // publishScaleVolume attaches v to its VM.
 func publishScaleVolume(ctx context.Context, h *hops, v *scaleVolume) error {
 	h.seen(hopPublishCalled, v.ref())
 	defer h.seen(hopPublishReturned, v.ref())
-	return retry(ctx, func(ctx context.Context) error {
-		_, err := v.cluster.csi.ControllerPublishVolume(ctx, &csi.ControllerPublishVolumeRequest{
-			VolumeId: v.id, NodeId: v.vm, VolumeCapability: csinodetest.RawCap(),
-		})
-		return err
+	_, err := retried(ctx, v.cluster.csi.ControllerPublishVolume, &csi.ControllerPublishVolumeRequest{
+		VolumeId: v.id, NodeId: v.vm, VolumeCapability: csinodetest.RawCap(),
 	})
+	return err
 }
 
 // unpublishScaleVolume detaches v from its VM.
 func unpublishScaleVolume(ctx context.Context, v *scaleVolume) error {
-	return retry(ctx, func(ctx context.Context) error {
-		_, err := v.cluster.csi.ControllerUnpublishVolume(ctx, &csi.ControllerUnpublishVolumeRequest{VolumeId: v.id, NodeId: v.vm})
-		return err
-	})
+	_, err := retried(ctx, v.cluster.csi.ControllerUnpublishVolume, &csi.ControllerUnpublishVolumeRequest{VolumeId: v.id, NodeId: v.vm})
+	return err
 }
 
 // deleteScaleVolume deletes v's volume.
 func deleteScaleVolume(ctx context.Context, v *scaleVolume) error {
-	return retry(ctx, func(ctx context.Context) error {
-		_, err := v.cluster.csi.DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: v.id})
-		return err
-	})
-}
-
-// retry calls f, each call bounded by the sidecars' timeout, until it succeeds or fails with
-// a code a sidecar would not retry at once (a sidecar retries those too, with a longer backoff,
-// but here they are a failure of the benchmark). Its backoff doubles from 100 ms to 1 s.
-func retry(ctx context.Context, f func(context.Context) error) error {
-	backoff := 100 * time.Millisecond
-	for {
-		callCtx, cancel := context.WithTimeout(ctx, scaleCallTimeout)
-		err := f(callCtx)
-		cancel()
-		switch status.Code(err) {
-		case codes.OK:
-			return nil
-		case codes.Aborted, codes.DeadlineExceeded, codes.Unavailable:
-		default:
-			return err
-		}
-		select {
-		case <-ctx.Done():
-			return fmt.Errorf("%w; last error: %w", ctx.Err(), err)
-		case <-time.After(backoff):
-		}
-		backoff = min(2*backoff, time.Second)
-	}
+	_, err := retried(ctx, v.cluster.csi.DeleteVolume, &csi.DeleteVolumeRequest{VolumeId: v.id})
+	return err
 }
