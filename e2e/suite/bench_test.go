@@ -125,11 +125,13 @@ type burst struct {
 	hops *hops
 	// throughput is volumes per second, from the first PVC created to the last one bound.
 	throughput float64
-	// writes and conflicts are the management apiserver's write requests (see apiWrites) and
+	// writes and conflicts are the management apiserver's write requests (see apiStats) and
 	// those answered 409 Conflict, per volume, from the burst's start to its end (deletion
 	// included); conflictsBy splits the conflicts by "<verb>_<resource>[_<subresource>]".
 	writes, conflicts float64
 	conflictsBy       map[string]float64
+	// apiSeconds is the management apiserver's time serving requests per volume, by kind.
+	apiSeconds map[string]float64
 	// cpu is the CPU time per volume, in seconds, by "<cluster>/<component>" (see cpuTimes).
 	cpu map[string]float64
 }
@@ -167,6 +169,9 @@ func printBursts(prefix string, bs []*burst) {
 	benchFigure(prefix+"_cpu_per_volume", "s", n, func(i int) float64 { return sum(slices.Collect(maps.Values(bs[i].cpu))) })
 	for _, c := range largest(bs[0].cpu, 10) {
 		benchFigure(prefix+"_cpu_per_volume_"+strings.ReplaceAll(c, "/", "_"), "s", n, cpu(c))
+	}
+	for _, k := range largest(bs[0].apiSeconds, 8) {
+		benchFigure(prefix+"_mgmt_api_seconds_per_volume_"+k, "s", n, func(i int) float64 { return bs[i].apiSeconds[k] })
 	}
 
 	hs := make([]*hops, n)
@@ -211,7 +216,7 @@ func podStart(ctx context.Context, cp *cluster.ControlPlane, c client.Client, cl
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	before := storageObjects(ctx)
-	writes, conflicts := apiWrites(ctx, mgmt.CP)
+	api := apiStatsOf(ctx, mgmt.CP)
 	cpuBefore := cpuTimes()
 	h := newHops()
 	ns, err := deploy.CreateNamespace(ctx, cp.Client(), "bench")
@@ -241,15 +246,9 @@ func podStart(ctx context.Context, cp *cluster.ControlPlane, c client.Client, cl
 	Expect(c.DeleteAllOf(ctx, &corev1.Pod{}, client.InNamespace(ns))).To(Succeed())
 	Expect(c.DeleteAllOf(ctx, &corev1.PersistentVolumeClaim{}, client.InNamespace(ns))).To(Succeed())
 	Eventually(storageObjects).WithContext(ctx).WithTimeout(10 * time.Minute).WithPolling(time.Second).Should(Equal(before))
-	w, cf := apiWrites(ctx, mgmt.CP)
-	b.writes, b.conflictsBy = float64(w-writes)/float64(n), map[string]float64{}
+	b.writes, b.conflictsBy, b.apiSeconds = apiStatsOf(ctx, mgmt.CP).since(api, n)
+	b.conflicts = sum(slices.Collect(maps.Values(b.conflictsBy)))
 	b.cpu = cpuPerVolume(cpuBefore, n)
-	for k, v := range cf {
-		if d := float64(v-conflicts[k]) / float64(n); d > 0 {
-			b.conflictsBy[k] = d
-			b.conflicts += d
-		}
-	}
 	return b
 }
 
@@ -489,43 +488,77 @@ func watchEach(ctx context.Context, start func(context.Context, metav1.ListOptio
 	}()
 }
 
-// apiWrites is the number of write requests (create, update, patch, delete) the apiserver of cp
-// has served for storage objects so far, and how many of them it answered 409 (a conflict or a
-// create of an object that exists), by verb, resource and subresource: every resource but the
-// heartbeats of nodes (Node status, Leases) and Events.
-func apiWrites(ctx context.Context, cp *cluster.ControlPlane) (writes int, conflicts map[string]int) {
+// apiStats is what the apiserver's metrics say of the requests it has served so far.
+type apiStats struct {
+	// writes counts the write requests (create, update, patch, delete) for storage objects:
+	// every resource but the heartbeats of nodes (Node status, Leases) and Events.
+	writes int
+	// conflicts counts those of the writes answered 409 (a conflict, or a create of an object
+	// that exists), by kind (see requestKind).
+	conflicts map[string]int
+	// seconds is the time the apiserver spent serving requests, reads included, by kind.
+	seconds map[string]float64
+}
+
+// apiStatsOf scrapes the metrics of the apiserver of cp.
+func apiStatsOf(ctx context.Context, cp *cluster.ControlPlane) apiStats {
 	GinkgoHelper()
 	body, err := cp.Client().CoreV1().RESTClient().Get().AbsPath("/metrics").Stream(ctx)
 	Expect(err).NotTo(HaveOccurred())
 	defer body.Close()
-	conflicts = map[string]int{}
+	stats := apiStats{conflicts: map[string]int{}, seconds: map[string]float64{}}
 	scanner := bufio.NewScanner(body)
 	scanner.Buffer(make([]byte, 1<<20), 1<<20)
 	for scanner.Scan() {
-		line := scanner.Text()
-		if !strings.HasPrefix(line, "apiserver_request_total{") {
+		metric, rest, ok := strings.Cut(scanner.Text(), "{")
+		if !ok || (metric != "apiserver_request_total" && metric != "apiserver_request_duration_seconds_sum") {
 			continue
 		}
-		labels, value, _ := strings.Cut(line[len("apiserver_request_total{"):], "} ")
+		labels, value, _ := strings.Cut(rest, "} ")
+		v, err := strconv.ParseFloat(value, 64)
+		Expect(err).NotTo(HaveOccurred())
 		verb, resource := label(labels, "verb"), label(labels, "resource")
-		switch {
-		case !slices.Contains([]string{"POST", "PUT", "PATCH", "DELETE", "DELETECOLLECTION"}, verb):
-		case slices.Contains([]string{"nodes", "leases", "events"}, resource):
-		default:
-			v, err := strconv.ParseFloat(value, 64)
-			Expect(err).NotTo(HaveOccurred())
-			writes += int(v)
-			if label(labels, "code") == "409" {
-				kind := verb + "_" + resource
-				if sub := label(labels, "subresource"); sub != "" {
-					kind += "_" + sub
-				}
-				conflicts[kind] += int(v)
-			}
+		if metric == "apiserver_request_duration_seconds_sum" {
+			stats.seconds[requestKind(labels)] += v
+			continue
+		}
+		if !slices.Contains([]string{"POST", "PUT", "PATCH", "APPLY", "DELETE", "DELETECOLLECTION"}, verb) ||
+			slices.Contains([]string{"nodes", "leases", "events"}, resource) {
+			continue
+		}
+		stats.writes += int(v)
+		if label(labels, "code") == "409" {
+			stats.conflicts[requestKind(labels)] += int(v)
 		}
 	}
 	Expect(scanner.Err()).To(Or(Not(HaveOccurred()), MatchError(io.EOF)))
-	return writes, conflicts
+	return stats
+}
+
+// since returns the writes per volume of n volumes since before, and their conflicts and the
+// apiserver's request seconds per volume, by kind.
+func (s apiStats) since(before apiStats, n int) (writes float64, conflicts, seconds map[string]float64) {
+	conflicts, seconds = map[string]float64{}, map[string]float64{}
+	for k, v := range s.conflicts {
+		if d := v - before.conflicts[k]; d > 0 {
+			conflicts[k] = float64(d) / float64(n)
+		}
+	}
+	for k, v := range s.seconds {
+		if d := v - before.seconds[k]; d > 0 {
+			seconds[k] = d / float64(n)
+		}
+	}
+	return float64(s.writes-before.writes) / float64(n), conflicts, seconds
+}
+
+// requestKind names the requests of a metric's labels "<verb>_<resource>[_<subresource>]".
+func requestKind(labels string) string {
+	kind := label(labels, "verb") + "_" + label(labels, "resource")
+	if sub := label(labels, "subresource"); sub != "" {
+		kind += "_" + sub
+	}
+	return kind
 }
 
 // label returns the value of a Prometheus label in a list of them.

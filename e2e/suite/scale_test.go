@@ -147,7 +147,7 @@ func startScaleClusters(ctx context.Context) []*scaleCluster {
 // throughput and the management API writes and conflicts per volume.
 func phase(ctx context.Context, name string, volumes []*scaleVolume, step func(context.Context, *scaleVolume) error) {
 	GinkgoHelper()
-	writes, conflicts := apiWrites(ctx, mgmt.CP)
+	api := apiStatsOf(ctx, mgmt.CP)
 	cpuBefore := cpuTimes()
 	start := time.Now()
 	took := make([]time.Duration, len(volumes))
@@ -160,20 +160,21 @@ func phase(ctx context.Context, name string, volumes []*scaleVolume, step func(c
 	}
 	wg.Wait()
 	elapsed := time.Since(start)
-	w, cf := apiWrites(ctx, mgmt.CP)
-	var c int
-	for k, v := range cf {
-		c += v - conflicts[k]
-	}
 	n := float64(len(volumes))
+	writes, conflicts, seconds := apiStatsOf(ctx, mgmt.CP).since(api, len(volumes))
 	cpu := cpuPerVolume(cpuBefore, len(volumes))
-	var top []string
-	for _, k := range largest(cpu, 6) {
-		top = append(top, fmt.Sprintf("%s %.3f s", k, cpu[k]))
+	benchf("%s p50 %.2f s, p99 %.2f s, %.1f volumes/s, %.1f mgmt writes and %.2f conflicts per volume; CPU per volume %.3f s, most in %s; mgmt apiserver seconds per volume most in %s\n",
+		name, quantile(took, 0.5), quantile(took, 0.99), n/elapsed.Seconds(), writes, sum(slices.Collect(maps.Values(conflicts))),
+		sum(slices.Collect(maps.Values(cpu))), top(cpu, 6), top(seconds, 4))
+}
+
+// top lists the k largest figures of m, largest first, each as "<key> <value> s".
+func top(m map[string]float64, k int) string {
+	var out []string
+	for _, key := range largest(m, k) {
+		out = append(out, fmt.Sprintf("%s %.3f s", key, m[key]))
 	}
-	benchf("%s p50 %.2f s, p99 %.2f s, %.1f volumes/s, %.1f mgmt writes and %.2f conflicts per volume; CPU per volume %.3f s, most in %s\n",
-		name, quantile(took, 0.5), quantile(took, 0.99), n/elapsed.Seconds(), float64(w-writes)/n, float64(c)/n,
-		sum(slices.Collect(maps.Values(cpu))), strings.Join(top, ", "))
+	return strings.Join(out, ", ")
 }
 
 // timed runs f, which must succeed, and returns how long it took.

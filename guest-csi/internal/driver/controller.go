@@ -17,7 +17,6 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/klog/v2"
 	"k8s.io/utils/ptr"
@@ -48,7 +47,6 @@ type mgmtClient interface {
 	client.Reader
 	Create(ctx context.Context, obj client.Object, opts ...client.CreateOption) error
 	Patch(ctx context.Context, obj client.Object, patch client.Patch, opts ...client.PatchOption) error
-	Apply(ctx context.Context, obj runtime.ApplyConfiguration, opts ...client.ApplyOption) error
 	Delete(ctx context.Context, obj client.Object, opts ...client.DeleteOption) error
 	Live() client.Reader
 	Namespace() string
@@ -77,6 +75,7 @@ type controllerServer struct {
 	guest kubernetes.Interface // reads the guest PVC's labels; nil: not mirrored
 	hub   *await.Hub
 	locks keylock.Locks
+	edits volumeEdits
 }
 
 var _ csi.ControllerServer = (*controllerServer)(nil)

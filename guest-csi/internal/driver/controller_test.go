@@ -18,6 +18,7 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/utils/ptr"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
@@ -270,6 +271,20 @@ func TestUnpublishRemovesAnEntryOthersWrote(t *testing.T) {
 	_, err = retried(t, e.ctrl.ControllerUnpublishVolume, e.unpublishReq(ids[0], "vm-1"))
 	g.Expect(err).NotTo(HaveOccurred())
 	g.Expect(e.vmVolumes(t, "vm-1")).To(BeEmpty())
+}
+
+// A VM whose spec.volumes is stored as an empty list (as a template may write it) gets its first
+// entry all the same: a list read as empty is first taken as missing, then as stored empty.
+func TestPublishToAnEmptyStoredList(t *testing.T) {
+	g := NewWithT(t)
+	e := newGuestEnv(t, envOptions{})
+	id := e.createVolume(t, "first")
+	vm := &vmv1.VirtualMachine{ObjectMeta: metav1.ObjectMeta{Namespace: e.ns, Name: "vm-1"}}
+	g.Expect(e.admin.Patch(t.Context(), vm, client.RawPatch(types.MergePatchType, []byte(`{"spec":{"volumes":[]}}`)))).To(Succeed())
+
+	_, err := retried(t, e.ctrl.ControllerPublishVolume, e.publishReq(id, "vm-1"))
+	g.Expect(err).NotTo(HaveOccurred())
+	g.Expect(e.vmVolumes(t, "vm-1")).To(Equal([]string{id}))
 }
 
 func TestUnpublishFromADeletedVM(t *testing.T) {

@@ -2,17 +2,12 @@ package driver
 
 import (
 	"context"
-	"encoding/json"
-	"fmt"
 	"slices"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
-	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
-	"k8s.io/apimachinery/pkg/runtime"
-	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/apimachinery/pkg/util/validation"
 	"k8s.io/client-go/util/retry"
 	"k8s.io/klog/v2"
@@ -186,112 +181,15 @@ func (s *controllerServer) attachedElsewhere(ctx context.Context, c tenancy.Clus
 	return nil
 }
 
-// addVolume adds management PVC id to the VM's spec.volumes by server-side apply, as a field
-// manager of its own (volumeManager): the apiserver merges the entry into spec.volumes, a map
-// keyed by name, as the object is when it stores it. The publishes of a burst to one VM, and
-// vm-operator's status writes, do not conflict with each other (with a resourceVersion they
-// did: a 409 and a reread per concurrent writer).
-func (s *controllerServer) addVolume(ctx context.Context, vm *vmv1.VirtualMachine, id string) error {
-	if slices.ContainsFunc(vm.Spec.Volumes, named(id)) {
-		return nil
-	}
-	_, err := s.applyVolume(ctx, vm, id, true)
-	return volumesError(vm, err)
-}
-
-// removeVolume removes management PVC id from the VM's spec.volumes: the volume's field manager
-// applies nothing, which removes the entry it owns. An entry that another writer also owns (one
-// that an earlier guest-csi added with an update, or an admin edited) stays: a JSON patch then
-// removes the entry at its index after testing that the index still holds it. A removal before
-// it moves it, and the test fails (Invalid): the VM is read again and the index found anew.
-func (s *controllerServer) removeVolume(ctx context.Context, vm *vmv1.VirtualMachine, id string) error {
-	if !slices.ContainsFunc(vm.Spec.Volumes, named(id)) {
-		return nil
-	}
-	applied, err := s.applyVolume(ctx, vm, id, false)
-	if err != nil {
-		return volumesError(vm, err)
-	}
-	if err := runtime.DefaultUnstructuredConverter.FromUnstructured(applied.Object, vm); err != nil {
-		return status.Errorf(codes.Internal, "VirtualMachine %s/%s: %v", vm.Namespace, vm.Name, err)
-	}
-	for attempt := 0; ; attempt++ {
-		i := slices.IndexFunc(vm.Spec.Volumes, named(id))
-		if i < 0 {
-			return nil
-		}
-		path := fmt.Sprintf("/spec/volumes/%d", i)
-		err := s.jsonPatch(ctx, vm, jsonPatchOp{Op: "test", Path: path + "/name", Value: id}, jsonPatchOp{Op: "remove", Path: path})
-		switch {
-		case !apierrors.IsInvalid(err):
-			return volumesError(vm, err)
-		case attempt == removeAttempts:
-			return status.Errorf(codes.Aborted, "VirtualMachine %s/%s: other removals moved the entry of %s %d times; retrying", vm.Namespace, vm.Name, id, attempt+1)
-		}
-		if err := s.mgmt.Live().Get(ctx, client.ObjectKeyFromObject(vm), vm); err != nil {
-			return volumesError(vm, err)
-		}
-	}
-}
-
-// removeAttempts bounds the rereads of a removal whose index moved: each one means another
-// removal from the same VM landed between a read and a patch.
-const removeAttempts = 10
-
-// volumeManager is the field manager that owns the VM volume entry of management PVC id.
-func volumeManager(id string) string { return "guest-csi/" + id }
-
-// applyVolume applies, as the volume's field manager, a VM whose spec.volumes holds the entry of
-// management PVC id (or nothing), and returns the VM the apiserver stored. The applied object
-// carries the VM's UID: were the VM gone, server-side apply would create one; with the UID the
-// apiserver answers Conflict instead (and Invalid for another VM of the same name).
-func (s *controllerServer) applyVolume(ctx context.Context, vm *vmv1.VirtualMachine, id string, attached bool) (*unstructured.Unstructured, error) {
-	u := &unstructured.Unstructured{}
-	u.SetGroupVersionKind(vmv1.GroupVersion.WithKind("VirtualMachine"))
-	u.SetNamespace(vm.Namespace)
-	u.SetName(vm.Name)
-	u.SetUID(vm.UID)
-	if attached {
-		entry := map[string]any{"name": id, "persistentVolumeClaim": map[string]any{"claimName": id}}
-		if err := unstructured.SetNestedSlice(u.Object, []any{entry}, "spec", "volumes"); err != nil {
-			return nil, err
-		}
-	}
-	err := s.mgmt.Apply(ctx, client.ApplyConfigurationFromUnstructured(u), client.FieldOwner(volumeManager(id)), client.ForceOwnership)
-	return u, err
-}
-
-// jsonPatchOp is an operation of a JSON patch (RFC 6902).
-type jsonPatchOp struct {
-	Op    string `json:"op"`
-	Path  string `json:"path"`
-	Value any    `json:"value,omitempty"`
-}
-
-// jsonPatch applies ops to obj, which it updates to what the apiserver stored.
-func (s *controllerServer) jsonPatch(ctx context.Context, obj client.Object, ops ...jsonPatchOp) error {
-	data, err := json.Marshal(ops)
-	if err != nil {
-		return err
-	}
-	return s.mgmt.Patch(ctx, obj, client.RawPatch(types.JSONPatchType, data))
-}
-
 // volumesError turns an error of a write of the VM's spec.volumes into the RPC's status.
 func volumesError(vm *vmv1.VirtualMachine, err error) error {
 	switch {
 	case err == nil:
 		return nil
-	case apierrors.IsNotFound(err), apierrors.IsConflict(err):
-		// A conflict is applyVolume's UID precondition: the VM is gone.
+	case apierrors.IsNotFound(err):
 		return status.Errorf(codes.NotFound, "VirtualMachine %s/%s does not exist", vm.Namespace, vm.Name)
 	}
 	return csiserver.APIError(err, "update the volumes of VirtualMachine %s/%s", vm.Namespace, vm.Name)
-}
-
-// named matches the VM volume entry of management PVC id.
-func named(id string) func(vmv1.VirtualMachineVolume) bool {
-	return func(v vmv1.VirtualMachineVolume) bool { return v.Name == id }
 }
 
 // update applies change to obj with optimistic concurrency: the patch carries the

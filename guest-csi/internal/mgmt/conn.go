@@ -229,15 +229,6 @@ func (c *Conn) Patch(ctx context.Context, obj client.Object, patch client.Patch,
 	return s.client.Patch(ctx, obj, patch, opts...)
 }
 
-// Apply applies obj (server-side apply) in the management cluster.
-func (c *Conn) Apply(ctx context.Context, obj runtime.ApplyConfiguration, opts ...client.ApplyOption) error {
-	s, err := c.session()
-	if err != nil {
-		return err
-	}
-	return s.client.Apply(ctx, obj, opts...)
-}
-
 // Delete deletes obj from the management cluster.
 func (c *Conn) Delete(ctx context.Context, obj client.Object, opts ...client.DeleteOption) error {
 	s, err := c.session()

@@ -1,0 +1,155 @@
+package driver
+
+import (
+	"context"
+	"slices"
+	"sync"
+	"time"
+
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+
+	vmv1 "pvbridge.io/pkg/apis/vm/v1alpha1"
+	"pvbridge.io/pkg/listpatch"
+)
+
+// The edits of a VM's spec.volumes are written in batches, one batch at a time per VM (a group
+// commit): the publishes of a burst to one VM become a few patches instead of one per volume,
+// and the driver's writers never move the indices each other's patch tests. Each edit waits for
+// the patch that carries it. An edit whose caller stopped waiting is still written, which is
+// harmless: the sidecar retries, and publishing and unpublishing are idempotent.
+type volumeEdits struct {
+	mu sync.Mutex
+	// queues holds, for each VM with a batch being written, the edits that wait for the next.
+	queues map[client.ObjectKey]*volumeBatch
+}
+
+// volumeBatch is the edits of one patch of a VM's spec.volumes: the management PVCs whose
+// entries it adds and removes. err is the outcome, set before done is closed.
+type volumeBatch struct {
+	add, remove []string
+	done        chan struct{}
+	err         error
+}
+
+// batchTimeout bounds the writing of one batch, rereads included.
+const batchTimeout = 30 * time.Second
+
+// addVolume adds management PVC id to the VM's spec.volumes.
+func (s *controllerServer) addVolume(ctx context.Context, vm *vmv1.VirtualMachine, id string) error {
+	if slices.ContainsFunc(vm.Spec.Volumes, func(v vmv1.VirtualMachineVolume) bool { return v.Name == id }) {
+		return nil
+	}
+	return s.editVolumes(ctx, vm, id, true)
+}
+
+// removeVolume removes management PVC id from the VM's spec.volumes.
+func (s *controllerServer) removeVolume(ctx context.Context, vm *vmv1.VirtualMachine, id string) error {
+	if !slices.ContainsFunc(vm.Spec.Volumes, func(v vmv1.VirtualMachineVolume) bool { return v.Name == id }) {
+		return nil
+	}
+	return s.editVolumes(ctx, vm, id, false)
+}
+
+// editVolumes queues the edit of id's entry into the next batch of the VM, starts writing the
+// VM's batches unless that is under way, and waits for the batch's outcome.
+func (s *controllerServer) editVolumes(ctx context.Context, vm *vmv1.VirtualMachine, id string, add bool) error {
+	key := client.ObjectKeyFromObject(vm)
+	s.edits.mu.Lock()
+	if s.edits.queues == nil {
+		s.edits.queues = map[client.ObjectKey]*volumeBatch{}
+	}
+	next, writing := s.edits.queues[key]
+	if next == nil {
+		next = &volumeBatch{done: make(chan struct{})}
+		s.edits.queues[key] = next
+	}
+	if add {
+		next.add = append(next.add, id)
+	} else {
+		next.remove = append(next.remove, id)
+	}
+	s.edits.mu.Unlock()
+	if !writing {
+		go s.writeBatches(context.WithoutCancel(ctx), vm.DeepCopy())
+	}
+	select {
+	case <-next.done:
+		return next.err
+	case <-ctx.Done():
+		return status.FromContextError(ctx.Err()).Err()
+	}
+}
+
+// writeBatches writes the VM's batches until none is queued. Each patch starts from the VM the
+// one before stored, or, for the first, from the cache.
+func (s *controllerServer) writeBatches(ctx context.Context, vm *vmv1.VirtualMachine) {
+	key := client.ObjectKeyFromObject(vm)
+	for {
+		s.edits.mu.Lock()
+		b := s.edits.queues[key]
+		if b == nil || (len(b.add) == 0 && len(b.remove) == 0) {
+			delete(s.edits.queues, key)
+			s.edits.mu.Unlock()
+			return
+		}
+		// Edits that arrive while this batch is written wait for the next one.
+		s.edits.queues[key] = &volumeBatch{done: make(chan struct{})}
+		s.edits.mu.Unlock()
+
+		bctx, cancel := context.WithTimeout(ctx, batchTimeout)
+		b.err = s.writeBatch(bctx, vm, b)
+		cancel()
+		close(b.done)
+	}
+}
+
+// writeBatch patches the VM's spec.volumes with the batch: a JSON patch that tests the VM's UID
+// (it was not replaced by another of its name), appends the entries to add and removes those
+// to remove at their indices, each tested to hold it (see listpatch). spec.volumes is a map
+// keyed by name, so the apiserver also refuses a second entry of one name. A patch the
+// apiserver refuses (Invalid) was made from a VM that changed since: it is read again and the
+// patch made anew, up to editAttempts times.
+func (s *controllerServer) writeBatch(ctx context.Context, vm *vmv1.VirtualMachine, b *volumeBatch) error {
+	for attempt := 0; ; attempt++ {
+		read := make([]string, len(vm.Spec.Volumes))
+		for i, v := range vm.Spec.Volumes {
+			read[i] = v.Name
+		}
+		edit := listpatch.Edit{Path: "/spec/volumes", Key: "name", Read: read, Set: map[string]any{}, Remove: b.remove}
+		for _, id := range b.add {
+			if !slices.Contains(read, id) {
+				edit.Set[id] = vmv1.VirtualMachineVolume{Name: id, PersistentVolumeClaim: vmv1.PersistentVolumeClaimVolumeSource{ClaimName: id}}
+			}
+		}
+		ops := edit.Ops(listpatch.Missing(len(read), attempt))
+		if len(ops) == 0 {
+			return nil
+		}
+		patch, err := listpatch.Patch(append([]listpatch.Op{listpatch.Test("/metadata/uid", vm.UID)}, ops...)...)
+		if err != nil {
+			return status.Errorf(codes.Internal, "VirtualMachine %s/%s: %v", vm.Namespace, vm.Name, err)
+		}
+		uid := vm.UID
+		err = s.mgmt.Patch(ctx, vm, patch)
+		switch {
+		case !apierrors.IsInvalid(err):
+			return volumesError(vm, err)
+		case attempt == editAttempts:
+			return status.Errorf(codes.Aborted, "VirtualMachine %s/%s: other writers changed spec.volumes %d times while it was written (%v); retrying",
+				vm.Namespace, vm.Name, attempt+1, err)
+		}
+		if err := s.mgmt.Live().Get(ctx, client.ObjectKeyFromObject(vm), vm); err != nil {
+			return volumesError(vm, err)
+		}
+		if vm.UID != uid {
+			return status.Errorf(codes.NotFound, "VirtualMachine %s/%s was replaced", vm.Namespace, vm.Name)
+		}
+	}
+}
+
+// editAttempts bounds the rereads of a batch: each one means another writer changed the list
+// between a read and a patch.
+const editAttempts = 10
