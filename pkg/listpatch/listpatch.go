@@ -17,6 +17,7 @@ import (
 	"maps"
 	"slices"
 
+	"k8s.io/apimachinery/pkg/api/equality"
 	"k8s.io/apimachinery/pkg/types"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 )
@@ -52,10 +53,10 @@ type Edit struct {
 }
 
 // Ops returns the operations of the edit: the tests at the indices read, the replacements, the
-// removals from the highest index down, then the appends. A list read as empty may be stored
-// empty or not at all, which needs another append: missing picks the one for a list that is
-// not stored (a test that it is not, then the whole list).
-func (e Edit) Ops(missing bool) []Op {
+// removals from the highest index down, then the appends. An append needs a list that exists,
+// which a list read as empty may not (it may be stored empty or not at all): then ok is false,
+// and the caller writes the list whole, under the resourceVersion it read.
+func (e Edit) Ops() (ops []Op, ok bool) {
 	index := make(map[string]int, len(e.Read))
 	for i, k := range e.Read {
 		index[k] = i
@@ -69,15 +70,18 @@ func (e Edit) Ops(missing bool) []Op {
 			tests = append(tests, Test(at(i)+"/"+e.Key, k))
 		}
 	}
-	var appends []any
+	var appends []Op
 	for _, k := range slices.Sorted(maps.Keys(e.Set)) {
 		i, ok := index[k]
 		if !ok {
-			appends = append(appends, e.Set[k])
+			appends = append(appends, Op{Op: "add", Path: e.Path + "/-", Value: e.Set[k]})
 			continue
 		}
 		guard(k, i)
 		changes = append(changes, Op{Op: "replace", Path: at(i), Value: e.Set[k]})
+	}
+	if len(appends) > 0 && len(e.Read) == 0 {
+		return nil, false
 	}
 	var removed []int
 	for _, k := range e.Remove {
@@ -90,23 +94,42 @@ func (e Edit) Ops(missing bool) []Op {
 	for _, i := range slices.Backward(removed) {
 		changes = append(changes, Op{Op: "remove", Path: at(i)})
 	}
-	ops := append(tests, changes...)
-	switch {
-	case len(appends) == 0:
-	case missing:
-		ops = append(ops, Test(e.Path, nil), Op{Op: "add", Path: e.Path, Value: appends})
-	default:
-		for _, v := range appends {
-			ops = append(ops, Op{Op: "add", Path: e.Path + "/-", Value: v})
-		}
-	}
-	return ops
+	return slices.Concat(tests, changes, appends), true
 }
 
-// Missing is the missing argument of Ops for attempt (from 0) of an edit of a list read with n
-// entries: a list read as empty is first taken as not stored, then, if that failed, as stored
-// empty, and so on.
-func Missing(n, attempt int) bool { return n == 0 && attempt%2 == 0 }
+// Diff is the edit of the list-map at path, keyed by the field key (whose value keyOf returns),
+// from base, as read, to want: the entries that want changes or adds are set, those it lacks
+// removed. With cas, every entry changed or removed must still be as base read it.
+func Diff[T any](path, key string, base, want []T, keyOf func(T) string, cas bool) Edit {
+	e := Edit{Path: path, Key: key, Set: map[string]any{}, Expect: map[string]any{}}
+	old := make(map[string]T, len(base))
+	for _, x := range base {
+		e.Read = append(e.Read, keyOf(x))
+		old[keyOf(x)] = x
+	}
+	kept := make(map[string]bool, len(want))
+	for _, x := range want {
+		k := keyOf(x)
+		kept[k] = true
+		o, ok := old[k]
+		if ok && equality.Semantic.DeepEqual(o, x) {
+			continue
+		}
+		e.Set[k] = x
+		if ok && cas {
+			e.Expect[k] = o
+		}
+	}
+	for _, k := range e.Read {
+		if !kept[k] {
+			e.Remove = append(e.Remove, k)
+			if cas {
+				e.Expect[k] = old[k]
+			}
+		}
+	}
+	return e
+}
 
 // Patch is the JSON patch of ops, for client.Client's Patch and Status().Patch.
 func Patch(ops ...Op) (client.Patch, error) {

@@ -14,13 +14,12 @@ type entry struct {
 }
 
 func TestEdit(t *testing.T) {
-	a, b, c := entry{Name: "a"}, entry{Name: "b"}, entry{Name: "c"}
+	b, c := entry{Name: "b"}, entry{Name: "c"}
 	tests := []struct {
 		name    string
 		doc     string
-		edit    Edit
-		missing bool
-		want    string // the document after the patch; empty: the patch fails
+		edit Edit
+		want string // the document after the patch; empty: the patch fails
 	}{
 		{
 			name: "a new entry is appended",
@@ -29,28 +28,15 @@ func TestEdit(t *testing.T) {
 			want: `{"v":[{"name":"a"},{"name":"b"}]}`,
 		},
 		{
-			name:    "the first entry creates the list",
-			doc:     `{}`,
-			edit:    Edit{Set: map[string]any{"a": a}},
-			missing: true,
-			want:    `{"v":[{"name":"a"}]}`,
-		},
-		{
-			name:    "creating the list fails when another writer created it",
-			doc:     `{"v":[{"name":"b"}]}`,
-			edit:    Edit{Set: map[string]any{"a": a}},
-			missing: true,
-		},
-		{
-			name: "appending fails while the list is not stored",
+			name: "appending fails when the list read was not stored any more",
 			doc:  `{}`,
-			edit: Edit{Set: map[string]any{"a": a}},
+			edit: Edit{Read: []string{"a"}, Set: map[string]any{"b": b}},
 		},
 		{
-			name: "appending to a list stored empty",
-			doc:  `{"v":[]}`,
-			edit: Edit{Set: map[string]any{"a": a}},
-			want: `{"v":[{"name":"a"}]}`,
+			name: "a second entry of a key is appended (the apiserver's validation refuses the result)",
+			doc:  `{"v":[{"name":"a"},{"name":"b"}]}`,
+			edit: Edit{Read: []string{"a"}, Set: map[string]any{"b": b}},
+			want: `{"v":[{"name":"a"},{"name":"b"},{"name":"b"}]}`,
 		},
 		{
 			name: "an entry is replaced where it was read",
@@ -91,7 +77,9 @@ func TestEdit(t *testing.T) {
 		t.Run(tt.name, func(t *testing.T) {
 			g := NewWithT(t)
 			tt.edit.Path, tt.edit.Key = "/v", "name"
-			data, err := json.Marshal(tt.edit.Ops(tt.missing))
+			ops, ok := tt.edit.Ops()
+			g.Expect(ok).To(BeTrue())
+			data, err := json.Marshal(ops)
 			g.Expect(err).NotTo(HaveOccurred())
 			patch, err := jsonpatch.DecodePatch(data)
 			g.Expect(err).NotTo(HaveOccurred())
@@ -106,7 +94,52 @@ func TestEdit(t *testing.T) {
 	}
 }
 
-func TestMissing(t *testing.T) {
+func TestAppendToAListReadEmpty(t *testing.T) {
 	g := NewWithT(t)
-	g.Expect([]bool{Missing(0, 0), Missing(0, 1), Missing(0, 2), Missing(1, 0)}).To(Equal([]bool{true, false, true, false}))
+	_, ok := Edit{Path: "/v", Key: "name", Set: map[string]any{"a": entry{Name: "a"}}}.Ops()
+	g.Expect(ok).To(BeFalse(), "the list may not exist: it is written whole")
+	ops, ok := Edit{Path: "/v", Key: "name", Remove: []string{"a"}}.Ops()
+	g.Expect(ok).To(BeTrue())
+	g.Expect(ops).To(BeEmpty())
+}
+
+func TestDiff(t *testing.T) {
+	key := func(e entry) string { return e.Name }
+	tests := []struct {
+		name       string
+		base, want []entry
+		cas        bool
+		wantEdit   Edit
+	}{
+		{
+			name: "nothing changed",
+			base: []entry{{Name: "a"}}, want: []entry{{Name: "a"}},
+			wantEdit: Edit{Read: []string{"a"}, Set: map[string]any{}, Expect: map[string]any{}},
+		},
+		{
+			name: "changed, added and removed entries",
+			base: []entry{{Name: "a"}, {Name: "b"}}, want: []entry{{Name: "b", Error: "x"}, {Name: "c"}},
+			wantEdit: Edit{
+				Read: []string{"a", "b"}, Remove: []string{"a"},
+				Set:    map[string]any{"b": entry{Name: "b", Error: "x"}, "c": entry{Name: "c"}},
+				Expect: map[string]any{},
+			},
+		},
+		{
+			name: "compare and swap expects what was read",
+			base: []entry{{Name: "a", Error: "x"}, {Name: "b"}}, want: []entry{{Name: "a"}}, cas: true,
+			wantEdit: Edit{
+				Read: []string{"a", "b"}, Remove: []string{"b"},
+				Set:    map[string]any{"a": entry{Name: "a"}},
+				Expect: map[string]any{"a": entry{Name: "a", Error: "x"}, "b": entry{Name: "b"}},
+			},
+		},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			g := NewWithT(t)
+			tt.wantEdit.Path, tt.wantEdit.Key = "/v", "name"
+			g.Expect(Diff("/v", "name", tt.base, tt.want, key, tt.cas)).To(Equal(tt.wantEdit))
+		})
+	}
 }

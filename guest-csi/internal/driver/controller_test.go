@@ -273,8 +273,9 @@ func TestUnpublishRemovesAnEntryOthersWrote(t *testing.T) {
 	g.Expect(e.vmVolumes(t, "vm-1")).To(BeEmpty())
 }
 
-// A VM whose spec.volumes is stored as an empty list (as a template may write it) gets its first
-// entry all the same: a list read as empty is first taken as missing, then as stored empty.
+// A VM whose spec.volumes is stored as an empty list (as a template may write it, or as the last
+// removal leaves it) gets its first entry all the same: a list read empty, stored empty or not
+// at all, is written whole under the resourceVersion.
 func TestPublishToAnEmptyStoredList(t *testing.T) {
 	g := NewWithT(t)
 	e := newGuestEnv(t, envOptions{})

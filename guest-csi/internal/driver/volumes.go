@@ -108,10 +108,11 @@ func (s *controllerServer) writeBatches(ctx context.Context, vm *vmv1.VirtualMac
 
 // writeBatch patches the VM's spec.volumes with the batch: a JSON patch that tests the VM's UID
 // (it was not replaced by another of its name), appends the entries to add and removes those
-// to remove at their indices, each tested to hold it (see listpatch). spec.volumes is a map
-// keyed by name, so the apiserver also refuses a second entry of one name. A patch the
-// apiserver refuses (Invalid) was made from a VM that changed since: it is read again and the
-// patch made anew, up to editAttempts times.
+// to remove at their indices, each tested to hold it (see listpatch); spec.volumes is a map
+// keyed by name, so the apiserver also refuses a second entry of one name. A list read empty
+// may not exist, and is written whole by a merge patch under the resourceVersion read instead.
+// A patch the apiserver refuses (Invalid, or Conflict for the merge patch) was made from a VM
+// that changed since: it is read again and the patch made anew, up to editAttempts times.
 func (s *controllerServer) writeBatch(ctx context.Context, vm *vmv1.VirtualMachine, b *volumeBatch) error {
 	for attempt := 0; ; attempt++ {
 		read := make([]string, len(vm.Spec.Volumes))
@@ -119,23 +120,31 @@ func (s *controllerServer) writeBatch(ctx context.Context, vm *vmv1.VirtualMachi
 			read[i] = v.Name
 		}
 		edit := listpatch.Edit{Path: "/spec/volumes", Key: "name", Read: read, Set: map[string]any{}, Remove: b.remove}
+		base := vm.DeepCopy()
 		for _, id := range b.add {
 			if !slices.Contains(read, id) {
-				edit.Set[id] = vmv1.VirtualMachineVolume{Name: id, PersistentVolumeClaim: vmv1.PersistentVolumeClaimVolumeSource{ClaimName: id}}
+				entry := vmv1.VirtualMachineVolume{Name: id, PersistentVolumeClaim: vmv1.PersistentVolumeClaimVolumeSource{ClaimName: id}}
+				edit.Set[id] = entry
+				vm.Spec.Volumes = append(vm.Spec.Volumes, entry)
 			}
 		}
-		ops := edit.Ops(listpatch.Missing(len(read), attempt))
-		if len(ops) == 0 {
+		ops, ok := edit.Ops()
+		var patch client.Patch
+		switch {
+		case !ok:
+			patch = client.MergeFromWithOptions(base, client.MergeFromWithOptimisticLock{})
+		case len(ops) == 0:
 			return nil
-		}
-		patch, err := listpatch.Patch(append([]listpatch.Op{listpatch.Test("/metadata/uid", vm.UID)}, ops...)...)
-		if err != nil {
-			return status.Errorf(codes.Internal, "VirtualMachine %s/%s: %v", vm.Namespace, vm.Name, err)
+		default:
+			var err error
+			if patch, err = listpatch.Patch(append([]listpatch.Op{listpatch.Test("/metadata/uid", vm.UID)}, ops...)...); err != nil {
+				return status.Errorf(codes.Internal, "VirtualMachine %s/%s: %v", vm.Namespace, vm.Name, err)
+			}
 		}
 		uid := vm.UID
-		err = s.mgmt.Patch(ctx, vm, patch)
+		err := s.mgmt.Patch(ctx, vm, patch)
 		switch {
-		case !apierrors.IsInvalid(err):
+		case !apierrors.IsInvalid(err) && !apierrors.IsConflict(err):
 			return volumesError(vm, err)
 		case attempt == editAttempts:
 			return status.Errorf(codes.Aborted, "VirtualMachine %s/%s: other writers changed spec.volumes %d times while it was written (%v); retrying",

@@ -8,9 +8,9 @@
 //     status.volumes and the VolumesAttached condition.
 //
 // The host agent (one per host) writes the rest of the status: the Ready condition and
-// status.volumes. Every status write, here and there, carries the resourceVersion it was
-// computed from, so no writer loses another's update; vm_status.go says which status.volumes
-// entries the controller may write.
+// status.volumes. Every status write, here and there, fails when what it was computed from
+// changed (vmstatus), so no writer loses another's update; vm_status.go says which
+// status.volumes entries the controller may write.
 package controller
 
 import (
@@ -19,13 +19,13 @@ import (
 	"fmt"
 	"time"
 
-	"k8s.io/apimachinery/pkg/api/equality"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/klog/v2"
 	ctrl "sigs.k8s.io/controller-runtime"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	vmv1 "pvbridge.io/pkg/apis/vm/v1alpha1"
+	"pvbridge.io/vm-operator/internal/vmstatus"
 )
 
 const (
@@ -56,15 +56,16 @@ func SetupWithManager(mgr ctrl.Manager) error {
 	return nil
 }
 
-// patchStatus writes the status changes made to vm since base, if there are any, with base's
-// resourceVersion as a precondition. It reports whether it wrote. A conflict error means someone
-// else wrote in between: the caller reconciles again from the new object instead of overwriting
-// it.
+// patchStatus writes the status changes made to vm since base, if there are any (vmstatus): each
+// status.volumes entry the controller changes must still be as base read it, because the
+// controller writes an entry only while the host agent has not taken it up. It reports whether it
+// wrote. An error for which vmstatus.Stale holds means someone else wrote in between: the caller
+// reconciles again from the new object instead of overwriting it.
 func patchStatus(ctx context.Context, c client.Client, base, vm *vmv1.VirtualMachine) (bool, error) {
-	if equality.Semantic.DeepEqual(base.Status, vm.Status) {
-		return false, nil
+	patch, err := vmstatus.Patch(base, vm, true)
+	if patch == nil || err != nil {
+		return false, err
 	}
-	patch := client.MergeFromWithOptions(base, client.MergeFromWithOptimisticLock{})
 	if err := c.Status().Patch(ctx, vm, patch, client.FieldOwner(fieldManager)); err != nil {
 		return false, fmt.Errorf("patch status of VirtualMachine %s: %w", klog.KObj(vm), err)
 	}
@@ -80,8 +81,8 @@ func finishStatus(ctx context.Context, c client.Client, base, vm *vmv1.VirtualMa
 	case err == nil:
 		return wrote
 	case apierrors.IsNotFound(err):
-	case apierrors.IsConflict(err):
-		ctrl.LoggerFrom(ctx).V(2).Info("VirtualMachine changed meanwhile, reconciling again")
+	case vmstatus.Stale(err):
+		ctrl.LoggerFrom(ctx).V(2).Info("VirtualMachine changed meanwhile, reconciling again", "err", err)
 		if *reterr == nil && (res.RequeueAfter == 0 || res.RequeueAfter > conflictRetry) {
 			res.RequeueAfter = conflictRetry
 		}

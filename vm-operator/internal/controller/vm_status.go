@@ -55,12 +55,14 @@ func vmPhase(status vmv1.VirtualMachineStatus) vmv1.Phase {
 // VolumeAttachment at all is removed too: there is nothing on the host to undo. Every other
 // entry is the host agent's and is left exactly as it is.
 //
-// Every write carries the resourceVersion it was computed from (a merge patch with an
-// optimistic lock), and the host agent updates the same way, so a write in between fails the
-// other's with a conflict; the loser recomputes from the new object. Neither loses an update.
-// The one known window: an attach error the controller wrote stays until the host agent writes
-// the entry, because once the VolumeAttachment is attached the controller can no longer tell its
-// own stale error from a hot-plug error of the host agent.
+// Neither write carries the resourceVersion (vmstatus): each tests the entries it changes at
+// the indices it read them at, so the writers, and the guest's writes of spec.volumes, do not fail
+// each other's writes. The controller compares and swaps each entry whole: its write fails when
+// the host agent changed the entry since the controller read it, and the controller recomputes
+// from the new object. The host agent's claims only add entries where none exists. Neither loses
+// an update. The one known window: an attach error the controller wrote stays until the host
+// agent writes the entry, because once the VolumeAttachment is attached the controller can no
+// longer tell its own stale error from a hot-plug error of the host agent.
 
 // maxErrorLength is the API's limit on status.volumes[].error.
 const maxErrorLength = 1024

@@ -26,10 +26,10 @@ import (
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	corev1 "k8s.io/api/core/v1"
 	storagev1 "k8s.io/api/storage/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/api/meta"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
-	"k8s.io/client-go/util/retry"
 	ctrl "sigs.k8s.io/controller-runtime"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 	"sigs.k8s.io/controller-runtime/pkg/controller"
@@ -39,6 +39,7 @@ import (
 
 	vmv1 "pvbridge.io/pkg/apis/vm/v1alpha1"
 	"pvbridge.io/vm-operator/internal/hypervisor"
+	"pvbridge.io/vm-operator/internal/vmstatus"
 )
 
 // retryAfter is how soon a volume that is waiting (for the guest to let go of a disk, for a
@@ -169,7 +170,7 @@ func (r *Reconciler) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Resu
 	d := &decisions{set: map[string]vmv1.VirtualMachineVolumeStatus{}}
 	if wantOn {
 		if err := r.Hypervisor.PowerOn(ctx, ref); err != nil {
-			return ctrl.Result{}, errors.Join(err, r.writeStatus(ctx, vm, nil, nil, hypervisorError(vm, "power on", err)))
+			return ctrl.Result{}, errors.Join(err, r.writeStatus(ctx, vm, &decisions{}, hypervisorError(vm, "power on", err)))
 		}
 		if err := r.claim(ctx, vm); err != nil {
 			return ctrl.Result{}, err
@@ -177,11 +178,11 @@ func (r *Reconciler) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Resu
 		r.attachAll(ctx, vm, ref, d)
 	} else if len(vm.Status.Volumes) > 0 && r.unplugOverdue(vm.UID) {
 		if err := r.forceOff(ctx, vm, ref); err != nil {
-			return ctrl.Result{RequeueAfter: retryAfter}, r.writeStatus(ctx, vm, nil, nil, hypervisorError(vm, "force off", err))
+			return ctrl.Result{RequeueAfter: retryAfter}, r.writeStatus(ctx, vm, &decisions{}, hypervisorError(vm, "force off", err))
 		}
 	}
 	r.detachRemoved(ctx, vm, ref, wantOn, d)
-	holding := len(applyDecisions(vm.Status.Volumes, d.set, d.drop)) > 0
+	holding := len(applyDecisions(vm.Status.Volumes, d)) > 0
 	ready := readyCondition(vm, metav1.ConditionTrue, vmv1.PoweredOnReason, "")
 	if !wantOn {
 		ready = r.powerOff(ctx, vm, ref, holding, d)
@@ -189,7 +190,7 @@ func (r *Reconciler) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Resu
 	if wantOn || !holding {
 		r.forgetStop(vm.UID)
 	}
-	if err := r.writeStatus(ctx, vm, d.set, d.drop, ready); err != nil {
+	if err := r.writeStatus(ctx, vm, d, ready); err != nil {
 		return ctrl.Result{}, err
 	}
 	if d.waiting {
@@ -198,29 +199,32 @@ func (r *Reconciler) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Resu
 	return ctrl.Result{}, nil
 }
 
-// decisions are what one reconcile decided about status.volumes: entries to set and entries to
-// drop. Only these are written, so an entry the controller wrote meanwhile (an error for a
-// volume not attached yet) survives. waiting asks for another reconcile soon.
+// decisions are what one reconcile decided about status.volumes: entries to set, entries to
+// drop, and volumes to claim (see claim). Only these are written, so an entry the controller
+// wrote meanwhile (an error for a volume not attached yet) survives. waiting asks for another
+// reconcile soon.
 type decisions struct {
 	set     map[string]vmv1.VirtualMachineVolumeStatus
 	drop    []string
+	claim   []string
 	waiting bool
 }
 
 // claim records in status, in one write, the volumes about to be staged: while an entry exists
 // the controller keeps the VolumeAttachment, so a volume removed from spec meanwhile is unstaged
-// before it is detached (kubelet's volumesInUse does the same for pods).
+// before it is detached (kubelet's volumesInUse does the same for pods). A claim only adds an
+// entry where there is none: it never replaces one recorded meanwhile.
 func (r *Reconciler) claim(ctx context.Context, vm *vmv1.VirtualMachine) error {
-	claim := map[string]vmv1.VirtualMachineVolumeStatus{}
+	d := &decisions{}
 	for _, v := range vm.Spec.Volumes {
 		if !slices.ContainsFunc(vm.Status.Volumes, func(e vmv1.VirtualMachineVolumeStatus) bool { return e.Name == v.Name }) && r.attachmentReady(ctx, vm, v.Name) {
-			claim[v.Name] = vmv1.VirtualMachineVolumeStatus{Name: v.Name}
+			d.claim = append(d.claim, v.Name)
 		}
 	}
-	if len(claim) == 0 {
+	if len(d.claim) == 0 {
 		return nil
 	}
-	return r.writeStatus(ctx, vm, claim, nil, nil)
+	return r.writeStatus(ctx, vm, d, nil)
 }
 
 // attachAll attaches every volume of the spec. What the VM has plugged now decides what is left
@@ -424,52 +428,74 @@ func (r *Reconciler) detach(ctx context.Context, vm *vmv1.VirtualMachine, ref hy
 	return os.RemoveAll(dir)
 }
 
-// writeStatus applies the agent's decisions to status.volumes (sorted by name) and the Ready
-// condition when ready is set, and patches them with the resourceVersion it read; on a conflict
-// it reads the VM again from the API server and applies the decisions to it.
-func (r *Reconciler) writeStatus(ctx context.Context, vm *vmv1.VirtualMachine, set map[string]vmv1.VirtualMachineVolumeStatus, drop []string, ready *metav1.Condition) error {
+// writeStatus writes the agent's decisions in status.volumes and the Ready condition when ready
+// is set (vmstatus): the entries it sets, drops and claims, each at the index it read it at and
+// without the resourceVersion, so that the controller's and the guest's writes in between do
+// not fail it. When its read was stale (the entries moved, or a claimed entry was added
+// meanwhile) it reads the VM from the API server and applies the decisions to that.
+func (r *Reconciler) writeStatus(ctx context.Context, vm *vmv1.VirtualMachine, d *decisions, ready *metav1.Condition) error {
 	reader := r.APIReader
 	if reader == nil {
 		reader = r.Client
 	}
-	first := true
-	return retry.RetryOnConflict(retry.DefaultRetry, func() error {
-		if !first {
-			if err := reader.Get(ctx, client.ObjectKeyFromObject(vm), vm); err != nil {
-				return client.IgnoreNotFound(err)
-			}
-		}
-		first = false
+	for attempt := 0; ; attempt++ {
 		base := vm.DeepCopy()
-		want := applyDecisions(vm.Status.Volumes, set, drop)
-		changed := !slices.Equal(want, vm.Status.Volumes)
-		vm.Status.Volumes = want
-		if ready != nil && meta.SetStatusCondition(&vm.Status.Conditions, *ready) {
-			changed = true
+		vm.Status.Volumes = applyDecisions(vm.Status.Volumes, d)
+		if ready != nil {
+			meta.SetStatusCondition(&vm.Status.Conditions, *ready)
 		}
-		if !changed {
+		patch, err := vmstatus.Patch(base, vm, false)
+		if patch == nil || err != nil {
+			return err
+		}
+		err = r.Client.Status().Patch(ctx, vm, patch)
+		switch {
+		case err == nil, apierrors.IsNotFound(err):
 			return nil
+		case !vmstatus.Stale(err) || attempt == statusAttempts:
+			return err
 		}
-		// As the controller writes status: a patch of what changed, with the resourceVersion
-		// read as its precondition.
-		return client.IgnoreNotFound(r.Client.Status().Patch(ctx, vm, client.MergeFromWithOptions(base, client.MergeFromWithOptimisticLock{})))
-	})
+		fresh := &vmv1.VirtualMachine{}
+		if err := reader.Get(ctx, client.ObjectKeyFromObject(vm), fresh); err != nil {
+			return client.IgnoreNotFound(err)
+		}
+		*vm = *fresh
+	}
 }
 
-// applyDecisions returns status with the entries of set replacing or adding to those of the
-// same name and the entries named in drop removed, sorted by name.
-func applyDecisions(status []vmv1.VirtualMachineVolumeStatus, set map[string]vmv1.VirtualMachineVolumeStatus, drop []string) []vmv1.VirtualMachineVolumeStatus {
-	out := make([]vmv1.VirtualMachineVolumeStatus, 0, len(status)+len(set))
+// statusAttempts bounds the rereads of a status write: each one means another writer moved the
+// entries between a read and a write.
+const statusAttempts = 10
+
+// applyDecisions returns status with the entries of d.set replacing or added to those of the
+// same name, an entry added for each name of d.claim that has none, and the entries named in
+// d.drop removed; entries keep their order, new ones follow by name.
+func applyDecisions(status []vmv1.VirtualMachineVolumeStatus, d *decisions) []vmv1.VirtualMachineVolumeStatus {
+	out := make([]vmv1.VirtualMachineVolumeStatus, 0, len(status)+len(d.set)+len(d.claim))
+	have := make(map[string]bool, len(status))
 	for _, e := range status {
-		if _, replaced := set[e.Name]; !replaced && !slices.Contains(drop, e.Name) {
-			out = append(out, e)
+		have[e.Name] = true
+		if slices.Contains(d.drop, e.Name) {
+			continue
 		}
-	}
-	for _, e := range set {
+		if s, ok := d.set[e.Name]; ok {
+			e = s
+		}
 		out = append(out, e)
 	}
-	slices.SortFunc(out, func(a, b vmv1.VirtualMachineVolumeStatus) int { return strings.Compare(a.Name, b.Name) })
-	return out
+	var added []vmv1.VirtualMachineVolumeStatus
+	for name, e := range d.set {
+		if !have[name] {
+			added = append(added, e)
+		}
+	}
+	for _, name := range d.claim {
+		if !have[name] && d.set[name] == (vmv1.VirtualMachineVolumeStatus{}) {
+			added = append(added, vmv1.VirtualMachineVolumeStatus{Name: name})
+		}
+	}
+	slices.SortFunc(added, func(a, b vmv1.VirtualMachineVolumeStatus) int { return strings.Compare(a.Name, b.Name) })
+	return append(out, added...)
 }
 
 func (r *Reconciler) event(vm *vmv1.VirtualMachine, eventType, reason, format string, args ...any) {

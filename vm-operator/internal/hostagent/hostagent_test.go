@@ -337,13 +337,16 @@ func TestApplyDecisionsKeepsOtherWritersEntries(t *testing.T) {
 		{Name: "a", Attached: true, DiskSerial: "s-a"},
 		{Name: "b", Attached: true, DiskSerial: "s-b"},
 	}
-	got := applyDecisions(status,
-		map[string]vmv1.VirtualMachineVolumeStatus{"d": {Name: "d", Attached: true, DiskSerial: "s-d"}},
-		[]string{"b"})
+	got := applyDecisions(status, &decisions{
+		set:   map[string]vmv1.VirtualMachineVolumeStatus{"e": {Name: "e", Attached: true, DiskSerial: "s-e"}},
+		drop:  []string{"b"},
+		claim: []string{"a", "d"},
+	})
 	g.Expect(got).To(Equal([]vmv1.VirtualMachineVolumeStatus{
-		{Name: "a", Attached: true, DiskSerial: "s-a"},
 		{Name: "c", Error: "PVC c is not bound"},
-		{Name: "d", Attached: true, DiskSerial: "s-d"},
+		{Name: "a", Attached: true, DiskSerial: "s-a"}, // a claim never replaces an entry
+		{Name: "d"},
+		{Name: "e", Attached: true, DiskSerial: "s-e"},
 	}))
 }
 
