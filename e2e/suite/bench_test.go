@@ -130,6 +130,8 @@ type burst struct {
 	// included); conflictsBy splits the conflicts by "<verb>_<resource>[_<subresource>]".
 	writes, conflicts float64
 	conflictsBy       map[string]float64
+	// writesBy splits the writes by kind.
+	writesBy map[string]float64
 	// apiSeconds is the management apiserver's time serving requests per volume, by kind.
 	apiSeconds map[string]float64
 	// cpu is the CPU time per volume, in seconds, by "<cluster>/<component>" (see cpuTimes).
@@ -156,6 +158,9 @@ func printBursts(prefix string, bs []*burst) {
 	benchFigure(prefix+"_provisioning_throughput", "volumes/s", n, func(i int) float64 { return bs[i].throughput })
 	benchFigure(prefix+"_mgmt_api_writes_per_volume", "writes", n, func(i int) float64 { return bs[i].writes })
 	benchFigure(prefix+"_mgmt_api_conflicts_per_volume", "conflicts", n, func(i int) float64 { return bs[i].conflicts })
+	for _, k := range largest(bs[0].writesBy, 8) {
+		benchFigure(prefix+"_mgmt_api_writes_per_volume_"+k, "writes", n, func(i int) float64 { return bs[i].writesBy[k] })
+	}
 	kinds := map[string]bool{}
 	for _, b := range bs {
 		for k := range b.conflictsBy {
@@ -246,7 +251,7 @@ func podStart(ctx context.Context, cp *cluster.ControlPlane, c client.Client, cl
 	Expect(c.DeleteAllOf(ctx, &corev1.Pod{}, client.InNamespace(ns))).To(Succeed())
 	Expect(c.DeleteAllOf(ctx, &corev1.PersistentVolumeClaim{}, client.InNamespace(ns))).To(Succeed())
 	Eventually(storageObjects).WithContext(ctx).WithTimeout(10 * time.Minute).WithPolling(time.Second).Should(Equal(before))
-	b.writes, b.conflictsBy, b.apiSeconds = apiStatsOf(ctx, mgmt.CP).since(api, n)
+	b.writes, b.writesBy, b.conflictsBy, b.apiSeconds = apiStatsOf(ctx, mgmt.CP).since(api, n)
 	b.conflicts = sum(slices.Collect(maps.Values(b.conflictsBy)))
 	b.cpu = cpuPerVolume(cpuBefore, n)
 	return b
@@ -493,6 +498,8 @@ type apiStats struct {
 	// writes counts the write requests (create, update, patch, delete) for storage objects:
 	// every resource but the heartbeats of nodes (Node status, Leases) and Events.
 	writes int
+	// writesBy counts the writes by kind (see requestKind).
+	writesBy map[string]int
 	// conflicts counts those of the writes answered 409 (a conflict, or a create of an object
 	// that exists), by kind (see requestKind).
 	conflicts map[string]int
@@ -506,7 +513,7 @@ func apiStatsOf(ctx context.Context, cp *cluster.ControlPlane) apiStats {
 	body, err := cp.Client().CoreV1().RESTClient().Get().AbsPath("/metrics").Stream(ctx)
 	Expect(err).NotTo(HaveOccurred())
 	defer body.Close()
-	stats := apiStats{conflicts: map[string]int{}, seconds: map[string]float64{}}
+	stats := apiStats{writesBy: map[string]int{}, conflicts: map[string]int{}, seconds: map[string]float64{}}
 	scanner := bufio.NewScanner(body)
 	scanner.Buffer(make([]byte, 1<<20), 1<<20)
 	for scanner.Scan() {
@@ -527,6 +534,7 @@ func apiStatsOf(ctx context.Context, cp *cluster.ControlPlane) apiStats {
 			continue
 		}
 		stats.writes += int(v)
+		stats.writesBy[requestKind(labels)] += int(v)
 		if label(labels, "code") == "409" {
 			stats.conflicts[requestKind(labels)] += int(v)
 		}
@@ -535,10 +543,15 @@ func apiStatsOf(ctx context.Context, cp *cluster.ControlPlane) apiStats {
 	return stats
 }
 
-// since returns the writes per volume of n volumes since before, and their conflicts and the
-// apiserver's request seconds per volume, by kind.
-func (s apiStats) since(before apiStats, n int) (writes float64, conflicts, seconds map[string]float64) {
-	conflicts, seconds = map[string]float64{}, map[string]float64{}
+// since returns the writes per volume of n volumes since before, and, by kind, the writes,
+// their conflicts and the apiserver's request seconds per volume.
+func (s apiStats) since(before apiStats, n int) (writes float64, writesBy, conflicts, seconds map[string]float64) {
+	writesBy, conflicts, seconds = map[string]float64{}, map[string]float64{}, map[string]float64{}
+	for k, v := range s.writesBy {
+		if d := v - before.writesBy[k]; d > 0 {
+			writesBy[k] = float64(d) / float64(n)
+		}
+	}
 	for k, v := range s.conflicts {
 		if d := v - before.conflicts[k]; d > 0 {
 			conflicts[k] = float64(d) / float64(n)
@@ -549,7 +562,7 @@ func (s apiStats) since(before apiStats, n int) (writes float64, conflicts, seco
 			seconds[k] = d / float64(n)
 		}
 	}
-	return float64(s.writes-before.writes) / float64(n), conflicts, seconds
+	return float64(s.writes-before.writes) / float64(n), writesBy, conflicts, seconds
 }
 
 // requestKind names the requests of a metric's labels "<verb>_<resource>[_<subresource>]".

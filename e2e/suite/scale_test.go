@@ -161,7 +161,7 @@ func phase(ctx context.Context, name string, volumes []*scaleVolume, step func(c
 	wg.Wait()
 	elapsed := time.Since(start)
 	n := float64(len(volumes))
-	writes, conflicts, seconds := apiStatsOf(ctx, mgmt.CP).since(api, len(volumes))
+	writes, _, conflicts, seconds := apiStatsOf(ctx, mgmt.CP).since(api, len(volumes))
 	cpu := cpuPerVolume(cpuBefore, len(volumes))
 	benchf("%s p50 %.2f s, p99 %.2f s, %.1f volumes/s, %.1f mgmt writes and %.2f conflicts per volume; CPU per volume %.3f s, most in %s; mgmt apiserver seconds per volume most in %s\n",
 		name, quantile(took, 0.5), quantile(took, 0.99), n/elapsed.Seconds(), writes, sum(slices.Collect(maps.Values(conflicts))),

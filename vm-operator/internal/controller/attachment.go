@@ -136,7 +136,7 @@ func (r *AttachmentReconciler) reconcileNormal(ctx context.Context, vm *vmv1.Vir
 		failed = append(failed, err)
 	}
 	vm.Status.Volumes = volumeStatus(in, errs)
-	meta.SetStatusCondition(&vm.Status.Conditions, volumesAttachedCondition(vm.Spec.Volumes, vm.Status.Volumes, vm.Generation))
+	meta.SetStatusCondition(&vm.Status.Conditions, volumesAttachedCondition(vm.Spec.Volumes, vm.Status.Volumes))
 	return errors.Join(failed...)
 }
 
@@ -155,7 +155,7 @@ func (r *AttachmentReconciler) reconcileDelete(ctx context.Context, vm *vmv1.Vir
 		// Waiting for the host agent, the attacher, or the status written below: each one's
 		// progress triggers the next reconcile.
 		vm.Status.Volumes = volumeStatus(in, nil)
-		meta.SetStatusCondition(&vm.Status.Conditions, volumesAttachedCondition(nil, vm.Status.Volumes, vm.Generation))
+		meta.SetStatusCondition(&vm.Status.Conditions, volumesAttachedCondition(nil, vm.Status.Volumes))
 		return ctrl.Result{}, nil
 	}
 	// Nothing left: the object goes with the finalizer, its status needs no last write.

@@ -91,8 +91,8 @@ func (r *PlacementReconciler) Reconcile(ctx context.Context, req ctrl.Request) (
 func (r *PlacementReconciler) reconcileNormal(ctx context.Context, vm *vmv1.VirtualMachine) error {
 	vm.Status.UniqueID = string(vm.UID)
 	placed := metav1.Condition{
+		// No observedGeneration: every edit of spec.volumes would rewrite the condition.
 		Type: vmv1.PlacedCondition, Status: metav1.ConditionTrue, Reason: vmv1.HostAssignedReason,
-		ObservedGeneration: vm.Generation,
 	}
 	switch {
 	case vm.Status.Host != "":

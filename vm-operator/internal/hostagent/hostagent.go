@@ -438,6 +438,7 @@ func (r *Reconciler) writeStatus(ctx context.Context, vm *vmv1.VirtualMachine, d
 	if reader == nil {
 		reader = r.Client
 	}
+	start := time.Now()
 	for attempt := 0; ; attempt++ {
 		base := vm.DeepCopy()
 		vm.Status.Volumes = applyDecisions(vm.Status.Volumes, d)
@@ -450,7 +451,10 @@ func (r *Reconciler) writeStatus(ctx context.Context, vm *vmv1.VirtualMachine, d
 		}
 		err = r.Client.Status().Patch(ctx, vm, patch)
 		switch {
-		case err == nil, apierrors.IsNotFound(err):
+		case err == nil:
+			ctrl.LoggerFrom(ctx).V(2).Info("Wrote status", "patch", patch.Type(), "attempts", attempt+1, "took", time.Since(start))
+			return nil
+		case apierrors.IsNotFound(err):
 			return nil
 		case !vmstatus.Stale(err) || attempt == statusAttempts:
 			return err
