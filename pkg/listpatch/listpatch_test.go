@@ -4,8 +4,8 @@ import (
 	"encoding/json"
 	"testing"
 
-	jsonpatch "gopkg.in/evanphx/json-patch.v4" // the apiserver's
 	. "github.com/onsi/gomega"
+	jsonpatch "gopkg.in/evanphx/json-patch.v4" // the apiserver's
 )
 
 type entry struct {
@@ -16,8 +16,8 @@ type entry struct {
 func TestEdit(t *testing.T) {
 	b, c := entry{Name: "b"}, entry{Name: "c"}
 	tests := []struct {
-		name    string
-		doc     string
+		name string
+		doc  string
 		edit Edit
 		want string // the document after the patch; empty: the patch fails
 	}{
