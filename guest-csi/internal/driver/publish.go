@@ -52,6 +52,7 @@ func (s *controllerServer) ControllerPublishVolume(ctx context.Context, req *csi
 	}
 	defer unlock()
 	ctx = klog.NewContext(ctx, klog.FromContext(ctx).WithValues("volumeID", id, "vm", node))
+	klog.FromContext(ctx).V(4).Info("Attaching")
 	if err := s.attachedElsewhere(ctx, c, id, node); err != nil {
 		return nil, err
 	}

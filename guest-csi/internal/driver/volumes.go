@@ -9,6 +9,7 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	"k8s.io/klog/v2"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	vmv1 "pvbridge.io/pkg/apis/vm/v1alpha1"
@@ -73,7 +74,9 @@ func (s *controllerServer) editVolumes(ctx context.Context, vm *vmv1.VirtualMach
 	}
 	s.edits.mu.Unlock()
 	if !writing {
-		go s.writeBatches(context.WithoutCancel(ctx), vm.DeepCopy())
+		// Not the caller's logger: the batch holds other callers' volumes too.
+		wctx := klog.NewContext(context.WithoutCancel(ctx), klog.Background().WithValues("vm", klog.KObj(vm)))
+		go s.writeBatches(wctx, vm.DeepCopy())
 	}
 	select {
 	case <-next.done:
@@ -114,6 +117,7 @@ func (s *controllerServer) writeBatches(ctx context.Context, vm *vmv1.VirtualMac
 // A patch the apiserver refuses (Invalid, or Conflict for the merge patch) was made from a VM
 // that changed since: it is read again and the patch made anew, up to editAttempts times.
 func (s *controllerServer) writeBatch(ctx context.Context, vm *vmv1.VirtualMachine, b *volumeBatch) error {
+	start := time.Now()
 	for attempt := 0; ; attempt++ {
 		read := make([]string, len(vm.Spec.Volumes))
 		for i, v := range vm.Spec.Volumes {
@@ -143,6 +147,9 @@ func (s *controllerServer) writeBatch(ctx context.Context, vm *vmv1.VirtualMachi
 		}
 		uid := vm.UID
 		err := s.mgmt.Patch(ctx, vm, patch)
+		if err == nil {
+			klog.FromContext(ctx).V(2).Info("Wrote spec.volumes", "add", len(b.add), "remove", len(b.remove), "attempts", attempt+1, "took", time.Since(start))
+		}
 		switch {
 		case !apierrors.IsInvalid(err) && !apierrors.IsConflict(err):
 			return volumesError(vm, err)

@@ -135,6 +135,10 @@ func (r *AttachmentReconciler) reconcileNormal(ctx context.Context, vm *vmv1.Vir
 	if err := r.deleteAttachments(ctx, vm, unneeded); err != nil {
 		failed = append(failed, err)
 	}
+	if err := r.confirmAttachments(ctx, vm, &in, volumeStatus(in, errs)); err != nil {
+		return errors.Join(append(failed, err)...)
+	}
+	errs = volumeErrors(in)
 	vm.Status.Volumes = volumeStatus(in, errs)
 	meta.SetStatusCondition(&vm.Status.Conditions, volumesAttachedCondition(vm.Spec.Volumes, vm.Status.Volumes))
 	return errors.Join(failed...)
@@ -154,6 +158,9 @@ func (r *AttachmentReconciler) reconcileDelete(ctx context.Context, vm *vmv1.Vir
 	if len(in.Status) > 0 || len(in.Attachments) > 0 || len(unneeded) > 0 {
 		// Waiting for the host agent, the attacher, or the status written below: each one's
 		// progress triggers the next reconcile.
+		if err := r.confirmAttachments(ctx, vm, &in, volumeStatus(in, nil)); err != nil {
+			return ctrl.Result{}, err
+		}
 		vm.Status.Volumes = volumeStatus(in, nil)
 		meta.SetStatusCondition(&vm.Status.Conditions, volumesAttachedCondition(nil, vm.Status.Volumes))
 		return ctrl.Result{}, nil
@@ -285,6 +292,41 @@ func (r *AttachmentReconciler) persistentVolume(ctx context.Context, name string
 		return nil, fmt.Errorf("get PersistentVolume %s: %w", name, err)
 	}
 	return pv, nil
+}
+
+// confirmAttachments reads afresh from the API server the VolumeAttachments of the entries
+// that want adds, changes or removes from in.Status, and puts them in in.Attachments: the
+// controller writes an entry only while its VolumeAttachment is not attached, and the cache may
+// not have seen the attach yet. It costs a read only when the controller is about to write an
+// entry, which is rare: an error appears or goes.
+func (r *AttachmentReconciler) confirmAttachments(ctx context.Context, vm *vmv1.VirtualMachine, in *volumeInputs, want []vmv1.VirtualMachineVolumeStatus) error {
+	before := make(map[string]vmv1.VirtualMachineVolumeStatus, len(in.Status))
+	for _, e := range in.Status {
+		before[e.Name] = e
+	}
+	changed := map[string]bool{}
+	for _, e := range want {
+		if old, ok := before[e.Name]; !ok || old != e {
+			changed[e.Name] = true
+		}
+		delete(before, e.Name)
+	}
+	for name := range before {
+		changed[name] = true
+	}
+	for name := range changed {
+		va := &storagev1.VolumeAttachment{}
+		err := r.APIReader.Get(ctx, client.ObjectKey{Name: vmv1.AttachmentName(vm.Namespace, vm.Name, name)}, va)
+		switch {
+		case apierrors.IsNotFound(err):
+			delete(in.Attachments, name)
+		case err != nil:
+			return fmt.Errorf("read the VolumeAttachment of volume %s: %w", name, err)
+		default:
+			in.Attachments[name] = va
+		}
+	}
+	return nil
 }
 
 // volumeNames lists the names of spec and status volumes.

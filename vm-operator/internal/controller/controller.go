@@ -62,7 +62,7 @@ func SetupWithManager(mgr ctrl.Manager) error {
 // wrote. An error for which vmstatus.Stale holds means someone else wrote in between: the caller
 // reconciles again from the new object instead of overwriting it.
 func patchStatus(ctx context.Context, c client.Client, base, vm *vmv1.VirtualMachine) (bool, error) {
-	patch, err := vmstatus.Patch(base, vm, true)
+	patch, err := vmstatus.Patch(base, vm)
 	if patch == nil || err != nil {
 		return false, err
 	}

@@ -13,6 +13,7 @@ import (
 
 	vmv1 "pvbridge.io/pkg/apis/vm/v1alpha1"
 	"pvbridge.io/pkg/names"
+	"pvbridge.io/vm-operator/internal/vmstatus"
 )
 
 // vmPhase derives status.phase, which only the controller writes, from status.host and the
@@ -41,25 +42,28 @@ func vmPhase(status vmv1.VirtualMachineStatus) vmv1.Phase {
 // unstages a volume that left spec.volumes, and then removes its entry. The controller must
 // still tell the guest why a volume never gets that far (the PVC is missing or unbound, the PV
 // is not a PMEM volume or lives on another host, the attach failed), and the guest only reads
-// status.volumes. So the controller writes an entry only while the host agent cannot have
-// touched the volume:
+// status.volumes. So the controller writes only entries of its own, and only while the host
+// agent cannot have touched the volume:
 //
-//   - the entry says attached=false, and
+//   - the entry carries an error and says attached=false, with no diskSerial (the host agent's
+//     claim, {name} alone, is never the controller's: CI caught the controller dropping one
+//     while the host agent staged the volume, which then stayed published on the host), and
 //   - the volume's VolumeAttachment does not exist or is not attached (the host agent acts only
-//     on attached ones).
+//     on attached ones), as read afresh from the API server before the controller changes an
+//     entry (confirmAttachments): its cache may not have seen the attach yet.
 //
 // In that stage the controller makes the entry say exactly its own verdict: it adds {name,
-// error} for a volume it finds an error for, rewrites or clears the error of an existing entry,
-// and removes an entry that then carries nothing (no error, no diskSerial). An entry whose volume
-// has left spec.volumes (or whose VirtualMachine is being deleted) and that has no
-// VolumeAttachment at all is removed too: there is nothing on the host to undo. Every other
-// entry is the host agent's and is left exactly as it is.
+// error} for a volume without an entry that it finds an error for, rewrites the error of its
+// entry, and removes its entry once there is no error. Its entry whose volume has left
+// spec.volumes (or whose VirtualMachine is being deleted) and that has no VolumeAttachment at
+// all is removed too: there is nothing on the host to undo. Every other entry is the host
+// agent's and is left exactly as it is. The host agent's claim replaces an entry of the
+// controller, so that a volume being staged always has an entry the controller leaves alone.
 //
 // Neither write carries the resourceVersion (vmstatus): each tests the entries it changes at
-// the indices it read them at, so the writers, and the guest's writes of spec.volumes, do not fail
-// each other's writes. The controller compares and swaps each entry whole: its write fails when
-// the host agent changed the entry since the controller read it, and the controller recomputes
-// from the new object. The host agent's claims only add entries where none exists. Neither loses
+// the indices it read them at, and compares and swaps each whole, so the writers, and the
+// guest's writes of spec.volumes, do not fail each other's writes, but a write made from an
+// entry that changed since fails, and its writer recomputes from the new object. Neither loses
 // an update. The one known window: an attach error the controller wrote stays until the host
 // agent writes the entry, because once the VolumeAttachment is attached the controller can no
 // longer tell its own stale error from a hot-plug error of the host agent.
@@ -190,38 +194,35 @@ func volumeStatus(in volumeInputs, errs map[string]string) []vmv1.VirtualMachine
 	for _, v := range in.Volumes {
 		inSpec[v.Name] = true
 	}
-	controllerOwns := func(name string, attached bool) bool {
-		va := in.Attachments[name]
-		return !attached && (va == nil || !va.Status.Attached)
-	}
-
 	var out []vmv1.VirtualMachineVolumeStatus
 	seen := make(map[string]bool, len(in.Status))
 	for _, e := range in.Status {
 		seen[e.Name] = true
 		switch {
-		case !controllerOwns(e.Name, e.Attached):
+		case !vmstatus.ControllerEntry(e) || attachmentAttached(in, e.Name):
 			out = append(out, e)
 		case !inSpec[e.Name]:
 			if in.Attachments[e.Name] != nil {
 				// The host agent unstages it (if it ever staged it) and removes the entry.
 				out = append(out, e)
 			}
-		default:
+		case errs[e.Name] != "":
 			e.Error = errs[e.Name]
-			if e.Error != "" || e.DiskSerial != "" {
-				out = append(out, e)
-			}
+			out = append(out, e)
 		}
 	}
 	for _, v := range in.Volumes {
-		if msg := errs[v.Name]; !seen[v.Name] && msg != "" && controllerOwns(v.Name, false) {
+		if msg := errs[v.Name]; !seen[v.Name] && msg != "" && !attachmentAttached(in, v.Name) {
 			out = append(out, vmv1.VirtualMachineVolumeStatus{Name: v.Name, Error: msg})
 		}
 	}
-	// Sorted by name, as the host agent writes it, so that neither reorders the other's list.
-	slices.SortStableFunc(out, func(a, b vmv1.VirtualMachineVolumeStatus) int { return strings.Compare(a.Name, b.Name) })
 	return out
+}
+
+// attachmentAttached reports whether volume name's VolumeAttachment is attached, as in read.
+func attachmentAttached(in volumeInputs, name string) bool {
+	va := in.Attachments[name]
+	return va != nil && va.Status.Attached
 }
 
 // volumesAttachedCondition summarizes status.volumes against spec.volumes: True when every

@@ -283,9 +283,19 @@ func TestVolumeStatus(t *testing.T) {
 			want: nil,
 		},
 		{
-			name: "a cleared error keeps the rest of the entry",
-			in:   makeInputs("host-a", a, []vmv1.VirtualMachineVolumeStatus{{Name: "a", DiskSerial: "pvb0123456789abcdef0", Error: "PVC not bound"}}),
-			want: []vmv1.VirtualMachineVolumeStatus{{Name: "a", DiskSerial: "pvb0123456789abcdef0"}},
+			name: "an entry with a disk serial is the host agent's, error and all",
+			in:   makeInputs("host-a", a, []vmv1.VirtualMachineVolumeStatus{{Name: "a", DiskSerial: "pvb0123456789abcdef0", Error: "hot-plug failed"}}),
+			want: []vmv1.VirtualMachineVolumeStatus{{Name: "a", DiskSerial: "pvb0123456789abcdef0", Error: "hot-plug failed"}},
+		},
+		{
+			name: "the host agent's claim stays, even while the attachment looks unattached",
+			in:   makeInputs("host-a", a, []vmv1.VirtualMachineVolumeStatus{{Name: "a"}}, newVA("vm-1", "a", "pv-a", "host-a")),
+			want: []vmv1.VirtualMachineVolumeStatus{{Name: "a"}},
+		},
+		{
+			name: "the host agent's claim of a removed volume stays until the agent removes it",
+			in:   makeInputs("host-a", nil, []vmv1.VirtualMachineVolumeStatus{{Name: "a"}}),
+			want: []vmv1.VirtualMachineVolumeStatus{{Name: "a"}},
 		},
 		{
 			name: "an attach error appears while the attachment is not attached",
@@ -330,14 +340,14 @@ func TestVolumeStatus(t *testing.T) {
 			want: []vmv1.VirtualMachineVolumeStatus{{Name: "a", Attached: true, DiskSerial: "pvb0123456789abcdef0", Error: "unplug: busy"}},
 		},
 		{
-			name: "entries are sorted by name, as the host agent sorts them",
+			name: "entries keep their order, new ones follow",
 			in: makeInputs("host-a", []vmv1.VirtualMachineVolume{volume("c", "claim-c"), volume("b", "claim-b"), volume("a", "claim-a")},
 				[]vmv1.VirtualMachineVolumeStatus{{Name: "b", Attached: true, DiskSerial: "pvb0123456789abcdef0"}}),
 			errs: map[string]string{"a": "err a", "c": "err c"},
 			want: []vmv1.VirtualMachineVolumeStatus{
-				{Name: "a", Error: "err a"},
 				{Name: "b", Attached: true, DiskSerial: "pvb0123456789abcdef0"},
 				{Name: "c", Error: "err c"},
+				{Name: "a", Error: "err a"},
 			},
 		},
 	}

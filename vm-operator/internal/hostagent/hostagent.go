@@ -30,6 +30,7 @@ import (
 	"k8s.io/apimachinery/pkg/api/meta"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/apimachinery/pkg/util/resourceversion"
 	ctrl "sigs.k8s.io/controller-runtime"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 	"sigs.k8s.io/controller-runtime/pkg/controller"
@@ -68,6 +69,10 @@ type Reconciler struct {
 
 	// now is the clock (time.Now when nil).
 	now func() time.Time
+	// written holds, per VM, the resourceVersion of the agent's last status write until the
+	// cache has it (see current).
+	writtenMu sync.Mutex
+	written   map[types.NamespacedName]string
 	// stops records when the agent first saw each VM that must stop still holding disks.
 	stopsMu sync.Mutex
 	stops   map[types.UID]time.Time
@@ -159,10 +164,18 @@ func SerialFor(pvName string) string {
 func (r *Reconciler) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Result, error) {
 	vm := &vmv1.VirtualMachine{}
 	if err := r.Client.Get(ctx, req.NamespacedName, vm); err != nil {
+		if apierrors.IsNotFound(err) {
+			r.writtenMu.Lock()
+			delete(r.written, req.NamespacedName)
+			r.writtenMu.Unlock()
+		}
 		return ctrl.Result{}, client.IgnoreNotFound(err)
 	}
 	if vm.Status.Host != r.Node {
 		return ctrl.Result{}, nil
+	}
+	if err := r.current(ctx, vm); err != nil {
+		return ctrl.Result{}, client.IgnoreNotFound(err)
 	}
 	ref := hypervisor.VM{Namespace: vm.Namespace, Name: vm.Name, UID: vm.Status.UniqueID}
 	// A VM being deleted or powered off keeps no disk.
@@ -210,14 +223,17 @@ type decisions struct {
 	waiting bool
 }
 
-// claim records in status, in one write, the volumes about to be staged: while an entry exists
-// the controller keeps the VolumeAttachment, so a volume removed from spec meanwhile is unstaged
-// before it is detached (kubelet's volumesInUse does the same for pods). A claim only adds an
-// entry where there is none: it never replaces one recorded meanwhile.
+// claim records in status, in one write, the volumes about to be staged: while an entry of the
+// host agent exists the controller keeps the VolumeAttachment, so a volume removed from spec
+// meanwhile is unstaged before it is detached (kubelet's volumesInUse does the same for pods).
+// A claim adds an entry where there is none and replaces an entry of the controller (an error
+// it wrote before the volume was attached), which the controller would otherwise still rewrite
+// or remove; it never replaces an entry of the host agent.
 func (r *Reconciler) claim(ctx context.Context, vm *vmv1.VirtualMachine) error {
 	d := &decisions{}
 	for _, v := range vm.Spec.Volumes {
-		if !slices.ContainsFunc(vm.Status.Volumes, func(e vmv1.VirtualMachineVolumeStatus) bool { return e.Name == v.Name }) && r.attachmentReady(ctx, vm, v.Name) {
+		i := slices.IndexFunc(vm.Status.Volumes, func(e vmv1.VirtualMachineVolumeStatus) bool { return e.Name == v.Name })
+		if (i < 0 || vmstatus.ControllerEntry(vm.Status.Volumes[i])) && r.attachmentReady(ctx, vm, v.Name) {
 			d.claim = append(d.claim, v.Name)
 		}
 	}
@@ -429,10 +445,11 @@ func (r *Reconciler) detach(ctx context.Context, vm *vmv1.VirtualMachine, ref hy
 }
 
 // writeStatus writes the agent's decisions in status.volumes and the Ready condition when ready
-// is set (vmstatus): the entries it sets, drops and claims, each at the index it read it at and
-// without the resourceVersion, so that the controller's and the guest's writes in between do
-// not fail it. When its read was stale (the entries moved, or a claimed entry was added
-// meanwhile) it reads the VM from the API server and applies the decisions to that.
+// is set (vmstatus): the entries it sets, drops and claims, each compared and swapped at the
+// index it read it at, without the resourceVersion, so that the controller's and the guest's
+// writes of other entries do not fail it. When its read was stale (an entry changed or moved,
+// or a claimed entry was added meanwhile) it reads the VM from the API server and applies the
+// decisions to that.
 func (r *Reconciler) writeStatus(ctx context.Context, vm *vmv1.VirtualMachine, d *decisions, ready *metav1.Condition) error {
 	reader := r.APIReader
 	if reader == nil {
@@ -445,13 +462,14 @@ func (r *Reconciler) writeStatus(ctx context.Context, vm *vmv1.VirtualMachine, d
 		if ready != nil {
 			meta.SetStatusCondition(&vm.Status.Conditions, *ready)
 		}
-		patch, err := vmstatus.Patch(base, vm, false)
+		patch, err := vmstatus.Patch(base, vm)
 		if patch == nil || err != nil {
 			return err
 		}
 		err = r.Client.Status().Patch(ctx, vm, patch)
 		switch {
 		case err == nil:
+			r.wrote(vm)
 			ctrl.LoggerFrom(ctx).V(2).Info("Wrote status", "patch", patch.Type(), "attempts", attempt+1, "took", time.Since(start))
 			return nil
 		case apierrors.IsNotFound(err):
@@ -467,13 +485,62 @@ func (r *Reconciler) writeStatus(ctx context.Context, vm *vmv1.VirtualMachine, d
 	}
 }
 
+// current replaces vm, as the cache has it, with the VM as the API server has it while the cache
+// has not yet seen the agent's last status write of it. Deciding from such a VM would undo that
+// write: a reconcile that saw a volume still in spec and its entry still there (both gone since)
+// re-published and re-plugged the volume without recording it, and the controller then deleted
+// its VolumeAttachment under it (CI, the kill -9 churn).
+func (r *Reconciler) current(ctx context.Context, vm *vmv1.VirtualMachine) error {
+	key := client.ObjectKeyFromObject(vm)
+	r.writtenMu.Lock()
+	rv, ok := r.written[key]
+	r.writtenMu.Unlock()
+	if !ok {
+		return nil
+	}
+	if cmp, err := resourceversion.CompareResourceVersion(vm.ResourceVersion, rv); err == nil && cmp >= 0 {
+		r.forgetWritten(key, rv)
+		return nil
+	}
+	reader := r.APIReader
+	if reader == nil {
+		reader = r.Client
+	}
+	live := &vmv1.VirtualMachine{}
+	if err := reader.Get(ctx, key, live); err != nil {
+		return err
+	}
+	*vm = *live
+	return nil
+}
+
+// forgetWritten forgets the write of rv to the VM at key, unless a newer one was recorded.
+func (r *Reconciler) forgetWritten(key types.NamespacedName, rv string) {
+	r.writtenMu.Lock()
+	defer r.writtenMu.Unlock()
+	if r.written[key] == rv {
+		delete(r.written, key)
+	}
+}
+
+// wrote records the resourceVersion of a status write of vm (see current).
+func (r *Reconciler) wrote(vm *vmv1.VirtualMachine) {
+	r.writtenMu.Lock()
+	defer r.writtenMu.Unlock()
+	if r.written == nil {
+		r.written = map[types.NamespacedName]string{}
+	}
+	r.written[client.ObjectKeyFromObject(vm)] = vm.ResourceVersion
+}
+
 // statusAttempts bounds the rereads of a status write: each one means another writer moved the
 // entries between a read and a write.
 const statusAttempts = 10
 
 // applyDecisions returns status with the entries of d.set replacing or added to those of the
-// same name, an entry added for each name of d.claim that has none, and the entries named in
-// d.drop removed; entries keep their order, new ones follow by name.
+// same name, an entry {name} for each name of d.claim that has none or one of the controller's
+// (see claim), and the entries named in d.drop removed; entries keep their order, new ones
+// follow by name.
 func applyDecisions(status []vmv1.VirtualMachineVolumeStatus, d *decisions) []vmv1.VirtualMachineVolumeStatus {
 	out := make([]vmv1.VirtualMachineVolumeStatus, 0, len(status)+len(d.set)+len(d.claim))
 	have := make(map[string]bool, len(status))
@@ -484,6 +551,8 @@ func applyDecisions(status []vmv1.VirtualMachineVolumeStatus, d *decisions) []vm
 		}
 		if s, ok := d.set[e.Name]; ok {
 			e = s
+		} else if slices.Contains(d.claim, e.Name) && vmstatus.ControllerEntry(e) {
+			e = vmv1.VirtualMachineVolumeStatus{Name: e.Name}
 		}
 		out = append(out, e)
 	}

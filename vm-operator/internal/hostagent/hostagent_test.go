@@ -334,20 +334,44 @@ func TestApplyDecisionsKeepsOtherWritersEntries(t *testing.T) {
 	g := NewWithT(t)
 	status := []vmv1.VirtualMachineVolumeStatus{
 		{Name: "c", Error: "PVC c is not bound"}, // the controller's
+		{Name: "f", Error: "attach failed: x"},   // the controller's, and claimed
 		{Name: "a", Attached: true, DiskSerial: "s-a"},
 		{Name: "b", Attached: true, DiskSerial: "s-b"},
 	}
 	got := applyDecisions(status, &decisions{
 		set:   map[string]vmv1.VirtualMachineVolumeStatus{"e": {Name: "e", Attached: true, DiskSerial: "s-e"}},
 		drop:  []string{"b"},
-		claim: []string{"a", "d"},
+		claim: []string{"a", "d", "f"},
 	})
 	g.Expect(got).To(Equal([]vmv1.VirtualMachineVolumeStatus{
 		{Name: "c", Error: "PVC c is not bound"},
-		{Name: "a", Attached: true, DiskSerial: "s-a"}, // a claim never replaces an entry
+		{Name: "f"},                                    // a claim takes over the controller's entry
+		{Name: "a", Attached: true, DiskSerial: "s-a"}, // and never replaces the agent's
 		{Name: "d"},
 		{Name: "e", Attached: true, DiskSerial: "s-e"},
 	}))
+}
+
+// A reconcile whose cached VM predates the agent's own last status write decides from the VM as
+// the API server has it, and from the cache again once the cache has caught up.
+func TestStaleCacheAfterOwnWriteIsReadAgain(t *testing.T) {
+	g := NewWithT(t)
+	cached := virtualMachine([]string{"data"}, []vmv1.VirtualMachineVolumeStatus{{Name: "data", Attached: true, DiskSerial: "s"}})
+	cached.ResourceVersion = "5"
+	live := cached.DeepCopy()
+	live.ResourceVersion, live.Spec.Volumes, live.Status.Volumes = "7", nil, nil
+	r := &Reconciler{APIReader: newClient(g, live, true)}
+	r.wrote(&vmv1.VirtualMachine{ObjectMeta: metav1.ObjectMeta{Namespace: cached.Namespace, Name: cached.Name, ResourceVersion: "7"}})
+
+	vm := cached.DeepCopy()
+	g.Expect(r.current(t.Context(), vm)).To(Succeed())
+	g.Expect(vm.Status.Volumes).To(BeEmpty(), "the entry the agent dropped stays dropped")
+
+	caughtUp := live.DeepCopy()
+	caughtUp.Status.Host = "from the cache"
+	g.Expect(r.current(t.Context(), caughtUp)).To(Succeed())
+	g.Expect(caughtUp.Status.Host).To(Equal("from the cache"))
+	g.Expect(r.written).To(BeEmpty())
 }
 
 func TestSerialFor(t *testing.T) {

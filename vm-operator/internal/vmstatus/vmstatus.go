@@ -5,9 +5,8 @@
 // a JSON patch (listpatch): each entry tested at the index it was read at, without the
 // resourceVersion, so that the writers, and the guest's writes of spec.volumes, do not fail each
 // other's writes in a burst (a 100-volume burst counted 12 conflicts per volume when every
-// write carried the resourceVersion). A writer whose decision depends on the entry as it read
-// it (the controller, which writes an entry only while the host agent has not taken it up)
-// compares and swaps the whole entry. Anything else (status.host, uniqueID, phase), and a list
+// write carried the resourceVersion). Each entry is compared and swapped whole: a write fails
+// when the entry changed since it was read. Anything else (status.host, uniqueID, phase), and a list
 // read empty, which may not exist, is written by a merge patch under the resourceVersion read.
 // Either way a write made from a stale read fails: Conflict or Invalid (see Stale).
 package vmstatus
@@ -23,13 +22,13 @@ import (
 )
 
 // Patch returns the patch that writes what vm's status changed since base, as read; nil when
-// nothing changed. With cas, every status.volumes entry it changes or removes must still be as
-// base read it.
-func Patch(base, vm *vmv1.VirtualMachine, cas bool) (client.Patch, error) {
+// nothing changed. Every status.volumes entry it changes or removes must still be as base read
+// it.
+func Patch(base, vm *vmv1.VirtualMachine) (client.Patch, error) {
 	rest, restBase := vm.Status, base.Status
 	rest.Volumes, rest.Conditions, restBase.Volumes, restBase.Conditions = nil, nil, nil, nil
 	volumes, ok := listpatch.Diff("/status/volumes", "name", base.Status.Volumes, vm.Status.Volumes,
-		func(e vmv1.VirtualMachineVolumeStatus) string { return e.Name }, cas).Ops()
+		func(e vmv1.VirtualMachineVolumeStatus) string { return e.Name }, true).Ops()
 	conditions, ok2 := listpatch.Diff("/status/conditions", "type", base.Status.Conditions, vm.Status.Conditions,
 		func(c metav1.Condition) string { return c.Type }, false).Ops()
 	switch {
@@ -45,3 +44,11 @@ func Patch(base, vm *vmv1.VirtualMachine, cas bool) (client.Patch, error) {
 // changed since it was read: a Conflict for the merge patch, Invalid for a JSON patch whose test
 // failed (or that appended an entry someone else had added meanwhile).
 func Stale(err error) bool { return apierrors.IsConflict(err) || apierrors.IsInvalid(err) }
+
+// ControllerEntry reports whether e can be an entry of the controller's: one with an error and
+// nothing that only the host agent records (attached, diskSerial). The controller writes no
+// other entry, and the host agent's claim replaces such an entry (see the controller's
+// vm_status.go).
+func ControllerEntry(e vmv1.VirtualMachineVolumeStatus) bool {
+	return e.Error != "" && !e.Attached && e.DiskSerial == ""
+}

@@ -21,7 +21,6 @@ func TestPatch(t *testing.T) {
 	tests := []struct {
 		name      string
 		base, vm  vmv1.VirtualMachineStatus
-		cas       bool
 		wantType  types.PatchType // empty: no patch
 		wantPatch string
 	}{
@@ -47,7 +46,6 @@ func TestPatch(t *testing.T) {
 			name:     "a compare and swap tests the entry as read",
 			base:     vmv1.VirtualMachineStatus{Volumes: []vmv1.VirtualMachineVolumeStatus{a, b}},
 			vm:       vmv1.VirtualMachineStatus{Volumes: []vmv1.VirtualMachineVolumeStatus{b}},
-			cas:      true,
 			wantType: types.JSONPatchType,
 			wantPatch: `[{"op":"test","path":"/status/volumes/0","value":{"name":"a"}},
 				{"op":"remove","path":"/status/volumes/0"}]`,
@@ -73,7 +71,7 @@ func TestPatch(t *testing.T) {
 			base := &vmv1.VirtualMachine{ObjectMeta: metav1.ObjectMeta{ResourceVersion: "7"}, Status: tt.base}
 			vm := base.DeepCopy()
 			vm.Status = tt.vm
-			patch, err := Patch(base, vm, tt.cas)
+			patch, err := Patch(base, vm)
 			g.Expect(err).NotTo(HaveOccurred())
 			if tt.wantType == "" {
 				g.Expect(patch).To(BeNil())
