@@ -19,12 +19,28 @@ import (
 // The edits of a VM's spec.volumes are written in batches, one batch at a time per VM (a group
 // commit): the publishes of a burst to one VM become a few patches instead of one per volume,
 // and the driver's writers never move the indices each other's patch tests. Each edit waits for
-// the patch that carries it. An edit whose caller stopped waiting is still written, which is
-// harmless: the sidecar retries, and publishing and unpublishing are idempotent.
+// the patch that carries it. An edit whose caller stopped waiting is still written: the sidecar
+// retries, publishing is idempotent, and a removal of the volume follows it (removeVolume).
 type volumeEdits struct {
 	mu sync.Mutex
 	// queues holds, for each VM with a batch being written, the edits that wait for the next.
 	queues map[client.ObjectKey]*volumeBatch
+	// writing holds the batch being written for each VM.
+	writing map[client.ObjectKey]*volumeBatch
+}
+
+// adding reports whether an edit that adds id to the VM at key is queued or being written.
+func (e *volumeEdits) adding(key client.ObjectKey, id string) bool {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	return slices.Contains(e.queues[key].adds(), id) || slices.Contains(e.writing[key].adds(), id)
+}
+
+func (b *volumeBatch) adds() []string {
+	if b == nil {
+		return nil
+	}
+	return b.add
 }
 
 // volumeBatch is the edits of one patch of a VM's spec.volumes: the management PVCs whose
@@ -46,9 +62,12 @@ func (s *controllerServer) addVolume(ctx context.Context, vm *vmv1.VirtualMachin
 	return s.editVolumes(ctx, vm, id, true)
 }
 
-// removeVolume removes management PVC id from the VM's spec.volumes.
+// removeVolume removes management PVC id from the VM's spec.volumes. An add of id whose caller
+// stopped waiting may still be queued or being written: the removal then follows it, or the
+// volume would be attached after its detach returned.
 func (s *controllerServer) removeVolume(ctx context.Context, vm *vmv1.VirtualMachine, id string) error {
-	if !slices.ContainsFunc(vm.Spec.Volumes, func(v vmv1.VirtualMachineVolume) bool { return v.Name == id }) {
+	if !slices.ContainsFunc(vm.Spec.Volumes, func(v vmv1.VirtualMachineVolume) bool { return v.Name == id }) &&
+		!s.edits.adding(client.ObjectKeyFromObject(vm), id) {
 		return nil
 	}
 	return s.editVolumes(ctx, vm, id, false)
@@ -100,11 +119,18 @@ func (s *controllerServer) writeBatches(ctx context.Context, vm *vmv1.VirtualMac
 		}
 		// Edits that arrive while this batch is written wait for the next one.
 		s.edits.queues[key] = &volumeBatch{done: make(chan struct{})}
+		if s.edits.writing == nil {
+			s.edits.writing = map[client.ObjectKey]*volumeBatch{}
+		}
+		s.edits.writing[key] = b
 		s.edits.mu.Unlock()
 
 		bctx, cancel := context.WithTimeout(ctx, batchTimeout)
 		b.err = s.writeBatch(bctx, vm, b)
 		cancel()
+		s.edits.mu.Lock()
+		delete(s.edits.writing, key)
+		s.edits.mu.Unlock()
 		close(b.done)
 	}
 }
