@@ -29,18 +29,16 @@ type volumeEdits struct {
 	writing map[client.ObjectKey]*volumeBatch
 }
 
-// adding reports whether an edit that adds id to the VM at key is queued or being written.
-func (e *volumeEdits) adding(key client.ObjectKey, id string) bool {
+// editing reports whether an edit of id's entry of the VM at key is queued or being written.
+func (e *volumeEdits) editing(key client.ObjectKey, id string) bool {
 	e.mu.Lock()
 	defer e.mu.Unlock()
-	return slices.Contains(e.queues[key].adds(), id) || slices.Contains(e.writing[key].adds(), id)
+	return e.queues[key].holds(id) || e.writing[key].holds(id)
 }
 
-func (b *volumeBatch) adds() []string {
-	if b == nil {
-		return nil
-	}
-	return b.add
+// holds reports whether the batch edits id's entry; a nil batch holds nothing.
+func (b *volumeBatch) holds(id string) bool {
+	return b != nil && (slices.Contains(b.add, id) || slices.Contains(b.remove, id))
 }
 
 // volumeBatch is the edits of one patch of a VM's spec.volumes: the management PVCs whose
@@ -56,21 +54,24 @@ const batchTimeout = 30 * time.Second
 
 // addVolume adds management PVC id to the VM's spec.volumes.
 func (s *controllerServer) addVolume(ctx context.Context, vm *vmv1.VirtualMachine, id string) error {
-	if slices.ContainsFunc(vm.Spec.Volumes, func(v vmv1.VirtualMachineVolume) bool { return v.Name == id }) {
-		return nil
-	}
-	return s.editVolumes(ctx, vm, id, true)
+	return s.editVolume(ctx, vm, id, true)
 }
 
-// removeVolume removes management PVC id from the VM's spec.volumes. An add of id whose caller
-// stopped waiting may still be queued or being written: the removal then follows it, or the
-// volume would be attached after its detach returned.
+// removeVolume removes management PVC id from the VM's spec.volumes.
 func (s *controllerServer) removeVolume(ctx context.Context, vm *vmv1.VirtualMachine, id string) error {
-	if !slices.ContainsFunc(vm.Spec.Volumes, func(v vmv1.VirtualMachineVolume) bool { return v.Name == id }) &&
-		!s.edits.adding(client.ObjectKeyFromObject(vm), id) {
+	return s.editVolume(ctx, vm, id, false)
+}
+
+// editVolume adds or removes id's entry, unless the VM, as cached, already is as asked and no
+// edit of id is queued or being written. An edit whose caller stopped waiting may still be:
+// the next edit of the volume then follows it instead of returning at once (a detach would
+// otherwise return before an earlier attach landed, and the volume be attached after it).
+func (s *controllerServer) editVolume(ctx context.Context, vm *vmv1.VirtualMachine, id string, add bool) error {
+	listed := slices.ContainsFunc(vm.Spec.Volumes, func(v vmv1.VirtualMachineVolume) bool { return v.Name == id })
+	if listed == add && !s.edits.editing(client.ObjectKeyFromObject(vm), id) {
 		return nil
 	}
-	return s.editVolumes(ctx, vm, id, false)
+	return s.editVolumes(ctx, vm, id, add)
 }
 
 // editVolumes queues the edit of id's entry into the next batch of the VM, starts writing the
@@ -86,6 +87,10 @@ func (s *controllerServer) editVolumes(ctx context.Context, vm *vmv1.VirtualMach
 		next = &volumeBatch{done: make(chan struct{})}
 		s.edits.queues[key] = next
 	}
+	// The last edit of a volume wins: an add whose caller stopped waiting and the removal that
+	// followed it leave the removal alone in the batch.
+	next.add = slices.DeleteFunc(next.add, func(v string) bool { return v == id })
+	next.remove = slices.DeleteFunc(next.remove, func(v string) bool { return v == id })
 	if add {
 		next.add = append(next.add, id)
 	} else {

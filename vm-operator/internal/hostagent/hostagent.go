@@ -165,9 +165,7 @@ func (r *Reconciler) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Resu
 	vm := &vmv1.VirtualMachine{}
 	if err := r.Client.Get(ctx, req.NamespacedName, vm); err != nil {
 		if apierrors.IsNotFound(err) {
-			r.writtenMu.Lock()
-			delete(r.written, req.NamespacedName)
-			r.writtenMu.Unlock()
+			r.wrote(req.NamespacedName, "")
 		}
 		return ctrl.Result{}, client.IgnoreNotFound(err)
 	}
@@ -451,10 +449,6 @@ func (r *Reconciler) detach(ctx context.Context, vm *vmv1.VirtualMachine, ref hy
 // or a claimed entry was added meanwhile) it reads the VM from the API server and applies the
 // decisions to that.
 func (r *Reconciler) writeStatus(ctx context.Context, vm *vmv1.VirtualMachine, d *decisions, ready *metav1.Condition) error {
-	reader := r.APIReader
-	if reader == nil {
-		reader = r.Client
-	}
 	start := time.Now()
 	for attempt := 0; ; attempt++ {
 		base := vm.DeepCopy()
@@ -469,7 +463,7 @@ func (r *Reconciler) writeStatus(ctx context.Context, vm *vmv1.VirtualMachine, d
 		err = r.Client.Status().Patch(ctx, vm, patch)
 		switch {
 		case err == nil:
-			r.wrote(vm)
+			r.wrote(client.ObjectKeyFromObject(vm), vm.ResourceVersion)
 			ctrl.LoggerFrom(ctx).V(2).Info("Wrote status", "patch", patch.Type(), "attempts", attempt+1, "took", time.Since(start))
 			return nil
 		case apierrors.IsNotFound(err):
@@ -478,7 +472,7 @@ func (r *Reconciler) writeStatus(ctx context.Context, vm *vmv1.VirtualMachine, d
 			return err
 		}
 		fresh := &vmv1.VirtualMachine{}
-		if err := reader.Get(ctx, client.ObjectKeyFromObject(vm), fresh); err != nil {
+		if err := r.apiReader().Get(ctx, client.ObjectKeyFromObject(vm), fresh); err != nil {
 			return client.IgnoreNotFound(err)
 		}
 		*vm = *fresh
@@ -499,38 +493,38 @@ func (r *Reconciler) current(ctx context.Context, vm *vmv1.VirtualMachine) error
 		return nil
 	}
 	if cmp, err := resourceversion.CompareResourceVersion(vm.ResourceVersion, rv); err == nil && cmp >= 0 {
-		r.forgetWritten(key, rv)
+		r.wrote(key, "") // the cache has caught up
 		return nil
 	}
-	reader := r.APIReader
-	if reader == nil {
-		reader = r.Client
-	}
 	live := &vmv1.VirtualMachine{}
-	if err := reader.Get(ctx, key, live); err != nil {
+	if err := r.apiReader().Get(ctx, key, live); err != nil {
 		return err
 	}
 	*vm = *live
 	return nil
 }
 
-// forgetWritten forgets the write of rv to the VM at key, unless a newer one was recorded.
-func (r *Reconciler) forgetWritten(key types.NamespacedName, rv string) {
+// wrote records rv as the resourceVersion of the agent's last status write of the VM at key
+// (see current); "" forgets it. The reconciles of one VM never run at once.
+func (r *Reconciler) wrote(key types.NamespacedName, rv string) {
 	r.writtenMu.Lock()
 	defer r.writtenMu.Unlock()
-	if r.written[key] == rv {
+	if rv == "" {
 		delete(r.written, key)
+		return
 	}
-}
-
-// wrote records the resourceVersion of a status write of vm (see current).
-func (r *Reconciler) wrote(vm *vmv1.VirtualMachine) {
-	r.writtenMu.Lock()
-	defer r.writtenMu.Unlock()
 	if r.written == nil {
 		r.written = map[types.NamespacedName]string{}
 	}
-	r.written[client.ObjectKeyFromObject(vm)] = vm.ResourceVersion
+	r.written[key] = rv
+}
+
+// apiReader reads around the cache.
+func (r *Reconciler) apiReader() client.Reader {
+	if r.APIReader != nil {
+		return r.APIReader
+	}
+	return r.Client
 }
 
 // statusAttempts bounds the rereads of a status write: each one means another writer moved the

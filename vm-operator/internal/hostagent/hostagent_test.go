@@ -361,7 +361,7 @@ func TestStaleCacheAfterOwnWriteIsReadAgain(t *testing.T) {
 	live := cached.DeepCopy()
 	live.ResourceVersion, live.Spec.Volumes, live.Status.Volumes = "7", nil, nil
 	r := &Reconciler{APIReader: newClient(g, live, true)}
-	r.wrote(&vmv1.VirtualMachine{ObjectMeta: metav1.ObjectMeta{Namespace: cached.Namespace, Name: cached.Name, ResourceVersion: "7"}})
+	r.wrote(client.ObjectKeyFromObject(cached), "7")
 
 	vm := cached.DeepCopy()
 	g.Expect(r.current(t.Context(), vm)).To(Succeed())
