@@ -503,7 +503,8 @@ type apiStats struct {
 	// conflicts counts those of the writes answered 409 (a conflict, or a create of an object
 	// that exists), by kind (see requestKind).
 	conflicts map[string]int
-	// seconds is the time the apiserver spent serving requests, reads included, by kind.
+	// seconds is the time the apiserver spent serving requests, reads included and watches
+	// excluded, by kind.
 	seconds map[string]float64
 }
 
@@ -526,7 +527,10 @@ func apiStatsOf(ctx context.Context, cp *cluster.ControlPlane) apiStats {
 		Expect(err).NotTo(HaveOccurred())
 		verb, resource := label(labels, "verb"), label(labels, "resource")
 		if metric == "apiserver_request_duration_seconds_sum" {
-			stats.seconds[requestKind(labels)] += v
+			// A watch lasts as long as its watcher: its time is not work.
+			if !slices.Contains([]string{"WATCH", "WATCHLIST", "CONNECT"}, verb) {
+				stats.seconds[requestKind(labels)] += v
+			}
 			continue
 		}
 		if !slices.Contains([]string{"POST", "PUT", "PATCH", "APPLY", "DELETE", "DELETECOLLECTION"}, verb) ||
