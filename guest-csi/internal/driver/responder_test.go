@@ -45,7 +45,10 @@ const (
 // in a VM's spec.volumes as a real loop device under that VM's device root, reporting the disk
 // serial in status.volumes.
 type responder struct {
-	c     client.Client
+	c client.Client
+	// live reads around the cache: a claim bound a moment ago is not reported unbound, as
+	// vm-operator confirms it.
+	live  client.Reader
 	ns    string
 	dir   string
 	roots map[string]string // VM → device root
@@ -82,7 +85,7 @@ func startResponder(t *testing.T, ns string, roots map[string]string, fullHosts 
 	if err != nil {
 		t.Fatal(err)
 	}
-	r := &responder{c: mgr.GetClient(), ns: ns, dir: t.TempDir(), roots: roots, full: map[string]bool{}, disks: map[string]*testDisk{}}
+	r := &responder{c: mgr.GetClient(), live: mgr.GetAPIReader(), ns: ns, dir: t.TempDir(), roots: roots, full: map[string]bool{}, disks: map[string]*testDisk{}}
 	for _, h := range fullHosts {
 		r.full[h] = true
 	}
@@ -230,7 +233,12 @@ func (r *responder) vm(ctx context.Context, req reconcile.Request) (reconcile.Re
 			continue
 		}
 		pvc := &corev1.PersistentVolumeClaim{}
-		err := r.c.Get(ctx, client.ObjectKey{Namespace: vm.Namespace, Name: v.PersistentVolumeClaim.ClaimName}, pvc)
+		key := client.ObjectKey{Namespace: vm.Namespace, Name: v.PersistentVolumeClaim.ClaimName}
+		err := r.c.Get(ctx, key, pvc)
+		if err != nil || pvc.Status.Phase != corev1.ClaimBound {
+			pvc = &corev1.PersistentVolumeClaim{}
+			err = r.live.Get(ctx, key, pvc)
+		}
 		if client.IgnoreNotFound(err) != nil {
 			return reconcile.Result{}, err
 		}
