@@ -550,23 +550,20 @@ func apiStatsOf(ctx context.Context, cp *cluster.ControlPlane) apiStats {
 // since returns the writes per volume of n volumes since before, and, by kind, the writes,
 // their conflicts and the apiserver's request seconds per volume.
 func (s apiStats) since(before apiStats, n int) (writes float64, writesBy, conflicts, seconds map[string]float64) {
-	writesBy, conflicts, seconds = map[string]float64{}, map[string]float64{}, map[string]float64{}
-	for k, v := range s.writesBy {
-		if d := v - before.writesBy[k]; d > 0 {
-			writesBy[k] = float64(d) / float64(n)
+	return float64(s.writes-before.writes) / float64(n), perVolume(s.writesBy, before.writesBy, n),
+		perVolume(s.conflicts, before.conflicts, n), perVolume(s.seconds, before.seconds, n)
+}
+
+// perVolume is what grew from before to now, by kind, per volume of n; kinds that did not grow
+// are left out.
+func perVolume[T int | float64](now, before map[string]T, n int) map[string]float64 {
+	out := map[string]float64{}
+	for k, v := range now {
+		if d := v - before[k]; d > 0 {
+			out[k] = float64(d) / float64(n)
 		}
 	}
-	for k, v := range s.conflicts {
-		if d := v - before.conflicts[k]; d > 0 {
-			conflicts[k] = float64(d) / float64(n)
-		}
-	}
-	for k, v := range s.seconds {
-		if d := v - before.seconds[k]; d > 0 {
-			seconds[k] = d / float64(n)
-		}
-	}
-	return float64(s.writes-before.writes) / float64(n), writesBy, conflicts, seconds
+	return out
 }
 
 // requestKind names the requests of a metric's labels "<verb>_<resource>[_<subresource>]".

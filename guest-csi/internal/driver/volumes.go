@@ -67,8 +67,7 @@ func (s *controllerServer) removeVolume(ctx context.Context, vm *vmv1.VirtualMac
 // the next edit of the volume then follows it instead of returning at once (a detach would
 // otherwise return before an earlier attach landed, and the volume be attached after it).
 func (s *controllerServer) editVolume(ctx context.Context, vm *vmv1.VirtualMachine, id string, add bool) error {
-	listed := slices.ContainsFunc(vm.Spec.Volumes, func(v vmv1.VirtualMachineVolume) bool { return v.Name == id })
-	if listed == add && !s.edits.editing(client.ObjectKeyFromObject(vm), id) {
+	if listed(vm, id) == add && !s.edits.editing(client.ObjectKeyFromObject(vm), id) {
 		return nil
 	}
 	return s.editVolumes(ctx, vm, id, add)
@@ -150,19 +149,14 @@ func (s *controllerServer) writeBatches(ctx context.Context, vm *vmv1.VirtualMac
 func (s *controllerServer) writeBatch(ctx context.Context, vm *vmv1.VirtualMachine, b *volumeBatch) error {
 	start := time.Now()
 	for attempt := 0; ; attempt++ {
-		read := make([]string, len(vm.Spec.Volumes))
-		for i, v := range vm.Spec.Volumes {
-			read[i] = v.Name
-		}
-		edit := listpatch.Edit{Path: "/spec/volumes", Key: "name", Read: read, Set: map[string]any{}, Remove: b.remove}
 		base := vm.DeepCopy()
+		vm.Spec.Volumes = slices.DeleteFunc(vm.Spec.Volumes, func(v vmv1.VirtualMachineVolume) bool { return slices.Contains(b.remove, v.Name) })
 		for _, id := range b.add {
-			if !slices.Contains(read, id) {
-				entry := vmv1.VirtualMachineVolume{Name: id, PersistentVolumeClaim: vmv1.PersistentVolumeClaimVolumeSource{ClaimName: id}}
-				edit.Set[id] = entry
-				vm.Spec.Volumes = append(vm.Spec.Volumes, entry)
+			if !listed(vm, id) {
+				vm.Spec.Volumes = append(vm.Spec.Volumes, vmv1.VirtualMachineVolume{Name: id, PersistentVolumeClaim: vmv1.PersistentVolumeClaimVolumeSource{ClaimName: id}})
 			}
 		}
+		edit := listpatch.Diff("/spec/volumes", "name", base.Spec.Volumes, vm.Spec.Volumes, func(v vmv1.VirtualMachineVolume) string { return v.Name }, false)
 		ops, ok := edit.Ops()
 		var patch client.Patch
 		switch {
@@ -195,6 +189,11 @@ func (s *controllerServer) writeBatch(ctx context.Context, vm *vmv1.VirtualMachi
 			return status.Errorf(codes.NotFound, "VirtualMachine %s/%s was replaced", vm.Namespace, vm.Name)
 		}
 	}
+}
+
+// listed reports whether the VM's spec.volumes has id's entry.
+func listed(vm *vmv1.VirtualMachine, id string) bool {
+	return slices.ContainsFunc(vm.Spec.Volumes, func(v vmv1.VirtualMachineVolume) bool { return v.Name == id })
 }
 
 // editAttempts bounds the rereads of a batch: each one means another writer changed the list

@@ -4,6 +4,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"maps"
+	"slices"
 
 	corev1 "k8s.io/api/core/v1"
 	storagev1 "k8s.io/api/storage/v1"
@@ -21,6 +23,7 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/reconcile"
 
 	vmv1 "pvbridge.io/pkg/apis/vm/v1alpha1"
+	"pvbridge.io/pkg/listpatch"
 	"pvbridge.io/pkg/names"
 )
 
@@ -300,21 +303,9 @@ func (r *AttachmentReconciler) persistentVolume(ctx context.Context, name string
 // not have seen the attach yet. It costs a read only when the controller is about to write an
 // entry, which is rare: an error appears or goes.
 func (r *AttachmentReconciler) confirmAttachments(ctx context.Context, vm *vmv1.VirtualMachine, in *volumeInputs, want []vmv1.VirtualMachineVolumeStatus) error {
-	before := make(map[string]vmv1.VirtualMachineVolumeStatus, len(in.Status))
-	for _, e := range in.Status {
-		before[e.Name] = e
-	}
-	changed := map[string]bool{}
-	for _, e := range want {
-		if old, ok := before[e.Name]; !ok || old != e {
-			changed[e.Name] = true
-		}
-		delete(before, e.Name)
-	}
-	for name := range before {
-		changed[name] = true
-	}
-	for name := range changed {
+	edit := listpatch.Diff("", "name", in.Status, want, func(e vmv1.VirtualMachineVolumeStatus) string { return e.Name }, false)
+	changed := slices.Concat(slices.Collect(maps.Keys(edit.Set)), edit.Remove)
+	for _, name := range changed {
 		va := &storagev1.VolumeAttachment{}
 		err := r.APIReader.Get(ctx, client.ObjectKey{Name: vmv1.AttachmentName(vm.Namespace, vm.Name, name)}, va)
 		switch {

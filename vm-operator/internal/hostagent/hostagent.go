@@ -471,11 +471,9 @@ func (r *Reconciler) writeStatus(ctx context.Context, vm *vmv1.VirtualMachine, d
 		case !vmstatus.Stale(err) || attempt == statusAttempts:
 			return err
 		}
-		fresh := &vmv1.VirtualMachine{}
-		if err := r.apiReader().Get(ctx, client.ObjectKeyFromObject(vm), fresh); err != nil {
+		if err := r.readLive(ctx, vm); err != nil {
 			return client.IgnoreNotFound(err)
 		}
-		*vm = *fresh
 	}
 }
 
@@ -496,8 +494,13 @@ func (r *Reconciler) current(ctx context.Context, vm *vmv1.VirtualMachine) error
 		r.wrote(key, "") // the cache has caught up
 		return nil
 	}
+	return r.readLive(ctx, vm)
+}
+
+// readLive replaces vm with the VM as the API server has it.
+func (r *Reconciler) readLive(ctx context.Context, vm *vmv1.VirtualMachine) error {
 	live := &vmv1.VirtualMachine{}
-	if err := r.apiReader().Get(ctx, key, live); err != nil {
+	if err := r.apiReader().Get(ctx, client.ObjectKeyFromObject(vm), live); err != nil {
 		return err
 	}
 	*vm = *live
