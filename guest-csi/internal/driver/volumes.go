@@ -182,7 +182,12 @@ func (s *controllerServer) writeBatch(ctx context.Context, vm *vmv1.VirtualMachi
 			return status.Errorf(codes.Aborted, "VirtualMachine %s/%s: other writers changed spec.volumes %d times while it was written (%v); retrying",
 				vm.Namespace, vm.Name, attempt+1, err)
 		}
-		if err := s.mgmt.Live().Get(ctx, client.ObjectKeyFromObject(vm), vm); err != nil {
+		// Into an empty VM: decoding keeps the fields the stored object lacks, and this one holds
+		// the edit that failed.
+		key := client.ObjectKeyFromObject(vm)
+		*vm = vmv1.VirtualMachine{}
+		if err := s.mgmt.Live().Get(ctx, key, vm); err != nil {
+			vm.Namespace, vm.Name = key.Namespace, key.Name
 			return volumesError(vm, err)
 		}
 		if vm.UID != uid {
