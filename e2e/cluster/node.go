@@ -8,6 +8,7 @@ import (
 	"path/filepath"
 	"slices"
 	"strings"
+	"syscall"
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
@@ -145,14 +146,17 @@ func (cp *ControlPlane) AddNode(ctx context.Context, name string, opts NodeOptio
 		}
 		args = append(args, "--node-labels="+strings.Join(l, ","))
 	}
-	bin := kubeletBin
-	if opts.Runtime == Containerd {
-		bin, args = n.inNamespace(kubeletBin, args...)
-	}
-	if n.kubelet, err = cp.lab.Start(Command{
-		Name: cp.Name + "/" + name + "/kubelet", Bin: bin, Args: args,
+	kubelet := Command{
+		Name: cp.Name + "/" + name + "/kubelet", Bin: kubeletBin, Args: args,
 		Dir: filepath.Join(n.Dir, "cwd"), LogPath: filepath.Join(n.Dir, "kubelet.log"),
-	}); err != nil {
+	}
+	if opts.Runtime == Containerd {
+		kubelet.Bin, kubelet.Args = n.inNamespace(kubeletBin, args...)
+		n.kubelet, err = cp.lab.Start(kubelet)
+	} else {
+		n.kubelet, err = n.startSharingDevicePlugins(ctx, kubelet)
+	}
+	if err != nil {
 		return nil, err
 	}
 	if err := n.waitReady(ctx); err != nil {
@@ -191,6 +195,46 @@ func (n *Node) startFakeRuntime(ctx context.Context) error {
 		return err
 	}
 	return WaitForFile(ctx, socket, n.runtime)
+}
+
+// devicePluginSocket is where a kubelet serves its device-plugin registry, whatever its root
+// dir. A kubelet deletes the files of that directory when it starts, then listens: two kubelets
+// starting at once in one mount namespace can each delete the other's socket before either
+// listens, and the second to listen exits ("bind: address already in use"). A containerd node
+// has its own /var/lib/kubelet; the fake-runtime nodes share the machine's.
+const devicePluginSocket = "/var/lib/kubelet/device-plugins/kubelet.sock"
+
+// devicePluginLock is a lock file, outside that directory, that lets one fake-runtime kubelet
+// at a time through its start, across the labs of every process on the machine.
+const devicePluginLock = "/var/lib/kubelet/pvbridge-lab-kubelet-start.lock"
+
+// startSharingDevicePlugins starts a kubelet of the machine's mount namespace, holding
+// devicePluginLock until the kubelet listens on devicePluginSocket. The socket of a kubelet
+// already running is deleted (as the new kubelet would do): no device plugin runs in the lab,
+// and a kubelet does not look at its socket after it listens.
+func (n *Node) startSharingDevicePlugins(ctx context.Context, c Command) (*Process, error) {
+	if err := os.MkdirAll(filepath.Dir(devicePluginSocket), 0o755); err != nil {
+		return nil, err
+	}
+	lock, err := os.OpenFile(devicePluginLock, os.O_CREATE|os.O_RDWR, 0o644)
+	if err != nil {
+		return nil, err
+	}
+	defer lock.Close() // releases the lock
+	if err := syscall.Flock(int(lock.Fd()), syscall.LOCK_EX); err != nil {
+		return nil, fmt.Errorf("lock %s: %w", devicePluginLock, err)
+	}
+	if err := os.Remove(devicePluginSocket); err != nil && !os.IsNotExist(err) {
+		return nil, err
+	}
+	p, err := n.cp.lab.Start(c)
+	if err != nil {
+		return nil, err
+	}
+	if err := WaitForFile(ctx, devicePluginSocket, p); err != nil {
+		return nil, fmt.Errorf("%s: %w", c.Name, err)
+	}
+	return p, nil
 }
 
 // kubeletOptions are what differs between the lab's kubelets.
