@@ -25,9 +25,6 @@ import (
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
-	"k8s.io/apimachinery/pkg/fields"
-	"sigs.k8s.io/controller-runtime/pkg/cache"
-	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	pmemv1alpha1 "pvbridge.io/pkg/apis/pmem/v1alpha1"
 	vmv1alpha1 "pvbridge.io/pkg/apis/vm/v1alpha1"
@@ -177,14 +174,7 @@ func New(opts Options) (*Operator, error) {
 		Scheme:                 scheme,
 		Metrics:                metricsserver.Options{BindAddress: opts.MetricsAddress},
 		HealthProbeBindAddress: opts.HealthAddress,
-		// Nothing here reads managedFields: the cache does not keep them.
-		Cache: cache.Options{DefaultTransform: cache.TransformStripManagedFields()},
-	}
-	if opts.Role == RoleHostAgent {
-		// A host agent caches only the VMs placed on its host.
-		mopts.Cache.ByObject = map[client.Object]cache.ByObject{
-			&vmv1alpha1.VirtualMachine{}: {Field: fields.OneTermEqualSelector("status.host", opts.NodeName)},
-		}
+		Cache:                  cacheOptions(opts.Role, opts.NodeName),
 	}
 	mgr, err := ctrl.NewManager(cfg, mopts)
 	if err != nil {
