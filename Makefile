@@ -78,11 +78,11 @@ fuzz: ## Run each fuzz target for FUZZ_TIME (10000 inputs).
 	done
 
 .PHONY: bench
-bench: deps lab-tools ## Run the benchmarks; each figure prints as `BENCH <name> <value> <unit>`. LABELS picks the suite's benchmarks alone (e.g. LABELS=scale).
+bench: deps lab-tools ## Run the benchmarks; each figure prints as `BENCH <name> <value> <unit>`. LABELS picks the suite's benchmarks alone (e.g. LABELS=scale); the apiservers run with their watch cache, as in production (WATCH_CACHE=0: without, as the tests run them).
 	@$(if $(LABELS),true,for m in $(MODULES); do \
 		(cd $$m && go test -run '^$$' -bench . -benchtime 1x -timeout $(TEST_TIMEOUT) ./... | { grep -E '^(BENCH|FAIL|panic|---)' || true; }) || exit 1; \
 	done)
-	@cd e2e && go test -v -count=1 -timeout 60m ./suite -args -ginkgo.label-filter='bench && ($(or $(LABELS),bench))' | { grep -E '^(BENCH|FAIL|panic|---|\[FAIL)' || true; }
+	@cd e2e && go test -v -count=1 -timeout 60m ./suite -args -ginkgo.label-filter='bench && ($(or $(LABELS),bench))' $(if $(filter 0,$(WATCH_CACHE)),,-watch-cache) | { grep -E '^(BENCH|FAIL|panic|---|\[FAIL)' || true; }
 
 .PHONY: soak
 soak: deps lab-tools ## The long runs: the kill -9 churn over 200 volume lifecycles; a controller-manager restart watched for 10 minutes.

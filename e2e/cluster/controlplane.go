@@ -104,7 +104,7 @@ func (l *Lab) StartControlPlane(ctx context.Context, name string) (*ControlPlane
 		// A loopback advertise address needs the endpoint reconciler off. The rest halves the
 		// idle CPU of a lab apiserver (measured in shared/reference/lab-fit.md).
 		"--endpoint-reconciler-type=none",
-		"--watch-cache=false", "--enable-priority-and-fairness=false",
+		fmt.Sprintf("--watch-cache=%t", cp.lab.WatchCache), "--enable-priority-and-fairness=false",
 		"--profiling=false", "--etcd-count-metric-poll-period=0",
 	); err != nil {
 		return nil, err

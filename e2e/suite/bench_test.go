@@ -477,18 +477,33 @@ func watchObjects(ctx context.Context, list client.ObjectList, fn func(client.Ob
 	})
 }
 
-// watchEach starts a watch and feeds every event to fn until ctx ends.
+// watchEach starts a watch and feeds every event to fn until ctx ends. A watch the apiserver
+// ends is started again (a watch cache closes the watch of a client that falls behind; the first
+// burst with it on counted no volume): its first events are the objects as they are, so a hop
+// passed in between is seen late, not lost.
 func watchEach(ctx context.Context, start func(context.Context, metav1.ListOptions) (watch.Interface, error), fn func(watch.Event)) {
 	GinkgoHelper()
 	w, err := start(ctx, metav1.ListOptions{})
 	Expect(err).NotTo(HaveOccurred())
 	go func() {
-		<-ctx.Done()
-		w.Stop()
-	}()
-	go func() {
-		for ev := range w.ResultChan() {
-			fn(ev)
+		for {
+			select {
+			case <-ctx.Done():
+				w.Stop()
+				return
+			case ev, ok := <-w.ResultChan():
+				if ok {
+					fn(ev)
+					continue
+				}
+			}
+			for w, err = start(ctx, metav1.ListOptions{}); err != nil; w, err = start(ctx, metav1.ListOptions{}) {
+				select {
+				case <-ctx.Done():
+					return
+				case <-time.After(time.Second):
+				}
+			}
 		}
 	}()
 }

@@ -15,6 +15,7 @@ package suite_test
 
 import (
 	"context"
+	"flag"
 	"fmt"
 	"os"
 	"testing"
@@ -82,6 +83,8 @@ func scheme() *runtime.Scheme {
 	return s
 }
 
+var watchCache = flag.Bool("watch-cache", false, "run the apiservers with their watch cache, as production runs them (the lab runs without: half the idle CPU)")
+
 var _ = BeforeSuite(func(ctx SpecContext) {
 	logf.SetLogger(GinkgoLogr)
 	bin, err := cluster.DefaultBinaries()
@@ -90,6 +93,7 @@ var _ = BeforeSuite(func(ctx SpecContext) {
 	Expect(err).NotTo(HaveOccurred())
 	lab, err = cluster.NewLab(root, bin)
 	Expect(err).NotTo(HaveOccurred())
+	lab.WatchCache = *watchCache
 	By("starting the management cluster in " + root)
 	mcp, err := lab.StartControlPlane(ctx, "mgmt")
 	Expect(err).NotTo(HaveOccurred())
