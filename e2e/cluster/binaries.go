@@ -3,10 +3,11 @@ package cluster
 import (
 	"fmt"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"runtime"
 	"sync"
+
+	"pvbridge.io/e2e/images"
 )
 
 // Binaries finds the executables a lab runs: the pinned third-party ones (Kubernetes, etcd, the
@@ -88,12 +89,8 @@ func (b *Binaries) Own(pkg string) (string, error) {
 
 	bd.once.Do(func() {
 		bd.path = filepath.Join(b.Repo, "bin", filepath.Base(pkg))
-		// As the images build them (e2e/images): static, stripped; the lab runs and measures
-		// the binaries a user deploys.
-		cmd := exec.Command("go", "build", "-trimpath", "-buildvcs=false", "-ldflags=-s -w", "-o", bd.path, pkg)
-		cmd.Dir = b.Repo
-		cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
-		if out, err := cmd.CombinedOutput(); err != nil {
+		// As the images have them: the lab runs and measures the binaries a user deploys.
+		if out, err := images.GoBuild(b.Repo, bd.path, pkg).CombinedOutput(); err != nil {
 			bd.err = fmt.Errorf("go build %s: %w\n%s", pkg, err, out)
 		}
 	})

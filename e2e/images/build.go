@@ -92,24 +92,22 @@ func BuildAll(o Options, imgs []Image) ([]Built, error) {
 	return built, nil
 }
 
-// buildBinaries builds the pvbridge binaries of imgs into dir: static, without paths or build
-// IDs of this machine, so that the same sources give the same bytes.
+// buildBinaries builds the pvbridge binaries of imgs into dir (GoBuild).
 func buildBinaries(root, dir string, imgs []Image) error {
-	args := []string{"build", "-trimpath", "-buildvcs=false", "-ldflags=-s -w -buildid=", "-o", dir + "/"}
-	n := len(args)
+	var pkgs []string
 	for _, i := range imgs {
 		if i.Package != "" {
-			args = append(args, i.Package)
+			pkgs = append(pkgs, i.Package)
 		}
 	}
-	if len(args) == n {
+	if len(pkgs) == 0 {
 		return nil
 	}
-	cmd := exec.Command("go", args...)
-	cmd.Dir, cmd.Stdout, cmd.Stderr = root, os.Stdout, os.Stderr
-	cmd.Env = append(os.Environ(), "CGO_ENABLED=0", "GOOS=linux", "GOARCH=amd64")
+	cmd := GoBuild(root, dir+"/", pkgs...)
+	cmd.Env = append(cmd.Env, "GOOS=linux", "GOARCH=amd64")
+	cmd.Stdout, cmd.Stderr = os.Stdout, os.Stderr
 	if err := cmd.Run(); err != nil {
-		return fmt.Errorf("go %s: %w", strings.Join(args, " "), err)
+		return fmt.Errorf("%s: %w", strings.Join(cmd.Args, " "), err)
 	}
 	return nil
 }
@@ -135,4 +133,14 @@ func BuildForLab(root, bin, out string) ([]string, error) {
 		archives[i] = b.File
 	}
 	return archives, nil
+}
+
+// GoBuild returns the command that builds pvbridge's packages pkgs (relative to root) into out
+// as the images ship them: static, stripped, without paths or build IDs of this machine, so that
+// the same sources give the same bytes.
+func GoBuild(root, out string, pkgs ...string) *exec.Cmd {
+	cmd := exec.Command("go", append([]string{"build", "-trimpath", "-buildvcs=false", "-ldflags=-s -w -buildid=", "-o", out}, pkgs...)...)
+	cmd.Dir = root
+	cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
+	return cmd
 }
