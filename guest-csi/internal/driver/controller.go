@@ -76,12 +76,19 @@ type controllerServer struct {
 	hub   *await.Hub
 	locks keylock.Locks
 	edits volumeEdits
+	// warnings answers the waits that run out from one List of the namespace's Warning Events
+	// every warningsPeriod.
+	warnings *events.Warnings
 }
+
+// warningsPeriod bounds how old the warning a DeadlineExceeded carries may be: well within a
+// sidecar's timeout, so that a retried call names a warning written during the one before.
+const warningsPeriod = 10 * time.Second
 
 var _ csi.ControllerServer = (*controllerServer)(nil)
 
 func newControllerServer(cfg controllerConfig, m mgmtClient, guest kubernetes.Interface, hub *await.Hub) *controllerServer {
-	return &controllerServer{cfg: cfg, mgmt: m, guest: guest, hub: hub}
+	return &controllerServer{cfg: cfg, mgmt: m, guest: guest, hub: hub, warnings: events.NewWarnings(m.Live(), warningsPeriod)}
 }
 
 // cluster returns the guest cluster with the namespace of the current management session.
@@ -362,7 +369,9 @@ func (s *controllerServer) waitBound(ctx context.Context, pvc *corev1.Persistent
 		return nil, err
 	}
 	if exhausted {
-		reason := s.warnings(ctx, got)
+		// This object's own warning, now: the one that says why no host had room, written
+		// just before csi-provisioner gave the claim up.
+		reason := s.warning(ctx, got, true)
 		if err := s.deleteIfOwned(ctx, got); err != nil {
 			return nil, err
 		}
@@ -393,7 +402,7 @@ func (s *controllerServer) await(ctx context.Context, kind, name string, obj cli
 	ns := s.mgmt.Namespace()
 	var failure error
 	err := csiserver.Await(ctx, s.hub, await.Key{Kind: kind, Namespace: ns, Name: name}, fmt.Sprintf("%s %s/%s", kind, ns, name),
-		func() string { return s.warnings(ctx, obj) },
+		func() string { return s.warning(ctx, obj, false) },
 		func(ctx context.Context) (bool, error) {
 			err := s.mgmt.Get(ctx, client.ObjectKey{Namespace: ns, Name: name}, obj)
 			if err != nil && !apierrors.IsNotFound(err) {
@@ -409,12 +418,17 @@ func (s *controllerServer) await(ctx context.Context, kind, name string, obj cli
 	return failure
 }
 
-// warnings returns ": <reason>: <message>" of the latest Warning Event about obj in the
-// management cluster, "" if there is none or obj was never seen.
-func (s *controllerServer) warnings(ctx context.Context, obj client.Object) string {
+// warning returns ": <reason>: <message>" of the latest Warning Event about obj in the
+// management cluster, "" if there is none or obj was never seen: fresh reads obj's Events now,
+// otherwise the namespace's shared List answers (at most warningsPeriod old). It waits at most
+// a second: the warning only adds to a message.
+func (s *controllerServer) warning(ctx context.Context, obj client.Object, fresh bool) string {
 	ctx, cancel := context.WithTimeout(ctx, time.Second)
 	defer cancel()
-	return events.LatestWarning(ctx, s.mgmt.Live(), obj)
+	if fresh {
+		return events.LatestWarning(ctx, s.mgmt.Live(), obj)
+	}
+	return s.warnings.Latest(ctx, obj)
 }
 
 // DeleteVolume deletes the management PVC of a volume the cluster created, once no VM uses it.
@@ -468,16 +482,21 @@ func (s *controllerServer) DeleteVolume(ctx context.Context, req *csi.DeleteVolu
 }
 
 // notInUse fails with FailedPrecondition while a VM of the namespace, of any cluster, has the
-// claim in its spec or still in its status (detaching).
+// claim in its spec or still in its status (detaching). The cache of the cluster's own VMs
+// answers first: while it shows the claim in use (a DeleteVolume retried while its detach
+// runs), the apiserver is not asked. Only "not in use" is confirmed live, since the cache may
+// not have seen a publish yet and holds no other cluster's VMs.
 func (s *controllerServer) notInUse(ctx context.Context, c tenancy.Cluster, claim string) error {
-	vms := &vmv1.VirtualMachineList{}
-	if err := s.mgmt.Live().List(ctx, vms, client.InNamespace(c.Namespace)); err != nil {
-		return csiserver.APIError(err, "list the VirtualMachines of namespace %s", c.Namespace)
-	}
-	for _, vm := range vms.Items {
-		if slices.ContainsFunc(vm.Spec.Volumes, func(v vmv1.VirtualMachineVolume) bool { return v.PersistentVolumeClaim.ClaimName == claim }) ||
-			slices.ContainsFunc(vm.Status.Volumes, func(v vmv1.VirtualMachineVolumeStatus) bool { return v.Name == claim }) {
-			return status.Errorf(codes.FailedPrecondition, "management PVC %s/%s is still attached to VirtualMachine %s", c.Namespace, claim, vm.Name)
+	for _, r := range []client.Reader{s.mgmt, s.mgmt.Live()} {
+		vms := &vmv1.VirtualMachineList{}
+		if err := r.List(ctx, vms, client.InNamespace(c.Namespace)); err != nil {
+			return csiserver.APIError(err, "list the VirtualMachines of namespace %s", c.Namespace)
+		}
+		for _, vm := range vms.Items {
+			if slices.ContainsFunc(vm.Spec.Volumes, func(v vmv1.VirtualMachineVolume) bool { return v.PersistentVolumeClaim.ClaimName == claim }) ||
+				slices.ContainsFunc(vm.Status.Volumes, func(v vmv1.VirtualMachineVolumeStatus) bool { return v.Name == claim }) {
+				return status.Errorf(codes.FailedPrecondition, "management PVC %s/%s is still attached to VirtualMachine %s", c.Namespace, claim, vm.Name)
+			}
 		}
 	}
 	return nil
