@@ -9,6 +9,7 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
+	"time"
 
 	. "github.com/onsi/gomega"
 	"golang.org/x/sys/unix"
@@ -50,9 +51,12 @@ func newEnv(t *testing.T) *env {
 					t.Errorf("detach %s: %v: %s", l.device, err, out)
 				}
 			}
-			if attached(t, l.file) {
-				t.Errorf("loop device %s is still attached to %s", l.device, l.file)
-			}
+			// A device another process has open at that moment (losetup --associated opens
+			// every loop device) is only set to auto-clear, and goes when it is closed.
+			g := NewGomega(func(message string, _ ...int) { t.Error(message) })
+			g.Eventually(func() bool { return attached(t, l.file) }).
+				WithTimeout(10*time.Second).WithPolling(20*time.Millisecond).
+				Should(BeFalse(), "loop device %s still attached to %s", l.device, l.file)
 		}
 	})
 	return e

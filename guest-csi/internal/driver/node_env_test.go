@@ -73,14 +73,7 @@ func newVMEnv(t *testing.T) *vmEnv {
 			_ = unix.Unmount(mp, unix.MNT_DETACH)
 		}
 		for _, file := range e.files {
-			for _, device := range loopsOf(t, file) {
-				if out, err := exec.Command("losetup", "-d", device).CombinedOutput(); err != nil {
-					t.Errorf("detach %s: %v: %s", device, err, out)
-				}
-			}
-			if devs := loopsOf(t, file); len(devs) > 0 {
-				t.Errorf("loop devices %v still attached to %s", devs, file)
-			}
+			csinodetest.DetachLoops(t, file)
 		}
 	})
 	return e

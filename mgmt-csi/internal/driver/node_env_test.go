@@ -9,10 +9,8 @@ import (
 	"strings"
 	"sync"
 	"testing"
-	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
-	. "github.com/onsi/gomega"
 	"golang.org/x/sys/unix"
 
 	"pvbridge.io/mgmt-csi/internal/pmem"
@@ -88,18 +86,7 @@ func newNodeEnv(t *testing.T) *nodeEnv {
 			_ = unix.Unmount(mp, unix.MNT_DETACH)
 		}
 		for _, file := range e.files {
-			for _, device := range loopsOf(t, file) {
-				if out, err := exec.Command("losetup", "-d", device).CombinedOutput(); err != nil {
-					t.Errorf("detach %s: %v: %s", device, err, out)
-				}
-			}
-			// A device that another process of the machine has open at that moment (losetup
-			// --associated of a lab's mgmt-csi opens every loop device) is only set to
-			// auto-clear, and goes at that process's close.
-			g := NewGomega(func(message string, _ ...int) { t.Error(message) })
-			g.Eventually(func() []string { return loopsOf(t, file) }).
-				WithTimeout(10*time.Second).WithPolling(20*time.Millisecond).
-				Should(BeEmpty(), "loop devices still attached to %s", file)
+			csinodetest.DetachLoops(t, file)
 		}
 	})
 	return e

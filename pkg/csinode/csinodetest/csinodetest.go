@@ -8,6 +8,7 @@ import (
 	"os/exec"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"github.com/onsi/gomega"
@@ -107,6 +108,23 @@ func LoopsOf(t *testing.T, file string) []string {
 		t.Fatal(err)
 	}
 	return devices
+}
+
+// DetachLoops detaches the loop devices attached to file and waits until they are gone, as a
+// test's cleanup. A device that another process of the machine has open at that moment
+// (losetup --associated, which a lab's mgmt-csi or another package's test may be running,
+// opens every loop device) is only set to auto-clear, and goes when that process closes it.
+func DetachLoops(t *testing.T, file string) {
+	t.Helper()
+	for _, device := range LoopsOf(t, file) {
+		if out, err := exec.Command("losetup", "--detach", device).CombinedOutput(); err != nil {
+			t.Errorf("detach %s: %v: %s", device, err, out)
+		}
+	}
+	g := gomega.NewGomega(func(message string, _ ...int) { t.Error(message) })
+	g.Eventually(func() []string { return LoopsOf(t, file) }).
+		WithTimeout(10*time.Second).WithPolling(20*time.Millisecond).
+		Should(gomega.BeEmpty(), "loop devices still attached to %s", file)
 }
 
 // LoopDevices lists the loop devices attached to file, for helpers that run outside the

@@ -12,6 +12,7 @@ import (
 	. "github.com/onsi/gomega"
 	"golang.org/x/sys/unix"
 
+	"pvbridge.io/pkg/csinode/csinodetest"
 	"pvbridge.io/vm-operator/internal/hypervisor"
 )
 
@@ -43,14 +44,7 @@ func newEnv(t *testing.T) *env {
 			_ = unix.Unmount(mp, unix.MNT_DETACH)
 		}
 		for _, f := range e.files {
-			for _, dev := range loopsOf(t, f) {
-				if out, err := exec.Command("losetup", "--detach", dev).CombinedOutput(); err != nil {
-					t.Errorf("detach %s: %v: %s", dev, err, out)
-				}
-			}
-			if devs := loopsOf(t, f); len(devs) > 0 {
-				t.Errorf("loop devices %v are still attached to %s", devs, f)
-			}
+			csinodetest.DetachLoops(t, f)
 		}
 	})
 	return e
@@ -107,18 +101,6 @@ func grow(t *testing.T, device, file string, size int64) {
 		t.Fatal(err)
 	}
 	run(t, "losetup", "--set-capacity", device)
-}
-
-// loopsOf lists the loop devices backed by file.
-func loopsOf(t *testing.T, file string) []string {
-	t.Helper()
-	var devs []string
-	for line := range strings.Lines(run(t, "losetup", "--noheadings", "--output", "NAME", "--associated", file)) {
-		if dev := strings.TrimSpace(line); dev != "" {
-			devs = append(devs, dev)
-		}
-	}
-	return devs
 }
 
 // mountsUnder lists the mount points under dir, in mount order.
