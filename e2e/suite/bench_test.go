@@ -125,15 +125,10 @@ type burst struct {
 	hops *hops
 	// throughput is volumes per second, from the first PVC created to the last one bound.
 	throughput float64
-	// writes and conflicts are the management apiserver's write requests (see apiStats) and
-	// those answered 409 Conflict, per volume, from the burst's start to its end (deletion
-	// included); conflictsBy splits the conflicts by "<verb>_<resource>[_<subresource>]".
-	writes, conflicts float64
-	conflictsBy       map[string]float64
-	// writesBy splits the writes by kind.
-	writesBy map[string]float64
-	// apiSeconds is the management apiserver's time serving requests per volume, by kind.
-	apiSeconds map[string]float64
+	// api is what the management apiserver served per volume from the burst's start to its end
+	// (deletion included); conflicts the writes it answered 409 Conflict, all kinds together.
+	api       apiPerVolume
+	conflicts float64
 	// cpu is the CPU time per volume, in seconds, by "<cluster>/<component>" (see cpuTimes).
 	cpu map[string]float64
 }
@@ -156,27 +151,28 @@ func printBursts(prefix string, bs []*burst) {
 		benchFigure(fmt.Sprintf("%s_pod_running_p%02.0f", prefix, q*100), "s", n, at(hopPodRunning, q))
 	}
 	benchFigure(prefix+"_provisioning_throughput", "volumes/s", n, func(i int) float64 { return bs[i].throughput })
-	benchFigure(prefix+"_mgmt_api_writes_per_volume", "writes", n, func(i int) float64 { return bs[i].writes })
+	benchFigure(prefix+"_mgmt_api_writes_per_volume", "writes", n, func(i int) float64 { return bs[i].api.writes })
 	benchFigure(prefix+"_mgmt_api_conflicts_per_volume", "conflicts", n, func(i int) float64 { return bs[i].conflicts })
-	for _, k := range largest(bs[0].writesBy, 8) {
-		benchFigure(prefix+"_mgmt_api_writes_per_volume_"+k, "writes", n, func(i int) float64 { return bs[i].writesBy[k] })
+	for _, k := range largest(bs[0].api.writesBy, 8) {
+		benchFigure(prefix+"_mgmt_api_writes_per_volume_"+k, "writes", n, func(i int) float64 { return bs[i].api.writesBy[k] })
 	}
 	kinds := map[string]bool{}
 	for _, b := range bs {
-		for k := range b.conflictsBy {
+		for k := range b.api.conflicts {
 			kinds[k] = true
 		}
 	}
 	for _, k := range slices.Sorted(maps.Keys(kinds)) {
-		benchFigure(prefix+"_mgmt_api_conflicts_per_volume_"+k, "conflicts", n, func(i int) float64 { return bs[i].conflictsBy[k] })
+		benchFigure(prefix+"_mgmt_api_conflicts_per_volume_"+k, "conflicts", n, func(i int) float64 { return bs[i].api.conflicts[k] })
 	}
 	cpu := func(c string) func(int) float64 { return func(i int) float64 { return bs[i].cpu[c] } }
 	benchFigure(prefix+"_cpu_per_volume", "s", n, func(i int) float64 { return sum(slices.Collect(maps.Values(bs[i].cpu))) })
 	for _, c := range largest(bs[0].cpu, 10) {
 		benchFigure(prefix+"_cpu_per_volume_"+strings.ReplaceAll(c, "/", "_"), "s", n, cpu(c))
 	}
-	for _, k := range largest(bs[0].apiSeconds, 8) {
-		benchFigure(prefix+"_mgmt_api_seconds_per_volume_"+k, "s", n, func(i int) float64 { return bs[i].apiSeconds[k] })
+	for _, k := range largest(bs[0].api.seconds, 8) {
+		benchFigure(prefix+"_mgmt_api_seconds_per_volume_"+k, "s", n, func(i int) float64 { return bs[i].api.seconds[k] })
+		benchFigure(prefix+"_mgmt_api_requests_per_volume_"+k, "requests", n, func(i int) float64 { return bs[i].api.requests[k] })
 	}
 
 	hs := make([]*hops, n)
@@ -251,8 +247,8 @@ func podStart(ctx context.Context, cp *cluster.ControlPlane, c client.Client, cl
 	Expect(c.DeleteAllOf(ctx, &corev1.Pod{}, client.InNamespace(ns))).To(Succeed())
 	Expect(c.DeleteAllOf(ctx, &corev1.PersistentVolumeClaim{}, client.InNamespace(ns))).To(Succeed())
 	Eventually(storageObjects).WithContext(ctx).WithTimeout(10 * time.Minute).WithPolling(time.Second).Should(Equal(before))
-	b.writes, b.writesBy, b.conflictsBy, b.apiSeconds = apiStatsOf(ctx, mgmt.CP).since(api, n)
-	b.conflicts = sum(slices.Collect(maps.Values(b.conflictsBy)))
+	b.api = apiStatsOf(ctx, mgmt.CP).since(api, n)
+	b.conflicts = sum(slices.Collect(maps.Values(b.api.conflicts)))
 	b.cpu = cpuPerVolume(cpuBefore, n)
 	return b
 }
@@ -519,8 +515,9 @@ type apiStats struct {
 	// that exists), by kind (see requestKind).
 	conflicts map[string]int
 	// seconds is the time the apiserver spent serving requests, reads included and watches
-	// excluded, by kind.
-	seconds map[string]float64
+	// excluded, by kind; requests counts those requests.
+	seconds  map[string]float64
+	requests map[string]int
 }
 
 // apiStatsOf scrapes the metrics of the apiserver of cp.
@@ -529,7 +526,7 @@ func apiStatsOf(ctx context.Context, cp *cluster.ControlPlane) apiStats {
 	body, err := cp.Client().CoreV1().RESTClient().Get().AbsPath("/metrics").Stream(ctx)
 	Expect(err).NotTo(HaveOccurred())
 	defer body.Close()
-	stats := apiStats{writesBy: map[string]int{}, conflicts: map[string]int{}, seconds: map[string]float64{}}
+	stats := apiStats{writesBy: map[string]int{}, conflicts: map[string]int{}, seconds: map[string]float64{}, requests: map[string]int{}}
 	scanner := bufio.NewScanner(body)
 	scanner.Buffer(make([]byte, 1<<20), 1<<20)
 	for scanner.Scan() {
@@ -541,12 +538,16 @@ func apiStatsOf(ctx context.Context, cp *cluster.ControlPlane) apiStats {
 		v, err := strconv.ParseFloat(value, 64)
 		Expect(err).NotTo(HaveOccurred())
 		verb, resource := label(labels, "verb"), label(labels, "resource")
+		// A watch lasts as long as its watcher: its time is not work.
+		served := !slices.Contains([]string{"WATCH", "WATCHLIST", "CONNECT"}, verb)
 		if metric == "apiserver_request_duration_seconds_sum" {
-			// A watch lasts as long as its watcher: its time is not work.
-			if !slices.Contains([]string{"WATCH", "WATCHLIST", "CONNECT"}, verb) {
+			if served {
 				stats.seconds[requestKind(labels)] += v
 			}
 			continue
+		}
+		if served {
+			stats.requests[requestKind(labels)] += int(v)
 		}
 		if !slices.Contains([]string{"POST", "PUT", "PATCH", "APPLY", "DELETE", "DELETECOLLECTION"}, verb) ||
 			slices.Contains([]string{"nodes", "leases", "events"}, resource) {
@@ -562,11 +563,23 @@ func apiStatsOf(ctx context.Context, cp *cluster.ControlPlane) apiStats {
 	return stats
 }
 
-// since returns the writes per volume of n volumes since before, and, by kind, the writes,
-// their conflicts and the apiserver's request seconds per volume.
-func (s apiStats) since(before apiStats, n int) (writes float64, writesBy, conflicts, seconds map[string]float64) {
-	return float64(s.writes-before.writes) / float64(n), perVolume(s.writesBy, before.writesBy, n),
-		perVolume(s.conflicts, before.conflicts, n), perVolume(s.seconds, before.seconds, n)
+// apiPerVolume is what an apiserver served per volume between two scrapes.
+type apiPerVolume struct {
+	writes float64
+	// writesBy, conflicts, seconds and requests split by kind (see requestKind) the writes,
+	// those answered 409, the time serving requests and the requests (watches excluded).
+	writesBy, conflicts, seconds, requests map[string]float64
+}
+
+// since returns what the apiserver served per volume of n volumes since before.
+func (s apiStats) since(before apiStats, n int) apiPerVolume {
+	return apiPerVolume{
+		writes:    float64(s.writes-before.writes) / float64(n),
+		writesBy:  perVolume(s.writesBy, before.writesBy, n),
+		conflicts: perVolume(s.conflicts, before.conflicts, n),
+		seconds:   perVolume(s.seconds, before.seconds, n),
+		requests:  perVolume(s.requests, before.requests, n),
+	}
 }
 
 // perVolume is what grew from before to now, by kind, per volume of n; kinds that did not grow

@@ -161,11 +161,15 @@ func phase(ctx context.Context, name string, volumes []*scaleVolume, step func(c
 	wg.Wait()
 	elapsed := time.Since(start)
 	n := float64(len(volumes))
-	writes, _, conflicts, seconds := apiStatsOf(ctx, mgmt.CP).since(api, len(volumes))
+	d := apiStatsOf(ctx, mgmt.CP).since(api, len(volumes))
 	cpu := cpuPerVolume(cpuBefore, len(volumes))
+	var seconds []string
+	for _, k := range largest(d.seconds, 4) {
+		seconds = append(seconds, fmt.Sprintf("%s %.3f s (%.1f requests)", k, d.seconds[k], d.requests[k]))
+	}
 	benchf("%s p50 %.2f s, p99 %.2f s, %.1f volumes/s, %.1f mgmt writes and %.2f conflicts per volume; CPU per volume %.3f s, most in %s; mgmt apiserver seconds per volume most in %s\n",
-		name, quantile(took, 0.5), quantile(took, 0.99), n/elapsed.Seconds(), writes, sum(slices.Collect(maps.Values(conflicts))),
-		sum(slices.Collect(maps.Values(cpu))), top(cpu, 6), top(seconds, 4))
+		name, quantile(took, 0.5), quantile(took, 0.99), n/elapsed.Seconds(), d.writes, sum(slices.Collect(maps.Values(d.conflicts))),
+		sum(slices.Collect(maps.Values(cpu))), top(cpu, 6), strings.Join(seconds, ", "))
 }
 
 // top lists the k largest figures of m, largest first, each as "<key> <value> s".

@@ -556,8 +556,11 @@ func (s *controllerServer) GetCapacity(ctx context.Context, req *csi.GetCapacity
 			}
 		}
 	}
+	// Any recent List will do (resourceVersion 0: the apiserver's watch cache answers without
+	// first catching up with etcd): the objects are themselves estimates, refreshed by
+	// csi-provisioner, and csi-provisioner asks again after every volume it provisions.
 	list := &storagev1.CSIStorageCapacityList{}
-	if err := s.mgmt.Live().List(ctx, list, client.InNamespace(s.cfg.capacityNamespace)); err != nil {
+	if err := s.mgmt.Live().List(ctx, list, client.InNamespace(s.cfg.capacityNamespace), &client.ListOptions{Raw: &metav1.ListOptions{ResourceVersion: "0"}}); err != nil {
 		return nil, csiserver.APIError(err, "list the management cluster's CSIStorageCapacity in namespace %s", s.cfg.capacityNamespace)
 	}
 	var available, largest int64
