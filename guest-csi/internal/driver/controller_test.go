@@ -305,6 +305,22 @@ func TestUnpublishFromADeletedVM(t *testing.T) {
 	g.Expect(err).NotTo(HaveOccurred(), "a VM that is gone has no disks")
 }
 
+// The cluster's cache holds only its own VMs: DeleteVolume asks the apiserver before it deletes,
+// and refuses while a VM of another cluster of the namespace has the claim.
+func TestDeleteVolumeInUseByAnotherClustersVM(t *testing.T) {
+	g := NewWithT(t)
+	e := newGuestEnv(t, envOptions{})
+	id := e.createVolume(t, "elsewhere")
+	e.createVM(t, "vm-beta", envHost, "beta")
+	vm := &vmv1.VirtualMachine{ObjectMeta: metav1.ObjectMeta{Namespace: e.ns, Name: "vm-beta"}}
+	entry := fmt.Sprintf(`{"spec":{"volumes":[{"name":%q,"persistentVolumeClaim":{"claimName":%q}}]}}`, id, id)
+	g.Expect(e.admin.Patch(t.Context(), vm, client.RawPatch(types.MergePatchType, []byte(entry)))).To(Succeed())
+
+	_, err := call(t, e.ctrl.DeleteVolume, &csi.DeleteVolumeRequest{VolumeId: id})
+	expectCodeIn(g, err, codes.FailedPrecondition, "still attached to VirtualMachine vm-beta")
+	g.Expect(e.claimOf(t, id).DeletionTimestamp).To(BeNil(), "the management PVC stays")
+}
+
 // A management PVC a platform admin shared with the cluster can be attached, but a guest
 // releases it instead of deleting it and never expands it. One that is neither owned nor
 // shared is refused by every call, with the reason, except that deleting it releases it
