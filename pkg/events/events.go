@@ -72,7 +72,7 @@ func (w *Warnings) Latest(ctx context.Context, obj client.Object) string {
 
 	ns.mu.Lock()
 	defer ns.mu.Unlock()
-	if ns.listed.IsZero() || time.Since(ns.listed) >= w.period {
+	if time.Since(ns.listed) >= w.period {
 		if latest, err := latestWarnings(ctx, w.reader, obj.GetNamespace(), nil); err == nil {
 			ns.latest = latest
 		}
