@@ -468,13 +468,17 @@ func (s *controllerServer) DeleteVolume(ctx context.Context, req *csi.DeleteVolu
 		logger.Info("Released a management PVC shared with the cluster; it is not deleted")
 		return &csi.DeleteVolumeResponse{}, nil
 	}
-	if err := s.notInUse(ctx, c, id); err != nil {
-		return nil, err
+	// A deletion under way (a call retried while the management side releases the volume) was
+	// checked before it began: only the wait is left.
+	if obj.GetDeletionTimestamp() == nil {
+		if err := s.notInUse(ctx, c, id); err != nil {
+			return nil, err
+		}
+		if err := s.deleteIfOwned(ctx, obj); err != nil {
+			return nil, err
+		}
+		logger.V(2).Info("Deleting management PVC")
 	}
-	if err := s.deleteIfOwned(ctx, obj); err != nil {
-		return nil, err
-	}
-	logger.V(2).Info("Deleting management PVC")
 	if err := s.await(ctx, kindPVC, id, &corev1.PersistentVolumeClaim{}, func(found bool) (bool, error) { return !found, nil }); err != nil {
 		return nil, err
 	}
