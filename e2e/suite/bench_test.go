@@ -153,6 +153,7 @@ func printBursts(prefix string, bs []*burst) {
 	benchFigure(prefix+"_provisioning_throughput", "volumes/s", n, func(i int) float64 { return bs[i].throughput })
 	benchFigure(prefix+"_mgmt_api_writes_per_volume", "writes", n, func(i int) float64 { return bs[i].api.writes })
 	benchFigure(prefix+"_mgmt_api_conflicts_per_volume", "conflicts", n, func(i int) float64 { return bs[i].conflicts })
+	benchFigure(prefix+"_mgmt_api_refused_per_volume", "requests", n, func(i int) float64 { return sum(slices.Collect(maps.Values(bs[i].api.refused))) })
 	for _, k := range largest(bs[0].api.writesBy, 8) {
 		benchFigure(prefix+"_mgmt_api_writes_per_volume_"+k, "writes", n, func(i int) float64 { return bs[i].api.writesBy[k] })
 	}
@@ -515,9 +516,10 @@ type apiStats struct {
 	// that exists), by kind (see requestKind).
 	conflicts map[string]int
 	// seconds is the time the apiserver spent serving requests, reads included and watches
-	// excluded, by kind; requests counts those requests.
-	seconds  map[string]float64
-	requests map[string]int
+	// excluded, by kind; requests counts those requests, and refused those of them it answered
+	// 429 (API Priority and Fairness turned it away: the client retries) or 5xx.
+	seconds           map[string]float64
+	requests, refused map[string]int
 }
 
 // apiStatsOf scrapes the metrics of the apiserver of cp.
@@ -526,7 +528,7 @@ func apiStatsOf(ctx context.Context, cp *cluster.ControlPlane) apiStats {
 	body, err := cp.Client().CoreV1().RESTClient().Get().AbsPath("/metrics").Stream(ctx)
 	Expect(err).NotTo(HaveOccurred())
 	defer body.Close()
-	stats := apiStats{writesBy: map[string]int{}, conflicts: map[string]int{}, seconds: map[string]float64{}, requests: map[string]int{}}
+	stats := apiStats{writesBy: map[string]int{}, conflicts: map[string]int{}, seconds: map[string]float64{}, requests: map[string]int{}, refused: map[string]int{}}
 	scanner := bufio.NewScanner(body)
 	scanner.Buffer(make([]byte, 1<<20), 1<<20)
 	for scanner.Scan() {
@@ -546,8 +548,11 @@ func apiStatsOf(ctx context.Context, cp *cluster.ControlPlane) apiStats {
 			}
 			continue
 		}
-		if served {
+		if code := label(labels, "code"); served {
 			stats.requests[requestKind(labels)] += int(v)
+			if code == "429" || strings.HasPrefix(code, "5") {
+				stats.refused[requestKind(labels)] += int(v)
+			}
 		}
 		if !slices.Contains([]string{"POST", "PUT", "PATCH", "APPLY", "DELETE", "DELETECOLLECTION"}, verb) ||
 			slices.Contains([]string{"nodes", "leases", "events"}, resource) {
@@ -566,9 +571,10 @@ func apiStatsOf(ctx context.Context, cp *cluster.ControlPlane) apiStats {
 // apiPerVolume is what an apiserver served per volume between two scrapes.
 type apiPerVolume struct {
 	writes float64
-	// writesBy, conflicts, seconds and requests split by kind (see requestKind) the writes,
-	// those answered 409, the time serving requests and the requests (watches excluded).
-	writesBy, conflicts, seconds, requests map[string]float64
+	// writesBy, conflicts, seconds, requests and refused split by kind (see requestKind) the
+	// writes, those answered 409, the time serving requests, the requests and those refused
+	// (watches excluded).
+	writesBy, conflicts, seconds, requests, refused map[string]float64
 }
 
 // since returns what the apiserver served per volume of n volumes since before.
@@ -579,6 +585,7 @@ func (s apiStats) since(before apiStats, n int) apiPerVolume {
 		conflicts: perVolume(s.conflicts, before.conflicts, n),
 		seconds:   perVolume(s.seconds, before.seconds, n),
 		requests:  perVolume(s.requests, before.requests, n),
+		refused:   perVolume(s.refused, before.refused, n),
 	}
 }
 

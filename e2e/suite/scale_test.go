@@ -165,7 +165,7 @@ func phase(ctx context.Context, name string, volumes []*scaleVolume, step func(c
 	cpu := cpuPerVolume(cpuBefore, len(volumes))
 	var seconds []string
 	for _, k := range largest(d.seconds, 4) {
-		seconds = append(seconds, fmt.Sprintf("%s %.3f s (%.1f requests)", k, d.seconds[k], d.requests[k]))
+		seconds = append(seconds, fmt.Sprintf("%s %.3f s (%.1f requests, %.1f refused)", k, d.seconds[k], d.requests[k], d.refused[k]))
 	}
 	benchf("%s p50 %.2f s, p99 %.2f s, %.1f volumes/s, %.1f mgmt writes and %.2f conflicts per volume; CPU per volume %.3f s, most in %s; mgmt apiserver seconds per volume most in %s\n",
 		name, quantile(took, 0.5), quantile(took, 0.99), n/elapsed.Seconds(), d.writes, sum(slices.Collect(maps.Values(d.conflicts))),
