@@ -126,9 +126,8 @@ type burst struct {
 	// throughput is volumes per second, from the first PVC created to the last one bound.
 	throughput float64
 	// api is what the management apiserver served per volume from the burst's start to its end
-	// (deletion included); conflicts the writes it answered 409 Conflict, all kinds together.
-	api       apiPerVolume
-	conflicts float64
+	// (deletion included).
+	api apiPerVolume
 	// cpu is the CPU time per volume, in seconds, by "<cluster>/<component>" (see cpuTimes).
 	cpu map[string]float64
 }
@@ -152,7 +151,7 @@ func printBursts(prefix string, bs []*burst) {
 	}
 	benchFigure(prefix+"_provisioning_throughput", "volumes/s", n, func(i int) float64 { return bs[i].throughput })
 	benchFigure(prefix+"_mgmt_api_writes_per_volume", "writes", n, func(i int) float64 { return bs[i].api.writes })
-	benchFigure(prefix+"_mgmt_api_conflicts_per_volume", "conflicts", n, func(i int) float64 { return bs[i].conflicts })
+	benchFigure(prefix+"_mgmt_api_conflicts_per_volume", "conflicts", n, func(i int) float64 { return sum(slices.Collect(maps.Values(bs[i].api.conflicts))) })
 	benchFigure(prefix+"_mgmt_api_refused_per_volume", "requests", n, func(i int) float64 { return sum(slices.Collect(maps.Values(bs[i].api.refused))) })
 	for _, k := range largest(bs[0].api.writesBy, 8) {
 		benchFigure(prefix+"_mgmt_api_writes_per_volume_"+k, "writes", n, func(i int) float64 { return bs[i].api.writesBy[k] })
@@ -249,7 +248,6 @@ func podStart(ctx context.Context, cp *cluster.ControlPlane, c client.Client, cl
 	Expect(c.DeleteAllOf(ctx, &corev1.PersistentVolumeClaim{}, client.InNamespace(ns))).To(Succeed())
 	Eventually(storageObjects).WithContext(ctx).WithTimeout(10 * time.Minute).WithPolling(time.Second).Should(Equal(before))
 	b.api = apiStatsOf(ctx, mgmt.CP).since(api, n)
-	b.conflicts = sum(slices.Collect(maps.Values(b.api.conflicts)))
 	b.cpu = cpuPerVolume(cpuBefore, n)
 	return b
 }
@@ -539,19 +537,19 @@ func apiStatsOf(ctx context.Context, cp *cluster.ControlPlane) apiStats {
 		labels, value, _ := strings.Cut(rest, "} ")
 		v, err := strconv.ParseFloat(value, 64)
 		Expect(err).NotTo(HaveOccurred())
-		verb, resource := label(labels, "verb"), label(labels, "resource")
+		verb, resource, code, kind := label(labels, "verb"), label(labels, "resource"), label(labels, "code"), requestKind(labels)
 		// A watch lasts as long as its watcher: its time is not work.
 		served := !slices.Contains([]string{"WATCH", "WATCHLIST", "CONNECT"}, verb)
 		if metric == "apiserver_request_duration_seconds_sum" {
 			if served {
-				stats.seconds[requestKind(labels)] += v
+				stats.seconds[kind] += v
 			}
 			continue
 		}
-		if code := label(labels, "code"); served {
-			stats.requests[requestKind(labels)] += int(v)
+		if served {
+			stats.requests[kind] += int(v)
 			if code == "429" || strings.HasPrefix(code, "5") {
-				stats.refused[requestKind(labels)] += int(v)
+				stats.refused[kind] += int(v)
 			}
 		}
 		if !slices.Contains([]string{"POST", "PUT", "PATCH", "APPLY", "DELETE", "DELETECOLLECTION"}, verb) ||
@@ -559,9 +557,9 @@ func apiStatsOf(ctx context.Context, cp *cluster.ControlPlane) apiStats {
 			continue
 		}
 		stats.writes += int(v)
-		stats.writesBy[requestKind(labels)] += int(v)
-		if label(labels, "code") == "409" {
-			stats.conflicts[requestKind(labels)] += int(v)
+		stats.writesBy[kind] += int(v)
+		if code == "409" {
+			stats.conflicts[kind] += int(v)
 		}
 	}
 	Expect(scanner.Err()).To(Or(Not(HaveOccurred()), MatchError(io.EOF)))
