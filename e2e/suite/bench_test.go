@@ -103,11 +103,15 @@ func sorted(n int, figure func(burst int) float64) []float64 {
 
 // The hops of a volume's way, named as the bench prints them. The ones of the cluster where the
 // PVC and pod are made have no prefix; "mgmt_" ones are the management cluster's objects of a
-// guest volume.
+// guest volume (a PV, directly, is the management cluster's object either way).
 const (
 	hopPodScheduled   = "pod_scheduled"
+	hopProvisionerSet = "pvc_provisioner_set" // by the PV binder: csi-provisioner may start
 	hopMgmtPVCCreated = "mgmt_pvc_created"
+	hopMgmtProvSet    = "mgmt_pvc_provisioner_set"
+	hopPmemCreated    = "pmem_volume_created"
 	hopPmemReady      = "pmem_volume_ready"
+	hopMgmtPVCreated  = "mgmt_pv_created"
 	hopMgmtPVCBound   = "mgmt_pvc_bound"
 	hopPVCBound       = "pvc_bound"
 	hopVACreated      = "va_created"
@@ -205,7 +209,7 @@ func printHopTable(prefix string, hs []*hops) {
 			step := func(i int) float64 { return hs[i].stepPercentile(prev, hop, q) }
 			cols = append(cols, fmt.Sprintf("step_p%02.0f %6.2f s", q*100, median(n, step)))
 		}
-		benchf("%s_hop %-20s %s\n", prefix, hop, strings.Join(cols, "  "))
+		benchf("%s_hop %-24s %s\n", prefix, hop, strings.Join(cols, "  "))
 	}
 }
 
@@ -273,7 +277,14 @@ func storageObjects(ctx context.Context) map[string]int {
 func watchClaims(ctx context.Context, h *hops, cp *cluster.ControlPlane, ns string) {
 	GinkgoHelper()
 	watchEach(ctx, cp.Client().CoreV1().PersistentVolumeClaims(ns).Watch, func(ev watch.Event) {
-		if pvc, ok := ev.Object.(*corev1.PersistentVolumeClaim); ok && pvc.Status.Phase == corev1.ClaimBound {
+		pvc, ok := ev.Object.(*corev1.PersistentVolumeClaim)
+		if !ok {
+			return
+		}
+		if pvc.Annotations[provisionerAnnotation] != "" {
+			h.seen(hopProvisionerSet, "pvc/"+pvc.Name)
+		}
+		if pvc.Status.Phase == corev1.ClaimBound {
 			h.alias("pv/"+pvc.Spec.VolumeName, "pvc/"+pvc.Name)
 			h.seen(hopPVCBound, "pvc/"+pvc.Name)
 		}
@@ -316,13 +327,22 @@ func watchAttachments(ctx context.Context, h *hops, cp *cluster.ControlPlane, pr
 	})
 }
 
-// watchPmemVolumes times when PMEM volumes become ready, known by the PV they were created for.
+// provisionerAnnotation is set on a claim by the PV binder of kube-controller-manager when the
+// claim's class names an external provisioner; csi-provisioner only provisions claims with it.
+const provisionerAnnotation = "volume.kubernetes.io/storage-provisioner"
+
+// watchPmemVolumes times when PMEM volumes are created and become ready and when csi-provisioner
+// creates their PVs (where the PV binder's second trip starts), known by the PV.
 func watchPmemVolumes(ctx context.Context, h *hops) {
 	GinkgoHelper()
 	watchObjects(ctx, &pmemv1.PmemVolumeList{}, func(o client.Object) {
+		h.seen(hopPmemCreated, "pv/"+o.GetAnnotations()[pmemv1.NameAnnotation])
 		if meta.IsStatusConditionTrue(o.(*pmemv1.PmemVolume).Status.Conditions, pmemv1.ReadyCondition) {
 			h.seen(hopPmemReady, "pv/"+o.GetAnnotations()[pmemv1.NameAnnotation])
 		}
+	})
+	watchObjects(ctx, &corev1.PersistentVolumeList{}, func(o client.Object) {
+		h.seen(hopMgmtPVCreated, "pv/"+o.GetName())
 	})
 }
 
@@ -339,6 +359,9 @@ func watchManagement(ctx context.Context, h *hops, ns string) {
 		ref := "mpvc/" + pvc.Name
 		h.alias(ref, "pv/"+pvc.Annotations[tenancy.GuestPVAnnotation])
 		h.seen(hopMgmtPVCCreated, ref)
+		if pvc.Annotations[provisionerAnnotation] != "" {
+			h.seen(hopMgmtProvSet, ref)
+		}
 		if pvc.Status.Phase == corev1.ClaimBound {
 			h.alias("pv/"+pvc.Spec.VolumeName, ref)
 			h.seen(hopMgmtPVCBound, ref)
