@@ -138,23 +138,23 @@ func (cp *ControlPlane) logPath(component string) string {
 	return filepath.Join(cp.Dir, "logs", component+".log")
 }
 
-// StartControllerManager starts kube-controller-manager; with StopControllerManager it lets a
-// test restart it.
-func (cp *ControlPlane) StartControllerManager() error {
+// StartControllerManager starts kube-controller-manager with the lab's flags and extra ones;
+// with StopControllerManager it lets a test restart it.
+func (cp *ControlPlane) StartControllerManager(extra ...string) error {
 	cp.mu.Lock()
 	defer cp.mu.Unlock()
 	if cp.controller != nil && !cp.controller.Exited() {
 		return fmt.Errorf("%s: kube-controller-manager is running", cp.Name)
 	}
-	p, err := cp.start("kube-controller-manager",
-		"--kubeconfig="+cp.Kubeconfig, "--leader-elect=false",
+	p, err := cp.start("kube-controller-manager", append([]string{
+		"--kubeconfig=" + cp.Kubeconfig, "--leader-elect=false",
 		"--use-service-account-credentials=false",
 		"--bind-address=127.0.0.1", "--secure-port=0",
 		// The default controller set, as in any cluster (Deployments, StatefulSets, DaemonSets,
 		// ...): service account token Secrets are signed with the apiserver's key, and every
 		// namespace gets the apiserver's CA as kube-root-ca.crt, which a pod's token volume needs.
-		"--service-account-private-key-file="+filepath.Join(cp.Dir, "pki", "sa.key"),
-		"--root-ca-file="+filepath.Join(cp.Dir, "certs", "apiserver.crt"),
+		"--service-account-private-key-file=" + filepath.Join(cp.Dir, "pki", "sa.key"),
+		"--root-ca-file=" + filepath.Join(cp.Dir, "certs", "apiserver.crt"),
 		"--pvclaimbinder-sync-period=1s", // static PVs bind in about a second, not 15
 		// The PV binder writes twice per claim; at the default 20 QPS a burst of 100 new volumes
 		// waits 15 s for it after provisioning is done (measured; see the README's figures).
@@ -162,7 +162,7 @@ func (cp *ControlPlane) StartControllerManager() error {
 		// The lab installs CRDs (VolumeSnapshots) as kcm starts: a quota made before the quota
 		// controller discovered them is counted at its next full sync (default 5 minutes).
 		"--resource-quota-sync-period=15s",
-	)
+	}, extra...)...)
 	if err != nil {
 		return err
 	}
