@@ -134,3 +134,20 @@ func readFirst(t *testing.T, dir string) string {
 	}
 	return entries[0].Name()
 }
+
+// TestStoppedPodNetworkLeavesTheReaperNothing: a lab's reaper runs after Stop and deletes every
+// bridge recorded under bridges/. Stop frees the subnet before that, and another lab may then
+// make a bridge of the same name, so a stopped pod network leaves no record (CI once lost a
+// containerd node's bridge that way, and its kubelet could not bind its node address).
+func TestStoppedPodNetworkLeavesTheReaperNothing(t *testing.T) {
+	g := NewWithT(t)
+	lab := newTestLab(t)
+	pn, err := lab.startPodNetwork()
+	g.Expect(err).NotTo(HaveOccurred())
+	record := filepath.Join(lab.Root, "bridges", pn.Bridge)
+	g.Expect(record).To(BeAnExistingFile())
+	g.Expect(pn.stop()).To(Succeed())
+	g.Expect(record).NotTo(BeAnExistingFile(), "the reaper would delete the next bridge of that name")
+	g.Expect(pn.lock).NotTo(BeAnExistingFile())
+	g.Expect(exec.Command("ip", "link", "show", pn.Bridge).Run()).To(HaveOccurred())
+}

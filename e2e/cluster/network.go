@@ -23,6 +23,7 @@ type podNetwork struct {
 	// Gateway is the bridge's address, the first of the subnet: the node's address.
 	Gateway string
 	lock    string
+	record  string     // names the bridge and its lock to the reaper
 	comment string     // marks the lab's rules, for the reaper
 	rules   [][]string // added, to delete
 }
@@ -72,10 +73,10 @@ func (l *Lab) startPodNetwork() (*podNetwork, error) {
 		}
 		pn := &podNetwork{
 			Bridge: fmt.Sprintf("pvblab%d", i), Subnet: fmt.Sprintf("10.244.%d.0/24", i), Gateway: fmt.Sprintf("10.244.%d.1", i),
-			lock: lock, comment: "pvbridge-lab " + l.Root,
+			lock: lock, record: filepath.Join(l.Root, "bridges", fmt.Sprintf("pvblab%d", i)), comment: "pvbridge-lab " + l.Root,
 		}
 		// The reaper finds the bridge (and its lock) here if the lab is killed.
-		if err := os.WriteFile(filepath.Join(l.Root, "bridges", pn.Bridge), []byte(lock), 0o644); err != nil {
+		if err := os.WriteFile(pn.record, []byte(lock), 0o644); err != nil {
 			return nil, err
 		}
 		if err := pn.start(); err != nil {
@@ -125,7 +126,10 @@ func (pn *podNetwork) route(cp *ControlPlane) error {
 	return nil
 }
 
-// stop removes the DNAT rules, the bridge and the subnet's lock. It is idempotent.
+// stop removes the DNAT rules, the bridge, the reaper's record of it and the subnet's lock, in
+// that order. It is idempotent. The record goes before the lock: once the lock is free another
+// lab may make a bridge of the same name, and this lab's reaper, which runs after Stop, must not
+// find the name and delete that bridge (it did, in CI: a kubelet could not bind its node address).
 func (pn *podNetwork) stop() error {
 	var errs []error
 	for _, rule := range pn.rules {
@@ -138,11 +142,14 @@ func (pn *podNetwork) stop() error {
 	}
 	if exec.Command("ip", "link", "show", pn.Bridge).Run() == nil {
 		if out, err := exec.Command("ip", "link", "del", pn.Bridge).CombinedOutput(); err != nil {
-			errs = append(errs, fmt.Errorf("ip link del %s: %w: %s", pn.Bridge, err, out))
+			// Record and lock stay: the reaper tries again, and no other lab takes the name.
+			return errors.Join(append(errs, fmt.Errorf("ip link del %s: %w: %s", pn.Bridge, err, out))...)
 		}
 	}
-	if err := os.Remove(pn.lock); err != nil && !os.IsNotExist(err) {
-		errs = append(errs, err)
+	for _, f := range []string{pn.record, pn.lock} {
+		if err := os.Remove(f); err != nil && !os.IsNotExist(err) {
+			return errors.Join(append(errs, err)...)
+		}
 	}
 	return errors.Join(errs...)
 }
