@@ -73,8 +73,9 @@ func (l *Lab) startPodNetwork() (*podNetwork, error) {
 		}
 		pn := &podNetwork{
 			Bridge: fmt.Sprintf("pvblab%d", i), Subnet: fmt.Sprintf("10.244.%d.0/24", i), Gateway: fmt.Sprintf("10.244.%d.1", i),
-			lock: lock, record: filepath.Join(l.Root, "bridges", fmt.Sprintf("pvblab%d", i)), comment: "pvbridge-lab " + l.Root,
+			lock: lock, comment: "pvbridge-lab " + l.Root,
 		}
+		pn.record = filepath.Join(l.Root, "bridges", pn.Bridge)
 		// The reaper finds the bridge (and its lock) here if the lab is killed.
 		if err := os.WriteFile(pn.record, []byte(lock), 0o644); err != nil {
 			return nil, err

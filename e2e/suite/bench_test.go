@@ -105,23 +105,23 @@ func sorted(n int, figure func(burst int) float64) []float64 {
 // PVC and pod are made have no prefix; "mgmt_" ones are the management cluster's objects of a
 // guest volume (a PV, directly, is the management cluster's object either way).
 const (
-	hopPodScheduled   = "pod_scheduled"
-	hopProvisionerSet = "pvc_provisioner_set" // by the PV binder: csi-provisioner may start
-	hopMgmtPVCCreated = "mgmt_pvc_created"
-	hopMgmtProvSet    = "mgmt_pvc_provisioner_set"
-	hopPmemCreated    = "pmem_volume_created"
-	hopPmemReady      = "pmem_volume_ready"
-	hopMgmtPVCreated  = "mgmt_pv_created"
-	hopMgmtPVCBound   = "mgmt_pvc_bound"
-	hopPVCBound       = "pvc_bound"
-	hopVACreated      = "va_created"
-	hopVMSpecVolume   = "vm_spec_volume"
-	hopMgmtVACreated  = "mgmt_va_created"
-	hopMgmtVAAttached = "mgmt_va_attached"
-	hopVMStatusAttach = "vm_status_attached"
-	hopVAAttached     = "va_attached"
-	hopVolumesMounted = "pod_volumes_mounted"
-	hopPodRunning     = "pod_running"
+	hopPodScheduled       = "pod_scheduled"
+	hopProvisionerSet     = "pvc_provisioner_set" // by the PV binder: csi-provisioner may start
+	hopMgmtPVCCreated     = "mgmt_pvc_created"
+	hopMgmtProvisionerSet = "mgmt_pvc_provisioner_set"
+	hopPmemCreated        = "pmem_volume_created"
+	hopPmemReady          = "pmem_volume_ready"
+	hopMgmtPVCreated      = "mgmt_pv_created"
+	hopMgmtPVCBound       = "mgmt_pvc_bound"
+	hopPVCBound           = "pvc_bound"
+	hopVACreated          = "va_created"
+	hopVMSpecVolume       = "vm_spec_volume"
+	hopMgmtVACreated      = "mgmt_va_created"
+	hopMgmtVAAttached     = "mgmt_va_attached"
+	hopVMStatusAttach     = "vm_status_attached"
+	hopVAAttached         = "va_attached"
+	hopVolumesMounted     = "pod_volumes_mounted"
+	hopPodRunning         = "pod_running"
 )
 
 // burst is what one burst measured.
@@ -227,7 +227,7 @@ func podStart(ctx context.Context, cp *cluster.ControlPlane, c client.Client, cl
 	ns, err := deploy.CreateNamespace(ctx, cp.Client(), "bench")
 	Expect(err).NotTo(HaveOccurred())
 	watchClaims(ctx, h, cp, ns)
-	watchPmemVolumes(ctx, h)
+	watchProvisioning(ctx, h)
 	if cp != mgmt.CP {
 		watchManagement(ctx, h, alpha.Options.Namespace)
 	}
@@ -331,14 +331,15 @@ func watchAttachments(ctx context.Context, h *hops, cp *cluster.ControlPlane, pr
 // claim's class names an external provisioner; csi-provisioner only provisions claims with it.
 const provisionerAnnotation = "volume.kubernetes.io/storage-provisioner"
 
-// watchPmemVolumes times when PMEM volumes are created and become ready and when csi-provisioner
+// watchProvisioning times when PMEM volumes are created and become ready and when csi-provisioner
 // creates their PVs (where the PV binder's second trip starts), known by the PV.
-func watchPmemVolumes(ctx context.Context, h *hops) {
+func watchProvisioning(ctx context.Context, h *hops) {
 	GinkgoHelper()
 	watchObjects(ctx, &pmemv1.PmemVolumeList{}, func(o client.Object) {
-		h.seen(hopPmemCreated, "pv/"+o.GetAnnotations()[pmemv1.NameAnnotation])
+		ref := "pv/" + o.GetAnnotations()[pmemv1.NameAnnotation]
+		h.seen(hopPmemCreated, ref)
 		if meta.IsStatusConditionTrue(o.(*pmemv1.PmemVolume).Status.Conditions, pmemv1.ReadyCondition) {
-			h.seen(hopPmemReady, "pv/"+o.GetAnnotations()[pmemv1.NameAnnotation])
+			h.seen(hopPmemReady, ref)
 		}
 	})
 	watchObjects(ctx, &corev1.PersistentVolumeList{}, func(o client.Object) {
@@ -360,7 +361,7 @@ func watchManagement(ctx context.Context, h *hops, ns string) {
 		h.alias(ref, "pv/"+pvc.Annotations[tenancy.GuestPVAnnotation])
 		h.seen(hopMgmtPVCCreated, ref)
 		if pvc.Annotations[provisionerAnnotation] != "" {
-			h.seen(hopMgmtProvSet, ref)
+			h.seen(hopMgmtProvisionerSet, ref)
 		}
 		if pvc.Status.Phase == corev1.ClaimBound {
 			h.alias("pv/"+pvc.Spec.VolumeName, ref)

@@ -116,7 +116,7 @@ func watchScale(ctx context.Context) *hops {
 	ctx, cancel := context.WithCancel(ctx)
 	DeferCleanup(cancel)
 	watchManagement(ctx, h, "")
-	watchPmemVolumes(ctx, h)
+	watchProvisioning(ctx, h)
 	return h
 }
 
