@@ -71,6 +71,8 @@ type Driver interface {
 	// longer holds its device: ErrBusy while the guest has not let go yet. A disk that is not
 	// attached, or a VM that does not run, is success.
 	Detach(ctx context.Context, vm VM, serial string) error
-	// Disks lists the disks attached to vm (empty when it does not run).
+	// Disks lists the disks attached to vm, those its guest sees (empty when it does not run).
+	// A disk whose Attach was interrupted is not listed until Attach is repeated: the host
+	// agent takes a listed disk for done and reports it attached without a second hot-plug.
 	Disks(ctx context.Context, vm VM) ([]Disk, error)
 }

@@ -181,9 +181,7 @@ func isBlockDevice(fi fs.FileInfo, dev uint64) bool {
 // The directory is built under the temporary directory and renamed into place, so that the
 // guest never sees a serial without the rest.
 func makeSysDir(r *os.Root, rec record, sectors uint64) error {
-	serial, errSerial := r.ReadFile(filepath.Join(rec.sysDir(), "serial"))
-	number, errNumber := r.ReadFile(filepath.Join(rec.sysDir(), "dev"))
-	if errSerial == nil && errNumber == nil && string(serial) == rec.Serial+"\n" && string(number) == rec.number()+"\n" {
+	if hasSysDir(r, rec) {
 		return writeSize(r, rec, sectors)
 	}
 	tmp := filepath.Join(tmpDir, rec.Name)
@@ -209,6 +207,13 @@ func makeSysDir(r *os.Root, rec record, sectors uint64) error {
 	return r.Rename(tmp, rec.sysDir())
 }
 
+// hasSysDir reports whether sys/block/vdX of rec has its serial and number.
+func hasSysDir(r *os.Root, rec record) bool {
+	serial, errSerial := r.ReadFile(filepath.Join(rec.sysDir(), "serial"))
+	number, errNumber := r.ReadFile(filepath.Join(rec.sysDir(), "dev"))
+	return errSerial == nil && errNumber == nil && string(serial) == rec.Serial+"\n" && string(number) == rec.number()+"\n"
+}
+
 // writeSize updates the size in sys/block/vdX if it changed.
 func writeSize(r *os.Root, rec record, sectors uint64) error {
 	name := filepath.Join(rec.sysDir(), "size")
@@ -221,18 +226,26 @@ func writeSize(r *os.Root, rec record, sectors uint64) error {
 
 // makeLink points dev/disk/by-id/virtio-<serial> at the node of rec, atomically.
 func makeLink(r *os.Root, rec record) error {
-	target := "../../" + rec.Name
-	if cur, err := r.Readlink(rec.link()); err == nil && cur == target {
+	if hasLink(r, rec) {
 		return nil
 	}
 	tmp := filepath.Join(tmpDir, filepath.Base(rec.link()))
 	if err := removeIfExists(r, tmp); err != nil {
 		return err
 	}
-	if err := r.Symlink(target, tmp); err != nil {
+	if err := r.Symlink(linkTarget(rec), tmp); err != nil {
 		return err
 	}
 	return r.Rename(tmp, rec.link())
+}
+
+// linkTarget is where the by-id link of rec points: its node, relative to dev/disk/by-id.
+func linkTarget(rec record) string { return "../../" + rec.Name }
+
+// hasLink reports whether the by-id link of rec points at its node.
+func hasLink(r *os.Root, rec record) bool {
+	cur, err := r.Readlink(rec.link())
+	return err == nil && cur == linkTarget(rec)
 }
 
 // sectors returns the current size of the device of rec in 512-byte sectors, from sysfs.
@@ -309,9 +322,11 @@ func unplug(r *os.Root, rec record) error {
 	return removeIfExists(r, rec.recFile())
 }
 
-// Disks lists the disks of the VM in the order of their names, and refreshes the size the
-// guest sees of each. A disk whose attach or detach was interrupted is listed: it may hold its
-// device until Attach completes it or Detach removes it. A VM that is not running has no disks,
+// Disks lists the disks the guest sees, in the order of their names, and refreshes the size
+// of each. A disk whose attach or detach was interrupted is not listed, as QEMU lists no device
+// whose device_add did not happen: the guest does not see it, and a caller that took it for
+// attached would report a disk the guest never finds. Attach completes it, Detach removes it;
+// until then it holds its device (PowerOff refuses). A VM that is not running has no disks,
 // since PowerOff refuses while it has some.
 func (d *Driver) Disks(ctx context.Context, vm hypervisor.VM) ([]hypervisor.Disk, error) {
 	unlock, err := d.lock(ctx, vm)
@@ -333,6 +348,9 @@ func (d *Driver) Disks(ctx context.Context, vm hypervisor.VM) ([]hypervisor.Disk
 	}
 	var disks []hypervisor.Disk
 	for _, rec := range records {
+		if !plugged(r, rec) {
+			continue
+		}
 		if err := d.refreshSize(r, rec); err != nil {
 			return nil, fmt.Errorf("list disks of %s: %w", vmKey(vm), err)
 		}
@@ -341,12 +359,16 @@ func (d *Driver) Disks(ctx context.Context, vm hypervisor.VM) ([]hypervisor.Disk
 	return disks, nil
 }
 
-// refreshSize updates the size the guest sees of a complete disk to that of its device. A
-// device that no longer exists keeps its last size.
+// plugged reports whether the guest's view of rec is complete, all that plug makes: the device
+// node, the sys/block directory with the serial and the number, the by-id link.
+func plugged(r *os.Root, rec record) bool {
+	fi, err := r.Lstat(rec.node())
+	return err == nil && isBlockDevice(fi, rec.dev()) && hasSysDir(r, rec) && hasLink(r, rec)
+}
+
+// refreshSize updates the size the guest sees of a disk to that of its device. A device that
+// no longer exists keeps its last size.
 func (d *Driver) refreshSize(r *os.Root, rec record) error {
-	if _, err := r.Stat(filepath.Join(rec.sysDir(), "serial")); errors.Is(err, fs.ErrNotExist) {
-		return nil
-	}
 	sectors, err := d.sectors(rec)
 	if errors.Is(err, fs.ErrNotExist) {
 		return nil
