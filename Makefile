@@ -42,14 +42,13 @@ run: deps lab-tools ## Start the lab (management + guest clusters on 127.0.0.1) 
 	bin/lab --runtime=$(RUNTIME)
 
 .PHONY: test
-test: deps test-tools ## Run every test: unit and integration (-race), end-to-end, fuzz, csi-sanity.
+test: deps test-tools ## Run every test: unit and integration (-race), end-to-end (csi-sanity among them), fuzz.
 	@# -count=1: the end-to-end tests start binaries built at run time, which the test cache
 	@# cannot see change. The end-to-end packages run pvbridge's binaries as processes built
 	@# without -race (the unit and integration tests cover that code under -race).
 	hack/phase.sh unit go test -race -count=1 -timeout $(TEST_TIMEOUT) $(COMPONENTS:%=./%/...)
 	hack/phase.sh e2e go test -count=1 -timeout $(TEST_TIMEOUT) ./e2e/...
 	hack/phase.sh fuzz $(MAKE) --no-print-directory fuzz
-	hack/phase.sh sanity go run ./e2e/cmd/sanity
 
 # Fuzz targets of every parser of tenant-controlled input: <module>:<package>:<target>,<target>...
 FUZZ_TARGETS := \
@@ -104,7 +103,7 @@ conformance: deps test-tools ## Run Kubernetes' External Storage tests (e2e.test
 
 .PHONY: sanity
 sanity: deps test-tools ## Run the csi-sanity binary against both drivers as the lab runs them and print each summary.
-	go run ./e2e/cmd/sanity
+	cd e2e && go test -count=1 -v -timeout $(TEST_TIMEOUT) ./sanity
 
 ##@ Development
 

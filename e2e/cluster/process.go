@@ -6,6 +6,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"syscall"
@@ -237,4 +238,14 @@ func pidsIn(dir string) ([]int, error) {
 		}
 	}
 	return pids, nil
+}
+
+// Tail is the last n lines of a file (a log), or why it could not be read.
+func Tail(file string, n int) string {
+	data, err := os.ReadFile(file)
+	if err != nil {
+		return err.Error()
+	}
+	lines := strings.Split(string(data), "\n")
+	return strings.Join(lines[max(0, len(lines)-n):], "\n")
 }

@@ -63,7 +63,6 @@ const confinement = "pvbridge.io/conformance"
 // management cluster, each declared by testdata/<driver>.yaml; a failed test fails the driver's
 // subtest, and the totals are logged. docs/conformance.md explains every skip.
 func TestExternalStorage(t *testing.T) {
-	ctx := t.Context()
 	var vmsOfHostA []string
 	for vm, host := range in.Options.Guest.VMs {
 		if host == "host-a" {
@@ -79,6 +78,12 @@ func TestExternalStorage(t *testing.T) {
 		{names.PmemDriver, "mgmt-csi.yaml", in.Mgmt, []string{"host-a"}},
 	} {
 		t.Run(d.driver, func(t *testing.T) {
+			if *procs == 1 {
+				// The two drivers are tested in their own clusters, and their tests mostly
+				// wait (pods starting, e2e.test's polls): run at once, they take the time of
+				// the longer one. Runs in parallel processes already load the machine.
+				t.Parallel()
+			}
 			g := NewWithT(t)
 			confine(t, d.cp.Client(), d.nodes)
 			definition, err := filepath.Abs(filepath.Join("testdata", d.definition))
@@ -103,14 +108,14 @@ func TestExternalStorage(t *testing.T) {
 				"--non-blocking-taints=node-role.kubernetes.io/control-plane," + confinement,
 				"--report-dir=" + filepath.Join(lab.Root, "reports-"+d.driver),
 			}
-			cmd := exec.CommandContext(ctx, e2eTest, append(args, prefixed("--ginkgo.", ginkgoArgs)...)...)
+			cmd := exec.CommandContext(t.Context(), e2eTest, append(args, prefixed("--ginkgo.", ginkgoArgs)...)...)
 			if *procs > 1 {
 				// The ginkgo CLI runs the binary's specs in parallel processes ([Serial] ones
 				// alone at the end) and merges their reports.
 				cli, err := lab.Binaries().Tool("ginkgo")
 				g.Expect(err).NotTo(HaveOccurred(), "make conformance builds it")
 				cliArgs := append(prefixed("--", ginkgoArgs), fmt.Sprintf("--procs=%d", *procs), "--timeout=4h", e2eTest, "--")
-				cmd = exec.CommandContext(ctx, cli, append(cliArgs, args...)...)
+				cmd = exec.CommandContext(t.Context(), cli, append(cliArgs, args...)...)
 			}
 			// The output goes to a file of the lab, to follow a long run and read after it.
 			logFile := filepath.Join(lab.Root, d.driver+".log")
@@ -123,7 +128,7 @@ func TestExternalStorage(t *testing.T) {
 			passed, failed, skipped := summarize(t, report)
 			t.Logf("%s: %d passed, %d failed, %d skipped:\n  %s", d.driver, len(passed), len(failed), len(skipped), strings.Join(skipped, "\n  "))
 			if runErr != nil || len(failed) > 0 {
-				t.Errorf("e2e.test against %s: %v; failed:\n  %s\n%s", d.driver, runErr, strings.Join(failed, "\n  "), tail(logFile, 200))
+				t.Errorf("e2e.test against %s: %v; failed:\n  %s\n%s", d.driver, runErr, strings.Join(failed, "\n  "), cluster.Tail(logFile, 200))
 			}
 			g.Expect(passed).NotTo(BeEmpty(), "no test ran")
 		})
@@ -203,14 +208,4 @@ func summarize(t *testing.T, file string) (passed, failed, skipped []string) {
 		}
 	}
 	return passed, failed, skipped
-}
-
-// tail is the last n lines of a file.
-func tail(file string, n int) string {
-	data, err := os.ReadFile(file)
-	if err != nil {
-		return err.Error()
-	}
-	lines := strings.Split(string(data), "\n")
-	return strings.Join(lines[max(0, len(lines)-n):], "\n")
 }
