@@ -47,7 +47,9 @@ test: deps test-tools ## Run every test: unit and integration (-race), end-to-en
 	@# cannot see change. The end-to-end packages run pvbridge's binaries as processes built
 	@# without -race (the unit and integration tests cover that code under -race).
 	hack/phase.sh unit go test -race -count=1 -timeout $(TEST_TIMEOUT) $(COMPONENTS:%=./%/...)
-	hack/phase.sh e2e go test -count=1 -timeout $(TEST_TIMEOUT) ./e2e/...
+	@# go test starts test binaries in the order of its arguments on its -p (2) workers: the two
+	@# longest first, so that the others fill the second worker beside them.
+	hack/phase.sh e2e go test -count=1 -timeout $(TEST_TIMEOUT) ./e2e/suite ./e2e/containers ./e2e/...
 	hack/phase.sh fuzz $(MAKE) --no-print-directory fuzz
 
 # Fuzz targets of every parser of tenant-controlled input: <module>:<package>:<target>,<target>...
