@@ -6,8 +6,8 @@
 // driver's node and controller sockets, once with mount and once with block volumes; guest-csi's
 // calls go through the real management side (PVCs, VolumeSnapshots, VM spec.volumes, hot-plug).
 // Each run's output (every spec, with its duration) goes to a file of the lab, whose tail a
-// failed run prints; each run logs `<driver>, <access type> volumes: N passed, M failed, K
-// skipped`.
+// failed run prints (the lab's directory is kept then); each run logs `<driver>, <access type>
+// volumes: N passed, M failed, K skipped`.
 //
 // The lab has one host: csi-sanity creates the volumes of its node tests without topology and
 // stages them on the node it tests, so with a second host the controller would place some of
@@ -133,10 +133,11 @@ func TestCSISanity(t *testing.T) {
 					t.Error(err)
 				}
 				s, err := parseSummary(out)
-				t.Logf("%s, %s volumes: %d passed, %d failed, %d skipped (output in %s)", d.name, accessType, s.Passed, s.Failed, s.Skipped, logFile)
+				t.Logf("%s, %s volumes: %d passed, %d failed, %d skipped", d.name, accessType, s.Passed, s.Failed, s.Skipped)
 				switch {
 				case runErr != nil || err != nil || s.Failed > 0:
-					t.Errorf("csi-sanity against %s, %s volumes: %v\n%s", d.name, accessType, errors.Join(runErr, err), cluster.Tail(logFile, 200))
+					t.Errorf("csi-sanity against %s, %s volumes: %v; the end of its output (all of it in %s):\n%s",
+						d.name, accessType, errors.Join(runErr, err), logFile, cluster.Tail(logFile, 200))
 				case s.Passed == 0:
 					t.Errorf("csi-sanity against %s, %s volumes: no spec passed", d.name, accessType)
 				}
