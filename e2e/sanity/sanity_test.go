@@ -46,8 +46,8 @@ const (
 	runTimeout = 15 * time.Minute
 )
 
-// driver is what csi-sanity needs of a driver: its sockets and the parameters of its volumes
-// (YAML, "" for none).
+// driver is what csi-sanity needs of a driver: its sockets and the file of its volumes'
+// parameters ("" for none).
 type driver struct {
 	name, node, controller, params string
 }
@@ -83,11 +83,14 @@ func TestMain(m *testing.M) {
 		if err != nil {
 			return err
 		}
+		// Volumes without topology bind at once, on the one host.
+		guestParams := filepath.Join(lab.Root, "guest-parameters.yaml")
+		if err := os.WriteFile(guestParams, []byte(names.MgmtStorageClassParam+": "+deploy.StorageClassPmemImmediate+"\n"), 0o644); err != nil {
+			return err
+		}
 		drivers = []driver{
 			{"mgmt-csi", filepath.Join(mgmt.Hosts[0].Node.PluginDir(names.PmemDriver), "csi.sock"), filepath.Join(cp.Dir, "mgmt-csi", "csi.sock"), ""},
-			// Volumes without topology bind at once, on the one host.
-			{"guest-csi", filepath.Join(g.Nodes["vm-1"].PluginDir(names.GuestDriver), "csi.sock"), g.ControllerSocket(),
-				names.MgmtStorageClassParam + ": " + deploy.StorageClassPmemImmediate + "\n"},
+			{"guest-csi", filepath.Join(g.Nodes["vm-1"].PluginDir(names.GuestDriver), "csi.sock"), g.ControllerSocket(), guestParams},
 		}
 		return nil
 	}))
@@ -121,11 +124,7 @@ func TestCSISanity(t *testing.T) {
 					"--ginkgo.v", "--ginkgo.no-color",
 				}
 				if d.params != "" {
-					params := filepath.Join(base, "parameters.yaml")
-					if err := os.WriteFile(params, []byte(d.params), 0o644); err != nil {
-						t.Fatal(err)
-					}
-					args = append(args, "--csi.testvolumeparameters="+params)
+					args = append(args, "--csi.testvolumeparameters="+d.params)
 				}
 				out, runErr := exec.CommandContext(t.Context(), csiSanity, args...).CombinedOutput()
 				logFile := base + ".log"
