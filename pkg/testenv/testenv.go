@@ -15,6 +15,7 @@ import (
 	"testing"
 
 	"github.com/onsi/ginkgo/v2"
+	"k8s.io/client-go/rest"
 	"sigs.k8s.io/controller-runtime/pkg/envtest"
 )
 
@@ -90,6 +91,13 @@ func (s *Server) Stop() {
 	if s.dir != "" {
 		_ = os.RemoveAll(s.dir)
 	}
+}
+
+// Unthrottle lifts client-go's client-side rate limit from cfg, which a config loaded from a
+// kubeconfig gets by default (5 requests/s after a burst of 10): it paced a test's fixtures, a
+// fifth of a second for each of their writes, rather than the code under test.
+func Unthrottle(cfg *rest.Config) {
+	cfg.QPS, cfg.Burst = -1, 0
 }
 
 // Fuzzing reports whether the test binary runs a fuzz target (or is one of its workers): every

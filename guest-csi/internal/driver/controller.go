@@ -61,6 +61,8 @@ type controllerConfig struct {
 	storageClass, snapshotClass string
 	// capacityNamespace holds mgmt-csi's CSIStorageCapacity objects.
 	capacityNamespace string
+	// warningsPeriod is Options.WarningsPeriod, 0 for defaultWarningsPeriod.
+	warningsPeriod time.Duration
 }
 
 // controllerServer is the Controller service. It holds no state of its own: every volume is a
@@ -77,18 +79,20 @@ type controllerServer struct {
 	locks keylock.Locks
 	edits volumeEdits
 	// warnings answers the waits that run out from one List of the namespace's Warning Events
-	// every warningsPeriod.
+	// every cfg.warningsPeriod.
 	warnings *events.Warnings
 }
 
-// warningsPeriod bounds how old the warning a DeadlineExceeded carries may be: well within a
-// sidecar's timeout, so that a retried call names a warning written during the one before.
-const warningsPeriod = 10 * time.Second
+// defaultWarningsPeriod is Options.WarningsPeriod's default.
+const defaultWarningsPeriod = 10 * time.Second
 
 var _ csi.ControllerServer = (*controllerServer)(nil)
 
 func newControllerServer(cfg controllerConfig, m mgmtClient, guest kubernetes.Interface, hub *await.Hub) *controllerServer {
-	return &controllerServer{cfg: cfg, mgmt: m, guest: guest, hub: hub, warnings: events.NewWarnings(m.Live(), warningsPeriod)}
+	if cfg.warningsPeriod <= 0 {
+		cfg.warningsPeriod = defaultWarningsPeriod
+	}
+	return &controllerServer{cfg: cfg, mgmt: m, guest: guest, hub: hub, warnings: events.NewWarnings(m.Live(), cfg.warningsPeriod)}
 }
 
 // cluster returns the guest cluster with the namespace of the current management session.
@@ -420,7 +424,7 @@ func (s *controllerServer) await(ctx context.Context, kind, name string, obj cli
 
 // warning returns ": <reason>: <message>" of the latest Warning Event about obj in the
 // management cluster, "" if there is none or obj was never seen: fresh reads obj's Events now,
-// otherwise the namespace's shared List answers (at most warningsPeriod old). It waits at most
+// otherwise the namespace's shared List answers (at most cfg.warningsPeriod old). It waits at most
 // a second: the warning only adds to a message.
 func (s *controllerServer) warning(ctx context.Context, obj client.Object, fresh bool) string {
 	ctx, cancel := context.WithTimeout(ctx, time.Second)

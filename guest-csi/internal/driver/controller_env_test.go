@@ -26,6 +26,7 @@ import (
 	vmv1 "pvbridge.io/pkg/apis/vm/v1alpha1"
 	"pvbridge.io/pkg/csinode/csinodetest"
 	"pvbridge.io/pkg/tenancy"
+	"pvbridge.io/pkg/testenv"
 )
 
 const (
@@ -99,6 +100,8 @@ func newGuestEnv(t *testing.T, opts envOptions) *guestEnv {
 		KubeAPIQPS: 100, KubeAPIBurst: 200,
 		ClusterName: e.cluster.Name, ClusterUID: e.cluster.UID, Mgmt: cred, CredentialPoll: 100 * time.Millisecond,
 		StorageClass: envClass, CapacityNamespace: capacityNS,
+		// A second, not the default 10 s: a test waits for the List that shows a new warning.
+		WarningsPeriod: time.Second,
 	})
 	e.ctrl = csi.NewControllerClient(csinodetest.Dial(t, e.socket))
 	if opts.mgmt == nil {
@@ -159,6 +162,7 @@ func adminClient(t *testing.T) client.Client {
 	if err != nil {
 		t.Fatal(err)
 	}
+	testenv.Unthrottle(cfg)
 	scheme, err := newScheme()
 	if err != nil {
 		t.Fatal(err)

@@ -1,11 +1,13 @@
 package driver
 
 import (
+	"context"
 	"encoding/json"
 	"fmt"
 	"sync"
 	"sync/atomic"
 	"testing"
+	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	snapshotv1 "github.com/kubernetes-csi/external-snapshotter/client/v8/apis/volumesnapshot/v1"
@@ -106,7 +108,10 @@ func TestCreateVolumePendingSaysWhy(t *testing.T) {
 	req.Parameters[ParamMgmtStorageClass] = neverClass
 
 	g.Eventually(func(g Gomega) {
-		_, err := call(t, e.ctrl.CreateVolume, req)
+		// A call of a few seconds, not callTimeout: it waits until just before its deadline.
+		ctx, cancel := context.WithTimeout(t.Context(), 3*time.Second)
+		defer cancel()
+		_, err := e.ctrl.CreateVolume(ctx, req)
 		expectCodeIn(g, err, codes.DeadlineExceeded, `ProvisioningFailed: storageclass.storage.k8s.io "never" not found`)
 	}).WithTimeout(eventually).Should(Succeed(), "the management side's warning reaches the guest")
 }

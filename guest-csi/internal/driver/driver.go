@@ -80,6 +80,11 @@ type Options struct {
 	StorageClass, SnapshotClass string
 	// CapacityNamespace is where mgmt-csi's csi-provisioner publishes CSIStorageCapacity.
 	CapacityNamespace string
+	// WarningsPeriod bounds how old the management Warning Event a DeadlineExceeded names may
+	// be: one List of the namespace's warnings serves the calls of a period. 0 means 10 s,
+	// well within a sidecar's timeout, so that a retried call names a warning written during
+	// the one before.
+	WarningsPeriod time.Duration
 
 	// Node mode.
 
@@ -362,6 +367,7 @@ func (d *Driver) setupController(server *csiserver.Server, guest kubernetes.Inte
 		storageClass:      d.opts.StorageClass,
 		snapshotClass:     d.opts.SnapshotClass,
 		capacityNamespace: d.opts.CapacityNamespace,
+		warningsPeriod:    d.opts.WarningsPeriod,
 	}
 	csi.RegisterControllerServer(server, newControllerServer(cfg, conn, guest, hub))
 	return conn, labeller, nil

@@ -29,6 +29,7 @@ import (
 
 	vmv1 "pvbridge.io/pkg/apis/vm/v1alpha1"
 	"pvbridge.io/pkg/csinode/csinodetest"
+	"pvbridge.io/pkg/testenv"
 )
 
 const (
@@ -71,6 +72,7 @@ func startResponder(t *testing.T, ns string, roots map[string]string, fullHosts 
 	if err != nil {
 		t.Fatal(err)
 	}
+	testenv.Unthrottle(cfg)
 	scheme, err := newScheme()
 	if err != nil {
 		t.Fatal(err)

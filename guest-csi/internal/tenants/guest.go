@@ -26,6 +26,10 @@ const (
 	// guestTimeout bounds every request to a guest apiserver, so that an unreachable guest holds
 	// a worker for seconds, not minutes.
 	guestTimeout = 15 * time.Second
+	// guestQPS and guestBurst limit the requests to each guest apiserver. A pass of the guest
+	// install writes a few dozen objects, which client-go's default (5/s after a burst of 10)
+	// spread over seconds.
+	guestQPS, guestBurst = 20, 50
 )
 
 // errNoKubeconfig is returned while Cluster API has not written the Cluster's kubeconfig Secret.
@@ -78,7 +82,7 @@ func (g *GuestClients) For(ctx context.Context, c client.Reader, cluster *cluste
 	if err != nil {
 		return nil, fmt.Errorf("kubeconfig in Secret %s: %w", key, err)
 	}
-	rc.Timeout = guestTimeout
+	rc.Timeout, rc.QPS, rc.Burst = guestTimeout, guestQPS, guestBurst
 	cl, err := client.New(rc, client.Options{Scheme: g.scheme})
 	if err != nil {
 		return nil, fmt.Errorf("client of the guest cluster from Secret %s: %w", key, err)

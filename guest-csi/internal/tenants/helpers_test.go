@@ -28,6 +28,7 @@ import (
 
 	vmv1 "pvbridge.io/pkg/apis/vm/v1alpha1"
 	"pvbridge.io/pkg/tenancy"
+	"pvbridge.io/pkg/testenv"
 )
 
 // tenantEnv is one test's share of the two apiservers: a tenant namespace and a capacity
@@ -165,6 +166,7 @@ func identityClient(t *testing.T, kubeconfig []byte) client.Client {
 	if err != nil {
 		t.Fatal(err)
 	}
+	testenv.Unthrottle(rc)
 	c, err := client.New(rc, client.Options{Scheme: scheme})
 	if err != nil {
 		t.Fatal(err)

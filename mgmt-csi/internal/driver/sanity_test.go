@@ -105,6 +105,8 @@ func withCallTimeout(ctx context.Context, method string, req, reply any, cc *grp
 func runDriver(t *testing.T, opts Options) {
 	t.Helper()
 	opts.Version, opts.Kubeconfig, opts.MetricsAddress = "sanity", kubeconfig, "0"
+	// mgmt-csi's defaults: client-go's own (5 requests/s) would pace the tests.
+	opts.KubeAPIQPS, opts.KubeAPIBurst = 50, 100
 	d, err := New(opts)
 	if err != nil {
 		t.Fatal(err)
@@ -126,6 +128,7 @@ func sanityClient(t *testing.T) client.Client {
 	if err != nil {
 		t.Fatal(err)
 	}
+	testenv.Unthrottle(cfg)
 	scheme, err := newScheme()
 	if err != nil {
 		t.Fatal(err)
