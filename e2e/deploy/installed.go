@@ -3,12 +3,15 @@ package deploy
 import (
 	"context"
 	"fmt"
+	"maps"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strings"
 	"time"
 
+	"golang.org/x/sync/errgroup"
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -82,19 +85,15 @@ func Install(ctx context.Context, lab *cluster.Lab, opts InstalledOptions) (*Ins
 		return nil, err
 	}
 	archives = append(archives, opts.Images...)
-	in := &Installed{Options: opts, Hosts: map[string]*cluster.Node{}, GuestNodes: map[string]*cluster.Node{}}
+	in := &Installed{Options: opts}
 	if in.Mgmt, err = lab.StartControlPlane(ctx, "mgmt"); err != nil {
 		return nil, err
 	}
-	for _, h := range opts.Hosts {
-		node, err := in.Mgmt.AddNode(ctx, h, cluster.NodeOptions{Runtime: cluster.Containerd, Images: archives, Labels: VMHostLabels})
-		if err != nil {
-			return nil, err
-		}
-		if err := emulatePmem(ctx, node, opts.PmemSize); err != nil {
-			return nil, err
-		}
-		in.Hosts[h] = node
+	in.Hosts, err = addNodes(ctx, in.Mgmt, opts.Hosts, func(string) cluster.NodeOptions {
+		return cluster.NodeOptions{Runtime: cluster.Containerd, Images: archives, Labels: VMHostLabels}
+	}, func(node *cluster.Node) error { return emulatePmem(ctx, node, opts.PmemSize) })
+	if err != nil {
+		return nil, err
 	}
 	if err := in.apply(ctx, lab, in.Mgmt, "management", in.managementKustomization()); err != nil {
 		return nil, err
@@ -106,15 +105,12 @@ func Install(ctx context.Context, lab *cluster.Lab, opts InstalledOptions) (*Ins
 	if err := in.createTenant(ctx); err != nil {
 		return nil, err
 	}
-	for vm, host := range opts.Guest.VMs {
-		tree := in.Hosts[host].HostPath(filepath.Join(VMRoot, opts.Guest.Namespace, vm))
-		node, err := in.Guest.AddNode(ctx, vm, cluster.NodeOptions{
-			Runtime: cluster.Containerd, Images: archives, Binds: map[string]string{VMDeviceRoot: tree},
-		})
-		if err != nil {
-			return nil, err
-		}
-		in.GuestNodes[vm] = node
+	in.GuestNodes, err = addNodes(ctx, in.Guest, slices.Sorted(maps.Keys(opts.Guest.VMs)), func(vm string) cluster.NodeOptions {
+		tree := in.Hosts[opts.Guest.VMs[vm]].HostPath(filepath.Join(VMRoot, opts.Guest.Namespace, vm))
+		return cluster.NodeOptions{Runtime: cluster.Containerd, Images: archives, Binds: map[string]string{VMDeviceRoot: tree}}
+	}, nil)
+	if err != nil {
+		return nil, err
 	}
 	if err := in.apply(ctx, lab, in.Guest, "guest", in.guestKustomization()); err != nil {
 		return nil, err
@@ -125,6 +121,32 @@ func Install(ctx context.Context, lab *cluster.Lab, opts InstalledOptions) (*Ins
 		}
 	}
 	return in, nil
+}
+
+// addNodes adds the containerd nodes names to cp at once (most of a node's start is importing
+// every image archive) and returns them by name once each is Ready and setup, if not nil, is
+// done with it.
+func addNodes(ctx context.Context, cp *cluster.ControlPlane, names []string, opts func(name string) cluster.NodeOptions, setup func(*cluster.Node) error) (map[string]*cluster.Node, error) {
+	nodes := make([]*cluster.Node, len(names))
+	var g errgroup.Group
+	for i, name := range names {
+		g.Go(func() error {
+			node, err := cp.AddNode(ctx, name, opts(name))
+			if err == nil && setup != nil {
+				err = setup(node)
+			}
+			nodes[i] = node
+			return err
+		})
+	}
+	if err := g.Wait(); err != nil {
+		return nil, err
+	}
+	byName := make(map[string]*cluster.Node, len(names))
+	for i, name := range names {
+		byName[name] = nodes[i]
+	}
+	return byName, nil
 }
 
 // emulatePmem gives a containerd host size bytes of emulated PMEM: an XFS filesystem (reflink,

@@ -116,16 +116,28 @@ func namespace(t *testing.T) string {
 
 // blockClaim creates a raw block claim provisioned at once on host.
 func blockClaim(ctx context.Context, g Gomega, ns, name, host string) *corev1.PersistentVolume {
-	pvc := deploy.PVC(ns, name, deploy.StorageClassPmemImmediate, "64Mi", true)
-	pvc.Annotations = map[string]string{"volume.kubernetes.io/selected-node": host}
-	g.Expect(c.Create(ctx, pvc)).To(Succeed())
-	g.Eventually(func(g Gomega) {
-		g.Expect(c.Get(ctx, client.ObjectKeyFromObject(pvc), pvc)).To(Succeed())
-		g.Expect(pvc.Status.Phase).To(Equal(corev1.ClaimBound))
-	}).WithContext(ctx).WithTimeout(timeout).Should(Succeed())
-	pv := &corev1.PersistentVolume{}
-	g.Expect(c.Get(ctx, client.ObjectKey{Name: pvc.Spec.VolumeName}, pv)).To(Succeed())
-	return pv
+	return blockClaims(ctx, g, ns, host, name)[0]
+}
+
+// blockClaims creates the block claims names on host at once, and returns their volumes once
+// every one is bound.
+func blockClaims(ctx context.Context, g Gomega, ns, host string, names ...string) []*corev1.PersistentVolume {
+	pvcs := make([]*corev1.PersistentVolumeClaim, len(names))
+	for i, name := range names {
+		pvcs[i] = deploy.PVC(ns, name, deploy.StorageClassPmemImmediate, "64Mi", true)
+		pvcs[i].Annotations = map[string]string{"volume.kubernetes.io/selected-node": host}
+		g.Expect(c.Create(ctx, pvcs[i])).To(Succeed())
+	}
+	pvs := make([]*corev1.PersistentVolume, len(names))
+	for i, pvc := range pvcs {
+		g.Eventually(func(g Gomega) {
+			g.Expect(c.Get(ctx, client.ObjectKeyFromObject(pvc), pvc)).To(Succeed())
+			g.Expect(pvc.Status.Phase).To(Equal(corev1.ClaimBound))
+		}).WithContext(ctx).WithTimeout(timeout).Should(Succeed())
+		pvs[i] = &corev1.PersistentVolume{}
+		g.Expect(c.Get(ctx, client.ObjectKey{Name: pvc.Spec.VolumeName}, pvs[i])).To(Succeed())
+	}
+	return pvs
 }
 
 func virtualMachine(ns, name, host string, claims ...string) *vmv1.VirtualMachine {
@@ -407,9 +419,11 @@ func TestConcurrentWritersLoseNoVolume(t *testing.T) {
 	g := NewWithT(t)
 	ctx, ns := t.Context(), namespace(t)
 	const n = 50
-	for i := range n {
-		blockClaim(ctx, g, ns, fmt.Sprintf("w%02d", i), "host-b")
+	names := make([]string, n)
+	for i := range names {
+		names[i] = fmt.Sprintf("w%02d", i)
 	}
+	blockClaims(ctx, g, ns, "host-b", names...)
 	vm := virtualMachine(ns, "busy", "host-b")
 	g.Expect(c.Create(ctx, vm)).To(Succeed())
 
@@ -417,8 +431,7 @@ func TestConcurrentWritersLoseNoVolume(t *testing.T) {
 	// tries. (No Cap: wait.Backoff stops stepping once it reaches its cap.)
 	patient := wait.Backoff{Steps: 1000, Duration: 50 * time.Millisecond, Factor: 1, Jitter: 1}
 	var wg sync.WaitGroup
-	for i := range n {
-		name := fmt.Sprintf("w%02d", i)
+	for _, name := range names {
 		wg.Go(func() {
 			err := retry.RetryOnConflict(patient, func() error {
 				cur := &vmv1.VirtualMachine{}
@@ -434,8 +447,8 @@ func TestConcurrentWritersLoseNoVolume(t *testing.T) {
 		})
 	}
 	wg.Wait()
-	for i := range n {
-		volumeStatus(ctx, g, vm, fmt.Sprintf("w%02d", i), attached)
+	for _, name := range names {
+		volumeStatus(ctx, g, vm, name, attached)
 	}
 
 	g.Expect(retry.RetryOnConflict(patient, func() error {
