@@ -424,8 +424,8 @@ func (s *controllerServer) await(ctx context.Context, kind, name string, obj cli
 
 // warning returns ": <reason>: <message>" of the latest Warning Event about obj in the
 // management cluster, "" if there is none or obj was never seen: fresh reads obj's Events now,
-// otherwise the namespace's shared List answers (at most cfg.warningsPeriod old). It waits at most
-// a second: the warning only adds to a message.
+// otherwise the namespace's shared List answers (at most cfg.warningsPeriod old). It waits at
+// most a second: the warning only adds to a message.
 func (s *controllerServer) warning(ctx context.Context, obj client.Object, fresh bool) string {
 	ctx, cancel := context.WithTimeout(ctx, time.Second)
 	defer cancel()
@@ -490,24 +490,46 @@ func (s *controllerServer) DeleteVolume(ctx context.Context, req *csi.DeleteVolu
 }
 
 // notInUse fails with FailedPrecondition while a VM of the namespace, of any cluster, has the
-// claim in its spec or still in its status (detaching). The cache of the cluster's own VMs
-// answers first: while it shows the claim in use (a DeleteVolume retried while its detach
-// runs), the apiserver is not asked. Only "not in use" is confirmed live, since the cache may
-// not have seen a publish yet and holds no other cluster's VMs.
+// claim in its spec or still in its status (detaching). Every answer is the apiserver's: a VM
+// the cache shows using the claim (a DeleteVolume retried while its detach runs) is read live,
+// which costs one Get instead of a List of the namespace, since the cache may not have seen its
+// deletion or the entry's removal yet (an unpublish that found the VM gone was followed by a
+// "still attached" from the cache); otherwise a live List decides, since the cache may not have
+// seen a publish yet and holds no other cluster's VMs.
 func (s *controllerServer) notInUse(ctx context.Context, c tenancy.Cluster, claim string) error {
-	for _, r := range []client.Reader{s.mgmt, s.mgmt.Live()} {
-		vms := &vmv1.VirtualMachineList{}
-		if err := r.List(ctx, vms, client.InNamespace(c.Namespace)); err != nil {
-			return csiserver.APIError(err, "list the VirtualMachines of namespace %s", c.Namespace)
+	inUse := func(vm *vmv1.VirtualMachine) error {
+		return status.Errorf(codes.FailedPrecondition, "management PVC %s/%s is still attached to VirtualMachine %s", c.Namespace, claim, vm.Name)
+	}
+	cached := &vmv1.VirtualMachineList{}
+	if err := s.mgmt.List(ctx, cached, client.InNamespace(c.Namespace)); err != nil {
+		return csiserver.APIError(err, "list the VirtualMachines of namespace %s", c.Namespace)
+	}
+	if i := slices.IndexFunc(cached.Items, func(vm vmv1.VirtualMachine) bool { return usesClaim(&vm, claim) }); i >= 0 {
+		vm := &vmv1.VirtualMachine{}
+		err := s.mgmt.Live().Get(ctx, client.ObjectKeyFromObject(&cached.Items[i]), vm)
+		switch {
+		case err == nil && usesClaim(vm, claim):
+			return inUse(vm)
+		case err != nil && !apierrors.IsNotFound(err):
+			return csiserver.APIError(err, "read VirtualMachine %s/%s", c.Namespace, cached.Items[i].Name)
 		}
-		for _, vm := range vms.Items {
-			if slices.ContainsFunc(vm.Spec.Volumes, func(v vmv1.VirtualMachineVolume) bool { return v.PersistentVolumeClaim.ClaimName == claim }) ||
-				slices.ContainsFunc(vm.Status.Volumes, func(v vmv1.VirtualMachineVolumeStatus) bool { return v.Name == claim }) {
-				return status.Errorf(codes.FailedPrecondition, "management PVC %s/%s is still attached to VirtualMachine %s", c.Namespace, claim, vm.Name)
-			}
+	}
+	live := &vmv1.VirtualMachineList{}
+	if err := s.mgmt.Live().List(ctx, live, client.InNamespace(c.Namespace)); err != nil {
+		return csiserver.APIError(err, "list the VirtualMachines of namespace %s", c.Namespace)
+	}
+	for i := range live.Items {
+		if usesClaim(&live.Items[i], claim) {
+			return inUse(&live.Items[i])
 		}
 	}
 	return nil
+}
+
+// usesClaim reports whether vm has the claim in its spec or still in its status.
+func usesClaim(vm *vmv1.VirtualMachine, claim string) bool {
+	return slices.ContainsFunc(vm.Spec.Volumes, func(v vmv1.VirtualMachineVolume) bool { return v.PersistentVolumeClaim.ClaimName == claim }) ||
+		slices.ContainsFunc(vm.Status.Volumes, func(v vmv1.VirtualMachineVolumeStatus) bool { return v.Name == claim })
 }
 
 func (s *controllerServer) ValidateVolumeCapabilities(ctx context.Context, req *csi.ValidateVolumeCapabilitiesRequest) (*csi.ValidateVolumeCapabilitiesResponse, error) {

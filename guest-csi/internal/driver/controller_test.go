@@ -23,6 +23,7 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/utils/ptr"
 	"sigs.k8s.io/controller-runtime/pkg/client"
+	"sigs.k8s.io/controller-runtime/pkg/client/fake"
 
 	vmv1 "pvbridge.io/pkg/apis/vm/v1alpha1"
 	"pvbridge.io/pkg/names"
@@ -325,6 +326,64 @@ func TestDeleteVolumeInUseByAnotherClustersVM(t *testing.T) {
 	expectCodeIn(g, err, codes.FailedPrecondition, "still attached to VirtualMachine vm-beta")
 	g.Expect(e.claimOf(t, id).DeletionTimestamp).To(BeNil(), "the management PVC stays")
 }
+
+// DeleteVolume's "in use" is the apiserver's answer: a VM the cache still shows with the claim
+// after its deletion or the entry's removal does not hold the volume (CI saw it: the test's
+// unpublish found the VM gone, and DeleteVolume still answered "attached" from the cache), and
+// a publish the cache has not seen, or a VM of another cluster, does.
+func TestNotInUseAnswersFromTheAPIServer(t *testing.T) {
+	scheme, err := newScheme()
+	if err != nil {
+		t.Fatal(err)
+	}
+	const ns, claim = "tenant", "c-1"
+	vm := func(name string, claims ...string) client.Object {
+		v := &vmv1.VirtualMachine{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: name}}
+		for _, c := range claims {
+			v.Spec.Volumes = append(v.Spec.Volumes, vmv1.VirtualMachineVolume{Name: c, PersistentVolumeClaim: vmv1.PersistentVolumeClaimVolumeSource{ClaimName: c}})
+		}
+		return v
+	}
+	detaching := &vmv1.VirtualMachine{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "vm-1"},
+		Status: vmv1.VirtualMachineStatus{Volumes: []vmv1.VirtualMachineVolumeStatus{{Name: claim, Attached: true}}}}
+	for _, tc := range []struct {
+		name         string
+		cached, live []client.Object
+		inUseBy      string // "": not in use
+	}{
+		{name: "the cache is behind the VM's deletion", cached: []client.Object{vm("vm-1", claim)}},
+		{name: "the cache is behind the entry's removal", cached: []client.Object{vm("vm-1", claim)}, live: []client.Object{vm("vm-1")}},
+		{name: "in use in both", cached: []client.Object{vm("vm-1", claim)}, live: []client.Object{vm("vm-1", claim)}, inUseBy: "vm-1"},
+		{name: "still detaching", cached: []client.Object{vm("vm-1", claim)}, live: []client.Object{detaching}, inUseBy: "vm-1"},
+		{name: "a publish the cache has not seen", cached: []client.Object{vm("vm-1")}, live: []client.Object{vm("vm-1", claim)}, inUseBy: "vm-1"},
+		{name: "a VM of another cluster, never cached", live: []client.Object{vm("vm-1"), vm("vm-beta", claim)}, inUseBy: "vm-beta"},
+		{name: "used by none", cached: []client.Object{vm("vm-1", "c-2")}, live: []client.Object{vm("vm-1", "c-2")}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			g := NewWithT(t)
+			m := splitClient{
+				Client: fake.NewClientBuilder().WithScheme(scheme).WithObjects(tc.cached...).Build(),
+				live:   fake.NewClientBuilder().WithScheme(scheme).WithObjects(tc.live...).Build(),
+			}
+			s := &controllerServer{mgmt: m}
+			err := s.notInUse(t.Context(), tenancy.Cluster{Namespace: ns, Name: "alpha"}, claim)
+			if tc.inUseBy == "" {
+				g.Expect(err).NotTo(HaveOccurred())
+				return
+			}
+			expectCodeIn(g, err, codes.FailedPrecondition, "still attached to VirtualMachine "+tc.inUseBy)
+		})
+	}
+}
+
+// splitClient is a management client whose cache (Client) and apiserver (live) differ.
+type splitClient struct {
+	client.Client
+	live client.Reader
+}
+
+func (c splitClient) Live() client.Reader { return c.live }
+func (c splitClient) Namespace() string   { return "tenant" }
 
 // A management PVC a platform admin shared with the cluster can be attached, but a guest
 // releases it instead of deleting it and never expands it. One that is neither owned nor
