@@ -4,7 +4,6 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
-	"slices"
 	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
@@ -491,11 +490,9 @@ func (s *controllerServer) DeleteVolume(ctx context.Context, req *csi.DeleteVolu
 
 // notInUse fails with FailedPrecondition while a VM of the namespace, of any cluster, has the
 // claim in its spec or still in its status (detaching). Every answer is the apiserver's: a VM
-// the cache shows using the claim (a DeleteVolume retried while its detach runs) is read live,
-// which costs one Get instead of a List of the namespace, since the cache may not have seen its
-// deletion or the entry's removal yet (an unpublish that found the VM gone was followed by a
-// "still attached" from the cache); otherwise a live List decides, since the cache may not have
-// seen a publish yet and holds no other cluster's VMs.
+// the cache shows with the claim (a DeleteVolume retried while its detach runs) is read live
+// (liveHolder), one Get instead of a List of the namespace; otherwise a live List decides, since
+// the cache may not have seen a publish yet and holds no other cluster's VMs.
 func (s *controllerServer) notInUse(ctx context.Context, c tenancy.Cluster, claim string) error {
 	inUse := func(vm *vmv1.VirtualMachine) error {
 		return status.Errorf(codes.FailedPrecondition, "management PVC %s/%s is still attached to VirtualMachine %s", c.Namespace, claim, vm.Name)
@@ -504,15 +501,12 @@ func (s *controllerServer) notInUse(ctx context.Context, c tenancy.Cluster, clai
 	if err := s.mgmt.List(ctx, cached, client.InNamespace(c.Namespace)); err != nil {
 		return csiserver.APIError(err, "list the VirtualMachines of namespace %s", c.Namespace)
 	}
-	if i := slices.IndexFunc(cached.Items, func(vm vmv1.VirtualMachine) bool { return usesClaim(&vm, claim) }); i >= 0 {
-		vm := &vmv1.VirtualMachine{}
-		err := s.mgmt.Live().Get(ctx, client.ObjectKeyFromObject(&cached.Items[i]), vm)
-		switch {
-		case err == nil && usesClaim(vm, claim):
-			return inUse(vm)
-		case err != nil && !apierrors.IsNotFound(err):
-			return csiserver.APIError(err, "read VirtualMachine %s/%s", c.Namespace, cached.Items[i].Name)
-		}
+	holder, err := s.liveHolder(ctx, cached.Items, claim)
+	switch {
+	case err != nil:
+		return err
+	case holder != nil:
+		return inUse(holder)
 	}
 	live := &vmv1.VirtualMachineList{}
 	if err := s.mgmt.Live().List(ctx, live, client.InNamespace(c.Namespace)); err != nil {
@@ -524,12 +518,6 @@ func (s *controllerServer) notInUse(ctx context.Context, c tenancy.Cluster, clai
 		}
 	}
 	return nil
-}
-
-// usesClaim reports whether vm has the claim in its spec or still in its status.
-func usesClaim(vm *vmv1.VirtualMachine, claim string) bool {
-	return slices.ContainsFunc(vm.Spec.Volumes, func(v vmv1.VirtualMachineVolume) bool { return v.PersistentVolumeClaim.ClaimName == claim }) ||
-		slices.ContainsFunc(vm.Status.Volumes, func(v vmv1.VirtualMachineVolumeStatus) bool { return v.Name == claim })
 }
 
 func (s *controllerServer) ValidateVolumeCapabilities(ctx context.Context, req *csi.ValidateVolumeCapabilitiesRequest) (*csi.ValidateVolumeCapabilitiesResponse, error) {

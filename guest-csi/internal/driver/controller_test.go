@@ -327,11 +327,11 @@ func TestDeleteVolumeInUseByAnotherClustersVM(t *testing.T) {
 	g.Expect(e.claimOf(t, id).DeletionTimestamp).To(BeNil(), "the management PVC stays")
 }
 
-// DeleteVolume's "in use" is the apiserver's answer: a VM the cache still shows with the claim
-// after its deletion or the entry's removal does not hold the volume (CI saw it: the test's
-// unpublish found the VM gone, and DeleteVolume still answered "attached" from the cache), and
-// a publish the cache has not seen, or a VM of another cluster, does.
-func TestNotInUseAnswersFromTheAPIServer(t *testing.T) {
+// "In use" and "attached elsewhere" are the apiserver's answers: a VM the cache still shows
+// with the claim after its deletion or the entry's removal holds nothing (CI saw it: the test's
+// unpublish found the VM gone, and DeleteVolume still answered "attached" from the cache), while
+// for DeleteVolume a publish the cache has not seen, or a VM of another cluster, does.
+func TestInUseAnswersFromTheAPIServer(t *testing.T) {
 	scheme, err := newScheme()
 	if err != nil {
 		t.Fatal(err)
@@ -346,32 +346,39 @@ func TestNotInUseAnswersFromTheAPIServer(t *testing.T) {
 	}
 	detaching := &vmv1.VirtualMachine{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "vm-1"},
 		Status: vmv1.VirtualMachineStatus{Volumes: []vmv1.VirtualMachineVolumeStatus{{Name: claim, Attached: true}}}}
+	cluster := tenancy.Cluster{Namespace: ns, Name: "alpha"}
+	deleteVolume := func(s *controllerServer) error { return s.notInUse(t.Context(), cluster, claim) }
+	publishToVM2 := func(s *controllerServer) error { return s.attachedElsewhere(t.Context(), cluster, claim, "vm-2") }
 	for _, tc := range []struct {
 		name         string
+		check        func(*controllerServer) error
 		cached, live []client.Object
-		inUseBy      string // "": not in use
+		heldBy       string // "": the call goes on
 	}{
-		{name: "the cache is behind the VM's deletion", cached: []client.Object{vm("vm-1", claim)}},
-		{name: "the cache is behind the entry's removal", cached: []client.Object{vm("vm-1", claim)}, live: []client.Object{vm("vm-1")}},
-		{name: "in use in both", cached: []client.Object{vm("vm-1", claim)}, live: []client.Object{vm("vm-1", claim)}, inUseBy: "vm-1"},
-		{name: "still detaching", cached: []client.Object{vm("vm-1", claim)}, live: []client.Object{detaching}, inUseBy: "vm-1"},
-		{name: "a publish the cache has not seen", cached: []client.Object{vm("vm-1")}, live: []client.Object{vm("vm-1", claim)}, inUseBy: "vm-1"},
-		{name: "a VM of another cluster, never cached", live: []client.Object{vm("vm-1"), vm("vm-beta", claim)}, inUseBy: "vm-beta"},
-		{name: "used by none", cached: []client.Object{vm("vm-1", "c-2")}, live: []client.Object{vm("vm-1", "c-2")}},
+		{name: "delete: the cache is behind the VM's deletion", check: deleteVolume, cached: []client.Object{vm("vm-1", claim)}},
+		{name: "delete: the cache is behind the entry's removal", check: deleteVolume, cached: []client.Object{vm("vm-1", claim)}, live: []client.Object{vm("vm-1")}},
+		{name: "delete: in use in both", check: deleteVolume, cached: []client.Object{vm("vm-1", claim)}, live: []client.Object{vm("vm-1", claim)}, heldBy: "still attached to VirtualMachine vm-1"},
+		{name: "delete: still detaching", check: deleteVolume, cached: []client.Object{vm("vm-1", claim)}, live: []client.Object{detaching}, heldBy: "still attached to VirtualMachine vm-1"},
+		{name: "delete: a publish the cache has not seen", check: deleteVolume, cached: []client.Object{vm("vm-1")}, live: []client.Object{vm("vm-1", claim)}, heldBy: "still attached to VirtualMachine vm-1"},
+		{name: "delete: a VM of another cluster, never cached", check: deleteVolume, live: []client.Object{vm("vm-1"), vm("vm-beta", claim)}, heldBy: "still attached to VirtualMachine vm-beta"},
+		{name: "delete: used by none", check: deleteVolume, cached: []client.Object{vm("vm-1", "c-2")}, live: []client.Object{vm("vm-1", "c-2")}},
+		{name: "publish: the cache is behind the unpublish from vm-1", check: publishToVM2, cached: []client.Object{vm("vm-1", claim)}, live: []client.Object{vm("vm-1")}},
+		{name: "publish: the cache is behind vm-1's deletion", check: publishToVM2, cached: []client.Object{vm("vm-1", claim)}},
+		{name: "publish: attached to vm-1", check: publishToVM2, cached: []client.Object{vm("vm-1", claim)}, live: []client.Object{detaching}, heldBy: "is attached to VirtualMachine vm-1"},
+		{name: "publish: already on vm-2 itself", check: publishToVM2, cached: []client.Object{vm("vm-2", claim)}, live: []client.Object{vm("vm-2", claim)}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			g := NewWithT(t)
-			m := splitClient{
+			s := &controllerServer{mgmt: splitClient{
 				Client: fake.NewClientBuilder().WithScheme(scheme).WithObjects(tc.cached...).Build(),
 				live:   fake.NewClientBuilder().WithScheme(scheme).WithObjects(tc.live...).Build(),
-			}
-			s := &controllerServer{mgmt: m}
-			err := s.notInUse(t.Context(), tenancy.Cluster{Namespace: ns, Name: "alpha"}, claim)
-			if tc.inUseBy == "" {
+			}}
+			err := tc.check(s)
+			if tc.heldBy == "" {
 				g.Expect(err).NotTo(HaveOccurred())
 				return
 			}
-			expectCodeIn(g, err, codes.FailedPrecondition, "still attached to VirtualMachine "+tc.inUseBy)
+			expectCodeIn(g, err, codes.FailedPrecondition, tc.heldBy)
 		})
 	}
 }

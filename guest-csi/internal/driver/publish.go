@@ -164,22 +164,47 @@ func (s *controllerServer) vm(ctx context.Context, c tenancy.Cluster, name strin
 }
 
 // attachedElsewhere fails with FailedPrecondition when another VM of the cluster has the volume:
-// a disk is attached to one VM at a time.
+// a disk is attached to one VM at a time. A VM the cache shows with it is read live first (see
+// liveHolder): right after an unpublish from one VM the publish to the next must not be refused
+// for an entry the cache still shows.
 func (s *controllerServer) attachedElsewhere(ctx context.Context, c tenancy.Cluster, claim, node string) error {
 	vms := &vmv1.VirtualMachineList{}
 	if err := s.mgmt.List(ctx, vms); err != nil {
 		return csiserver.APIError(err, "list the cluster's VirtualMachines")
 	}
-	for _, vm := range vms.Items {
-		if vm.Name == node {
+	others := slices.DeleteFunc(vms.Items, func(vm vmv1.VirtualMachine) bool { return vm.Name == node })
+	holder, err := s.liveHolder(ctx, others, claim)
+	if err != nil || holder == nil {
+		return err
+	}
+	return status.Errorf(codes.FailedPrecondition, "management PVC %s/%s is attached to VirtualMachine %s", c.Namespace, claim, holder.Name)
+}
+
+// liveHolder returns, as the apiserver has it now, the first VM of cached (VMs as the cache
+// shows them) that has the claim in its spec or its status and still has it live, nil if none
+// does. The cache sees a VM's deletion or an entry's removal late: an answer that refuses a call
+// is the apiserver's. It costs a Get only for a VM the cache shows with the claim.
+func (s *controllerServer) liveHolder(ctx context.Context, cached []vmv1.VirtualMachine, claim string) (*vmv1.VirtualMachine, error) {
+	for i := range cached {
+		if !usesClaim(&cached[i], claim) {
 			continue
 		}
-		if slices.ContainsFunc(vm.Spec.Volumes, func(v vmv1.VirtualMachineVolume) bool { return v.PersistentVolumeClaim.ClaimName == claim }) ||
-			volumeStatus(&vm, claim) != nil {
-			return status.Errorf(codes.FailedPrecondition, "management PVC %s/%s is attached to VirtualMachine %s", c.Namespace, claim, vm.Name)
+		vm := &vmv1.VirtualMachine{}
+		err := s.mgmt.Live().Get(ctx, client.ObjectKeyFromObject(&cached[i]), vm)
+		switch {
+		case err == nil && usesClaim(vm, claim):
+			return vm, nil
+		case err != nil && !apierrors.IsNotFound(err):
+			return nil, csiserver.APIError(err, "read VirtualMachine %s/%s", cached[i].Namespace, cached[i].Name)
 		}
 	}
-	return nil
+	return nil, nil
+}
+
+// usesClaim reports whether vm has the claim in its spec or still in its status.
+func usesClaim(vm *vmv1.VirtualMachine, claim string) bool {
+	return slices.ContainsFunc(vm.Spec.Volumes, func(v vmv1.VirtualMachineVolume) bool { return v.PersistentVolumeClaim.ClaimName == claim }) ||
+		volumeStatus(vm, claim) != nil
 }
 
 // volumesError turns an error of a write of the VM's spec.volumes into the RPC's status.
