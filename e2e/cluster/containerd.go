@@ -22,10 +22,13 @@ import (
 // Its network is the machine's (pods get their own, see podNetwork). When the namespace's first
 // process ends, the kernel kills every other one: containers, shims, containerd, kubelet.
 
-// nodePaths are a node's own directories, bind-mounted from <node dir>/root/<path>.
+// nodePaths are a node's own directories, bind-mounted from <node dir>/root/<path>. Every
+// socket a node's daemons listen on must be below one: /run/nri holds containerd's NRI socket,
+// which containerd replaces at start, so two nodes starting at once collided on the machine's
+// ("address already in use") and one that started later took over another's.
 var nodePaths = []string{
-	"/var/lib/kubelet", "/var/lib/containerd", "/run/containerd", "/etc/cni/net.d", "/var/lib/cni",
-	"/var/log/pods", "/var/lib/pvbridge", "/run/pvbridge",
+	"/var/lib/kubelet", "/var/lib/containerd", "/run/containerd", "/run/nri", "/etc/cni/net.d",
+	"/var/lib/cni", "/var/log/pods", "/var/lib/pvbridge", "/run/pvbridge",
 }
 
 // startNamespace starts the node's namespace and returns once its bind mounts are made: its own
