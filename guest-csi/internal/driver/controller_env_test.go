@@ -18,7 +18,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/util/rand"
 	"k8s.io/apimachinery/pkg/util/uuid"
-	"k8s.io/client-go/tools/clientcmd"
+	"k8s.io/client-go/rest"
 	"k8s.io/client-go/util/retry"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
@@ -26,7 +26,6 @@ import (
 	vmv1 "pvbridge.io/pkg/apis/vm/v1alpha1"
 	"pvbridge.io/pkg/csinode/csinodetest"
 	"pvbridge.io/pkg/tenancy"
-	"pvbridge.io/pkg/testenv"
 )
 
 const (
@@ -158,11 +157,9 @@ func runDriver(t *testing.T, opts Options) {
 
 func adminClient(t *testing.T) client.Client {
 	t.Helper()
-	cfg, err := clientcmd.BuildConfigFromFlags("", adminKubeconfig)
-	if err != nil {
-		t.Fatal(err)
-	}
-	testenv.Unthrottle(cfg)
+	// The test apiserver's own admin config: envtest gives it 1000 requests/s, where a config
+	// loaded from a kubeconfig gets client-go's 5/s, which paced the tests' fixtures.
+	cfg := rest.CopyConfig(testEnv.Config)
 	scheme, err := newScheme()
 	if err != nil {
 		t.Fatal(err)

@@ -17,7 +17,7 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/client-go/tools/clientcmd"
+	"k8s.io/client-go/rest"
 	"k8s.io/utils/ptr"
 	ctrl "sigs.k8s.io/controller-runtime"
 	"sigs.k8s.io/controller-runtime/pkg/cache"
@@ -29,7 +29,6 @@ import (
 
 	vmv1 "pvbridge.io/pkg/apis/vm/v1alpha1"
 	"pvbridge.io/pkg/csinode/csinodetest"
-	"pvbridge.io/pkg/testenv"
 )
 
 const (
@@ -68,11 +67,9 @@ type testDisk struct {
 // disk it attached. roots are the VMs' device roots.
 func startResponder(t *testing.T, ns string, roots map[string]string, fullHosts ...string) *responder {
 	t.Helper()
-	cfg, err := clientcmd.BuildConfigFromFlags("", adminKubeconfig)
-	if err != nil {
-		t.Fatal(err)
-	}
-	testenv.Unthrottle(cfg)
+	// The test apiserver's own admin config: envtest gives it 1000 requests/s, where a config
+	// loaded from a kubeconfig gets client-go's 5/s, which paced the tests' fixtures.
+	cfg := rest.CopyConfig(testEnv.Config)
 	scheme, err := newScheme()
 	if err != nil {
 		t.Fatal(err)
