@@ -23,6 +23,9 @@ KUBECTL := $(PVBRIDGE_BIN)/kubectl
 # The end-to-end and integration tests start real clusters; give them room on a loaded 2-core machine.
 # The lab suites run side by side (e2e/suite took 869-1341 s beside e2e/containers' lab).
 TEST_TIMEOUT ?= 45m
+# The end-to-end tests are built as the lab builds the binaries they start (static, -trimpath:
+# e2e/images.GoBuild), so that the libraries both import compile once.
+E2E_GO_TEST := CGO_ENABLED=0 go test -trimpath
 
 ##@ Everyday
 
@@ -49,7 +52,7 @@ test: deps test-tools ## Run every test: unit and integration (-race), end-to-en
 	hack/phase.sh unit go test -race -count=1 -timeout $(TEST_TIMEOUT) $(COMPONENTS:%=./%/...)
 	@# go test starts test binaries in the order of its arguments on its -p (2) workers: the two
 	@# longest first, so that the others fill the second worker beside them.
-	hack/phase.sh e2e go test -count=1 -timeout $(TEST_TIMEOUT) ./e2e/suite ./e2e/containers ./e2e/...
+	hack/phase.sh e2e $(E2E_GO_TEST) -count=1 -timeout $(TEST_TIMEOUT) ./e2e/suite ./e2e/containers ./e2e/...
 	hack/phase.sh fuzz $(MAKE) --no-print-directory fuzz
 
 # Fuzz targets of every parser of tenant-controlled input: <module>:<package>:<target>,<target>...
@@ -83,12 +86,12 @@ bench: deps lab-tools ## Run the benchmarks; each figure prints as `BENCH <name>
 	@$(if $(LABELS),true,for m in $(MODULES); do \
 		(cd $$m && go test -run '^$$' -bench . -benchtime 1x -timeout $(TEST_TIMEOUT) ./... | { grep -E '^(BENCH|FAIL|panic|---)' || true; }) || exit 1; \
 	done)
-	@cd e2e && go test -v -count=1 -timeout 60m ./suite -args -ginkgo.label-filter='bench && ($(or $(LABELS),bench))' $(if $(filter 0,$(WATCH_CACHE)),,-watch-cache) | { grep -E '^(BENCH|FAIL|panic|---|\[FAIL)' || true; }
+	@cd e2e && $(E2E_GO_TEST) -v -count=1 -timeout 60m ./suite -args -ginkgo.label-filter='bench && ($(or $(LABELS),bench))' $(if $(filter 0,$(WATCH_CACHE)),,-watch-cache) | { grep -E '^(BENCH|FAIL|panic|---|\[FAIL)' || true; }
 
 .PHONY: soak
 soak: deps lab-tools ## The long runs: the kill -9 churn over 200 volume lifecycles; a controller-manager restart watched for 10 minutes.
-	cd e2e && go test -count=1 -timeout $(TEST_TIMEOUT) ./suite -args -ginkgo.v -ginkgo.label-filter=churn -churn-lifecycles=200 -churn-rounds=20
-	cd e2e && go test -count=1 -timeout 30m -run TestControllerManagerRestartDetachesNothing ./vmoperator/ -args -soak=10m
+	cd e2e && $(E2E_GO_TEST) -count=1 -timeout $(TEST_TIMEOUT) ./suite -args -ginkgo.v -ginkgo.label-filter=churn -churn-lifecycles=200 -churn-rounds=20
+	cd e2e && $(E2E_GO_TEST) -count=1 -timeout 30m -run TestControllerManagerRestartDetachesNothing ./vmoperator/ -args -soak=10m
 
 .PHONY: pmem-vm
 pmem-vm: deps ## The lvm and ndctl PMEM modes and DAX filesystems on emulated NVDIMMs in a QEMU guest.
@@ -96,16 +99,16 @@ pmem-vm: deps ## The lvm and ndctl PMEM modes and DAX filesystems on emulated NV
 
 .PHONY: e2e
 e2e: deps lab-tools ## Run the end-to-end suite; LABELS picks a subset (e.g. LABELS='isolation || reclaim').
-	cd e2e && go test -count=1 -timeout $(TEST_TIMEOUT) ./suite -args -ginkgo.v $(if $(LABELS),-ginkgo.label-filter='$(LABELS)')
+	cd e2e && $(E2E_GO_TEST) -count=1 -timeout $(TEST_TIMEOUT) ./suite -args -ginkgo.v $(if $(LABELS),-ginkgo.label-filter='$(LABELS)')
 
 .PHONY: conformance
 conformance: deps test-tools ## Run Kubernetes' External Storage tests (e2e.test) against both drivers, all of them, in PROCS parallel processes (default 3); make test runs a subset.
 	hack/build-tools.sh ginkgo
-	cd e2e && go test -count=1 -v -timeout 4h -run TestExternalStorage ./containers -args -conformance.full -conformance.procs=$(or $(PROCS),3) $(if $(FOCUS),-conformance.focus='$(FOCUS)')
+	cd e2e && $(E2E_GO_TEST) -count=1 -v -timeout 4h -run TestExternalStorage ./containers -args -conformance.full -conformance.procs=$(or $(PROCS),3) $(if $(FOCUS),-conformance.focus='$(FOCUS)')
 
 .PHONY: sanity
 sanity: deps test-tools ## Run the csi-sanity binary against both drivers as the lab runs them and print each summary.
-	cd e2e && go test -count=1 -v -timeout $(TEST_TIMEOUT) ./sanity
+	cd e2e && $(E2E_GO_TEST) -count=1 -v -timeout $(TEST_TIMEOUT) ./sanity
 
 ##@ Development
 

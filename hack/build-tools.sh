@@ -5,12 +5,12 @@
 #   $PVBRIDGE_CACHE/<component>-<version>/<binary>    the build
 #   $PVBRIDGE_CACHE/bin/<binary>                      a symlink to the pinned build
 #
-# Each component has a tool module under hack/tools/<component> that pins its version (and its
-# replace directives, which is why `go install` cannot build most of them). A component whose
-# binaries exist is not rebuilt, so a rerun with everything cached does no work.
-#
-# A cold build of everything takes about 15 minutes on 2 cores (kube-apiserver alone about 6);
-# the Go build cache grows by about 9 GB.
+# A tool module under hack/tools/<module> pins each component's version (and its replace
+# directives, which is why `go install` cannot build most of them). The Kubernetes binaries, the
+# CSI sidecars and csi-sanity share one module (hack/tools/kubernetes) and one set of build tags:
+# with one version of each library they share, the Go build cache compiles client-go, apiserver,
+# grpc and the rest once instead of once per sidecar. A component whose binaries exist is not
+# rebuilt, so a rerun with everything cached does no work.
 #
 # Usage: hack/build-tools.sh [component ...]     (default: all)
 set -euo pipefail
@@ -30,21 +30,25 @@ k8s_ldflags() {
 	echo "$x"
 }
 
-# component | version | tags | extra ldflags | binary=package ...
+# The tags of every binary of hack/tools/kubernetes: a tag that selects other files of a shared
+# package (grpcnotrace selects grpc's) would otherwise compile that package and all above it twice.
+k8s_tags=selinux,notest,grpcnotrace
+
+# component | module | version | tags | extra ldflags | binary=package ...
 components() {
 	cat <<EOF
-etcd|v3.6.4|||etcd=go.etcd.io/etcd/server/v3
-kubernetes|$k8s_version|selinux,notest,grpcnotrace|$(k8s_ldflags $k8s_version)|kube-apiserver=k8s.io/kubernetes/cmd/kube-apiserver kube-controller-manager=k8s.io/kubernetes/cmd/kube-controller-manager kube-scheduler=k8s.io/kubernetes/cmd/kube-scheduler kubelet=k8s.io/kubernetes/cmd/kubelet kubectl=k8s.io/kubernetes/cmd/kubectl
-kubernetes-e2e|$k8s_version|selinux,notest,grpcnotrace|$(k8s_ldflags $k8s_version)|e2e.test=k8s.io/kubernetes/test/e2e agnhost=k8s.io/kubernetes/test/images/agnhost
-ginkgo|v2.32.0|||ginkgo=github.com/onsi/ginkgo/v2/ginkgo
-csi-provisioner|v6.3.0|| -X main.version=v6.3.0|csi-provisioner=github.com/kubernetes-csi/external-provisioner/v6/cmd/csi-provisioner
-csi-attacher|v4.13.0|| -X main.version=v4.13.0|csi-attacher=github.com/kubernetes-csi/external-attacher/v4/cmd/csi-attacher
-csi-resizer|v2.3.0|| -X main.version=v2.3.0|csi-resizer=github.com/kubernetes-csi/external-resizer/v2/cmd/csi-resizer
-csi-snapshotter|v8.7.0|| -X main.version=v8.7.0|csi-snapshotter=github.com/kubernetes-csi/external-snapshotter/v8/cmd/csi-snapshotter snapshot-controller=github.com/kubernetes-csi/external-snapshotter/v8/cmd/snapshot-controller
-containerd|v2.4.2|no_btrfs| -X github.com/containerd/containerd/v2/version.Version=v2.4.2|containerd=github.com/containerd/containerd/v2/cmd/containerd containerd-shim-runc-v2=github.com/containerd/containerd/v2/cmd/containerd-shim-runc-v2 ctr=github.com/containerd/containerd/v2/cmd/ctr
-csi-sanity|v5.6.0|||csi-sanity=github.com/kubernetes-csi/csi-test/v5/cmd/csi-sanity
-controller-gen|v0.23.0|||controller-gen=sigs.k8s.io/controller-tools/cmd/controller-gen
-golangci-lint|v2.15.0|||golangci-lint=github.com/golangci/golangci-lint/v2/cmd/golangci-lint
+etcd|etcd|v3.6.4|||etcd=go.etcd.io/etcd/server/v3
+kubernetes|kubernetes|$k8s_version|$k8s_tags|$(k8s_ldflags $k8s_version)|kube-apiserver=k8s.io/kubernetes/cmd/kube-apiserver kube-controller-manager=k8s.io/kubernetes/cmd/kube-controller-manager kube-scheduler=k8s.io/kubernetes/cmd/kube-scheduler kubelet=k8s.io/kubernetes/cmd/kubelet kubectl=k8s.io/kubernetes/cmd/kubectl
+csi-provisioner|kubernetes|v6.3.0|$k8s_tags| -X main.version=v6.3.0|csi-provisioner=github.com/kubernetes-csi/external-provisioner/v6/cmd/csi-provisioner
+csi-attacher|kubernetes|v4.13.0|$k8s_tags| -X main.version=v4.13.0|csi-attacher=github.com/kubernetes-csi/external-attacher/v4/cmd/csi-attacher
+csi-resizer|kubernetes|v2.3.0|$k8s_tags| -X main.version=v2.3.0|csi-resizer=github.com/kubernetes-csi/external-resizer/v2/cmd/csi-resizer
+csi-snapshotter|kubernetes|v8.7.0|$k8s_tags| -X main.version=v8.7.0|csi-snapshotter=github.com/kubernetes-csi/external-snapshotter/v8/cmd/csi-snapshotter snapshot-controller=github.com/kubernetes-csi/external-snapshotter/v8/cmd/snapshot-controller
+kubernetes-e2e|kubernetes|$k8s_version|$k8s_tags|$(k8s_ldflags $k8s_version)|e2e.test=k8s.io/kubernetes/test/e2e agnhost=k8s.io/kubernetes/test/images/agnhost
+csi-sanity|kubernetes|v5.6.0|$k8s_tags||csi-sanity=github.com/kubernetes-csi/csi-test/v5/cmd/csi-sanity
+ginkgo|kubernetes|v2.32.1|$k8s_tags||ginkgo=github.com/onsi/ginkgo/v2/ginkgo
+containerd|containerd|v2.4.2|no_btrfs| -X github.com/containerd/containerd/v2/version.Version=v2.4.2|containerd=github.com/containerd/containerd/v2/cmd/containerd containerd-shim-runc-v2=github.com/containerd/containerd/v2/cmd/containerd-shim-runc-v2 ctr=github.com/containerd/containerd/v2/cmd/ctr
+controller-gen|controller-gen|v0.23.0|||controller-gen=sigs.k8s.io/controller-tools/cmd/controller-gen
+golangci-lint|golangci-lint|v2.15.0|||golangci-lint=github.com/golangci/golangci-lint/v2/cmd/golangci-lint
 EOF
 }
 
@@ -59,7 +63,7 @@ selected() {
 mkdir -p "$cache/bin"
 total=$(components | wc -l)
 n=0
-while IFS='|' read -r comp version tags ldflags bins; do
+while IFS='|' read -r comp module version tags ldflags bins; do
 	n=$((n + 1))
 	selected "$comp" || continue
 	dir="$cache/$comp-$version"
@@ -74,7 +78,7 @@ while IFS='|' read -r comp version tags ldflags bins; do
 			# A binary named *.test is a package's test binary (Kubernetes' e2e.test).
 			build=(build)
 			[[ $bin == *.test ]] && build=(test -c)
-			(cd "$root/hack/tools/$comp" &&
+			(cd "$root/hack/tools/$module" &&
 				go "${build[@]}" -trimpath ${tags:+-tags "$tags"} -ldflags "all=$ldflags -s -w" -o "$dir/$bin.tmp" "$pkg")
 			mv "$dir/$bin.tmp" "$dir/$bin"
 			echo "[$n/$total] $bin $version: built in $(($(date +%s) - start))s"

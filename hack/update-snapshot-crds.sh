@@ -4,7 +4,7 @@
 # external-snapshotter into manifests/crd/snapshot.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
-dir=$(cd "$root/hack/tools/csi-snapshotter" &&
+dir=$(cd "$root/hack/tools/kubernetes" &&
 	GOWORK=off go mod download -json github.com/kubernetes-csi/external-snapshotter/client/v8 | jq -r .Dir)
 out="$root/manifests/crd/snapshot"
 mkdir -p "$out"

@@ -32,6 +32,20 @@ func BinDir() (string, error) {
 	return filepath.Join(cache, "pvbridge", "bin"), nil
 }
 
+// repoRoot is the pvbridge repository: $PVBRIDGE_ROOT (the Makefile sets it; the end-to-end
+// tests are built with -trimpath, which leaves no absolute source path), else found from this
+// file's path.
+func repoRoot() (string, error) {
+	if dir := os.Getenv("PVBRIDGE_ROOT"); dir != "" {
+		return dir, nil
+	}
+	_, self, _, ok := runtime.Caller(0)
+	if !ok || !filepath.IsAbs(self) {
+		return "", errors.New("cannot find the repository's manifests/crd: set PVBRIDGE_ROOT")
+	}
+	return filepath.Join(filepath.Dir(self), "..", ".."), nil
+}
+
 // Server is a running test apiserver.
 type Server struct {
 	*envtest.Environment
@@ -49,11 +63,11 @@ func Start(crds ...string) (*Server, error) {
 	if err != nil {
 		return nil, err
 	}
-	_, self, _, ok := runtime.Caller(0)
-	if !ok {
-		return nil, errors.New("cannot find the repository's manifests/crd")
+	repo, err := repoRoot()
+	if err != nil {
+		return nil, err
 	}
-	root := filepath.Join(filepath.Dir(self), "..", "..", "manifests", "crd")
+	root := filepath.Join(repo, "manifests", "crd")
 	env := &envtest.Environment{ErrorIfCRDPathMissing: true, BinaryAssetsDirectory: bin}
 	for _, name := range crds {
 		env.CRDDirectoryPaths = append(env.CRDDirectoryPaths, filepath.Join(root, name))
