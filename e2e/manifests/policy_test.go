@@ -416,6 +416,76 @@ func TestGuestTenancyPolicy(t *testing.T) {
 				}
 				return pvc
 			}())},
+		{name: "create a claim with guest labels at their bound", as: "tenant-a/a1",
+			do: create(annotated(claim(nsA, newClaim, labelsFor("a1", uidA1), classAllowed, nil),
+				tenancy.GuestLabelsAnnotation, strings.Repeat("x", tenancy.MaxGuestLabelsLength)))},
+		{name: "create a claim with guest labels of 200 000 characters", as: "tenant-a/a1",
+			do: create(annotated(claim(nsA, newClaim, labelsFor("a1", uidA1), classAllowed, nil),
+				tenancy.GuestLabelsAnnotation, strings.Repeat("x", 200_000))),
+			want: tenancyPolicy + "guest cluster a1 may not write annotation pvbridge.io/guest-labels (200000 characters) of " +
+				what("PersistentVolumeClaim", newClaim) + ": pvbridge.io/guest-labels is at most 4096 characters, the others 512"},
+		{name: "grow the guest labels of its own claim", as: "tenant-a/a1",
+			do: patch(claimKey(ownClaim), func(pvc *corev1.PersistentVolumeClaim) {
+				metav1.SetMetaDataAnnotation(&pvc.ObjectMeta, tenancy.GuestLabelsAnnotation, strings.Repeat("x", tenancy.MaxGuestLabelsLength+1))
+			}),
+			want: tenancyPolicy + "guest cluster a1 may not write annotation pvbridge.io/guest-labels (4097 characters) of " + what("PersistentVolumeClaim", ownClaim)},
+		{name: "create a snapshot with a guest snapshot name over its bound", as: "tenant-a/a1",
+			do: create(func() *unstructured.Unstructured {
+				snap := snapshot(nsA, newClaim, labelsFor("a1", uidA1), ownClaim)
+				snap.SetAnnotations(map[string]string{tenancy.GuestSnapshotAnnotation: strings.Repeat("s", tenancy.MaxAnnotationLength+1)})
+				return snap
+			}()),
+			want: tenancyPolicy + "guest cluster a1 may not write annotation pvbridge.io/guest-snapshot (513 characters) of " + what("VolumeSnapshot", newClaim)},
+		{name: "create a claim with a label of its own", as: "tenant-a/a1",
+			do: create(func() *corev1.PersistentVolumeClaim {
+				pvc := claim(nsA, newClaim, labelsFor("a1", uidA1), classAllowed, nil)
+				pvc.Labels["team"] = "x"
+				return pvc
+			}()),
+			want: tenancyPolicy + "guest cluster a1 may not label " + what("PersistentVolumeClaim", newClaim) + " team: it sets only pvbridge.io/cluster and pvbridge.io/cluster-uid"},
+
+		// Finalizers and owners: a finalizer of the guest's choosing would hold its Cluster's
+		// cleanup forever; an ownerReference with blockOwnerDeletion, another Cluster's deletion.
+		{name: "create a claim with a finalizer of its choosing", as: "tenant-a/a1",
+			do: create(func() *corev1.PersistentVolumeClaim {
+				pvc := claim(nsA, newClaim, labelsFor("a1", uidA1), classAllowed, nil)
+				pvc.Finalizers = []string{"x.example/hold"}
+				return pvc
+			}()),
+			want: tenancyPolicy + "guest cluster a1 may not set, change or remove finalizer x.example/hold of " +
+				what("PersistentVolumeClaim", newClaim) + ": finalizers and owners belong to the management cluster"},
+		{name: "add a finalizer to its own claim", as: "tenant-a/a1",
+			do: patch(claimKey(ownClaim), func(pvc *corev1.PersistentVolumeClaim) {
+				pvc.Finalizers = append(pvc.Finalizers, "x.example/hold")
+			}),
+			want: tenancyPolicy + "guest cluster a1 may not set, change or remove finalizer x.example/hold of " + what("PersistentVolumeClaim", ownClaim)},
+		{name: "remove the apiserver's protection finalizer from its own claim", as: "tenant-a/a1",
+			do:   patch(claimKey(ownClaim), func(pvc *corev1.PersistentVolumeClaim) { pvc.Finalizers = nil }),
+			want: tenancyPolicy + "guest cluster a1 may not set, change or remove finalizer kubernetes.io/pvc-protection of " + what("PersistentVolumeClaim", ownClaim)},
+		{name: "create a snapshot with the claims' protection finalizer", as: "tenant-a/a1",
+			do: create(func() *unstructured.Unstructured {
+				snap := snapshot(nsA, newClaim, labelsFor("a1", uidA1), ownClaim)
+				snap.SetFinalizers([]string{"kubernetes.io/pvc-protection"})
+				return snap
+			}()),
+			want: tenancyPolicy + "guest cluster a1 may not set, change or remove finalizer kubernetes.io/pvc-protection of " + what("VolumeSnapshot", newClaim)},
+		{name: "make another cluster's Cluster the owner of its claim, blocking that Cluster's deletion", as: "tenant-a/a1",
+			do: create(func() *corev1.PersistentVolumeClaim {
+				pvc := claim(nsA, newClaim, labelsFor("a1", uidA1), classAllowed, nil)
+				pvc.OwnerReferences = []metav1.OwnerReference{{
+					APIVersion: "cluster.x-k8s.io/v1beta2", Kind: "Cluster", Name: "a2", UID: uidA2, BlockOwnerDeletion: ptr.To(true),
+				}}
+				return pvc
+			}()),
+			want: tenancyPolicy + "guest cluster a1 may not set, change or remove metadata.ownerReferences of " + what("PersistentVolumeClaim", newClaim)},
+		{name: "create a snapshot with an owner", as: "tenant-a/a1",
+			do: create(func() *unstructured.Unstructured {
+				snap := snapshot(nsA, newClaim, labelsFor("a1", uidA1), ownClaim)
+				snap.SetOwnerReferences([]metav1.OwnerReference{{APIVersion: "v1", Kind: "ConfigMap", Name: "x", UID: uidA2}})
+				return snap
+			}()),
+			want: tenancyPolicy + "guest cluster a1 may not set, change or remove metadata.ownerReferences of " + what("VolumeSnapshot", newClaim)},
+
 		{name: "provision a claim on a host where it runs no VM", as: "tenant-a/a1",
 			do: create(annotated(claim(nsA, newClaim, labelsFor("a1", uidA1), classAllowed, nil), "volume.kubernetes.io/selected-node", "host-b")),
 			want: tenancyPolicy + what("PersistentVolumeClaim", newClaim) + " selects host host-b (annotation volume.kubernetes.io/selected-node), " +

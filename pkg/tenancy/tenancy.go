@@ -61,6 +61,13 @@ const (
 
 	// CSINameAnnotation records the CSI name (the guest's request) an object was created for.
 	CSINameAnnotation = "pvbridge.io/csi-name"
+
+	// MaxGuestLabelsLength bounds the value of GuestLabelsAnnotation and MaxAnnotationLength
+	// that of every other annotation a guest writes, in characters: the admission policy
+	// refuses longer values (every watcher of the namespace's claims would receive them).
+	MaxGuestLabelsLength = 4096
+	// MaxAnnotationLength: see MaxGuestLabelsLength.
+	MaxAnnotationLength = 512
 )
 
 // Cluster is a guest cluster: its Cluster API Cluster's name and UID, and the management

@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"time"
+	"unicode/utf8"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	snapshotv1 "github.com/kubernetes-csi/external-snapshotter/client/v8/apis/volumesnapshot/v1"
@@ -127,8 +128,8 @@ func (s *controllerServer) ControllerGetCapabilities(context.Context, *csi.Contr
 // CreateVolume gets or creates the management PVC of the volume, on the host of the VM the
 // guest scheduler chose, and waits until it is Bound.
 func (s *controllerServer) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequest) (*csi.CreateVolumeResponse, error) {
-	if req.GetName() == "" {
-		return nil, status.Error(codes.InvalidArgument, "name is required")
+	if err := validateCSIName(req.GetName()); err != nil {
+		return nil, err
 	}
 	if err := validateCapabilities(req.GetVolumeCapabilities()); err != nil {
 		return nil, err
@@ -251,6 +252,10 @@ func (s *controllerServer) guestLabels(ctx context.Context, p volumeParams) stri
 	}
 	b, err := json.Marshal(pvc.Labels)
 	if err != nil {
+		return ""
+	}
+	if n := utf8.RuneCount(b); n > tenancy.MaxGuestLabelsLength {
+		klog.FromContext(ctx).V(2).Info("The guest PVC's labels are too long to copy", "pvc", p.guestPVC, "characters", n, "max", tenancy.MaxGuestLabelsLength)
 		return ""
 	}
 	return string(b)

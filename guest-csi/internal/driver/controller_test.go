@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -29,6 +30,31 @@ import (
 	"pvbridge.io/pkg/names"
 	"pvbridge.io/pkg/tenancy"
 )
+
+// A guest PVC's labels are copied for people to read; labels longer than the admission policy
+// lets a guest write are left out rather than failing the provisioning.
+func TestCreateVolumeLeavesOutLabelsTooLongToCopy(t *testing.T) {
+	g := NewWithT(t)
+	e := newGuestEnv(t, envOptions{})
+	labels := map[string]string{}
+	for i := range 80 {
+		labels[fmt.Sprintf("label-%02d", i)] = strings.Repeat("v", 50)
+	}
+	guestPVC := &corev1.PersistentVolumeClaim{
+		ObjectMeta: metav1.ObjectMeta{Namespace: "default", Name: "data-" + e.ns, Labels: labels},
+		Spec: corev1.PersistentVolumeClaimSpec{
+			AccessModes: []corev1.PersistentVolumeAccessMode{corev1.ReadWriteOnce},
+			Resources:   corev1.VolumeResourceRequirements{Requests: corev1.ResourceList{corev1.ResourceStorage: resource.MustParse("1Mi")}},
+		},
+	}
+	g.Expect(e.admin.Create(t.Context(), guestPVC)).To(Succeed())
+
+	resp, err := retried(t, e.ctrl.CreateVolume, createReq(guestPVC.Name, envHost, envMountSize))
+	g.Expect(err).NotTo(HaveOccurred())
+	pvc := e.claimOf(t, resp.GetVolume().GetVolumeId())
+	g.Expect(pvc.Annotations).To(HaveKeyWithValue(tenancy.GuestPVCAnnotation, "default/"+guestPVC.Name))
+	g.Expect(pvc.Annotations).NotTo(HaveKey(tenancy.GuestLabelsAnnotation))
+}
 
 func TestCreateVolumeMirrorsTheGuestPVC(t *testing.T) {
 	g := NewWithT(t)

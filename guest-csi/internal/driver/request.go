@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"slices"
 	"strings"
+	"unicode/utf8"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"google.golang.org/grpc/codes"
@@ -14,6 +15,7 @@ import (
 	"k8s.io/apimachinery/pkg/util/validation"
 
 	"pvbridge.io/pkg/names"
+	"pvbridge.io/pkg/tenancy"
 )
 
 // StorageClass and VolumeSnapshotClass parameters of the guest. Every other parameter is
@@ -100,6 +102,18 @@ func parseSnapshotParameters(params map[string]string, defaultClass string) (sna
 		}
 	}
 	return p, nil
+}
+
+// validateCSIName checks the name of a CreateVolume or CreateSnapshot: it is kept in the
+// management object's annotation pvbridge.io/csi-name, whose length the admission policy bounds.
+func validateCSIName(name string) error {
+	switch n := utf8.RuneCountInString(name); {
+	case n == 0:
+		return status.Error(codes.InvalidArgument, "name is required")
+	case n > tenancy.MaxAnnotationLength:
+		return status.Errorf(codes.InvalidArgument, "name is %d characters long, more than the %d pvbridge keeps", n, tenancy.MaxAnnotationLength)
+	}
+	return nil
 }
 
 // mgmtName is the name of the management object for a CSI name: "<cluster UID>-<rest>", where

@@ -60,6 +60,24 @@ func FuzzMgmtName(f *testing.F) {
 	})
 }
 
+func TestValidateCSIName(t *testing.T) {
+	for _, tc := range []struct {
+		name, csiName string
+		want          codes.Code
+	}{
+		{"csi-provisioner's name", "pvc-" + testUID, codes.OK},
+		{"at the bound", strings.Repeat("a", 512), codes.OK},
+		{"at the bound in characters, not bytes", strings.Repeat("é", 512), codes.OK},
+		{"empty", "", codes.InvalidArgument},
+		{"over the bound the admission policy sets on pvbridge.io/csi-name", strings.Repeat("a", 513), codes.InvalidArgument},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			g := NewWithT(t)
+			g.Expect(status.Code(validateCSIName(tc.csiName))).To(Equal(tc.want))
+		})
+	}
+}
+
 func TestParseVolumeParameters(t *testing.T) {
 	for _, tc := range []struct {
 		name    string

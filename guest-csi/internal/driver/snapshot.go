@@ -26,10 +26,10 @@ const snapshotGroup = "snapshot.storage.k8s.io"
 // CreateSnapshot gets or creates the management VolumeSnapshot of a guest snapshot and waits
 // until it is ready to use.
 func (s *controllerServer) CreateSnapshot(ctx context.Context, req *csi.CreateSnapshotRequest) (*csi.CreateSnapshotResponse, error) {
-	switch {
-	case req.GetName() == "":
-		return nil, status.Error(codes.InvalidArgument, "name is required")
-	case req.GetSourceVolumeId() == "":
+	if err := validateCSIName(req.GetName()); err != nil {
+		return nil, err
+	}
+	if req.GetSourceVolumeId() == "" {
 		return nil, status.Error(codes.InvalidArgument, "source_volume_id is required")
 	}
 	params, err := parseSnapshotParameters(req.GetParameters(), s.cfg.snapshotClass)

@@ -25,6 +25,7 @@ import (
 	vmv1 "pvbridge.io/pkg/apis/vm/v1alpha1"
 	"pvbridge.io/pkg/listpatch"
 	"pvbridge.io/pkg/names"
+	"pvbridge.io/pkg/tenancy"
 )
 
 // Event reasons of the attachment reconciler.
@@ -56,6 +57,8 @@ type AttachmentReconciler struct {
 	// APIReader reads from the API server, bypassing the cache: the VirtualMachine before a
 	// VolumeAttachment is deleted, a claim or volume before its absence is reported.
 	APIReader client.Reader
+	// liveReads bounds, per guest cluster, the claim reads that bypass the cache.
+	liveReads readBudget
 	Recorder  events.EventRecorder
 }
 
@@ -103,7 +106,7 @@ func (r *AttachmentReconciler) Reconcile(ctx context.Context, req ctrl.Request) 
 	if deleting {
 		return r.reconcileDelete(ctx, vm)
 	}
-	return ctrl.Result{}, r.reconcileNormal(ctx, vm)
+	return r.reconcileNormal(ctx, vm)
 }
 
 func (r *AttachmentReconciler) addFinalizer(ctx context.Context, vm *vmv1.VirtualMachine) (ctrl.Result, error) {
@@ -119,15 +122,15 @@ func (r *AttachmentReconciler) addFinalizer(ctx context.Context, vm *vmv1.Virtua
 	return ctrl.Result{}, fmt.Errorf("add finalizer to VirtualMachine %s: %w", klog.KObj(vm), err)
 }
 
-func (r *AttachmentReconciler) reconcileNormal(ctx context.Context, vm *vmv1.VirtualMachine) error {
+func (r *AttachmentReconciler) reconcileNormal(ctx context.Context, vm *vmv1.VirtualMachine) (ctrl.Result, error) {
 	in, unneeded, err := r.inputs(ctx, vm, false)
 	if err != nil {
-		return err
+		return ctrl.Result{}, err
 	}
 	errs := volumeErrors(in)
 	var failed []error
 	for _, v := range vm.Spec.Volumes {
-		if in.Host == "" || errs[v.Name] != "" || in.Attachments[v.Name] != nil {
+		if in.Host == "" || errs[v.Name] != "" || in.Attachments[v.Name] != nil || in.Unconfirmed[v.Name] {
 			continue
 		}
 		pv := in.Claims[v.PersistentVolumeClaim.ClaimName].Spec.VolumeName
@@ -139,12 +142,12 @@ func (r *AttachmentReconciler) reconcileNormal(ctx context.Context, vm *vmv1.Vir
 		failed = append(failed, err)
 	}
 	if err := r.confirmAttachments(ctx, vm, &in, volumeStatus(in, errs)); err != nil {
-		return errors.Join(append(failed, err)...)
+		return ctrl.Result{}, errors.Join(append(failed, err)...)
 	}
 	errs = volumeErrors(in)
 	vm.Status.Volumes = volumeStatus(in, errs)
 	meta.SetStatusCondition(&vm.Status.Conditions, volumesAttachedCondition(vm.Spec.Volumes, vm.Status.Volumes))
-	return errors.Join(failed...)
+	return in.retry(), errors.Join(failed...)
 }
 
 // reconcileDelete detaches everything: the host agent unplugs and unstages every volume of a
@@ -166,7 +169,7 @@ func (r *AttachmentReconciler) reconcileDelete(ctx context.Context, vm *vmv1.Vir
 		}
 		vm.Status.Volumes = volumeStatus(in, nil)
 		meta.SetStatusCondition(&vm.Status.Conditions, volumesAttachedCondition(nil, vm.Status.Volumes))
-		return ctrl.Result{}, nil
+		return in.retry(), nil
 	}
 	// Nothing left: the object goes with the finalizer, its status needs no last write.
 	patch := client.MergeFromWithOptions(vm.DeepCopy(), client.MergeFromWithOptimisticLock{})
@@ -195,6 +198,7 @@ func (r *AttachmentReconciler) inputs(ctx context.Context, vm *vmv1.VirtualMachi
 		PVs:         map[string]*corev1.PersistentVolume{},
 		Attachments: map[string]*storagev1.VolumeAttachment{},
 		Elsewhere:   map[string]string{},
+		Unconfirmed: map[string]bool{},
 	}
 	if !deleting {
 		in.Volumes = vm.Spec.Volumes
@@ -236,7 +240,12 @@ func (r *AttachmentReconciler) inputs(ctx context.Context, vm *vmv1.VirtualMachi
 	}
 
 	for _, v := range in.Volumes {
-		pvc, err := r.claim(ctx, client.ObjectKey{Namespace: vm.Namespace, Name: v.PersistentVolumeClaim.ClaimName})
+		key := client.ObjectKey{Namespace: vm.Namespace, Name: v.PersistentVolumeClaim.ClaimName}
+		pvc, err := r.claim(ctx, key, budgetKey(vm))
+		if errors.Is(err, errUnconfirmed) {
+			in.Unconfirmed[v.Name] = true
+			continue
+		}
 		if err != nil {
 			return in, nil, err
 		}
@@ -258,14 +267,36 @@ func (r *AttachmentReconciler) inputs(ctx context.Context, vm *vmv1.VirtualMachi
 	return in, unneeded, nil
 }
 
+// retry asks for another pass when some volume is Unconfirmed.
+func (in volumeInputs) retry() ctrl.Result {
+	if len(in.Unconfirmed) > 0 {
+		return ctrl.Result{RequeueAfter: unconfirmedRetry}
+	}
+	return ctrl.Result{}
+}
+
+// budgetKey names the guest cluster of vm, whose budget its live reads come from.
+func budgetKey(vm *vmv1.VirtualMachine) string {
+	return vm.Namespace + "/" + vm.Labels[tenancy.CAPIClusterNameLabel]
+}
+
+// errUnconfirmed: the cache does not show the claim bound, and the guest cluster's budget of
+// reads from the API server is spent for now.
+var errUnconfirmed = errors.New("claim not confirmed: no live read left in the cluster's budget")
+
 // claim returns the claim at key, nil when it does not exist. A claim that the cache shows
-// missing or unbound is read again from the API server: a claim bound a moment ago must not
-// reach the guest as an error.
-func (r *AttachmentReconciler) claim(ctx context.Context, key client.ObjectKey) (*corev1.PersistentVolumeClaim, error) {
+// missing or unbound is read again from the API server, from the budget of the guest cluster
+// named by budget: a claim bound a moment ago must not reach the guest as an error. Without
+// budget it returns errUnconfirmed, and the volume waits, without an error, for the claim's
+// watch event or the retry.
+func (r *AttachmentReconciler) claim(ctx context.Context, key client.ObjectKey, budget string) (*corev1.PersistentVolumeClaim, error) {
 	pvc := &corev1.PersistentVolumeClaim{}
 	err := r.Client.Get(ctx, key, pvc)
 	if err == nil && pvc.Status.Phase == corev1.ClaimBound && pvc.Spec.VolumeName != "" {
 		return pvc, nil
+	}
+	if (err == nil || apierrors.IsNotFound(err)) && !r.liveReads.allow(budget) {
+		return nil, errUnconfirmed
 	}
 	if err == nil || apierrors.IsNotFound(err) {
 		pvc = &corev1.PersistentVolumeClaim{}
@@ -301,11 +332,16 @@ func (r *AttachmentReconciler) persistentVolume(ctx context.Context, name string
 // that want adds, changes or removes from in.Status, and puts them in in.Attachments: the
 // controller writes an entry only while its VolumeAttachment is not attached, and the cache may
 // not have seen the attach yet. It costs a read only when the controller is about to write an
-// entry, which is rare: an error appears or goes.
+// entry, which is rare: an error appears or goes. The reads come from the guest cluster's
+// budget; an entry whose read is refused is Unconfirmed and stays as it is for now.
 func (r *AttachmentReconciler) confirmAttachments(ctx context.Context, vm *vmv1.VirtualMachine, in *volumeInputs, want []vmv1.VirtualMachineVolumeStatus) error {
 	edit := listpatch.Diff("", "name", in.Status, want, func(e vmv1.VirtualMachineVolumeStatus) string { return e.Name }, false)
 	changed := slices.Concat(slices.Collect(maps.Keys(edit.Set)), edit.Remove)
 	for _, name := range changed {
+		if !r.liveReads.allow(budgetKey(vm)) {
+			in.Unconfirmed[name] = true
+			continue
+		}
 		va := &storagev1.VolumeAttachment{}
 		err := r.APIReader.Get(ctx, client.ObjectKey{Name: vmv1.AttachmentName(vm.Namespace, vm.Name, name)}, va)
 		switch {

@@ -1,6 +1,8 @@
 package controller
 
 import (
+	"context"
+	"fmt"
 	"strings"
 	"testing"
 
@@ -16,6 +18,7 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	vmv1 "pvbridge.io/pkg/apis/vm/v1alpha1"
+	"pvbridge.io/pkg/tenancy"
 )
 
 func TestAttachmentReconciler(t *testing.T) {
@@ -300,4 +303,52 @@ func TestAttachmentReconcilerMapsWatchedObjectsToVirtualMachines(t *testing.T) {
 	longVA.Labels = vmv1.AttachmentLabels(newVM(long))
 	g.Expect(names(r.vmOfAttachment(ctx, longVA))).To(ConsistOf(long))
 	g.Expect(r.vmOfAttachment(ctx, &storagev1.VolumeAttachment{})).To(BeEmpty())
+}
+
+// countingReader counts the reads that bypass the cache.
+type countingReader struct {
+	client.Reader
+	reads int
+}
+
+func (c *countingReader) Get(ctx context.Context, key client.ObjectKey, obj client.Object, opts ...client.GetOption) error {
+	c.reads++
+	return c.Reader.Get(ctx, key, obj, opts...)
+}
+
+// A cluster that fills its VirtualMachine with entries for claims that do not exist spends its
+// own budget of live reads, not the operator's client rate limit that its neighbours share: a
+// neighbour's claim that only the API server shows yet is still read and attached.
+func TestAttachmentReconcilerBoundsTheLiveReadsOfEachCluster(t *testing.T) {
+	g := NewWithT(t)
+	ctx := t.Context()
+	inCluster := func(name string) func(*vmv1.VirtualMachine) {
+		return func(vm *vmv1.VirtualMachine) { vm.Labels = map[string]string{tenancy.CAPIClusterNameLabel: name} }
+	}
+	var flood []vmv1.VirtualMachineVolume
+	for i := range 64 {
+		flood = append(flood, volume(fmt.Sprintf("missing-%d", i), fmt.Sprintf("missing-%d", i)))
+	}
+	flooder := newVM("vm-flood", withFinalizer, onHost("host-a"), inCluster("a1"), withVolumes(flood...))
+	neighbour := newVM("vm-2", withFinalizer, onHost("host-a"), inCluster("a2"), withVolumes(volume("b", "claim-b")))
+	c := newFakeClient(g, nil, flooder, neighbour)
+	live := &countingReader{Reader: newFakeClient(g, nil, newPVC("claim-b", "pv-b"), newPV("pv-b", "host-a"))}
+	r := &AttachmentReconciler{Client: c, APIReader: live, Recorder: events.NewFakeRecorder(100)}
+
+	for range 3 {
+		res, err := r.Reconcile(ctx, ctrl.Request{NamespacedName: client.ObjectKeyFromObject(flooder)})
+		g.Expect(err).NotTo(HaveOccurred())
+		g.Expect(res.RequeueAfter).To(Equal(unconfirmedRetry), "the claims left unconfirmed are looked at again")
+	}
+	g.Expect(live.reads).To(BeNumerically("<=", liveReadsBurst+1), "three passes over 64 missing claims")
+
+	reads := live.reads
+	_, err := r.Reconcile(ctx, ctrl.Request{NamespacedName: client.ObjectKeyFromObject(neighbour)})
+	g.Expect(err).NotTo(HaveOccurred())
+	g.Expect(live.reads).To(BeNumerically(">", reads), "the neighbour's cache miss is read from its own budget")
+	g.Expect(c.Get(ctx, client.ObjectKey{Name: vmv1.AttachmentName(testNamespace, "vm-2", "b")}, &storagev1.VolumeAttachment{})).To(Succeed())
+
+	got := &vmv1.VirtualMachine{}
+	g.Expect(c.Get(ctx, client.ObjectKeyFromObject(flooder), got)).To(Succeed())
+	g.Expect(len(got.Status.Volumes)).To(BeNumerically("<=", liveReadsBurst+1), "only confirmed misses are reported")
 }

@@ -90,6 +90,11 @@ type volumeInputs struct {
 	// Elsewhere maps a PersistentVolume to another VirtualMachine of the namespace that has a
 	// VolumeAttachment of it: a volume is attached to one VirtualMachine at a time.
 	Elsewhere map[string]string
+	// Unconfirmed are the volumes, by name, whose claim (the cache does not show it bound) or
+	// VolumeAttachment (before its entry changes) could not be read from the API server for
+	// want of the guest cluster's read budget (readBudget): they wait, without a new error, and
+	// their entries stay as they are.
+	Unconfirmed map[string]bool
 }
 
 // volumeErrors returns, for each volume of in.Volumes that cannot be attached, why, in words a
@@ -117,6 +122,8 @@ func volumeError(in volumeInputs, v vmv1.VirtualMachineVolume) string {
 	claimName := v.PersistentVolumeClaim.ClaimName
 	pvc, ok := in.Claims[claimName]
 	switch {
+	case !ok && in.Unconfirmed[v.Name]:
+		return ""
 	case !ok:
 		return fmt.Sprintf("PersistentVolumeClaim %s not found in namespace %s", claimName, in.Namespace)
 	case pvc.DeletionTimestamp != nil:
@@ -199,7 +206,8 @@ func volumeStatus(in volumeInputs, errs map[string]string) []vmv1.VirtualMachine
 	for _, e := range in.Status {
 		seen[e.Name] = true
 		switch {
-		case !vmstatus.ControllerEntry(e) || attachmentAttached(in, e.Name):
+		case !vmstatus.ControllerEntry(e) || attachmentAttached(in, e.Name) || in.Unconfirmed[e.Name]:
+			// The host agent's, confirmed attached, or kept as it is until read again.
 			out = append(out, e)
 		case !inSpec[e.Name]:
 			if in.Attachments[e.Name] != nil {
@@ -212,7 +220,7 @@ func volumeStatus(in volumeInputs, errs map[string]string) []vmv1.VirtualMachine
 		}
 	}
 	for _, v := range in.Volumes {
-		if msg := errs[v.Name]; !seen[v.Name] && msg != "" && !attachmentAttached(in, v.Name) {
+		if msg := errs[v.Name]; !seen[v.Name] && msg != "" && !attachmentAttached(in, v.Name) && !in.Unconfirmed[v.Name] {
 			out = append(out, vmv1.VirtualMachineVolumeStatus{Name: v.Name, Error: msg})
 		}
 	}

@@ -44,6 +44,15 @@ func elsewhere(in volumeInputs, pv, vm string) volumeInputs {
 	return in
 }
 
+// unconfirmed records volumes whose claim or attachment no live read confirmed.
+func unconfirmed(in volumeInputs, volumes ...string) volumeInputs {
+	in.Unconfirmed = map[string]bool{}
+	for _, v := range volumes {
+		in.Unconfirmed[v] = true
+	}
+	return in
+}
+
 func TestVMPhase(t *testing.T) {
 	tests := []struct {
 		name   string
@@ -107,6 +116,11 @@ func TestVolumeErrors(t *testing.T) {
 			name: "a missing claim is named with its namespace",
 			in:   makeInputs("host-a", one, nil),
 			want: map[string]string{"a": "PersistentVolumeClaim claim-a not found in namespace tenant-a"},
+		},
+		{
+			name: "a claim the cache misses and the cluster's read budget could not confirm waits without an error",
+			in:   unconfirmed(makeInputs("host-a", one, nil), "a"),
+			want: map[string]string{},
 		},
 		{
 			name: "a claim being deleted is not attached",
@@ -264,6 +278,17 @@ func TestVolumeStatus(t *testing.T) {
 			in:   makeInputs("host-a", a, nil),
 			errs: map[string]string{"a": "PVC missing"},
 			want: []vmv1.VirtualMachineVolumeStatus{{Name: "a", Error: "PVC missing"}},
+		},
+		{
+			name: "the entry of an unconfirmed volume stays as it was until it is read again",
+			in:   unconfirmed(makeInputs("host-a", a, []vmv1.VirtualMachineVolumeStatus{{Name: "a", Error: "PVC missing"}}), "a"),
+			want: []vmv1.VirtualMachineVolumeStatus{{Name: "a", Error: "PVC missing"}},
+		},
+		{
+			name: "an unconfirmed volume gets no new entry, even with an error",
+			in:   unconfirmed(makeInputs("host-a", a, nil), "a"),
+			errs: map[string]string{"a": "PVC missing"},
+			want: nil,
 		},
 		{
 			name: "a volume without error gets no entry from the controller",
