@@ -49,10 +49,11 @@ test: deps test-tools ## Run every test: unit and integration (-race), end-to-en
 	@# -count=1: the end-to-end tests start binaries built at run time, which the test cache
 	@# cannot see change. The end-to-end packages run pvbridge's binaries as processes built
 	@# without -race (the unit and integration tests cover that code under -race).
-	hack/phase.sh unit go test -race -count=1 -timeout $(TEST_TIMEOUT) $(COMPONENTS:%=./%/...)
+	@# -vet=off: make lint runs go vet's analyzers (golangci-lint's govet) on every package.
+	hack/phase.sh unit go test -race -vet=off -count=1 -timeout $(TEST_TIMEOUT) $(COMPONENTS:%=./%/...)
 	@# go test starts test binaries in the order of its arguments on its -p (2) workers: the two
 	@# longest first, so that the others fill the second worker beside them.
-	hack/phase.sh e2e $(E2E_GO_TEST) -count=1 -timeout $(TEST_TIMEOUT) ./e2e/suite ./e2e/containers ./e2e/...
+	hack/phase.sh e2e $(E2E_GO_TEST) -vet=off -count=1 -timeout $(TEST_TIMEOUT) ./e2e/suite ./e2e/containers ./e2e/...
 	hack/phase.sh fuzz $(MAKE) --no-print-directory fuzz
 
 # Fuzz targets of every parser of tenant-controlled input: <module>:<package>:<target>,<target>...
@@ -126,14 +127,9 @@ verify: $(CONTROLLER_GEN) $(KUBECTL) ## Fail if generated files, formatting or g
 
 .PHONY: lint
 lint: $(GOLANGCI_LINT) ## Run golangci-lint on every module.
-	hack/phase.sh lint $(MAKE) --no-print-directory lint-modules
-
-.PHONY: lint-modules
-lint-modules:
-	@for m in $(MODULES); do \
-		echo "== golangci-lint $$m"; \
-		(cd $$m && $(GOLANGCI_LINT) run --config $(CURDIR)/.golangci.yml ./...) || exit 1; \
-	done
+	@# One run over the workspace (go.work): the dependencies every module shares are loaded and
+	@# analysed once, not once per module.
+	hack/phase.sh lint $(GOLANGCI_LINT) run --config .golangci.yml $(MODULES:%=./%/...)
 
 .PHONY: build
 build: ## Build pvbridge's binaries into ./bin.

@@ -39,13 +39,13 @@ components() {
 	cat <<EOF
 etcd|etcd|v3.6.4|||etcd=go.etcd.io/etcd/server/v3
 kubernetes|kubernetes|$k8s_version|$k8s_tags|$(k8s_ldflags $k8s_version)|kube-apiserver=k8s.io/kubernetes/cmd/kube-apiserver kube-controller-manager=k8s.io/kubernetes/cmd/kube-controller-manager kube-scheduler=k8s.io/kubernetes/cmd/kube-scheduler kubelet=k8s.io/kubernetes/cmd/kubelet kubectl=k8s.io/kubernetes/cmd/kubectl
-csi-provisioner|kubernetes|v6.3.0|$k8s_tags| -X main.version=v6.3.0|csi-provisioner=github.com/kubernetes-csi/external-provisioner/v6/cmd/csi-provisioner
+csi-provisioner|kubernetes|v6.4.0|$k8s_tags| -X main.version=v6.4.0|csi-provisioner=github.com/kubernetes-csi/external-provisioner/v6/cmd/csi-provisioner
 csi-attacher|kubernetes|v4.13.0|$k8s_tags| -X main.version=v4.13.0|csi-attacher=github.com/kubernetes-csi/external-attacher/v4/cmd/csi-attacher
 csi-resizer|kubernetes|v2.3.0|$k8s_tags| -X main.version=v2.3.0|csi-resizer=github.com/kubernetes-csi/external-resizer/v2/cmd/csi-resizer
 csi-snapshotter|kubernetes|v8.7.0|$k8s_tags| -X main.version=v8.7.0|csi-snapshotter=github.com/kubernetes-csi/external-snapshotter/v8/cmd/csi-snapshotter snapshot-controller=github.com/kubernetes-csi/external-snapshotter/v8/cmd/snapshot-controller
 kubernetes-e2e|kubernetes|$k8s_version|$k8s_tags|$(k8s_ldflags $k8s_version)|e2e.test=k8s.io/kubernetes/test/e2e agnhost=k8s.io/kubernetes/test/images/agnhost
 csi-sanity|kubernetes|v5.6.0|$k8s_tags||csi-sanity=github.com/kubernetes-csi/csi-test/v5/cmd/csi-sanity
-ginkgo|kubernetes|v2.32.1|$k8s_tags||ginkgo=github.com/onsi/ginkgo/v2/ginkgo
+ginkgo|kubernetes|v2.33.0|$k8s_tags||ginkgo=github.com/onsi/ginkgo/v2/ginkgo
 containerd|containerd|v2.4.2|no_btrfs| -X github.com/containerd/containerd/v2/version.Version=v2.4.2|containerd=github.com/containerd/containerd/v2/cmd/containerd containerd-shim-runc-v2=github.com/containerd/containerd/v2/cmd/containerd-shim-runc-v2 ctr=github.com/containerd/containerd/v2/cmd/ctr
 controller-gen|controller-gen|v0.23.0|||controller-gen=sigs.k8s.io/controller-tools/cmd/controller-gen
 golangci-lint|golangci-lint|v2.15.0|||golangci-lint=github.com/golangci/golangci-lint/v2/cmd/golangci-lint
@@ -60,29 +60,42 @@ selected() {
 	return 1
 }
 
+# build_lane builds the selected components whose module is (lane "kubernetes") or is not (lane
+# "others") hack/tools/kubernetes, one binary after the other.
+build_lane() {
+	local lane=$1 n=0 total comp module version tags ldflags bins dir spec bin pkg start build
+	total=$(components | wc -l)
+	while IFS='|' read -r comp module version tags ldflags bins; do
+		n=$((n + 1))
+		selected "$comp" || continue
+		{ [ "$lane" = kubernetes ] && [ "$module" = kubernetes ]; } ||
+			{ [ "$lane" = others ] && [ "$module" != kubernetes ]; } || continue
+		dir="$cache/$comp-$version"
+		for spec in $bins; do
+			bin=${spec%%=*} pkg=${spec#*=}
+			if [ -x "$dir/$bin" ]; then
+				echo "[$n/$total] $bin $version: cached"
+			else
+				echo "[$n/$total] $bin $version: building ..."
+				start=$(date +%s)
+				mkdir -p "$dir"
+				# A binary named *.test is a package's test binary (Kubernetes' e2e.test).
+				build=(build)
+				[[ $bin == *.test ]] && build=(test -c)
+				(cd "$root/hack/tools/$module" &&
+					go "${build[@]}" -trimpath ${tags:+-tags "$tags"} -ldflags "all=$ldflags -s -w" -o "$dir/$bin.tmp" "$pkg")
+				mv "$dir/$bin.tmp" "$dir/$bin"
+				echo "[$n/$total] $bin $version: built in $(($(date +%s) - start))s"
+			fi
+			ln -sfn "$dir/$bin" "$cache/bin/$bin"
+		done
+	done < <(components)
+}
+
+# Two lanes at once: a go build leaves a core idle while it links or compiles one large package
+# whose dependants wait for it, and the other lane's build fills it.
 mkdir -p "$cache/bin"
-total=$(components | wc -l)
-n=0
-while IFS='|' read -r comp module version tags ldflags bins; do
-	n=$((n + 1))
-	selected "$comp" || continue
-	dir="$cache/$comp-$version"
-	for spec in $bins; do
-		bin=${spec%%=*} pkg=${spec#*=}
-		if [ -x "$dir/$bin" ]; then
-			echo "[$n/$total] $bin $version: cached"
-		else
-			echo "[$n/$total] $bin $version: building ..."
-			start=$(date +%s)
-			mkdir -p "$dir"
-			# A binary named *.test is a package's test binary (Kubernetes' e2e.test).
-			build=(build)
-			[[ $bin == *.test ]] && build=(test -c)
-			(cd "$root/hack/tools/$module" &&
-				go "${build[@]}" -trimpath ${tags:+-tags "$tags"} -ldflags "all=$ldflags -s -w" -o "$dir/$bin.tmp" "$pkg")
-			mv "$dir/$bin.tmp" "$dir/$bin"
-			echo "[$n/$total] $bin $version: built in $(($(date +%s) - start))s"
-		fi
-		ln -sfn "$dir/$bin" "$cache/bin/$bin"
-	done
-done < <(components)
+build_lane others &
+others=$!
+build_lane kubernetes
+wait "$others"
