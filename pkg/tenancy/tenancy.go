@@ -66,7 +66,8 @@ const (
 	// that of every other annotation a guest writes, in characters: the admission policy
 	// refuses longer values (every watcher of the namespace's claims would receive them).
 	MaxGuestLabelsLength = 4096
-	// MaxAnnotationLength: see MaxGuestLabelsLength.
+	// MaxAnnotationLength bounds every other annotation a guest writes (see
+	// MaxGuestLabelsLength).
 	MaxAnnotationLength = 512
 )
 
