@@ -25,7 +25,7 @@ KUBECTL := $(PVBRIDGE_BIN)/kubectl
 TEST_TIMEOUT ?= 45m
 # The end-to-end tests are built as the lab builds the binaries they start (static, -trimpath:
 # e2e/images.GoBuild), so that the libraries both import compile once.
-E2E_GO_TEST := CGO_ENABLED=0 go test -trimpath
+E2E_GO_TEST := env CGO_ENABLED=0 go test -trimpath
 
 ##@ Everyday
 
