@@ -45,6 +45,9 @@ func main() {
 		`host:port to serve Prometheus metrics on (/metrics), or "0" for none.`)
 	fs.StringVar(&opts.HealthAddress, "health-probe-bind-address", ":8081",
 		`host:port to serve the /healthz and /readyz probes on, or "0" for none.`)
+	fs.Int64Var(&opts.SnapshotQuota, "snapshot-quota", 100,
+		"VolumeSnapshots each namespace labelled "+tenancy.TenancyNamespaceLabel+"="+tenancy.TenancyEnforced+
+			" may hold: the controller creates the ResourceQuota "+tenants.SnapshotQuota+" where there is none (an admin may change it). 0: none.")
 	fs.Float32Var(&opts.KubeAPIQPS, "kube-api-qps", 20, "Queries per second to the management apiserver.")
 	fs.IntVar(&opts.KubeAPIBurst, "kube-api-burst", 40, "Burst of queries to the management apiserver.")
 	command.Main(fs, "guest-csi-tenants", "pvbridge tenants controller, version "+version+".", func(ctx context.Context) error {

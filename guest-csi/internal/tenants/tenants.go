@@ -15,7 +15,9 @@
 //     admission policy reads (the contract in docs/tenants.md);
 //   - cleanup (CleanupReconciler): the finalizer pvbridge.io/cleanup; when a Cluster is deleted,
 //     once its VirtualMachines are gone, the management PVCs and VolumeSnapshots it owns are
-//     deleted, those shared with it released, and its capacity-namespace RBAC removed.
+//     deleted, those shared with it released, and its capacity-namespace RBAC removed;
+//   - quota (QuotaReconciler): a count quota of VolumeSnapshots in every enforced namespace that
+//     has none.
 //
 // Nothing is removed from a guest cluster when its Cluster goes: the guest goes with it. The
 // Cluster itself is never written but for that finalizer: its status belongs to Cluster API.
@@ -101,6 +103,9 @@ type Options struct {
 	// KubeAPIQPS and KubeAPIBurst limit the requests to the management apiserver.
 	KubeAPIQPS   float32
 	KubeAPIBurst int
+	// SnapshotQuota is the count of VolumeSnapshots each enforced namespace's quota allows
+	// (QuotaReconciler); 0: the controller makes no quota.
+	SnapshotQuota int64
 }
 
 // Validate reports every problem with the options.
@@ -115,6 +120,9 @@ func (o *Options) Validate() error {
 		if msgs := validation.IsDNS1123Label(ns); len(msgs) > 0 {
 			errs = append(errs, fmt.Errorf("%s namespace %q is not a namespace name: %v", what, ns, msgs))
 		}
+	}
+	if o.SnapshotQuota < 0 {
+		errs = append(errs, fmt.Errorf("snapshot quota %d is negative", o.SnapshotQuota))
 	}
 	if o.TokenTTL < MinTokenTTL {
 		errs = append(errs, fmt.Errorf("token TTL %s is below the apiserver's minimum of %s", o.TokenTTL, MinTokenTTL))
@@ -161,9 +169,11 @@ type Config struct {
 	InstallResync time.Duration
 	// Clock tells when a token is due for renewal; nil: the real clock.
 	Clock clock.PassiveClock
+	// SnapshotQuota: see Options.
+	SnapshotQuota int64
 }
 
-// SetupWithManager registers the four reconcilers with mgr.
+// SetupWithManager registers the reconcilers with mgr.
 func SetupWithManager(mgr ctrl.Manager, cfg Config) error {
 	if cfg.Clock == nil {
 		cfg.Clock = clock.RealClock{}
@@ -200,6 +210,12 @@ func SetupWithManager(mgr ctrl.Manager, cfg Config) error {
 	}
 	if err := cleanup.SetupWithManager(mgr); err != nil {
 		return fmt.Errorf("set up the cleanup controller: %w", err)
+	}
+	if cfg.SnapshotQuota > 0 {
+		quota := &QuotaReconciler{Client: mgr.GetClient(), Snapshots: cfg.SnapshotQuota}
+		if err := quota.SetupWithManager(mgr); err != nil {
+			return fmt.Errorf("set up the quota controller: %w", err)
+		}
 	}
 	return nil
 }
@@ -252,6 +268,7 @@ func New(opts Options) (*Controller, error) {
 	err = SetupWithManager(mgr, Config{
 		MgmtServer: opts.MgmtServer, MgmtCA: ca,
 		CapacityNamespace: opts.CapacityNamespace, GuestNamespace: opts.GuestNamespace, TokenTTL: opts.TokenTTL,
+		SnapshotQuota: opts.SnapshotQuota,
 	})
 	if err != nil {
 		return nil, err

@@ -47,6 +47,11 @@ import (
 // busy CSI call) is tried again.
 const retryAfter = 2 * time.Second
 
+// maxBusyRetry caps the backoff of the retries of an unplug that a running VM's guest refuses:
+// it may refuse for ever (nothing forces a running VM off), and each retry is a hypervisor call
+// on a host that other tenants share.
+const maxBusyRetry = time.Minute
+
 // Reconciler realizes the volumes and power state of the VirtualMachines on one host.
 type Reconciler struct {
 	Client     client.Client
@@ -76,6 +81,9 @@ type Reconciler struct {
 	// stops records when the agent first saw each VM that must stop still holding disks.
 	stopsMu sync.Mutex
 	stops   map[types.UID]time.Time
+	// busy counts, per running VM, the passes in a row whose unplug its guest refused.
+	busyMu sync.Mutex
+	busy   map[types.UID]int
 }
 
 func (r *Reconciler) clock() time.Time {
@@ -204,10 +212,29 @@ func (r *Reconciler) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Resu
 	if err := r.writeStatus(ctx, vm, d, ready); err != nil {
 		return ctrl.Result{}, err
 	}
+	delay := r.busyRetry(vm.UID, wantOn && d.busy)
 	if d.waiting {
-		return ctrl.Result{RequeueAfter: retryAfter}, nil
+		return ctrl.Result{RequeueAfter: delay}, nil
 	}
 	return ctrl.Result{}, nil
+}
+
+// busyRetry returns when to look again at VM uid: retryAfter, doubled for each pass in a row in
+// which its running guest refused an unplug (busy), up to maxBusyRetry. A pass without a refusal
+// starts over.
+func (r *Reconciler) busyRetry(uid types.UID, busy bool) time.Duration {
+	r.busyMu.Lock()
+	defer r.busyMu.Unlock()
+	if !busy {
+		delete(r.busy, uid)
+		return retryAfter
+	}
+	if r.busy == nil {
+		r.busy = map[types.UID]int{}
+	}
+	n := r.busy[uid]
+	r.busy[uid] = n + 1
+	return min(retryAfter<<min(n, 5), maxBusyRetry) // retryAfter<<5 is past maxBusyRetry
 }
 
 // decisions are what one reconcile decided about status.volumes: entries to set, entries to
@@ -219,6 +246,8 @@ type decisions struct {
 	drop    []string
 	claim   []string
 	waiting bool
+	// busy: the guest refused to release a disk.
+	busy bool
 }
 
 // claim records in status, in one write, the volumes about to be staged: while an entry of the
@@ -280,6 +309,7 @@ func (r *Reconciler) detachRemoved(ctx context.Context, vm *vmv1.VirtualMachine,
 			e.Error = err.Error()
 			d.set[e.Name] = e
 			d.waiting = true
+			d.busy = d.busy || errors.Is(err, hypervisor.ErrBusy)
 			continue
 		}
 		d.drop = append(d.drop, e.Name)

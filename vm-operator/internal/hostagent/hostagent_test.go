@@ -427,3 +427,35 @@ func TestVMWhoseGuestKeepsItsDisksIsForcedOffAfterTheUnplugTimeout(t *testing.T)
 	g.Expect(c.Get(t.Context(), req.NamespacedName, got)).To(Succeed())
 	g.Expect(got.Status.Volumes).To(BeEmpty())
 }
+
+// A running VM's guest may refuse an unplug for ever: the agent retries, less and less often,
+// and starts over once the guest lets go.
+func TestRefusedUnplugOfARunningVMBacksOff(t *testing.T) {
+	g := NewWithT(t)
+	serial := SerialFor(pvName)
+	vm := virtualMachine(nil, []vmv1.VirtualMachineVolumeStatus{{Name: "data", Attached: true, DiskSerial: serial}})
+	c := newClient(g, vm, true)
+	h, fc := newFakeHypervisor(), &fakeCSI{}
+	h.disks["vm-1"] = map[string]string{serial: "/dev/x"}
+	h.detachErr = hypervisor.ErrBusy
+	r := &Reconciler{Client: c, Node: "host-a", Hypervisor: h, CSI: fc, StateDir: t.TempDir()}
+	_, err := r.publish(t.Context(), filepath.Join(r.StateDir, vmv1.AttachmentName("tenant", "vm-1", "data")), pvName, serial, nil)
+	g.Expect(err).NotTo(HaveOccurred())
+	req := ctrl.Request{NamespacedName: client.ObjectKeyFromObject(vm)}
+
+	var delays []time.Duration
+	for range 7 {
+		res, err := r.Reconcile(t.Context(), req)
+		g.Expect(err).NotTo(HaveOccurred())
+		delays = append(delays, res.RequeueAfter)
+	}
+	g.Expect(delays).To(Equal([]time.Duration{
+		retryAfter, 2 * retryAfter, 4 * retryAfter, 8 * retryAfter, 16 * retryAfter, maxBusyRetry, maxBusyRetry,
+	}))
+
+	h.detachErr = nil // the guest lets go
+	res, err := r.Reconcile(t.Context(), req)
+	g.Expect(err).NotTo(HaveOccurred())
+	g.Expect(res.RequeueAfter).To(BeZero())
+	g.Expect(r.busy).To(BeEmpty(), "the next refusal starts over")
+}

@@ -1,0 +1,90 @@
+package tenants
+
+import (
+	"context"
+	"fmt"
+
+	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	"k8s.io/apimachinery/pkg/api/resource"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	ctrl "sigs.k8s.io/controller-runtime"
+	"sigs.k8s.io/controller-runtime/pkg/builder"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+	"sigs.k8s.io/controller-runtime/pkg/event"
+	"sigs.k8s.io/controller-runtime/pkg/handler"
+	"sigs.k8s.io/controller-runtime/pkg/predicate"
+	"sigs.k8s.io/controller-runtime/pkg/reconcile"
+
+	"pvbridge.io/pkg/tenancy"
+)
+
+const (
+	// SnapshotQuota is the ResourceQuota the quota controller gives every enforced namespace.
+	SnapshotQuota = "pvbridge-snapshots"
+	// snapshotCount is the quota's resource: a count, since a ResourceQuota cannot sum the bytes
+	// of VolumeSnapshots, and each one is a full copy of its source on the source's host.
+	snapshotCount corev1.ResourceName = "count/volumesnapshots.snapshot.storage.k8s.io"
+)
+
+// QuotaReconciler gives every enforced namespace (tenancy.TenancyNamespaceLabel) the
+// ResourceQuota SnapshotQuota, a count of VolumeSnapshots, when it has none: without it a guest
+// could fill its hosts, and those of any volume shared with it, with snapshots. The quota is
+// created and never updated, so that a platform admin may change it; a deleted one comes back
+// (an admin who wants none runs the controller with --snapshot-quota=0).
+type QuotaReconciler struct {
+	Client client.Client
+	// Snapshots is the count the quota allows.
+	Snapshots int64
+}
+
+// +kubebuilder:rbac:groups="",resources=resourcequotas,verbs=get;list;watch;create
+
+// SetupWithManager reconciles an enforced namespace when it becomes so and when its quota goes.
+func (r *QuotaReconciler) SetupWithManager(mgr ctrl.Manager) error {
+	return ctrl.NewControllerManagedBy(mgr).
+		Named("tenancy-quota").
+		For(&corev1.Namespace{}, builder.WithPredicates(predicate.NewPredicateFuncs(enforced))).
+		Watches(&corev1.ResourceQuota{}, handler.EnqueueRequestsFromMapFunc(namespaceOf),
+			builder.WithPredicates(predicate.Funcs{
+				CreateFunc:  func(event.CreateEvent) bool { return false },
+				UpdateFunc:  func(event.UpdateEvent) bool { return false },
+				DeleteFunc:  func(e event.DeleteEvent) bool { return e.Object.GetName() == SnapshotQuota },
+				GenericFunc: func(event.GenericEvent) bool { return false },
+			})).
+		Complete(r)
+}
+
+// enforced passes namespaces labelled tenancy.TenancyNamespaceLabel=tenancy.TenancyEnforced.
+func enforced(obj client.Object) bool {
+	return obj.GetLabels()[tenancy.TenancyNamespaceLabel] == tenancy.TenancyEnforced
+}
+
+// namespaceOf maps a namespaced object to its Namespace.
+func namespaceOf(_ context.Context, obj client.Object) []reconcile.Request {
+	return []reconcile.Request{{NamespacedName: client.ObjectKey{Name: obj.GetNamespace()}}}
+}
+
+// Reconcile creates the quota of an enforced namespace that has none.
+func (r *QuotaReconciler) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Result, error) {
+	ns := &corev1.Namespace{}
+	if err := r.Client.Get(ctx, req.NamespacedName, ns); err != nil {
+		return ctrl.Result{}, client.IgnoreNotFound(err)
+	}
+	if !enforced(ns) || !ns.DeletionTimestamp.IsZero() {
+		return ctrl.Result{}, nil
+	}
+	quota := &corev1.ResourceQuota{
+		ObjectMeta: metav1.ObjectMeta{Namespace: ns.Name, Name: SnapshotQuota, Labels: map[string]string{ManagedByLabel: fieldManager}},
+		Spec:       corev1.ResourceQuotaSpec{Hard: corev1.ResourceList{snapshotCount: *resource.NewQuantity(r.Snapshots, resource.DecimalSI)}},
+	}
+	err := r.Client.Create(ctx, quota, client.FieldOwner(fieldManager))
+	switch {
+	case apierrors.IsAlreadyExists(err):
+		return ctrl.Result{}, nil // the admin's to change
+	case err != nil:
+		return ctrl.Result{}, fmt.Errorf("create ResourceQuota %s/%s: %w", ns.Name, SnapshotQuota, err)
+	}
+	ctrl.LoggerFrom(ctx).Info("Created the snapshot quota of an enforced namespace", "resourceQuota", client.ObjectKeyFromObject(quota), "snapshots", r.Snapshots)
+	return ctrl.Result{}, nil
+}
