@@ -57,7 +57,7 @@ type AttachmentReconciler struct {
 	// APIReader reads from the API server, bypassing the cache: the VirtualMachine before a
 	// VolumeAttachment is deleted, a claim or volume before its absence is reported.
 	APIReader client.Reader
-	// liveReads bounds, per guest cluster, the claim reads that bypass the cache.
+	// liveReads bounds, per guest cluster, the reads that bypass the cache (claims, attachments).
 	liveReads readBudget
 	Recorder  events.EventRecorder
 }
