@@ -20,7 +20,6 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/builder"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 	"sigs.k8s.io/controller-runtime/pkg/controller/controllerutil"
-	"sigs.k8s.io/controller-runtime/pkg/event"
 	"sigs.k8s.io/controller-runtime/pkg/handler"
 	"sigs.k8s.io/controller-runtime/pkg/predicate"
 	"sigs.k8s.io/controller-runtime/pkg/reconcile"
@@ -68,11 +67,7 @@ type CleanupReconciler struct {
 // SetupWithManager watches Clusters that opted in or still carry the finalizer, and the
 // deletions of the VirtualMachines and volumes a deleted Cluster waits for.
 func (r *CleanupReconciler) SetupWithManager(mgr ctrl.Manager) error {
-	onlyDeletions := builder.WithPredicates(predicate.Funcs{
-		CreateFunc:  func(event.CreateEvent) bool { return false },
-		UpdateFunc:  func(event.UpdateEvent) bool { return false },
-		GenericFunc: func(event.GenericEvent) bool { return false },
-	})
+	onlyDeletions := builder.WithPredicates(deletions)
 	return ctrl.NewControllerManagedBy(mgr).
 		Named("cleanup").
 		For(&clusterv1.Cluster{}, builder.WithPredicates(predicate.NewPredicateFuncs(func(obj client.Object) bool {

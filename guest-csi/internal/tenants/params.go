@@ -140,7 +140,7 @@ func (r *ParamsReconciler) Reconcile(ctx context.Context, req ctrl.Request) (ctr
 		classes, ok := c.Annotations[tenancy.StorageClassesAnnotation]
 		tenants = append(tenants, paramsCluster{name: c.Name, uid: string(c.UID), storageClasses: classes, hasStorageClasses: ok})
 	}
-	if len(tenants) == 0 && namespace.Labels[tenancy.TenancyNamespaceLabel] != tenancy.TenancyEnforced {
+	if len(tenants) == 0 && !enforced(namespace) {
 		return ctrl.Result{}, r.deleteParams(ctx, key)
 	}
 

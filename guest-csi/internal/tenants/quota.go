@@ -11,12 +11,9 @@ import (
 	ctrl "sigs.k8s.io/controller-runtime"
 	"sigs.k8s.io/controller-runtime/pkg/builder"
 	"sigs.k8s.io/controller-runtime/pkg/client"
-	"sigs.k8s.io/controller-runtime/pkg/event"
 	"sigs.k8s.io/controller-runtime/pkg/handler"
 	"sigs.k8s.io/controller-runtime/pkg/predicate"
 	"sigs.k8s.io/controller-runtime/pkg/reconcile"
-
-	"pvbridge.io/pkg/tenancy"
 )
 
 const (
@@ -45,19 +42,9 @@ func (r *QuotaReconciler) SetupWithManager(mgr ctrl.Manager) error {
 	return ctrl.NewControllerManagedBy(mgr).
 		Named("tenancy-quota").
 		For(&corev1.Namespace{}, builder.WithPredicates(predicate.NewPredicateFuncs(enforced))).
-		Watches(&corev1.ResourceQuota{}, handler.EnqueueRequestsFromMapFunc(namespaceOf),
-			builder.WithPredicates(predicate.Funcs{
-				CreateFunc:  func(event.CreateEvent) bool { return false },
-				UpdateFunc:  func(event.UpdateEvent) bool { return false },
-				DeleteFunc:  func(e event.DeleteEvent) bool { return e.Object.GetName() == SnapshotQuota },
-				GenericFunc: func(event.GenericEvent) bool { return false },
-			})).
+		Watches(&corev1.ResourceQuota{}, handler.EnqueueRequestsFromMapFunc(namespaceOf), builder.OnlyMetadata,
+			builder.WithPredicates(deletions, predicate.NewPredicateFuncs(func(obj client.Object) bool { return obj.GetName() == SnapshotQuota }))).
 		Complete(r)
-}
-
-// enforced passes namespaces labelled tenancy.TenancyNamespaceLabel=tenancy.TenancyEnforced.
-func enforced(obj client.Object) bool {
-	return obj.GetLabels()[tenancy.TenancyNamespaceLabel] == tenancy.TenancyEnforced
 }
 
 // namespaceOf maps a namespaced object to its Namespace.

@@ -338,6 +338,18 @@ func optedIn(obj client.Object) bool {
 // optedInClusters filters the Cluster watch of the guest install controller.
 var optedInClusters = builder.WithPredicates(predicate.NewPredicateFuncs(optedIn))
 
+// deletions passes the deletions of objects, and nothing else.
+var deletions = predicate.Funcs{
+	CreateFunc:  func(event.CreateEvent) bool { return false },
+	UpdateFunc:  func(event.UpdateEvent) bool { return false },
+	GenericFunc: func(event.GenericEvent) bool { return false },
+}
+
+// enforced passes namespaces labelled tenancy.TenancyNamespaceLabel=tenancy.TenancyEnforced.
+func enforced(obj client.Object) bool {
+	return obj.GetLabels()[tenancy.TenancyNamespaceLabel] == tenancy.TenancyEnforced
+}
+
 // optedInBefore passes Clusters that opt in, or did before an update.
 var optedInBefore = predicate.Funcs{
 	CreateFunc:  func(e event.CreateEvent) bool { return optedIn(e.Object) },

@@ -295,10 +295,10 @@ func (r *AttachmentReconciler) claim(ctx context.Context, key client.ObjectKey, 
 	if err == nil && pvc.Status.Phase == corev1.ClaimBound && pvc.Spec.VolumeName != "" {
 		return pvc, nil
 	}
-	if (err == nil || apierrors.IsNotFound(err)) && !r.liveReads.allow(budget) {
-		return nil, errUnconfirmed
-	}
 	if err == nil || apierrors.IsNotFound(err) {
+		if !r.liveReads.allow(budget) {
+			return nil, errUnconfirmed
+		}
 		pvc = &corev1.PersistentVolumeClaim{}
 		err = r.APIReader.Get(ctx, key, pvc)
 	}
