@@ -275,8 +275,18 @@ func (g *Guest) syncCredential(ctx context.Context, lab *cluster.Lab) error {
 	return nil
 }
 
-// createVMs creates the guest's VirtualMachines on their hosts and waits until they run.
+// createVMs creates the guest's VirtualMachines on their hosts and waits until they run. The
+// namespace is enforced: until the tenants controller has written its tenancy parameters the
+// admission policy refuses every VirtualMachine write there, the lab's as any admin's.
 func createVMs(ctx context.Context, mc client.Client, opts GuestOptions) error {
+	params := client.ObjectKey{Namespace: opts.Namespace, Name: tenancy.ParamsConfigMap}
+	err := wait.PollUntilContextTimeout(ctx, 200*time.Millisecond, 2*time.Minute, true, func(ctx context.Context) (bool, error) {
+		err := mc.Get(ctx, params, &corev1.ConfigMap{})
+		return err == nil, client.IgnoreNotFound(err)
+	})
+	if err != nil {
+		return fmt.Errorf("the tenancy parameters %s (written by the tenants controller): %w", params, err)
+	}
 	for name, host := range opts.VMs {
 		vm := &vmv1.VirtualMachine{
 			ObjectMeta: metav1.ObjectMeta{
