@@ -25,8 +25,8 @@ import (
 )
 
 // The tenants of the policy test. Namespace tenant-a holds clusters a1 and a2 (a2 is a1's
-// neighbour: same namespace, other cluster) and the identity of zz, a cluster that is not
-// opted in; tenant-b holds b1; plain is a namespace without tenancy.
+// neighbour: same namespace, other cluster), a3, whose identity's UID is not recorded yet, and
+// the identity of zz, a cluster that is not opted in; tenant-b holds b1; plain is a namespace without tenancy.
 const (
 	nsA     = "tenant-a"
 	nsB     = "tenant-b"
@@ -36,6 +36,7 @@ const (
 	uidA1  = "0a1a1a1a-0000-4000-8000-000000000001"
 	uidA2  = "0a2a2a2a-0000-4000-8000-000000000002"
 	uidB1  = "0b1b1b1b-0000-4000-8000-000000000003"
+	uidA3  = "0a3a3a3a-0000-4000-8000-000000000004"
 
 	classAllowed = "pmem"
 	classPremium = "pmem-premium"
@@ -69,12 +70,16 @@ func scheme(g Gomega) *runtime.Scheme {
 	return s
 }
 
+// accountUID is the UID of the ServiceAccount of a cluster's current guest identity.
+func accountUID(cluster string) string { return "account-of-" + cluster }
+
 // guestClient is a client that impersonates the guest identity of cluster in namespace, as the
-// apiserver authenticates a ServiceAccount token.
-func guestClient(g Gomega, namespace, cluster string) client.Client {
+// apiserver authenticates a token of its ServiceAccount (of UID uid).
+func guestClient(g Gomega, namespace, cluster, uid string) client.Client {
 	cfg := rest.CopyConfig(adminConfig)
 	cfg.Impersonate = rest.ImpersonationConfig{
 		UserName: "system:serviceaccount:" + namespace + ":" + cluster + "-pvbridge",
+		UID:      uid,
 		Groups:   []string{"system:serviceaccounts", "system:serviceaccounts:" + namespace, "system:authenticated"},
 	}
 	c, err := client.New(cfg, client.Options{Scheme: scheme(g)})
@@ -149,11 +154,14 @@ func setUpTenants(ctx context.Context, g Gomega) {
 		&corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: nsPlain}},
 		&corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: nsBare, Labels: enforced}},
 		&corev1.ConfigMap{ObjectMeta: metav1.ObjectMeta{Namespace: nsA, Name: "pvbridge-tenancy"}, Data: map[string]string{
-			"a1.uid": uidA1, "a1.storageClasses": classAllowed, "a1.hosts": hostA1, "a1.sharedClaims": sharedClaim, "a1.sharedSnapshots": sharedSnap,
-			"a2.uid": uidA2, "a2.storageClasses": classAllowed + "," + classPremium,
+			"a1.uid": uidA1, "a1.account": accountUID("a1"), "a1.storageClasses": classAllowed, "a1.hosts": hostA1,
+			"a1.sharedClaims": sharedClaim, "a1.sharedSnapshots": sharedSnap,
+			"a2.uid": uidA2, "a2.account": accountUID("a2"), "a2.storageClasses": classAllowed + "," + classPremium,
+			// a3's identity is not recorded yet.
+			"a3.uid": uidA3, "a3.storageClasses": classAllowed,
 		}},
 		&corev1.ConfigMap{ObjectMeta: metav1.ObjectMeta{Namespace: nsB, Name: "pvbridge-tenancy"}, Data: map[string]string{
-			"b1.uid": uidB1, "b1.storageClasses": classAllowed,
+			"b1.uid": uidB1, "b1.account": accountUID("b1"), "b1.storageClasses": classAllowed,
 		}},
 	}
 	for _, name := range []string{classAllowed, classPremium} {
@@ -168,7 +176,7 @@ func setUpTenants(ctx context.Context, g Gomega) {
 		objs = append(objs, &rbacv1.Role{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "pvbridge-guest"}, Rules: tenancy.GuestRules})
 	}
 	for _, id := range []struct{ ns, cluster, bindIn string }{
-		{nsA, "a1", nsA}, {nsA, "a2", nsA}, {nsA, "zz", nsA}, {nsB, "b1", nsB}, {nsB, "b1", nsA}, {nsPlain, "p1", nsPlain}, {nsBare, "c1", nsBare},
+		{nsA, "a1", nsA}, {nsA, "a2", nsA}, {nsA, "a3", nsA}, {nsA, "zz", nsA}, {nsB, "b1", nsB}, {nsB, "b1", nsA}, {nsPlain, "p1", nsPlain}, {nsBare, "c1", nsBare},
 	} {
 		account := id.cluster + "-pvbridge"
 		objs = append(objs, &rbacv1.RoleBinding{
@@ -223,11 +231,11 @@ func setUpTenants(ctx context.Context, g Gomega) {
 	// The policies are active once a request each refuses is refused, by them and for the
 	// reason (the apiserver loads policies, bindings, parameters and RBAC asynchronously).
 	// Dry runs: the probes leave nothing behind.
-	a1 := guestClient(g, nsA, "a1")
+	a1 := guestClient(g, nsA, "a1", accountUID("a1"))
 	g.Eventually(func() error {
 		return a1.Create(ctx, claim(nsA, uidA1+"-probe", labelsFor("a2", uidA2), classAllowed, nil), client.DryRunAll)
 	}).WithTimeout(time.Minute).Should(MatchError(ContainSubstring(tenancyPolicy + "PersistentVolumeClaim tenant-a/" + uidA1 + "-probe must be labelled")))
-	b1 := guestClient(g, nsB, "b1")
+	b1 := guestClient(g, nsB, "b1", accountUID("b1"))
 	g.Eventually(func() error {
 		return b1.Create(ctx, claim(nsA, uidB1+"-probe", labelsFor("b1", uidB1), classAllowed, nil), client.DryRunAll)
 	}).WithTimeout(time.Minute).Should(MatchError(ContainSubstring(namespacePolicy)))
@@ -566,6 +574,15 @@ func TestGuestTenancyPolicy(t *testing.T) {
 			do: create(claim(nsA, "zz-new", nil, classAllowed, nil)),
 			want: tenancyPolicy + "guest cluster zz is not opted in to pvbridge in namespace tenant-a (no zz.uid in ConfigMap pvbridge-tenancy; " +
 				"label its Cluster pvbridge.io/enabled=true): " + what("PersistentVolumeClaim", "zz-new") + " refused"},
+		{name: "write with a token of an earlier account of the cluster's identity", as: "tenant-a/a1@uid-of-an-earlier-account",
+			do: create(claim(nsA, newClaim, labelsFor("a1", uidA1), classAllowed, nil)),
+			want: tenancyPolicy + "the token of system:serviceaccount:tenant-a:a1-pvbridge was issued for ServiceAccount uid uid-of-an-earlier-account, " +
+				"not for the current identity of guest cluster a1 (uid " + accountUID("a1") + "): an earlier account of that name: " +
+				what("PersistentVolumeClaim", newClaim) + " refused"},
+		{name: "write before the cluster's identity is recorded", as: "tenant-a/a3",
+			do: create(claim(nsA, uidA3+"-new", labelsFor("a3", uidA3), classAllowed, nil)),
+			want: tenancyPolicy + "guest cluster a3 has no identity recorded yet (no a3.account in ConfigMap pvbridge-tenancy): " +
+				what("PersistentVolumeClaim", uidA3+"-new") + " refused"},
 		{name: "write in an enforced namespace without parameters", as: nsBare + "/c1",
 			do: create(claim(nsBare, "c1-new", nil, classAllowed, nil)), want: paramsMissing},
 		{name: "even the admin writes nothing guarded in an enforced namespace without parameters", as: "",
@@ -579,7 +596,11 @@ func TestGuestTenancyPolicy(t *testing.T) {
 			c, err := client.New(adminConfig, client.Options{Scheme: scheme(g)})
 			g.Expect(err).NotTo(HaveOccurred())
 			if ns, cluster, ok := strings.Cut(tt.as, "/"); ok {
-				c = guestClient(g, ns, cluster)
+				cluster, uid, stale := strings.Cut(cluster, "@")
+				if !stale {
+					uid = accountUID(cluster)
+				}
+				c = guestClient(g, ns, cluster, uid)
 			}
 			err = tt.do(t.Context(), c)
 			if tt.want == "" {

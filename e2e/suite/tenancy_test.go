@@ -2,8 +2,11 @@ package suite_test
 
 import (
 	"context"
+	"fmt"
 	"os"
+	"slices"
 	"strings"
+	"time"
 
 	snapshotv1 "github.com/kubernetes-csi/external-snapshotter/client/v8/apis/volumesnapshot/v1"
 	. "github.com/onsi/ginkgo/v2"
@@ -142,6 +145,35 @@ var _ = Describe("Tenancy", Label("tenancy"), func() {
 		Expect(err.Error()).To(ContainSubstring("only claims it owns"))
 	})
 
+	It("keeps another cluster's attach within twice its time while a guest floods its VM with entries for claims that do not exist", func(ctx SpecContext) {
+		// beta's attach: a pod of a bound claim on vm-b1, from its creation until it runs
+		// (attach, hot-plug, mount), and its detach after. Rounds alternate quiet and flooded so
+		// that the machine's own drift falls on both.
+		ns := beta.namespace(ctx)
+		beta.create(ctx, deploy.PVC(ns, "data", deploy.StorageClassGuest, "64Mi", false))
+		beta.deletePod(ctx, beta.runPod(ctx, ns, "warm", "data", "vm-b1", false))
+		attach := func(name string) time.Duration {
+			start := time.Now()
+			pod := beta.runPod(ctx, ns, name, "data", "vm-b1", false)
+			took := time.Since(start)
+			beta.deletePod(ctx, pod)
+			return took
+		}
+		var quiet, flooded []time.Duration
+		for round := range 3 {
+			quiet = append(quiet, attach(fmt.Sprintf("quiet-%d", round)))
+			stop := floodVM(ctx, alpha, "vm-1")
+			flooded = append(flooded, attach(fmt.Sprintf("flooded-%d", round)))
+			patches := stop()
+			Expect(patches).To(BeNumerically(">=", 2), "the flood ran")
+		}
+		median := func(d []time.Duration) time.Duration { slices.Sort(d); return d[len(d)/2] }
+		AddReportEntry("beta's attach (median of 3)", fmt.Sprintf("quiet %s %v, flooded %s %v", median(quiet), quiet, median(flooded), flooded))
+		// kubelet reports a pod's status once a second: that much is granularity, not delay.
+		Expect(median(flooded)).To(BeNumerically("<=", 2*median(quiet)+time.Second),
+			"beta's attach while alpha floods (quiet %v, flooded %v)", quiet, flooded)
+	})
+
 	It("rotates a revoked credential without a failed RPC beyond retries", func(ctx SpecContext) {
 		switched := func() int {
 			log, err := os.ReadFile(alpha.Controller.LogPath)
@@ -231,3 +263,52 @@ var _ = Describe("Tenancy", Label("tenancy"), func() {
 		Expect(ownedClaims(ctx, alpha)).To(HaveLen(alphaClaims), "another cluster's volumes are untouched")
 	})
 })
+
+// floodVM makes guest g, with its own credential, replace the volume entries it added to its VM
+// twice a second by 60 entries for claims of its own names that do not exist, as a tenant
+// trying to slow vm-operator for everyone would. The returned stop ends the flood, removes the
+// entries and tells how many patches were accepted.
+func floodVM(ctx context.Context, g *guestCluster, name string) (stop func() int) {
+	GinkgoHelper()
+	me := identity(g)
+	ghost := g.UID + "-ghost-"
+	keep := func(v vmv1.VirtualMachineVolume) bool { return !strings.HasPrefix(v.Name, ghost) }
+	set := func(ctx context.Context, generation int) error {
+		obj := &vmv1.VirtualMachine{}
+		if err := me.Get(ctx, client.ObjectKey{Namespace: g.Options.Namespace, Name: name}, obj); err != nil {
+			return err
+		}
+		patch := client.MergeFromWithOptions(obj.DeepCopy(), client.MergeFromWithOptimisticLock{})
+		volumes := slices.DeleteFunc(slices.Clone(obj.Spec.Volumes), func(v vmv1.VirtualMachineVolume) bool { return !keep(v) })
+		for i := 0; generation >= 0 && len(volumes) < 60; i++ {
+			claim := fmt.Sprintf("%s%d-%d", ghost, generation, i)
+			volumes = append(volumes, vmv1.VirtualMachineVolume{Name: claim, PersistentVolumeClaim: vmv1.PersistentVolumeClaimVolumeSource{ClaimName: claim}})
+		}
+		obj.Spec.Volumes = volumes
+		return me.Patch(ctx, obj, patch)
+	}
+	floodCtx, cancel := context.WithCancel(ctx)
+	done := make(chan int)
+	go func() {
+		defer GinkgoRecover()
+		accepted := 0
+		for generation := 0; floodCtx.Err() == nil; generation++ {
+			if err := set(floodCtx, generation); err == nil {
+				accepted++
+			} else if floodCtx.Err() == nil && !apierrors.IsConflict(err) {
+				Expect(err).NotTo(HaveOccurred(), "the guest's own entries are its right")
+			}
+			select {
+			case <-floodCtx.Done():
+			case <-time.After(500 * time.Millisecond):
+			}
+		}
+		done <- accepted
+	}()
+	return func() int {
+		cancel()
+		accepted := <-done
+		Eventually(func() error { return set(ctx, -1) }).WithContext(ctx).WithTimeout(timeout).Should(Succeed())
+		return accepted
+	}
+}

@@ -71,6 +71,43 @@ const (
 	MaxAnnotationLength = 512
 )
 
+// Keys of the ParamsConfigMap, after a Cluster's name (<cluster><suffix>): the contract between
+// the tenants controller, which writes them, and the admission policy and mgmt-csi, which read
+// them (docs/tenants.md).
+const (
+	// ParamUID is the Cluster's UID; the names of the objects it creates start with it.
+	ParamUID = ".uid"
+	// ParamAccount is the UID of the ServiceAccount of the cluster's guest identity.
+	ParamAccount = ".account"
+	// ParamStorageClasses lists the StorageClasses it may name.
+	ParamStorageClasses = ".storageClasses"
+	// ParamHosts lists the hosts of its VirtualMachines: its volumes go only there.
+	ParamHosts = ".hosts"
+	// ParamSharedClaims and ParamSharedSnapshots list what is shared with it.
+	ParamSharedClaims = ".sharedClaims"
+	// ParamSharedSnapshots: see ParamSharedClaims.
+	ParamSharedSnapshots = ".sharedSnapshots"
+)
+
+// HostsOfOwner finds, in a namespace's parameters, the cluster that owns the object of that
+// name (its name starts with the cluster's UID) and returns the cluster and its hosts. ok is
+// false for an object no cluster of the parameters owns.
+func HostsOfOwner(params map[string]string, name string) (cluster string, hosts []string, ok bool) {
+	for key, uid := range params {
+		c, isUID := strings.CutSuffix(key, ParamUID)
+		if !isUID || uid == "" || !strings.HasPrefix(name, uid+"-") {
+			continue
+		}
+		for _, h := range strings.Split(params[c+ParamHosts], ",") {
+			if h = strings.TrimSpace(h); h != "" {
+				hosts = append(hosts, h)
+			}
+		}
+		return c, hosts, true
+	}
+	return "", nil, false
+}
+
 // Cluster is a guest cluster: its Cluster API Cluster's name and UID, and the management
 // namespace that holds its VirtualMachines and volumes.
 type Cluster struct {

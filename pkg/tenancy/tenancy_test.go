@@ -54,3 +54,33 @@ func FuzzSharedWith(f *testing.F) {
 		}
 	})
 }
+
+// TestHostsOfOwner: the owner of an object is the cluster whose UID starts its name; its hosts
+// are the parameters' list, possibly empty.
+func TestHostsOfOwner(t *testing.T) {
+	params := map[string]string{
+		"a.uid": "uid-a", "a.hosts": "host-1, host-2,",
+		"b.uid": "uid-b", "b.hosts": "",
+		"z.uid": "",
+	}
+	for _, tc := range []struct {
+		name, object string
+		cluster      string
+		hosts        []string
+		ok           bool
+	}{
+		{name: "a's claim", object: "uid-a-pvc-1", cluster: "a", hosts: []string{"host-1", "host-2"}, ok: true},
+		{name: "b's claim, b runs no VM", object: "uid-b-pvc-1", cluster: "b", ok: true},
+		{name: "an admin's claim", object: "shared-data"},
+		{name: "a prefix of a UID is not it", object: "uid-abc"},
+		{name: "an empty UID owns nothing", object: "-pvc"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			g := NewWithT(t)
+			cluster, hosts, ok := HostsOfOwner(params, tc.object)
+			g.Expect(ok).To(Equal(tc.ok))
+			g.Expect(cluster).To(Equal(tc.cluster))
+			g.Expect(hosts).To(Equal(tc.hosts))
+		})
+	}
+}

@@ -128,9 +128,9 @@ func (r *CredentialsReconciler) Reconcile(ctx context.Context, req ctrl.Request)
 		r.Recorder.Eventf(cluster, nil, corev1.EventTypeWarning, eventCredentialsFailed, credentialsRBACAction, "grant the guest identity its access: %v", err)
 		return ctrl.Result{}, err
 	}
-	// No token before the admission policy knows the cluster: a namespace's parameters are what
-	// the policy checks a guest's writes against, and without them it checks nothing.
-	if known, err := r.policyKnows(ctx, cluster); err != nil || !known {
+	// No token before the admission policy knows the cluster and its account: a namespace's
+	// parameters are what the policy checks a guest's writes against.
+	if known, err := r.policyKnows(ctx, cluster, account); err != nil || !known {
 		if err == nil {
 			log.V(2).Info("Waiting for the tenancy parameters of the cluster", "configMap", tenancy.ParamsConfigMap)
 		}
@@ -150,14 +150,16 @@ func (r *CredentialsReconciler) Reconcile(ctx context.Context, req ctrl.Request)
 	return r.deliver(ctx, cluster, account, guest)
 }
 
-// policyKnows reports whether the namespace's tenancy parameters name the cluster with its UID.
-func (r *CredentialsReconciler) policyKnows(ctx context.Context, cluster *clusterv1.Cluster) (bool, error) {
+// policyKnows reports whether the namespace's tenancy parameters name the cluster with its UID
+// and the UID of its account.
+func (r *CredentialsReconciler) policyKnows(ctx context.Context, cluster *clusterv1.Cluster, account *corev1.ServiceAccount) (bool, error) {
 	cm := &corev1.ConfigMap{}
 	err := r.Client.Get(ctx, client.ObjectKey{Namespace: cluster.Namespace, Name: tenancy.ParamsConfigMap}, cm)
 	if apierrors.IsNotFound(err) {
 		return false, nil
 	}
-	return err == nil && cm.Data[cluster.Name+paramUID] == string(cluster.UID), err
+	return err == nil && cm.Data[cluster.Name+tenancy.ParamUID] == string(cluster.UID) &&
+		cm.Data[cluster.Name+tenancy.ParamAccount] == string(account.UID), err
 }
 
 // reconcileIdentity applies the ServiceAccount, Roles and RoleBindings of a Cluster and returns

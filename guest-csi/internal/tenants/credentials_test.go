@@ -142,7 +142,7 @@ func TestCredentialsRenewedAfterTwoThirds(t *testing.T) {
 	cfg.Clock = clock
 	r := &CredentialsReconciler{Client: mgmtClient, APIReader: mgmtClient, Config: cfg, Guests: NewGuestClients(scheme), Recorder: recorder(t)}
 	c := e.createCluster(t, "rotating", true, nil)
-	e.writeParams(t)
+	e.grantIdentity(t, r, c)
 	e.createKubeconfigSecret(t, c)
 	req := ctrl.Request{NamespacedName: client.ObjectKeyFromObject(c)}
 	third := MinTokenTTL / 3
@@ -221,7 +221,7 @@ func TestCredentialsReissuedWhenStale(t *testing.T) {
 			r := &CredentialsReconciler{Client: mgmtClient, APIReader: mgmtClient, Config: e.config(), Guests: NewGuestClients(scheme), Recorder: recorder(t)}
 			r.Config.Clock = clocktesting.NewFakeClock(time.Now())
 			c := e.createCluster(t, "stale", true, nil)
-			e.writeParams(t)
+			e.grantIdentity(t, r, c)
 			e.createKubeconfigSecret(t, c)
 			req := ctrl.Request{NamespacedName: client.ObjectKeyFromObject(c)}
 			_, err := r.Reconcile(ctx, req)
@@ -230,6 +230,10 @@ func TestCredentialsReissuedWhenStale(t *testing.T) {
 			g.Expect(err).NotTo(HaveOccurred())
 
 			tc.spoil(t, e, before)
+			_, err = r.Reconcile(ctx, req)
+			g.Expect(err).NotTo(HaveOccurred())
+			// A new account waits until the parameters name it, as the policy knows a guest by it.
+			e.writeParams(t)
 			_, err = r.Reconcile(ctx, req)
 			g.Expect(err).NotTo(HaveOccurred())
 			after, err := e.guestSecret(ctx)
@@ -293,7 +297,7 @@ func TestIdentityRevokedOnOptOutAndNeverAdopted(t *testing.T) {
 		APIVersion: clusterv1.GroupVersion.String(), Kind: "Cluster", Name: c.Name, UID: "an-earlier-cluster", Controller: ptr.To(true),
 	}}}}
 	create(t, stale)
-	e.writeParams(t)
+	e.grantIdentity(t, r, c)
 	e.createKubeconfigSecret(t, c)
 	req := ctrl.Request{NamespacedName: client.ObjectKeyFromObject(c)}
 	_, err := r.Reconcile(ctx, req)

@@ -99,6 +99,16 @@ func (e *tenantEnv) startManager(t *testing.T, cfg Config) {
 	})
 }
 
+// accountUID waits for the ServiceAccount of cluster's guest identity and returns its UID.
+func (e *tenantEnv) accountUID(t *testing.T, cluster string) string {
+	t.Helper()
+	sa := &corev1.ServiceAccount{}
+	key := client.ObjectKey{Namespace: e.ns, Name: identityName(cluster)}
+	eventually(NewWithT(t), func(ctx context.Context) error { return mgmtClient.Get(ctx, key, sa) }).
+		WithContext(t.Context()).Should(Succeed())
+	return string(sa.UID)
+}
+
 // createCluster creates an opted-in Cluster (or not, with optIn false) in the test namespace.
 // Its guest install is off unless annotations set tenancy.GuestInstallAnnotation: the guest apiserver
 // is shared, and only the install tests install into it.
@@ -133,6 +143,17 @@ func (e *tenantEnv) writeParams(t *testing.T) {
 	if _, err := (&ParamsReconciler{Client: mgmtClient}).Reconcile(t.Context(), ctrl.Request{NamespacedName: client.ObjectKey{Namespace: e.ns, Name: tenancy.ParamsConfigMap}}); err != nil {
 		t.Fatal(err)
 	}
+}
+
+// grantIdentity runs the credentials reconciler once, which makes the Cluster's identity and
+// then waits for the parameters to name its account, and writes the parameters.
+func (e *tenantEnv) grantIdentity(t *testing.T, r *CredentialsReconciler, c *clusterv1.Cluster) {
+	t.Helper()
+	res, err := r.Reconcile(t.Context(), ctrl.Request{NamespacedName: client.ObjectKeyFromObject(c)})
+	if err != nil || res.RequeueAfter != time.Second {
+		t.Fatalf("the first reconcile waits for the parameters: %v, %v", res, err)
+	}
+	e.writeParams(t)
 }
 
 func (e *tenantEnv) createKubeconfigSecret(t *testing.T, c *clusterv1.Cluster) {

@@ -27,14 +27,7 @@ import (
 	"pvbridge.io/pkg/tenancy"
 )
 
-// Keys of the parameters ConfigMap, after the Cluster's name: <cluster><suffix>.
 const (
-	paramUID             = ".uid"
-	paramStorageClasses  = ".storageClasses"
-	paramHosts           = ".hosts"
-	paramSharedClaims    = ".sharedClaims"
-	paramSharedSnapshots = ".sharedSnapshots"
-
 	// ParamsFinalizer holds a namespace's parameters while the namespace is enforced or, once
 	// deleted, still has claims, snapshots or VirtualMachines: the admission policy denies
 	// every write it matches, whoever sends it, when the parameters are missing.
@@ -56,9 +49,11 @@ type ParamsReconciler struct {
 // +kubebuilder:rbac:groups=snapshot.storage.k8s.io,resources=volumesnapshots,verbs=get;list;watch
 // +kubebuilder:rbac:groups=vm.pvbridge.io,resources=virtualmachines,verbs=get;list;watch
 // +kubebuilder:rbac:groups="",resources=configmaps,verbs=get;list;watch;create;patch;delete
+// +kubebuilder:rbac:groups="",resources=serviceaccounts,verbs=get;list;watch
 
-// SetupWithManager reconciles a namespace whenever it, one of its Clusters, the hosts of its
-// VirtualMachines, its shared PVCs or VolumeSnapshots, or its parameters ConfigMap change.
+// SetupWithManager reconciles a namespace whenever it, one of its Clusters, the guest
+// identities, the hosts of its VirtualMachines, its shared PVCs or VolumeSnapshots, or its
+// parameters ConfigMap change.
 // PVCs and VolumeSnapshots are watched by their metadata only.
 func (r *ParamsReconciler) SetupWithManager(mgr ctrl.Manager) error {
 	return ctrl.NewControllerManagedBy(mgr).
@@ -68,6 +63,8 @@ func (r *ParamsReconciler) SetupWithManager(mgr ctrl.Manager) error {
 			builder.WithPredicates(predicate.Or(predicate.LabelChangedPredicate{}, predicate.AnnotationChangedPredicate{}))).
 		// Labels, annotations and deletion: namespaces change seldom.
 		Watches(&corev1.Namespace{}, handler.EnqueueRequestsFromMapFunc(paramsOfNamespace)).
+		// The cache holds only the controller's own ServiceAccounts (CacheOptions).
+		Watches(&corev1.ServiceAccount{}, handler.EnqueueRequestsFromMapFunc(paramsOfNamespace)).
 		Watches(&vmv1.VirtualMachine{}, handler.EnqueueRequestsFromMapFunc(paramsOfNamespace),
 			builder.WithPredicates(hostChanged)).
 		Watches(&corev1.PersistentVolumeClaim{}, handler.EnqueueRequestsFromMapFunc(paramsOfNamespace),
@@ -131,6 +128,10 @@ func (r *ParamsReconciler) Reconcile(ctx context.Context, req ctrl.Request) (ctr
 	if err := r.Client.List(ctx, &clusters, client.InNamespace(ns)); err != nil {
 		return ctrl.Result{}, fmt.Errorf("list Clusters: %w", err)
 	}
+	var accounts corev1.ServiceAccountList
+	if err := r.Client.List(ctx, &accounts, client.InNamespace(ns)); err != nil {
+		return ctrl.Result{}, fmt.Errorf("list ServiceAccounts: %w", err)
+	}
 	var tenants []paramsCluster
 	for i := range clusters.Items {
 		c := &clusters.Items[i]
@@ -138,7 +139,8 @@ func (r *ParamsReconciler) Reconcile(ctx context.Context, req ctrl.Request) (ctr
 			continue
 		}
 		classes, ok := c.Annotations[tenancy.StorageClassesAnnotation]
-		tenants = append(tenants, paramsCluster{name: c.Name, uid: string(c.UID), storageClasses: classes, hasStorageClasses: ok})
+		tenants = append(tenants, paramsCluster{name: c.Name, uid: string(c.UID), account: identityUID(c, accounts.Items),
+			storageClasses: classes, hasStorageClasses: ok})
 	}
 	if len(tenants) == 0 && !enforced(namespace) {
 		return ctrl.Result{}, r.deleteParams(ctx, key)
@@ -220,21 +222,35 @@ func (r *ParamsReconciler) deleteParams(ctx context.Context, key client.ObjectKe
 	return nil
 }
 
+// identityUID is the UID of the Cluster's guest identity: its ServiceAccount, if the Cluster
+// controls it. An account of that name left by an earlier Cluster is not it: its tokens stay
+// valid until the credentials controller has replaced it.
+func identityUID(c *clusterv1.Cluster, accounts []corev1.ServiceAccount) string {
+	for i := range accounts {
+		if accounts[i].Name == identityName(c.Name) && metav1.IsControlledBy(&accounts[i], c) {
+			return string(accounts[i].UID)
+		}
+	}
+	return ""
+}
+
 // paramsCluster is what the parameters say of one opted-in Cluster.
 type paramsCluster struct {
 	name, uid string
+	// account is the UID of its guest identity's ServiceAccount, empty until there is one.
+	account string
 	// storageClasses is the Cluster's tenancy.StorageClassesAnnotation, if hasStorageClasses.
 	storageClasses    string
 	hasStorageClasses bool
 }
 
 // paramsData is the content of a namespace's parameters ConfigMap (docs/tenants.md): per
-// Cluster its UID, its storage classes (its own annotation, else the namespace's), the hosts of
+// Cluster its UID, the UID of its guest identity's ServiceAccount, its storage classes (its own annotation, else the namespace's), the hosts of
 // its VirtualMachines (the only ones its claims may select), and the names of the claims and
 // snapshots whose SharedWithAnnotation names it. Lists are sorted, without duplicates or blanks,
 // comma-separated.
 func paramsData(clusters []paramsCluster, namespaceClasses string, claims, snapshots []metav1.PartialObjectMetadata, vms []vmv1.VirtualMachine) map[string]string {
-	data := make(map[string]string, 5*len(clusters))
+	data := make(map[string]string, 6*len(clusters))
 	for _, c := range clusters {
 		classes := namespaceClasses
 		if c.hasStorageClasses {
@@ -246,11 +262,12 @@ func paramsData(clusters []paramsCluster, namespaceClasses string, claims, snaps
 				hosts = append(hosts, vms[i].Status.Host)
 			}
 		}
-		data[c.name+paramUID] = c.uid
-		data[c.name+paramStorageClasses] = normalizeList(strings.Split(classes, ","))
-		data[c.name+paramHosts] = normalizeList(hosts)
-		data[c.name+paramSharedClaims] = normalizeList(sharedWith(claims, c.name))
-		data[c.name+paramSharedSnapshots] = normalizeList(sharedWith(snapshots, c.name))
+		data[c.name+tenancy.ParamUID] = c.uid
+		data[c.name+tenancy.ParamAccount] = c.account
+		data[c.name+tenancy.ParamStorageClasses] = normalizeList(strings.Split(classes, ","))
+		data[c.name+tenancy.ParamHosts] = normalizeList(hosts)
+		data[c.name+tenancy.ParamSharedClaims] = normalizeList(sharedWith(claims, c.name))
+		data[c.name+tenancy.ParamSharedSnapshots] = normalizeList(sharedWith(snapshots, c.name))
 	}
 	return data
 }

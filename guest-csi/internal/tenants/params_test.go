@@ -9,6 +9,8 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/utils/ptr"
 	clusterv1 "sigs.k8s.io/cluster-api/api/core/v1beta2"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
@@ -36,13 +38,18 @@ func TestParamsData(t *testing.T) {
 		{
 			name:     "no classes anywhere: none allowed",
 			clusters: []paramsCluster{{name: "a", uid: "u-a"}},
-			want:     map[string]string{"a.uid": "u-a", "a.storageClasses": "", "a.hosts": "", "a.sharedClaims": "", "a.sharedSnapshots": ""},
+			want:     map[string]string{"a.uid": "u-a", "a.account": "", "a.storageClasses": "", "a.hosts": "", "a.sharedClaims": "", "a.sharedSnapshots": ""},
+		},
+		{
+			name:     "the UID of the cluster's identity",
+			clusters: []paramsCluster{{name: "a", uid: "u-a", account: "sa-a"}},
+			want:     map[string]string{"a.uid": "u-a", "a.account": "sa-a", "a.storageClasses": "", "a.hosts": "", "a.sharedClaims": "", "a.sharedSnapshots": ""},
 		},
 		{
 			name:             "namespace classes, normalized",
 			clusters:         []paramsCluster{{name: "a", uid: "u-a"}},
 			namespaceClasses: " silver,gold,, silver ",
-			want:             map[string]string{"a.uid": "u-a", "a.storageClasses": "gold,silver", "a.hosts": "", "a.sharedClaims": "", "a.sharedSnapshots": ""},
+			want:             map[string]string{"a.uid": "u-a", "a.account": "", "a.storageClasses": "gold,silver", "a.hosts": "", "a.sharedClaims": "", "a.sharedSnapshots": ""},
 		},
 		{
 			name: "the Cluster's classes win, even empty",
@@ -52,8 +59,8 @@ func TestParamsData(t *testing.T) {
 			},
 			namespaceClasses: "gold",
 			want: map[string]string{
-				"a.uid": "u-a", "a.storageClasses": "bronze", "a.hosts": "", "a.sharedClaims": "", "a.sharedSnapshots": "",
-				"b.uid": "u-b", "b.storageClasses": "", "b.hosts": "", "b.sharedClaims": "", "b.sharedSnapshots": "",
+				"a.uid": "u-a", "a.account": "", "a.storageClasses": "bronze", "a.hosts": "", "a.sharedClaims": "", "a.sharedSnapshots": "",
+				"b.uid": "u-b", "b.account": "", "b.storageClasses": "", "b.hosts": "", "b.sharedClaims": "", "b.sharedSnapshots": "",
 			},
 		},
 		{
@@ -62,8 +69,8 @@ func TestParamsData(t *testing.T) {
 			claims:   []metav1.PartialObjectMetadata{shared("p2", "a, b"), shared("p1", "a"), shared("p3", ""), shared("p4", "ab,c")},
 			snaps:    []metav1.PartialObjectMetadata{shared("s1", "b")},
 			want: map[string]string{
-				"a.uid": "u-a", "a.storageClasses": "", "a.hosts": "", "a.sharedClaims": "p1,p2", "a.sharedSnapshots": "",
-				"b.uid": "u-b", "b.storageClasses": "", "b.hosts": "", "b.sharedClaims": "p2", "b.sharedSnapshots": "s1",
+				"a.uid": "u-a", "a.account": "", "a.storageClasses": "", "a.hosts": "", "a.sharedClaims": "p1,p2", "a.sharedSnapshots": "",
+				"b.uid": "u-b", "b.account": "", "b.storageClasses": "", "b.hosts": "", "b.sharedClaims": "p2", "b.sharedSnapshots": "s1",
 			},
 		},
 		{
@@ -74,8 +81,8 @@ func TestParamsData(t *testing.T) {
 				vmOn("a-4", "a", ""), vmOn("b-1", "b", "host-c"), vmOn("x-1", "", "host-d"),
 			},
 			want: map[string]string{
-				"a.uid": "u-a", "a.storageClasses": "", "a.hosts": "host-a,host-b", "a.sharedClaims": "", "a.sharedSnapshots": "",
-				"b.uid": "u-b", "b.storageClasses": "", "b.hosts": "host-c", "b.sharedClaims": "", "b.sharedSnapshots": "",
+				"a.uid": "u-a", "a.account": "", "a.storageClasses": "", "a.hosts": "host-a,host-b", "a.sharedClaims": "", "a.sharedSnapshots": "",
+				"b.uid": "u-b", "b.account": "", "b.storageClasses": "", "b.hosts": "host-c", "b.sharedClaims": "", "b.sharedSnapshots": "",
 			},
 		},
 	} {
@@ -106,8 +113,8 @@ func TestParamsFollowAnnotations(t *testing.T) {
 		return cm.Data, err
 	}
 	eventually(g, params).WithContext(ctx).Should(Equal(map[string]string{
-		"a.uid": string(a.UID), "a.storageClasses": "gold,silver", "a.hosts": "", "a.sharedClaims": "p1,p2", "a.sharedSnapshots": "",
-		"b.uid": string(b.UID), "b.storageClasses": "bronze", "b.hosts": "", "b.sharedClaims": "p2", "b.sharedSnapshots": "s1",
+		"a.uid": string(a.UID), "a.account": e.accountUID(t, "a"), "a.storageClasses": "gold,silver", "a.hosts": "", "a.sharedClaims": "p1,p2", "a.sharedSnapshots": "",
+		"b.uid": string(b.UID), "b.account": e.accountUID(t, "b"), "b.storageClasses": "bronze", "b.hosts": "", "b.sharedClaims": "p2", "b.sharedSnapshots": "s1",
 	}))
 
 	annotate := func(obj client.Object, key string, value *string) {
@@ -143,9 +150,9 @@ func TestParamsFollowAnnotations(t *testing.T) {
 	liftFinalizers(t, p2)
 
 	eventually(g, params).WithContext(ctx).Should(Equal(map[string]string{
-		"a.uid": string(a.UID), "a.storageClasses": "platinum", "a.hosts": "", "a.sharedClaims": "", "a.sharedSnapshots": "",
-		"b.uid": string(b.UID), "b.storageClasses": "bronze", "b.hosts": "", "b.sharedClaims": "p1", "b.sharedSnapshots": "",
-		"x.uid": string(x.UID), "x.storageClasses": "iron", "x.hosts": "", "x.sharedClaims": "", "x.sharedSnapshots": "",
+		"a.uid": string(a.UID), "a.account": e.accountUID(t, "a"), "a.storageClasses": "platinum", "a.hosts": "", "a.sharedClaims": "", "a.sharedSnapshots": "",
+		"b.uid": string(b.UID), "b.account": e.accountUID(t, "b"), "b.storageClasses": "bronze", "b.hosts": "", "b.sharedClaims": "p1", "b.sharedSnapshots": "",
+		"x.uid": string(x.UID), "x.account": e.accountUID(t, "x"), "x.storageClasses": "iron", "x.hosts": "", "x.sharedClaims": "", "x.sharedSnapshots": "",
 	}))
 
 	// Tampering is repaired.
@@ -203,7 +210,7 @@ func TestParamsOfEnforcedNamespace(t *testing.T) {
 	vm.Status.Host = "host-a"
 	g.Expect(mgmtClient.Status().Update(ctx, vm)).To(Succeed())
 	eventually(g, params).WithContext(ctx).Should(HaveField("Data", Equal(map[string]string{
-		"a.uid": string(a.UID), "a.storageClasses": "", "a.hosts": "host-a", "a.sharedClaims": "", "a.sharedSnapshots": "",
+		"a.uid": string(a.UID), "a.account": e.accountUID(t, "a"), "a.storageClasses": "", "a.hosts": "host-a", "a.sharedClaims": "", "a.sharedSnapshots": "",
 	})))
 
 	cm, err := params(ctx)
@@ -251,4 +258,34 @@ func vmOn(name, cluster, host string) vmv1.VirtualMachine {
 		vm.Labels = map[string]string{tenancy.CAPIClusterNameLabel: cluster}
 	}
 	return vm
+}
+
+// TestIdentityUID: the parameters record the UID of the account the Cluster controls, never
+// that of an account of the same name left by an earlier Cluster.
+func TestIdentityUID(t *testing.T) {
+	cluster := &clusterv1.Cluster{ObjectMeta: metav1.ObjectMeta{Name: "a", UID: "u-a"}}
+	account := func(name, uid, ownerUID string) corev1.ServiceAccount {
+		sa := corev1.ServiceAccount{ObjectMeta: metav1.ObjectMeta{Name: name, UID: types.UID(uid)}}
+		if ownerUID != "" {
+			sa.OwnerReferences = []metav1.OwnerReference{{
+				APIVersion: clusterv1.GroupVersion.String(), Kind: "Cluster", Name: "a", UID: types.UID(ownerUID), Controller: ptr.To(true),
+			}}
+		}
+		return sa
+	}
+	for _, tc := range []struct {
+		name     string
+		accounts []corev1.ServiceAccount
+		want     string
+	}{
+		{name: "none yet", want: ""},
+		{name: "its own", accounts: []corev1.ServiceAccount{account("b-pvbridge", "sa-b", "u-b"), account("a-pvbridge", "sa-a", "u-a")}, want: "sa-a"},
+		{name: "an earlier Cluster's of the same name", accounts: []corev1.ServiceAccount{account("a-pvbridge", "sa-old", "u-earlier")}, want: ""},
+		{name: "one nobody controls", accounts: []corev1.ServiceAccount{account("a-pvbridge", "sa-x", "")}, want: ""},
+		{name: "another name", accounts: []corev1.ServiceAccount{account("a-other", "sa-y", "u-a")}, want: ""},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			NewWithT(t).Expect(identityUID(cluster, tc.accounts)).To(Equal(tc.want))
+		})
+	}
 }

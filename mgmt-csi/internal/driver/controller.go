@@ -42,17 +42,19 @@ const (
 type controllerServer struct {
 	csi.UnimplementedControllerServer
 
-	// client writes to the apiserver; reader reads the informer cache that hub watches.
-	client client.Client
-	reader client.Reader
-	hub    *await.Hub
-	locks  *keylock.Locks
+	// client writes to the apiserver; reader reads the informer cache that hub watches;
+	// apiReader reads the apiserver (what the cache does not hold).
+	client    client.Client
+	reader    client.Reader
+	apiReader client.Reader
+	hub       *await.Hub
+	locks     *keylock.Locks
 }
 
 var _ csi.ControllerServer = (*controllerServer)(nil)
 
-func newControllerServer(c client.Client, reader client.Reader, hub *await.Hub) *controllerServer {
-	return &controllerServer{client: c, reader: reader, hub: hub, locks: &keylock.Locks{}}
+func newControllerServer(c client.Client, reader, apiReader client.Reader, hub *await.Hub) *controllerServer {
+	return &controllerServer{client: c, reader: reader, apiReader: apiReader, hub: hub, locks: &keylock.Locks{}}
 }
 
 func (s *controllerServer) ControllerGetCapabilities(context.Context, *csi.ControllerGetCapabilitiesRequest) (*csi.ControllerGetCapabilitiesResponse, error) {
@@ -99,13 +101,20 @@ func (s *controllerServer) CreateVolume(ctx context.Context, req *csi.CreateVolu
 	err = s.reader.Get(ctx, client.ObjectKey{Name: id}, vol)
 	switch {
 	case apierrors.IsNotFound(err):
+		allowed, err := s.guestHosts(ctx, req.GetParameters())
+		if err != nil {
+			return nil, err
+		}
 		node := sourceNode
-		if node == "" {
-			if node, err = s.chooseNode(ctx, req.GetAccessibilityRequirements(), size, req.GetCapacityRange().GetLimitBytes()); err != nil {
+		switch {
+		case node == "":
+			if node, err = s.chooseNode(ctx, req.GetAccessibilityRequirements(), allowed, size, req.GetCapacityRange().GetLimitBytes()); err != nil {
 				return nil, err
 			}
-		} else if !topologyAllows(req.GetAccessibilityRequirements(), node) {
+		case !topologyAllows(req.GetAccessibilityRequirements(), node):
 			return nil, status.Errorf(codes.ResourceExhausted, "the source of volume %s is on node %s, which the accessibility requirements exclude", id, node)
+		case allowed != nil && !slices.Contains(allowed, node):
+			return nil, status.Errorf(codes.ResourceExhausted, "the source of volume %s is on node %s, where its guest cluster runs no VirtualMachine (its hosts: %v)", id, node, allowed)
 		}
 		if vol, err = s.createVolumeObject(ctx, id, req.GetName(), node, size, source); err != nil {
 			return nil, err
@@ -162,8 +171,9 @@ func (s *controllerServer) contentSource(ctx context.Context, src *csi.VolumeCon
 // of the requisite ones, whose largest allocatable extent fits the volume; with no
 // requirements, the node with the most room. csi-provisioner with --strict-topology passes the
 // node the scheduler selected as the only candidate, so a WaitForFirstConsumer volume lands
-// there or not at all (ResourceExhausted makes the scheduler try another node).
-func (s *controllerServer) chooseNode(ctx context.Context, req *csi.TopologyRequirement, size, limit int64) (string, error) {
+// there or not at all (ResourceExhausted makes the scheduler try another node). allowed (nil:
+// any) narrows the choice to a guest cluster's hosts.
+func (s *controllerServer) chooseNode(ctx context.Context, req *csi.TopologyRequirement, allowed []string, size, limit int64) (string, error) {
 	nodes := &pmemv1.PmemNodeList{}
 	if err := s.reader.List(ctx, nodes); err != nil {
 		return "", csiserver.APIError(err, "list PmemNodes")
@@ -173,13 +183,22 @@ func (s *controllerServer) chooseNode(ctx context.Context, req *csi.TopologyRequ
 		byName[nodes.Items[i].Name] = &nodes.Items[i]
 	}
 	candidates := topologyNodes(req)
-	if len(candidates) == 0 {
-		for _, n := range nodes.Items {
-			candidates = append(candidates, n.Name)
+	switch {
+	case len(candidates) == 0:
+		candidates = slices.Clone(allowed)
+		if allowed == nil {
+			for _, n := range nodes.Items {
+				candidates = append(candidates, n.Name)
+			}
 		}
 		sort.SliceStable(candidates, func(i, j int) bool {
 			return largest(byName[candidates[i]]) > largest(byName[candidates[j]])
 		})
+	case allowed != nil:
+		required := candidates
+		if candidates = slices.DeleteFunc(slices.Clone(candidates), func(n string) bool { return !slices.Contains(allowed, n) }); len(candidates) == 0 {
+			return "", status.Errorf(codes.ResourceExhausted, "the accessibility requirements name nodes %v, none a host of the guest cluster (%v)", required, allowed)
+		}
 	}
 	var reasons []string
 	for _, name := range candidates {

@@ -9,6 +9,7 @@ import (
 	. "github.com/onsi/gomega"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
+	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/api/meta"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -20,6 +21,7 @@ import (
 	"pvbridge.io/mgmt-csi/internal/agent"
 	pmemv1 "pvbridge.io/pkg/apis/pmem/v1alpha1"
 	"pvbridge.io/pkg/await"
+	"pvbridge.io/pkg/tenancy"
 )
 
 const gi = int64(1 << 30)
@@ -63,7 +65,7 @@ func newTestController(t *testing.T, objs ...client.Object) *controllerServer {
 	}
 	c := fake.NewClientBuilder().WithScheme(scheme).WithObjects(objs...).
 		WithStatusSubresource(&pmemv1.PmemVolume{}, &pmemv1.PmemNode{}, &pmemv1.PmemSnapshot{}).Build()
-	return newControllerServer(c, c, await.NewHub())
+	return newControllerServer(c, c, c, await.NewHub())
 }
 
 func topology(nodes ...string) []*csi.Topology {
@@ -118,13 +120,21 @@ func TestCreateVolumeRefusesWithoutSideEffects(t *testing.T) {
 			AccessibilityRequirements: &csi.TopologyRequirement{Requisite: topology("small")},
 			VolumeContentSource: &csi.VolumeContentSource{Type: &csi.VolumeContentSource_Volume{
 				Volume: &csi.VolumeContentSource_VolumeSource{VolumeId: "pvc-src"}}}}, codes.ResourceExhausted},
+		{"a guest's volume, the guest runs no VM", &csi.CreateVolumeRequest{Name: "pvc-1", VolumeCapabilities: []*csi.VolumeCapability{mountCap},
+			Parameters: guestClaim("uid-idle-pvc-1")}, codes.ResourceExhausted},
+		{"a guest's volume, requirements outside its hosts", &csi.CreateVolumeRequest{Name: "pvc-1", VolumeCapabilities: []*csi.VolumeCapability{mountCap},
+			Parameters: guestClaim("uid-small-pvc-1"), AccessibilityRequirements: &csi.TopologyRequirement{Requisite: topology("big")}}, codes.ResourceExhausted},
+		{"a guest's clone, its source outside its hosts", &csi.CreateVolumeRequest{Name: "pvc-1", VolumeCapabilities: []*csi.VolumeCapability{mountCap},
+			Parameters: guestClaim("uid-small-pvc-1"), CapacityRange: &csi.CapacityRange{RequiredBytes: 2 * gi},
+			VolumeContentSource: &csi.VolumeContentSource{Type: &csi.VolumeContentSource_Volume{
+				Volume: &csi.VolumeContentSource_VolumeSource{VolumeId: "pvc-src"}}}}, codes.ResourceExhausted},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			g := NewWithT(t)
 			s := newTestController(t,
 				pmemNode("big", 4*gi, 4*gi, true), pmemNode("small", 2*gi, 2*gi, true), pmemNode("down", 9*gi, 9*gi, false),
-				pmemVolume("pvc-src", "big", 2*gi))
+				pmemVolume("pvc-src", "big", 2*gi), tenancyParams())
 			_, err := s.CreateVolume(t.Context(), tt.req)
 			g.Expect(status.Code(err)).To(Equal(tt.code), "%v", err)
 			list := &pmemv1.PmemVolumeList{}
@@ -134,23 +144,66 @@ func TestCreateVolumeRefusesWithoutSideEffects(t *testing.T) {
 	}
 }
 
+// guestClaim is what csi-provisioner passes with --extra-create-metadata for the management
+// PVC of that name in namespace tenant.
+func guestClaim(name string) map[string]string {
+	return map[string]string{pvcNameParameter: name, pvcNamespaceParameter: "tenant", "csi.storage.k8s.io/pv/name": "pv-1"}
+}
+
+// tenancyParams are the tenancy parameters of namespace tenant: guest cluster small runs VMs on
+// host small, idle none.
+func tenancyParams() *corev1.ConfigMap {
+	return &corev1.ConfigMap{ObjectMeta: metav1.ObjectMeta{Namespace: "tenant", Name: tenancy.ParamsConfigMap}, Data: map[string]string{
+		"small.uid": "uid-small", "small.hosts": "small",
+		"idle.uid": "uid-idle", "idle.hosts": "",
+	}}
+}
+
+// TestGuestHosts: a guest cluster's new volume goes only to the hosts of its VMs; the others
+// anywhere.
+func TestGuestHosts(t *testing.T) {
+	for _, tc := range []struct {
+		name   string
+		params map[string]string
+		objs   []client.Object
+		want   []string
+		code   codes.Code
+	}{
+		{name: "csi-provisioner without --extra-create-metadata", params: nil, objs: []client.Object{tenancyParams()}},
+		{name: "a namespace without tenancy", params: guestClaim("uid-small-pvc-1")},
+		{name: "an admin's claim", params: guestClaim("shared-data"), objs: []client.Object{tenancyParams()}},
+		{name: "a guest's claim", params: guestClaim("uid-small-pvc-1"), objs: []client.Object{tenancyParams()}, want: []string{"small"}},
+		{name: "a guest without VMs", params: guestClaim("uid-idle-pvc-1"), objs: []client.Object{tenancyParams()}, code: codes.ResourceExhausted},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			g := NewWithT(t)
+			got, err := newTestController(t, tc.objs...).guestHosts(t.Context(), tc.params)
+			g.Expect(status.Code(err)).To(Equal(tc.code), "%v", err)
+			g.Expect(got).To(Equal(tc.want))
+		})
+	}
+}
+
 func TestChooseNode(t *testing.T) {
 	nodes := []client.Object{pmemNode("a", 3*gi, 3*gi, true), pmemNode("b", 5*gi, 5*gi, true), pmemNode("c", 9*gi, 9*gi, false)}
 	tests := []struct {
-		name string
-		req  *csi.TopologyRequirement
-		size int64
-		want string
+		name    string
+		req     *csi.TopologyRequirement
+		allowed []string
+		size    int64
+		want    string
 	}{
-		{"no requirements: the most room", nil, gi, "b"},
-		{"preferred first", &csi.TopologyRequirement{Preferred: topology("a", "b"), Requisite: topology("a", "b")}, gi, "a"},
-		{"next preferred when the first is full", &csi.TopologyRequirement{Preferred: topology("a", "b")}, 4 * gi, "b"},
-		{"requisite only", &csi.TopologyRequirement{Requisite: topology("a")}, 2 * gi, "a"},
+		{"no requirements: the most room", nil, nil, gi, "b"},
+		{"preferred first", &csi.TopologyRequirement{Preferred: topology("a", "b"), Requisite: topology("a", "b")}, nil, gi, "a"},
+		{"next preferred when the first is full", &csi.TopologyRequirement{Preferred: topology("a", "b")}, nil, 4 * gi, "b"},
+		{"requisite only", &csi.TopologyRequirement{Requisite: topology("a")}, nil, 2 * gi, "a"},
+		{"a guest's: the most room among its hosts", nil, []string{"a", "c"}, gi, "a"},
+		{"a guest's: the requirements within its hosts", &csi.TopologyRequirement{Preferred: topology("b", "a")}, []string{"a"}, gi, "a"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			g := NewWithT(t)
-			got, err := newTestController(t, nodes...).chooseNode(t.Context(), tt.req, tt.size, 0)
+			got, err := newTestController(t, nodes...).chooseNode(t.Context(), tt.req, tt.allowed, tt.size, 0)
 			g.Expect(err).NotTo(HaveOccurred())
 			g.Expect(got).To(Equal(tt.want))
 		})
@@ -317,7 +370,7 @@ func TestControllerExpandVolumeWaitsForTheCacheToSeeTheGrowth(t *testing.T) {
 			if tt.staleCache {
 				reader = fake.NewClientBuilder().WithScheme(scheme).WithObjects(vol.DeepCopy()).Build()
 			}
-			s := newControllerServer(c, reader, await.NewHub())
+			s := newControllerServer(c, reader, c, await.NewHub())
 
 			ctx, cancel := context.WithTimeout(t.Context(), 200*time.Millisecond)
 			defer cancel()

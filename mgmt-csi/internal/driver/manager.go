@@ -80,7 +80,7 @@ func setupController(ctx context.Context, mgr ctrl.Manager) (*controllerServer, 
 			return nil, fmt.Errorf("watch %s: %w", kind, err)
 		}
 	}
-	return newControllerServer(mgr.GetClient(), mgr.GetCache(), hub), nil
+	return newControllerServer(mgr.GetClient(), mgr.GetCache(), mgr.GetAPIReader(), hub), nil
 }
 
 // setupAgent registers the node agent's reconcilers and capacity reporter.
