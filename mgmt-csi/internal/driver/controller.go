@@ -101,9 +101,12 @@ func (s *controllerServer) CreateVolume(ctx context.Context, req *csi.CreateVolu
 	err = s.reader.Get(ctx, client.ObjectKey{Name: id}, vol)
 	switch {
 	case apierrors.IsNotFound(err):
-		allowed, err := s.guestHosts(ctx, req.GetParameters())
-		if err != nil {
-			return nil, err
+		// A volume without requirements of its own goes to its guest cluster's hosts, if any.
+		var allowed []string
+		if len(topologyNodes(req.GetAccessibilityRequirements())) == 0 {
+			if allowed, err = s.guestHosts(ctx, req.GetParameters()); err != nil {
+				return nil, err
+			}
 		}
 		node := sourceNode
 		switch {
@@ -172,7 +175,7 @@ func (s *controllerServer) contentSource(ctx context.Context, src *csi.VolumeCon
 // requirements, the node with the most room. csi-provisioner with --strict-topology passes the
 // node the scheduler selected as the only candidate, so a WaitForFirstConsumer volume lands
 // there or not at all (ResourceExhausted makes the scheduler try another node). allowed (nil:
-// any) narrows the choice to a guest cluster's hosts.
+// any) narrows the choice without requirements to a guest cluster's hosts.
 func (s *controllerServer) chooseNode(ctx context.Context, req *csi.TopologyRequirement, allowed []string, size, limit int64) (string, error) {
 	nodes := &pmemv1.PmemNodeList{}
 	if err := s.reader.List(ctx, nodes); err != nil {
@@ -183,8 +186,7 @@ func (s *controllerServer) chooseNode(ctx context.Context, req *csi.TopologyRequ
 		byName[nodes.Items[i].Name] = &nodes.Items[i]
 	}
 	candidates := topologyNodes(req)
-	switch {
-	case len(candidates) == 0:
+	if len(candidates) == 0 {
 		candidates = slices.Clone(allowed)
 		if allowed == nil {
 			for _, n := range nodes.Items {
@@ -194,11 +196,6 @@ func (s *controllerServer) chooseNode(ctx context.Context, req *csi.TopologyRequ
 		sort.SliceStable(candidates, func(i, j int) bool {
 			return largest(byName[candidates[i]]) > largest(byName[candidates[j]])
 		})
-	case allowed != nil:
-		required := candidates
-		if candidates = slices.DeleteFunc(slices.Clone(candidates), func(n string) bool { return !slices.Contains(allowed, n) }); len(candidates) == 0 {
-			return "", status.Errorf(codes.ResourceExhausted, "the accessibility requirements name nodes %v, none a host of the guest cluster (%v)", required, allowed)
-		}
 	}
 	var reasons []string
 	for _, name := range candidates {

@@ -122,8 +122,6 @@ func TestCreateVolumeRefusesWithoutSideEffects(t *testing.T) {
 				Volume: &csi.VolumeContentSource_VolumeSource{VolumeId: "pvc-src"}}}}, codes.ResourceExhausted},
 		{"a guest's volume, the guest runs no VM", &csi.CreateVolumeRequest{Name: "pvc-1", VolumeCapabilities: []*csi.VolumeCapability{mountCap},
 			Parameters: guestClaim("uid-idle-pvc-1")}, codes.ResourceExhausted},
-		{"a guest's volume, requirements outside its hosts", &csi.CreateVolumeRequest{Name: "pvc-1", VolumeCapabilities: []*csi.VolumeCapability{mountCap},
-			Parameters: guestClaim("uid-small-pvc-1"), AccessibilityRequirements: &csi.TopologyRequirement{Requisite: topology("big")}}, codes.ResourceExhausted},
 		{"a guest's clone, its source outside its hosts", &csi.CreateVolumeRequest{Name: "pvc-1", VolumeCapabilities: []*csi.VolumeCapability{mountCap},
 			Parameters: guestClaim("uid-small-pvc-1"), CapacityRange: &csi.CapacityRange{RequiredBytes: 2 * gi},
 			VolumeContentSource: &csi.VolumeContentSource{Type: &csi.VolumeContentSource_Volume{
@@ -198,7 +196,6 @@ func TestChooseNode(t *testing.T) {
 		{"next preferred when the first is full", &csi.TopologyRequirement{Preferred: topology("a", "b")}, nil, 4 * gi, "b"},
 		{"requisite only", &csi.TopologyRequirement{Requisite: topology("a")}, nil, 2 * gi, "a"},
 		{"a guest's: the most room among its hosts", nil, []string{"a", "c"}, gi, "a"},
-		{"a guest's: the requirements within its hosts", &csi.TopologyRequirement{Preferred: topology("b", "a")}, []string{"a"}, gi, "a"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {

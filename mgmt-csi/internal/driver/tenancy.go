@@ -20,12 +20,12 @@ const (
 	pvcNamespaceParameter = "csi.storage.k8s.io/pvc/namespace"
 )
 
-// guestHosts returns the hosts a new volume may go to when a guest cluster asks for it: those
-// of the cluster's VirtualMachines, from the tenancy parameters of the claim's namespace. The
-// admission policy already refuses a guest claim that selects another host; this covers the
-// claims that select none (a class of Immediate binding, or a selection csi-provisioner
-// dropped after a host had no room), which would otherwise go to the host with the most room,
-// anywhere. nil means no restriction: no parameters there, or a claim no guest cluster owns.
+// guestHosts returns the hosts a new volume without accessibility requirements may go to when
+// a guest cluster asks for it: those of the cluster's VirtualMachines, from the tenancy
+// parameters of the claim's namespace. The admission policy already refuses a guest claim that
+// selects a host outside them; this covers the claims that select none (a class of Immediate
+// binding, or a selection csi-provisioner dropped after a host had no room), which would
+// otherwise go to the host with the most room, anywhere. nil means no restriction: no parameters there, or a claim no guest cluster owns.
 // The parameters are read live, by name (one read per new volume; no cache of ConfigMaps).
 func (s *controllerServer) guestHosts(ctx context.Context, params map[string]string) ([]string, error) {
 	name, ns := params[pvcNameParameter], params[pvcNamespaceParameter]
