@@ -51,6 +51,9 @@ const (
 	PoweredOffReason = "PoweredOff"
 	// HypervisorErrorReason (Ready=False): the hypervisor refused or failed an operation.
 	HypervisorErrorReason = "HypervisorError"
+	// BootstrapDataUnavailableReason (Ready=False): the Secret named by spec.bootstrap cannot be
+	// read, or has no key "value".
+	BootstrapDataUnavailableReason = "BootstrapDataUnavailable"
 	// HostAssignedReason (Placed=True): status.host is set.
 	HostAssignedReason = "HostAssigned"
 	// NoHostAvailableReason (Placed=False): no host can take the VirtualMachine.
