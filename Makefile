@@ -119,6 +119,7 @@ generate: $(CONTROLLER_GEN) $(KUBECTL) ## Generate deepcopy code, CRDs and the t
 	cd pkg && $(CONTROLLER_GEN) crd paths=./apis/vm/... paths=./apis/pmem/... output:crd:artifacts:config=../manifests/crd/bases
 	cd pkg && $(CONTROLLER_GEN) crd paths=./apis/infrastructure/... output:crd:artifacts:config=../manifests/crd/infrastructure
 	cd guest-csi && $(CONTROLLER_GEN) rbac:roleName=pvbridge-tenants paths=./internal/tenants/... output:rbac:artifacts:config=../manifests/base/tenants/rbac
+	cd vm-operator && $(CONTROLLER_GEN) rbac:roleName=pvbridge-infrastructure-provider paths=./internal/capi/... output:rbac:artifacts:config=../manifests/base/capi-provider/rbac
 	hack/update-snapshot-crds.sh
 	hack/render-guest-install.sh
 	hack/render-capi-provider.sh

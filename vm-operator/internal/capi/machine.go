@@ -42,6 +42,8 @@ type MachineReconciler struct {
 
 // +kubebuilder:rbac:groups=infrastructure.cluster.x-k8s.io,resources=pvbridgemachines,verbs=get;list;watch;patch;update
 // +kubebuilder:rbac:groups=infrastructure.cluster.x-k8s.io,resources=pvbridgemachines/status,verbs=get;patch
+// The VirtualMachine's owner reference blocks the PVBridgeMachine's deletion (OwnerReferencesPermissionEnforcement).
+// +kubebuilder:rbac:groups=infrastructure.cluster.x-k8s.io,resources=pvbridgemachines/finalizers,verbs=update
 // +kubebuilder:rbac:groups=cluster.x-k8s.io,resources=machines;clusters,verbs=get;list;watch
 // +kubebuilder:rbac:groups=vm.pvbridge.io,resources=virtualmachines,verbs=get;list;watch;create;patch;delete
 // +kubebuilder:rbac:groups=events.k8s.io,resources=events,verbs=create;patch
