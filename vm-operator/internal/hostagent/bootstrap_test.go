@@ -29,17 +29,17 @@ func TestBootstrapDataIsHandedToTheVMItStarts(t *testing.T) {
 		wantOn        bool
 		wantReason    string
 	}{{
-		name: "a VM started with bootstrap data gets the secret's value and its meta-data",
+		name:   "a VM started with bootstrap data gets the secret's value and its meta-data",
 		secret: secret, wantBootstrap: true, wantOn: true, wantReason: vmv1.PoweredOnReason,
 	}, {
-		name: "a running VM is not given its data again (and the secret is not read)",
+		name:    "a running VM is not given its data again (and the secret is not read)",
 		running: true, wantOn: true, wantReason: vmv1.PoweredOnReason,
 	}, {
-		name: "a missing secret keeps the VM off and says why",
+		name:       "a missing secret keeps the VM off and says why",
 		wantReason: vmv1.BootstrapDataUnavailableReason,
 	}, {
-		name: "a secret without a value keeps the VM off",
-		secret: &corev1.Secret{ObjectMeta: secret.ObjectMeta, Data: map[string][]byte{"format": []byte("cloud-config")}},
+		name:       "a secret without a value keeps the VM off",
+		secret:     &corev1.Secret{ObjectMeta: secret.ObjectMeta, Data: map[string][]byte{"format": []byte("cloud-config")}},
 		wantReason: vmv1.BootstrapDataUnavailableReason,
 	}}
 	for _, tt := range tests {
