@@ -266,7 +266,11 @@ func TestMachineDeletion(t *testing.T) {
 			}
 			got := get(t, c, &vmv1.VirtualMachine{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: machineName}})
 			g.Expect(got.DeletionTimestamp.IsZero()).To(Equal(!tt.wantVMDeleted))
-			g.Expect(got.Spec.PowerState == vmv1.PowerStateOff).To(Equal(tt.wantPoweredOff))
+			wantPower := vmv1.PowerStateOn
+			if tt.wantPoweredOff {
+				wantPower = vmv1.PowerStateOff
+			}
+			g.Expect(got.Spec.PowerState).To(Equal(wantPower))
 			if tt.wantEvent != "" {
 				g.Expect(rec.Events).To(Receive(ContainSubstring(tt.wantEvent)))
 			}
