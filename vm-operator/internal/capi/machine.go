@@ -176,6 +176,11 @@ func (r *MachineReconciler) reconcileNormal(ctx context.Context, cluster *cluste
 	case apierrors.IsNotFound(err):
 		vm = newVirtualMachine(pm, machine.Spec.ClusterName, host, dataSecret)
 		if err := r.Client.Create(ctx, vm, client.FieldOwner(fieldManager)); err != nil {
+			if apierrors.IsAlreadyExists(err) {
+				// Created by an earlier reconcile that the cache has not seen yet: its event
+				// brings us back.
+				return ctrl.Result{}, nil
+			}
 			return ctrl.Result{}, fmt.Errorf("create VirtualMachine %s: %w", klog.KObj(vm), err)
 		}
 		ctrl.LoggerFrom(ctx).Info("Created the VirtualMachine", "vm", klog.KObj(vm), "host", host)
