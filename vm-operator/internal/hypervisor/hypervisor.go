@@ -63,7 +63,7 @@ type Driver interface {
 	// Name names the driver ("local", "qemu").
 	Name() string
 	// PowerOn starts vm, or does nothing if it runs. A VM started with vm.Bootstrap receives it
-	// (local: files of its NoCloud seed directory; qemu: not yet, see docs/design.md).
+	// (local: files of its NoCloud seed directory; qemu: a read-only FAT disk labelled CIDATA).
 	PowerOn(ctx context.Context, vm VM) error
 	// PowerOff stops vm, or does nothing if it is off. A stopped VM holds no disk: a driver
 	// whose guest would keep using its disks (local) returns ErrBusy naming them instead, and
