@@ -153,7 +153,23 @@ func (r *MachineReconciler) Reconcile(ctx context.Context, req ctrl.Request) (_ 
 
 // reconcileNormal creates the machine's VirtualMachine once the Cluster's infrastructure is
 // provisioned and the Machine has its bootstrap data, and reports it provisioned once it runs.
+// The gates are those of the creation: a VM that exists is reported whatever the Cluster's
+// failure domains became since.
 func (r *MachineReconciler) reconcileNormal(ctx context.Context, cluster *clusterv1.Cluster, machine *clusterv1.Machine, pm *infrav1.PVBridgeMachine) (ctrl.Result, error) {
+	vm := &vmv1.VirtualMachine{}
+	err := r.Client.Get(ctx, client.ObjectKeyFromObject(pm), vm)
+	switch {
+	case err == nil && !metav1.IsControlledBy(vm, pm):
+		notReady(pm, infrav1.VirtualMachineConflictReason,
+			fmt.Sprintf("VirtualMachine %s exists and is not this PVBridgeMachine's", vm.Name))
+		return ctrl.Result{}, nil
+	case err == nil:
+		machineStatus(pm, vm)
+		return ctrl.Result{}, nil
+	case !apierrors.IsNotFound(err):
+		return ctrl.Result{}, fmt.Errorf("get VirtualMachine %s: %w", klog.KObj(pm), err)
+	}
+
 	if !ptr.Deref(cluster.Status.Initialization.InfrastructureProvisioned, false) {
 		notReady(pm, infrav1.WaitingForClusterInfrastructureReason, "the Cluster's infrastructure is not provisioned yet")
 		return ctrl.Result{}, nil
@@ -169,29 +185,17 @@ func (r *MachineReconciler) reconcileNormal(ctx context.Context, cluster *cluste
 			fmt.Sprintf("failure domain %q is not one of the Cluster's (its hosts)", host))
 		return ctrl.Result{}, nil
 	}
-
-	vm := &vmv1.VirtualMachine{}
-	err := r.Client.Get(ctx, client.ObjectKeyFromObject(pm), vm)
-	switch {
-	case apierrors.IsNotFound(err):
-		vm = newVirtualMachine(pm, machine.Spec.ClusterName, host, dataSecret)
-		if err := r.Client.Create(ctx, vm, client.FieldOwner(fieldManager)); err != nil {
-			if apierrors.IsAlreadyExists(err) {
-				// Created by an earlier reconcile that the cache has not seen yet: its event
-				// brings us back.
-				return ctrl.Result{}, nil
-			}
-			return ctrl.Result{}, fmt.Errorf("create VirtualMachine %s: %w", klog.KObj(vm), err)
+	vm = newVirtualMachine(pm, machine.Spec.ClusterName, host, dataSecret)
+	if err := r.Client.Create(ctx, vm, client.FieldOwner(fieldManager)); err != nil {
+		if apierrors.IsAlreadyExists(err) {
+			// Created by an earlier reconcile that the cache has not seen yet: its event
+			// brings us back.
+			return ctrl.Result{}, nil
 		}
-		ctrl.LoggerFrom(ctx).Info("Created the VirtualMachine", "vm", klog.KObj(vm), "host", host)
-		r.event(pm, corev1.EventTypeNormal, "VirtualMachineCreated", "Created VirtualMachine %s", vm.Name)
-	case err != nil:
-		return ctrl.Result{}, fmt.Errorf("get VirtualMachine %s: %w", klog.KObj(pm), err)
-	case !metav1.IsControlledBy(vm, pm):
-		notReady(pm, infrav1.VirtualMachineConflictReason,
-			fmt.Sprintf("VirtualMachine %s exists and is not this PVBridgeMachine's", vm.Name))
-		return ctrl.Result{}, nil
+		return ctrl.Result{}, fmt.Errorf("create VirtualMachine %s: %w", klog.KObj(vm), err)
 	}
+	ctrl.LoggerFrom(ctx).Info("Created the VirtualMachine", "vm", klog.KObj(vm), "host", host)
+	r.event(pm, corev1.EventTypeNormal, "VirtualMachineCreated", "Created VirtualMachine %s", vm.Name)
 	machineStatus(pm, vm)
 	return ctrl.Result{}, nil
 }

@@ -60,6 +60,11 @@ func TestMachineReconcile(t *testing.T) {
 		vm:         func(f *fixtures) *vmv1.VirtualMachine { return f.vmOf(running) },
 		wantReason: infrav1.ProvisionedReason, wantVM: true, wantFinalizer: true,
 	}, {
+		name:       "a running VirtualMachine is reported even when its host left the Cluster's failure domains",
+		prepare:    func(f *fixtures) { f.cluster.Status.FailureDomains = f.cluster.Status.FailureDomains[:1] },
+		vm:         func(f *fixtures) *vmv1.VirtualMachine { return f.vmOf(running) },
+		wantReason: infrav1.ProvisionedReason, wantVM: true, wantFinalizer: true,
+	}, {
 		name: "a VirtualMachine of the name that is not the machine's is left alone",
 		vm: func(f *fixtures) *vmv1.VirtualMachine {
 			vm := f.vmOf(running)
