@@ -114,12 +114,15 @@ sanity: deps test-tools ## Run the csi-sanity binary against both drivers as the
 ##@ Development
 
 .PHONY: generate
-generate: $(CONTROLLER_GEN) $(KUBECTL) ## Generate deepcopy code, CRDs and the tenants RBAC, copy the snapshot CRDs, render the guest install.
+generate: $(CONTROLLER_GEN) $(KUBECTL) ## Generate deepcopy code, CRDs and the tenants RBAC, copy the snapshot CRDs, render the guest install and the clusterctl provider files.
 	cd pkg && $(CONTROLLER_GEN) object:headerFile=../hack/boilerplate.go.txt paths=./apis/...
-	cd pkg && $(CONTROLLER_GEN) crd paths=./apis/... output:crd:artifacts:config=../manifests/crd/bases
+	cd pkg && $(CONTROLLER_GEN) crd paths=./apis/vm/... paths=./apis/pmem/... output:crd:artifacts:config=../manifests/crd/bases
+	cd pkg && $(CONTROLLER_GEN) crd paths=./apis/infrastructure/... output:crd:artifacts:config=../manifests/crd/infrastructure
 	cd guest-csi && $(CONTROLLER_GEN) rbac:roleName=pvbridge-tenants paths=./internal/tenants/... output:rbac:artifacts:config=../manifests/base/tenants/rbac
+	cd vm-operator && $(CONTROLLER_GEN) rbac:roleName=pvbridge-infrastructure-provider paths=./internal/capi/... output:rbac:artifacts:config=../manifests/base/capi-provider/rbac
 	hack/update-snapshot-crds.sh
 	hack/render-guest-install.sh
+	hack/render-capi-provider.sh
 
 .PHONY: verify
 verify: $(CONTROLLER_GEN) $(KUBECTL) ## Fail if generated files, formatting or go.mod files drift.

@@ -91,6 +91,13 @@ func TestOverlaysApplyWithServerSideDryRun(t *testing.T) {
 			"ConfigMap",
 		}},
 		{overlay: "dev", wantKinds: []string{"Deployment", "DaemonSet", "ValidatingAdmissionPolicy"}, wantObjects: tenantsObjects},
+		{overlay: "capi-provider", wantKinds: []string{
+			"Namespace", "CustomResourceDefinition", "Deployment", "ServiceAccount", "ClusterRole", "ClusterRoleBinding",
+		}, wantObjects: []string{
+			"CustomResourceDefinition/pvbridgemachines.infrastructure.cluster.x-k8s.io",
+			"Deployment/pvbridge-capi-system/pvbridge-infrastructure-provider",
+			"ClusterRole/pvbridge-infrastructure-provider-capi",
+		}},
 	}
 	cs, err := kubernetes.NewForConfig(adminConfig)
 	NewWithT(t).Expect(err).NotTo(HaveOccurred())

@@ -550,6 +550,11 @@ func TestGuestTenancyPolicy(t *testing.T) {
 		{name: "power off its VM", as: "tenant-a/a1",
 			do:   patch(vmKey(ownVM), func(vm *vmv1.VirtualMachine) { vm.Spec.PowerState = vmv1.PowerStateOff }),
 			want: tenancyPolicy + "guest cluster a1 may change only spec.volumes of " + what("VirtualMachine", ownVM) + ", not spec.powerState"},
+		{name: "point its VM at another bootstrap secret", as: "tenant-a/a1",
+			do: patch(vmKey(ownVM), func(vm *vmv1.VirtualMachine) {
+				vm.Spec.Bootstrap = &vmv1.VirtualMachineBootstrap{DataSecretName: "another-clusters-bootstrap"}
+			}),
+			want: tenancyPolicy + "guest cluster a1 may change only spec.volumes of " + what("VirtualMachine", ownVM) + ", not spec.bootstrap"},
 		{name: "relabel its VM", as: "tenant-a/a1",
 			do:   patch(vmKey(ownVM), func(vm *vmv1.VirtualMachine) { vm.Labels[tenancy.CAPIClusterNameLabel] = "a2" }),
 			want: tenancyPolicy + "guest cluster a1 may change only spec.volumes of " + what("VirtualMachine", ownVM) + ", not metadata.labels"},

@@ -12,6 +12,7 @@ import (
 	"k8s.io/apimachinery/pkg/runtime/schema"
 	"k8s.io/apimachinery/pkg/runtime/serializer"
 
+	infrav1alpha1 "pvbridge.io/pkg/apis/infrastructure/v1alpha1"
 	pmemv1alpha1 "pvbridge.io/pkg/apis/pmem/v1alpha1"
 	vmv1alpha1 "pvbridge.io/pkg/apis/vm/v1alpha1"
 )
@@ -23,6 +24,9 @@ func newScheme(t *testing.T) *runtime.Scheme {
 		t.Fatal(err)
 	}
 	if err := pmemv1alpha1.AddToScheme(scheme); err != nil {
+		t.Fatal(err)
+	}
+	if err := infrav1alpha1.AddToScheme(scheme); err != nil {
 		t.Fatal(err)
 	}
 	return scheme
@@ -41,6 +45,12 @@ func TestSchemeKnowsEveryKind(t *testing.T) {
 		{obj: &pmemv1alpha1.PmemSnapshotList{}, want: pmemv1alpha1.GroupVersion.WithKind("PmemSnapshotList")},
 		{obj: &pmemv1alpha1.PmemNode{}, want: pmemv1alpha1.GroupVersion.WithKind("PmemNode")},
 		{obj: &pmemv1alpha1.PmemNodeList{}, want: pmemv1alpha1.GroupVersion.WithKind("PmemNodeList")},
+		{obj: &infrav1alpha1.PVBridgeCluster{}, want: infrav1alpha1.GroupVersion.WithKind("PVBridgeCluster")},
+		{obj: &infrav1alpha1.PVBridgeClusterList{}, want: infrav1alpha1.GroupVersion.WithKind("PVBridgeClusterList")},
+		{obj: &infrav1alpha1.PVBridgeMachine{}, want: infrav1alpha1.GroupVersion.WithKind("PVBridgeMachine")},
+		{obj: &infrav1alpha1.PVBridgeMachineList{}, want: infrav1alpha1.GroupVersion.WithKind("PVBridgeMachineList")},
+		{obj: &infrav1alpha1.PVBridgeMachineTemplate{}, want: infrav1alpha1.GroupVersion.WithKind("PVBridgeMachineTemplate")},
+		{obj: &infrav1alpha1.PVBridgeMachineTemplateList{}, want: infrav1alpha1.GroupVersion.WithKind("PVBridgeMachineTemplateList")},
 	}
 	scheme := newScheme(t)
 	for _, tt := range tests {

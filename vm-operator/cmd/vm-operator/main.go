@@ -1,6 +1,7 @@
 // Command vm-operator manages the VirtualMachines of the management cluster. In the controller
 // role it places them and drives their power state and volumes; in the host-agent role, one per
-// host, it hot-plugs volumes into the VirtualMachines on that host.
+// host, it hot-plugs volumes into the VirtualMachines on that host; in the
+// infrastructure-provider role it is pvbridge's Cluster API infrastructure provider.
 package main
 
 import (
@@ -13,6 +14,7 @@ import (
 	ctrl "sigs.k8s.io/controller-runtime"
 
 	"pvbridge.io/pkg/command"
+	"pvbridge.io/vm-operator/internal/capi"
 	"pvbridge.io/vm-operator/internal/operator"
 )
 
@@ -25,7 +27,7 @@ func main() {
 	fs.StringVar(&opts.Kubeconfig, "kubeconfig", "",
 		"Path of the management cluster's kubeconfig. When empty: $KUBECONFIG, the in-cluster configuration, then ~/.kube/config.")
 	fs.StringVar((*string)(&opts.Role), "role", "",
-		`What to run: "controller" (one per management cluster) or "host-agent" (one per host, beside its kubelet). Required.`)
+		`What to run: "controller" (one per management cluster), "host-agent" (one per host, beside its kubelet) or "infrastructure-provider" (Cluster API's, one per management cluster). Required.`)
 	fs.StringVar(&opts.NodeName, "node-name", "",
 		"Name of this host's Kubernetes Node; usually the pod's spec.nodeName. Required with --role=host-agent.")
 	fs.Float32Var(&opts.KubeAPIQPS, "kube-api-qps", 50,
@@ -43,6 +45,8 @@ func main() {
 		"Host agent: where VM volumes are staged and published before they are hot-plugged.")
 	fs.DurationVar(&opts.UnplugTimeout, "unplug-timeout", 5*time.Minute,
 		"Host agent: how long the guest of a VM that must stop (powered off or deleted) has to release its disks before the VM is forced off; 0 waits for ever.")
+	fs.DurationVar(&opts.VolumeDetachTimeout, "volume-detach-timeout", capi.DefaultVolumeDetachTimeout,
+		"Infrastructure provider: how long a deleted Machine's VirtualMachine may keep volumes before it is powered off and deleted anyway (Cluster API waited for them to detach already); 0 waits for ever.")
 	fs.StringVar(&opts.MetricsAddress, "metrics-bind-address", "0",
 		`host:port to serve Prometheus metrics on (/metrics), or "0" for none.`)
 	fs.StringVar(&opts.HealthAddress, "health-probe-bind-address", ":8081",

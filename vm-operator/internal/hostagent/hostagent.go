@@ -38,6 +38,7 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/reconcile"
 	"sigs.k8s.io/controller-runtime/pkg/recorder"
 
+	infrav1 "pvbridge.io/pkg/apis/infrastructure/v1alpha1"
 	vmv1 "pvbridge.io/pkg/apis/vm/v1alpha1"
 	"pvbridge.io/vm-operator/internal/hypervisor"
 	"pvbridge.io/vm-operator/internal/vmstatus"
@@ -188,6 +189,10 @@ func (r *Reconciler) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Resu
 	wantOn := vm.DeletionTimestamp.IsZero() && vm.Spec.PowerState != vmv1.PowerStateOff
 	d := &decisions{set: map[string]vmv1.VirtualMachineVolumeStatus{}}
 	if wantOn {
+		if err := r.bootstrap(ctx, vm, &ref); err != nil {
+			cond := readyCondition(vm, metav1.ConditionFalse, vmv1.BootstrapDataUnavailableReason, err.Error())
+			return ctrl.Result{RequeueAfter: retryAfter}, errors.Join(err, r.writeStatus(ctx, vm, &decisions{}, cond))
+		}
 		if err := r.Hypervisor.PowerOn(ctx, ref); err != nil {
 			return ctrl.Result{}, errors.Join(err, r.writeStatus(ctx, vm, &decisions{}, hypervisorError(vm, "power on", err)))
 		}
@@ -217,6 +222,46 @@ func (r *Reconciler) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Resu
 		return ctrl.Result{RequeueAfter: delay}, nil
 	}
 	return ctrl.Result{}, nil
+}
+
+// bootstrap adds the VM's bootstrap data to ref when the VM is about to start, so that PowerOn
+// hands it to the hypervisor: the user data is the key "value" of the Secret the VM names (as
+// Cluster API's bootstrap providers write it), the meta-data is made here (BootstrapMetaData).
+// The Secret is read from the API server, and only while the VM does not run: the agent
+// caches no Secret, and may only get them (docs/security.md says why).
+func (r *Reconciler) bootstrap(ctx context.Context, vm *vmv1.VirtualMachine, ref *hypervisor.VM) error {
+	if vm.Spec.Bootstrap == nil {
+		return nil
+	}
+	running, err := r.Hypervisor.Running(ctx, *ref)
+	if err != nil || running {
+		return err
+	}
+	key := types.NamespacedName{Namespace: vm.Namespace, Name: vm.Spec.Bootstrap.DataSecretName}
+	secret := &corev1.Secret{}
+	if err := r.apiReader().Get(ctx, key, secret); err != nil {
+		return fmt.Errorf("read bootstrap data secret %s: %w", key, err)
+	}
+	data, ok := secret.Data["value"]
+	if !ok {
+		return fmt.Errorf("bootstrap data secret %s has no key \"value\"", key)
+	}
+	ref.Bootstrap = &hypervisor.Bootstrap{UserData: data, MetaData: BootstrapMetaData(vm)}
+	return nil
+}
+
+// BootstrapMetaData is the NoCloud meta-data of a VM: its instance ID (the VM's UID, so a
+// recreated VM of the same name boots as a new instance), its host name (the VM's name, which
+// is the guest Node's), and, for the kubelet's --provider-id, its namespace and provider ID
+// (pvbridge://<namespace>/<name>). cloud-init's templates read them as ds.meta_data.local_hostname,
+// ds.meta_data.namespace and ds.meta_data.provider_id.
+func BootstrapMetaData(vm *vmv1.VirtualMachine) []byte {
+	uid := vm.Status.UniqueID
+	if uid == "" {
+		uid = string(vm.UID)
+	}
+	return fmt.Appendf(nil, "instance-id: %q\nlocal-hostname: %q\nnamespace: %q\nprovider-id: %q\n",
+		uid, vm.Name, vm.Namespace, infrav1.ProviderID(vm.Namespace, vm.Name))
 }
 
 // busyRetry returns when to look again at VM uid: retryAfter, doubled for each pass in a row in

@@ -66,6 +66,8 @@ type fakeHypervisor struct {
 	attachErr error
 	detachErr error // of a disk that is attached
 	forced    int
+	// bootstraps records the bootstrap data each VM was powered on with.
+	bootstraps map[string]*hypervisor.Bootstrap
 }
 
 func newFakeHypervisor() *fakeHypervisor {
@@ -77,6 +79,12 @@ func (h *fakeHypervisor) Name() string { return "fake" }
 func (h *fakeHypervisor) PowerOn(_ context.Context, vm hypervisor.VM) error {
 	h.mu.Lock()
 	defer h.mu.Unlock()
+	if !h.on[vm.Name] && vm.Bootstrap != nil {
+		if h.bootstraps == nil {
+			h.bootstraps = map[string]*hypervisor.Bootstrap{}
+		}
+		h.bootstraps[vm.Name] = vm.Bootstrap
+	}
 	h.on[vm.Name] = true
 	return nil
 }

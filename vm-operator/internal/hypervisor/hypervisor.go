@@ -35,6 +35,18 @@ type VM struct {
 	Namespace, Name string
 	// UID is the VirtualMachine's status.uniqueID: stable for the VM's life, never reused.
 	UID string
+	// Bootstrap, when set, is what the VM boots with (a Cluster API machine's bootstrap
+	// data); PowerOn hands it to a VM it starts.
+	Bootstrap *Bootstrap
+}
+
+// Bootstrap is the first-boot data of a VM as cloud-init's NoCloud data source reads it. Both
+// files may hold secrets (a kubeadm join token): drivers keep them readable by root only.
+type Bootstrap struct {
+	// UserData is the user data (a cloud-config or a script).
+	UserData []byte
+	// MetaData is the NoCloud meta-data (YAML: instance-id, local-hostname, ...).
+	MetaData []byte
 }
 
 // Disk is a host block device as a virtio disk of a VM.
@@ -50,7 +62,8 @@ type Disk struct {
 type Driver interface {
 	// Name names the driver ("local", "qemu").
 	Name() string
-	// PowerOn starts vm, or does nothing if it runs.
+	// PowerOn starts vm, or does nothing if it runs. A VM started with vm.Bootstrap receives it
+	// (local: files of its NoCloud seed directory; qemu: a read-only FAT disk labelled CIDATA).
 	PowerOn(ctx context.Context, vm VM) error
 	// PowerOff stops vm, or does nothing if it is off. A stopped VM holds no disk: a driver
 	// whose guest would keep using its disks (local) returns ErrBusy naming them instead, and

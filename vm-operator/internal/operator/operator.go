@@ -1,7 +1,8 @@
 // Package operator runs the vm-operator: in the controller role it places VirtualMachines and
 // manages their volumes' VolumeAttachments; in the host-agent role, one per host, it drives the
-// power state of the VirtualMachines on that host and hot-plugs their volumes. Both roles are
-// controller-runtime managers over the same scheme.
+// power state of the VirtualMachines on that host and hot-plugs their volumes; in the
+// infrastructure-provider role it is pvbridge's Cluster API infrastructure provider, whose
+// Machines are VirtualMachines. Every role is a controller-runtime manager over the same scheme.
 package operator
 
 import (
@@ -18,6 +19,7 @@ import (
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/clientcmd"
 	"k8s.io/klog/v2"
+	clusterv1 "sigs.k8s.io/cluster-api/api/core/v1beta2"
 	ctrl "sigs.k8s.io/controller-runtime"
 	"sigs.k8s.io/controller-runtime/pkg/healthz"
 	metricsserver "sigs.k8s.io/controller-runtime/pkg/metrics/server"
@@ -26,9 +28,11 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
 
+	infrav1 "pvbridge.io/pkg/apis/infrastructure/v1alpha1"
 	pmemv1alpha1 "pvbridge.io/pkg/apis/pmem/v1alpha1"
 	vmv1alpha1 "pvbridge.io/pkg/apis/vm/v1alpha1"
 	"pvbridge.io/pkg/csiserver"
+	"pvbridge.io/vm-operator/internal/capi"
 	"pvbridge.io/vm-operator/internal/controller"
 	"pvbridge.io/vm-operator/internal/hostagent"
 	"pvbridge.io/vm-operator/internal/hypervisor"
@@ -44,6 +48,9 @@ const (
 	RoleController Role = "controller"
 	// RoleHostAgent runs on one host and hot-plugs volumes into the VirtualMachines there.
 	RoleHostAgent Role = "host-agent"
+	// RoleInfrastructureProvider is the Cluster API infrastructure provider: PVBridgeClusters
+	// and PVBridgeMachines, whose machines are VirtualMachines.
+	RoleInfrastructureProvider Role = "infrastructure-provider"
 )
 
 // Options configure the operator.
@@ -71,6 +78,10 @@ type Options struct {
 	// UnplugTimeout is how long the host agent waits for the guest of a VM that must stop to
 	// release its disks before it forces the VM off; zero waits for ever.
 	UnplugTimeout time.Duration
+	// VolumeDetachTimeout is how long the infrastructure provider waits for the volumes of a
+	// deleted machine's VirtualMachine to detach before it powers the VM off anyway; zero
+	// waits for ever.
+	VolumeDetachTimeout time.Duration
 	// KubeAPIQPS and KubeAPIBurst limit the operator's API requests.
 	KubeAPIQPS   float32
 	KubeAPIBurst int
@@ -107,8 +118,15 @@ func (o *Options) Validate() error {
 		} else if msgs := validation.IsDNS1123Subdomain(o.NodeName); len(msgs) > 0 {
 			errs = append(errs, fmt.Errorf("node name %q is not a node name: %v", o.NodeName, msgs))
 		}
+	case RoleInfrastructureProvider:
+		if o.NodeName != "" {
+			errs = append(errs, errors.New("node name is only used in the host-agent role"))
+		}
+		if o.VolumeDetachTimeout < 0 {
+			errs = append(errs, fmt.Errorf("volume detach timeout %s is negative", o.VolumeDetachTimeout))
+		}
 	default:
-		errs = append(errs, fmt.Errorf("role %q is neither %q nor %q", o.Role, RoleController, RoleHostAgent))
+		errs = append(errs, fmt.Errorf("role %q is not %q, %q or %q", o.Role, RoleController, RoleHostAgent, RoleInfrastructureProvider))
 	}
 	if err := validateAddress(o.MetricsAddress); err != nil {
 		errs = append(errs, fmt.Errorf("metrics address: %w", err))
@@ -129,13 +147,16 @@ func validateAddress(addr string) error {
 }
 
 // NewScheme returns the types the operator reads and writes: the built-in kinds (Pods,
-// PersistentVolumeClaims, VolumeAttachments, ...) and pvbridge's VirtualMachine and PMEM kinds.
+// PersistentVolumeClaims, VolumeAttachments, ...), pvbridge's VirtualMachine and PMEM kinds,
+// and the Cluster API kinds the infrastructure provider reads and implements.
 func NewScheme() (*runtime.Scheme, error) {
 	scheme := runtime.NewScheme()
 	for _, add := range []func(*runtime.Scheme) error{
 		clientgoscheme.AddToScheme,
 		vmv1alpha1.AddToScheme,
 		pmemv1alpha1.AddToScheme,
+		clusterv1.AddToScheme,
+		infrav1.AddToScheme,
 	} {
 		if err := add(scheme); err != nil {
 			return nil, err
@@ -187,6 +208,10 @@ func New(opts Options) (*Operator, error) {
 		}
 	case RoleHostAgent:
 		if err := setupHostAgent(mgr, opts); err != nil {
+			return nil, err
+		}
+	case RoleInfrastructureProvider:
+		if err := capi.SetupWithManager(mgr, capi.Options{VolumeDetachTimeout: opts.VolumeDetachTimeout}); err != nil {
 			return nil, err
 		}
 	}

@@ -1,6 +1,8 @@
 package operator
 
 import (
+	"time"
+
 	"context"
 	"fmt"
 	"net"
@@ -39,6 +41,9 @@ func TestOptionsValidate(t *testing.T) {
 	}{
 		{name: "controller", opts: valid(RoleController, nil)},
 		{name: "host agent", opts: valid(RoleHostAgent, nil)},
+		{name: "infrastructure provider", opts: valid(RoleInfrastructureProvider, func(o *Options) { o.VolumeDetachTimeout = time.Minute })},
+		{name: "infrastructure provider with node name", opts: valid(RoleInfrastructureProvider, func(o *Options) { o.NodeName = "host-a" }), wantErr: []string{"only used in the host-agent role"}},
+		{name: "negative volume detach timeout", opts: valid(RoleInfrastructureProvider, func(o *Options) { o.VolumeDetachTimeout = -time.Second }), wantErr: []string{"volume detach timeout"}},
 		{name: "metrics on a port", opts: valid(RoleController, func(o *Options) { o.MetricsAddress = "127.0.0.1:8080" })},
 		{name: "health probes disabled", opts: valid(RoleController, func(o *Options) { o.HealthAddress = "0" })},
 		{name: "no role", opts: valid("", nil), wantErr: []string{`role ""`}},

@@ -51,6 +51,9 @@ const (
 	PoweredOffReason = "PoweredOff"
 	// HypervisorErrorReason (Ready=False): the hypervisor refused or failed an operation.
 	HypervisorErrorReason = "HypervisorError"
+	// BootstrapDataUnavailableReason (Ready=False): the Secret named by spec.bootstrap cannot be
+	// read, or has no key "value".
+	BootstrapDataUnavailableReason = "BootstrapDataUnavailable"
 	// HostAssignedReason (Placed=True): status.host is set.
 	HostAssignedReason = "HostAssigned"
 	// NoHostAvailableReason (Placed=False): no host can take the VirtualMachine.
@@ -65,6 +68,7 @@ const (
 
 // VirtualMachineSpec is the desired state of a VirtualMachine.
 // +kubebuilder:validation:XValidation:rule="!has(oldSelf.host) || has(self.host)",message="host cannot be removed once set"
+// +kubebuilder:validation:XValidation:rule="!has(oldSelf.bootstrap) || has(self.bootstrap)",message="bootstrap cannot be removed once set"
 type VirtualMachineSpec struct {
 	// className names the class (size and hardware profile) of the VirtualMachine.
 	// +optional
@@ -89,6 +93,12 @@ type VirtualMachineSpec struct {
 	// +kubebuilder:default=PoweredOn
 	PowerState PowerState `json:"powerState,omitempty"`
 
+	// bootstrap is the data the VirtualMachine boots with (cloud-init user data of a Cluster
+	// API bootstrap provider). It cannot change once set: a machine boots its data once.
+	// +optional
+	// +kubebuilder:validation:XValidation:rule="self == oldSelf",message="bootstrap is immutable once set"
+	Bootstrap *VirtualMachineBootstrap `json:"bootstrap,omitempty"`
+
 	// volumes are the disks attached to the VirtualMachine, keyed by name. Adding an entry
 	// hot-plugs the volume, removing it unplugs the volume.
 	// +optional
@@ -96,6 +106,17 @@ type VirtualMachineSpec struct {
 	// +listMapKey=name
 	// +kubebuilder:validation:MaxItems=64
 	Volumes []VirtualMachineVolume `json:"volumes,omitempty"`
+}
+
+// VirtualMachineBootstrap names the bootstrap data of a VirtualMachine.
+type VirtualMachineBootstrap struct {
+	// dataSecretName is a Secret of the VirtualMachine's namespace whose key "value" holds the
+	// user data (cloud-init) the VirtualMachine runs at first boot; the host agent reads it and
+	// hands it to the hypervisor with meta-data naming the VirtualMachine.
+	// +required
+	// +kubebuilder:validation:MinLength=1
+	// +kubebuilder:validation:MaxLength=253
+	DataSecretName string `json:"dataSecretName"`
 }
 
 // VirtualMachineResources are the CPU and memory of a VirtualMachine.

@@ -11,6 +11,8 @@ import (
 	"strings"
 
 	"golang.org/x/sys/unix"
+
+	"pvbridge.io/vm-operator/internal/hypervisor"
 )
 
 // Paths inside a VM directory.
@@ -22,6 +24,9 @@ const (
 	recordsDir  = stateDir + "/disks"
 	tmpDir      = stateDir + "/tmp"
 	runningFile = stateDir + "/running"
+	// seedDir is where cloud-init's NoCloud data source looks on the guest's own filesystem:
+	// the VM directory is the guest's root, so the VM's node runs its bootstrap from there.
+	seedDir = "var/lib/cloud/seed/nocloud"
 )
 
 // makeSkeleton creates the directories of a VM.
@@ -144,6 +149,33 @@ func writeFile(r *os.Root, name string, data []byte) error {
 		return err
 	}
 	return r.Rename(tmp, name)
+}
+
+// writePrivateFile is writeFile for a file only root may read (bootstrap data).
+func writePrivateFile(r *os.Root, name string, data []byte) error {
+	if err := r.MkdirAll(tmpDir, 0o755); err != nil {
+		return err
+	}
+	tmp := filepath.Join(tmpDir, strings.ReplaceAll(name, "/", "_"))
+	if err := r.WriteFile(tmp, data, 0o600); err != nil {
+		return err
+	}
+	// WriteFile keeps the mode of a file left over from an interrupted write.
+	if err := r.Chmod(tmp, 0o600); err != nil {
+		return err
+	}
+	return r.Rename(tmp, name)
+}
+
+// writeSeed writes the VM's NoCloud seed: user-data and meta-data, readable by root only.
+func writeSeed(r *os.Root, b *hypervisor.Bootstrap) error {
+	if err := r.MkdirAll(seedDir, 0o700); err != nil {
+		return err
+	}
+	if err := writePrivateFile(r, seedDir+"/meta-data", b.MetaData); err != nil {
+		return err
+	}
+	return writePrivateFile(r, seedDir+"/user-data", b.UserData)
 }
 
 // removeIfExists removes the file or empty directory name; a missing one is success.

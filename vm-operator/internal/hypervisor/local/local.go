@@ -12,6 +12,8 @@
 //	dev/vdX                          a block device node with the host device's number
 //	dev/disk/by-id/virtio-<serial>   a symbolic link to ../../vdX
 //	.hypervisor/running              the power-state marker; it holds the VM's UID
+//	var/lib/cloud/seed/nocloud/      user-data and meta-data of a VM started with bootstrap
+//	                                 data (mode 0600), where cloud-init's NoCloud looks
 //	.hypervisor/disks/<serial>.json  the record of a disk: its name vdX, host device and number
 //	.hypervisor/tmp/                 files being written, renamed into place when complete
 //
@@ -110,6 +112,12 @@ func (d *Driver) PowerOn(ctx context.Context, vm hypervisor.VM) error {
 	defer r.Close()
 	if uid, err := r.ReadFile(runningFile); err == nil && string(uid) == vm.UID+"\n" {
 		return nil
+	}
+	// The seed before the power-state marker: a VM marked running has its bootstrap data.
+	if vm.Bootstrap != nil {
+		if err := writeSeed(r, vm.Bootstrap); err != nil {
+			return fmt.Errorf("power on %s: bootstrap data: %w", vmKey(vm), err)
+		}
 	}
 	if err := writeFile(r, runningFile, []byte(vm.UID+"\n")); err != nil {
 		return fmt.Errorf("power on %s: %w", vmKey(vm), err)

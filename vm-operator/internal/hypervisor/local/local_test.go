@@ -141,3 +141,33 @@ func TestWaitingForAnotherOperationOnTheVMEndsWithTheContext(t *testing.T) {
 	other := hypervisor.VM{Namespace: "tenant-a", Name: "node-2"}
 	g.Expect(e.d.PowerOn(t.Context(), other)).To(Succeed(), "other VMs do not wait")
 }
+
+func TestPowerOnWritesTheBootstrapSeedOnce(t *testing.T) {
+	g := NewWithT(t)
+	e := newEnv(t)
+	vm := hypervisor.VM{Namespace: "tenant-a", Name: "vm-1", UID: "uid-1", Bootstrap: &hypervisor.Bootstrap{
+		UserData: []byte("#cloud-config\n"), MetaData: []byte("instance-id: uid-1\n"),
+	}}
+
+	g.Expect(e.d.PowerOn(t.Context(), vm)).To(Succeed())
+
+	seed := filepath.Join(e.vmDir(vm), "var/lib/cloud/seed/nocloud")
+	for name, want := range map[string]string{"user-data": "#cloud-config\n", "meta-data": "instance-id: uid-1\n"} {
+		data, err := os.ReadFile(filepath.Join(seed, name))
+		g.Expect(err).NotTo(HaveOccurred())
+		g.Expect(string(data)).To(Equal(want))
+		st, err := os.Stat(filepath.Join(seed, name))
+		g.Expect(err).NotTo(HaveOccurred())
+		g.Expect(st.Mode().Perm()).To(Equal(os.FileMode(0o600)), "bootstrap data holds secrets")
+	}
+	st, err := os.Stat(seed)
+	g.Expect(err).NotTo(HaveOccurred())
+	g.Expect(st.Mode().Perm()).To(Equal(os.FileMode(0o700)))
+
+	// A running VM is not given its data again: PowerOn of a running VM changes nothing.
+	vm.Bootstrap.UserData = []byte("changed\n")
+	g.Expect(e.d.PowerOn(t.Context(), vm)).To(Succeed())
+	data, err := os.ReadFile(filepath.Join(seed, "user-data"))
+	g.Expect(err).NotTo(HaveOccurred())
+	g.Expect(string(data)).To(Equal("#cloud-config\n"))
+}

@@ -38,6 +38,11 @@ const (
 	logFile      = "qemu.log"
 	serialSocket = "serial.sock"
 	serialLog    = "serial.log"
+	// seedDir holds the VM's NoCloud seed (user-data, meta-data), which QEMU's vvfat driver
+	// shows the guest as a read-only FAT disk labelled CIDATA, where cloud-init looks.
+	seedDir = "seed"
+	// seedID is the QOM id and node name of that disk; Disks does not list it (not devicePrefix).
+	seedID = "pvb-seed"
 )
 
 // maxSocketPath is the longest path a unix socket can have on Linux (sun_path less its NUL).

@@ -10,6 +10,7 @@ import (
 	"net"
 	"os"
 	"os/exec"
+	"path/filepath"
 	"regexp"
 	"strconv"
 	"strings"
@@ -51,6 +52,9 @@ func (d *Driver) start(ctx context.Context, v *vmState, vm hypervisor.VM) error 
 		return fmt.Errorf("VM %s: QMP socket: %w", v.name, err)
 	}
 	defer lf.Close()
+	if err := writeSeed(v.path(seedDir), vm.Bootstrap); err != nil {
+		return fmt.Errorf("VM %s: bootstrap data: %w", v.name, err)
+	}
 	out, err := os.OpenFile(v.path(logFile), os.O_CREATE|os.O_WRONLY|os.O_TRUNC, 0o640)
 	if err != nil {
 		return fmt.Errorf("VM %s: %w", v.name, err)
@@ -146,7 +150,32 @@ func (d *Driver) args(v *vmState, vm hypervisor.VM, qmpFD int) []string {
 			args = append(args, "-append", o.Append)
 		}
 	}
+	if vm.Bootstrap != nil {
+		args = append(args,
+			"-blockdev", fmt.Sprintf("driver=vvfat,node-name=%s,dir=%s,label=CIDATA,read-only=on", seedID, v.path(seedDir)),
+			"-device", fmt.Sprintf("virtio-blk-pci,drive=%s,id=%s,bus=pcie.0", seedID, seedID))
+	}
 	return append(args, o.ExtraArgs...)
+}
+
+// writeSeed makes dir the NoCloud seed of b (readable by the agent's user only: it holds
+// secrets), or removes it when the VM starts without bootstrap data.
+func writeSeed(dir string, b *hypervisor.Bootstrap) error {
+	if err := os.RemoveAll(dir); err != nil {
+		return err
+	}
+	if b == nil {
+		return nil
+	}
+	if err := os.Mkdir(dir, 0o700); err != nil {
+		return err
+	}
+	for name, data := range map[string][]byte{"user-data": b.UserData, "meta-data": b.MetaData} {
+		if err := os.WriteFile(filepath.Join(dir, name), data, 0o600); err != nil {
+			return err
+		}
+	}
+	return nil
 }
 
 var uuidRE = regexp.MustCompile(`^[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}$`)

@@ -1,0 +1,178 @@
+package v1alpha1
+
+import (
+	"k8s.io/apimachinery/pkg/api/resource"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+)
+
+// PVBridgeMachineSpec is the desired state of a PVBridgeMachine.
+// +kubebuilder:validation:XValidation:rule="!has(oldSelf.providerID) || (has(self.providerID) && self.providerID == oldSelf.providerID)",message="providerID cannot change once set"
+type PVBridgeMachineSpec struct {
+	// providerID is the provider ID of the machine's guest Node, pvbridge://<namespace>/<name>,
+	// set by the provider once the VirtualMachine runs (contract).
+	// +optional
+	// +kubebuilder:validation:MinLength=1
+	// +kubebuilder:validation:MaxLength=512
+	ProviderID string `json:"providerID,omitempty"`
+
+	// className names the VirtualMachine class (size and hardware profile).
+	// +optional
+	// +kubebuilder:validation:MinLength=1
+	// +kubebuilder:validation:MaxLength=253
+	ClassName string `json:"className,omitempty"`
+
+	// resources overrides the CPU and memory of the class.
+	// +optional
+	Resources *MachineResources `json:"resources,omitempty"`
+}
+
+// MachineResources are the CPU and memory of a machine.
+type MachineResources struct {
+	// cpu is the number of virtual CPUs, as a quantity (whole CPUs).
+	// +optional
+	CPU *resource.Quantity `json:"cpu,omitempty"`
+
+	// memory is the guest memory.
+	// +optional
+	Memory *resource.Quantity `json:"memory,omitempty"`
+}
+
+// PVBridgeMachineInitializationStatus is the initialization of a PVBridgeMachine (contract).
+// +kubebuilder:validation:MinProperties=1
+type PVBridgeMachineInitializationStatus struct {
+	// provisioned is true once the machine's VirtualMachine runs. Part of the Cluster API
+	// contract; never reset.
+	// +optional
+	Provisioned *bool `json:"provisioned,omitempty"`
+}
+
+// PVBridgeMachineStatus is the observed state of a PVBridgeMachine.
+type PVBridgeMachineStatus struct {
+	// initialization reports the provisioning of the machine (contract).
+	// +optional
+	Initialization PVBridgeMachineInitializationStatus `json:"initialization,omitempty,omitzero"`
+
+	// addresses are the machine's addresses: its name as Hostname and InternalDNS (the guest
+	// Node name).
+	// +optional
+	// +listType=atomic
+	// +kubebuilder:validation:MaxItems=32
+	Addresses []MachineAddress `json:"addresses,omitempty"`
+
+	// failureDomain is the management host the VirtualMachine runs on.
+	// +optional
+	// +kubebuilder:validation:MinLength=1
+	// +kubebuilder:validation:MaxLength=256
+	FailureDomain string `json:"failureDomain,omitempty"`
+
+	// conditions are Ready, VirtualMachineProvisioned and Paused.
+	// +optional
+	// +listType=map
+	// +listMapKey=type
+	// +kubebuilder:validation:MaxItems=32
+	Conditions []metav1.Condition `json:"conditions,omitempty"`
+}
+
+// PVBridgeMachine is a Cluster API machine realized as a pvbridge VirtualMachine of the same
+// name and namespace, whose name is also the guest Node's.
+//
+// +kubebuilder:object:root=true
+// +kubebuilder:subresource:status
+// +kubebuilder:resource:path=pvbridgemachines,shortName=pvbm,categories=cluster-api;pvbridge
+// +kubebuilder:storageversion
+// +kubebuilder:printcolumn:name="Cluster",type=string,JSONPath=`.metadata.labels['cluster\.x-k8s\.io/cluster-name']`
+// +kubebuilder:printcolumn:name="Host",type=string,JSONPath=`.status.failureDomain`
+// +kubebuilder:printcolumn:name="ProviderID",type=string,JSONPath=`.spec.providerID`
+// +kubebuilder:printcolumn:name="Ready",type=string,JSONPath=`.status.conditions[?(@.type=="Ready")].status`
+// +kubebuilder:printcolumn:name="Age",type=date,JSONPath=`.metadata.creationTimestamp`
+type PVBridgeMachine struct {
+	metav1.TypeMeta `json:",inline"`
+	// metadata is the object's metadata.
+	// +optional
+	metav1.ObjectMeta `json:"metadata,omitempty"`
+
+	// spec is the desired state of the PVBridgeMachine.
+	// +optional
+	Spec PVBridgeMachineSpec `json:"spec,omitempty,omitzero"`
+
+	// status is the observed state of the PVBridgeMachine.
+	// +optional
+	Status PVBridgeMachineStatus `json:"status,omitempty,omitzero"`
+}
+
+// PVBridgeMachineList is a list of PVBridgeMachines.
+//
+// +kubebuilder:object:root=true
+type PVBridgeMachineList struct {
+	metav1.TypeMeta `json:",inline"`
+	// metadata is the list's metadata.
+	// +optional
+	metav1.ListMeta `json:"metadata,omitempty"`
+
+	// items are the PVBridgeMachines.
+	// +required
+	Items []PVBridgeMachine `json:"items"`
+}
+
+// ObjectMeta is the metadata a template gives the objects made from it (Cluster API's
+// ObjectMeta).
+type ObjectMeta struct {
+	// labels are added to the objects made from the template.
+	// +optional
+	Labels map[string]string `json:"labels,omitempty"`
+
+	// annotations are added to the objects made from the template.
+	// +optional
+	Annotations map[string]string `json:"annotations,omitempty"`
+}
+
+// PVBridgeMachineTemplateResource is what a PVBridgeMachine is made from.
+type PVBridgeMachineTemplateResource struct {
+	// metadata is given to each PVBridgeMachine made from the template.
+	// +optional
+	ObjectMeta ObjectMeta `json:"metadata,omitempty,omitzero"`
+
+	// spec is the spec of each PVBridgeMachine made from the template.
+	// +required
+	Spec PVBridgeMachineSpec `json:"spec"`
+}
+
+// PVBridgeMachineTemplateSpec is the spec of a PVBridgeMachineTemplate.
+type PVBridgeMachineTemplateSpec struct {
+	// template is what the PVBridgeMachines are made from.
+	// +required
+	Template PVBridgeMachineTemplateResource `json:"template"`
+}
+
+// PVBridgeMachineTemplate is the template Cluster API makes PVBridgeMachines from (for
+// MachineDeployments and KubeadmControlPlanes).
+//
+// +kubebuilder:object:root=true
+// +kubebuilder:resource:path=pvbridgemachinetemplates,shortName=pvbmt,categories=cluster-api;pvbridge
+// +kubebuilder:storageversion
+// +kubebuilder:printcolumn:name="Class",type=string,JSONPath=`.spec.template.spec.className`
+// +kubebuilder:printcolumn:name="Age",type=date,JSONPath=`.metadata.creationTimestamp`
+type PVBridgeMachineTemplate struct {
+	metav1.TypeMeta `json:",inline"`
+	// metadata is the object's metadata.
+	// +optional
+	metav1.ObjectMeta `json:"metadata,omitempty"`
+
+	// spec is the template.
+	// +required
+	Spec PVBridgeMachineTemplateSpec `json:"spec"`
+}
+
+// PVBridgeMachineTemplateList is a list of PVBridgeMachineTemplates.
+//
+// +kubebuilder:object:root=true
+type PVBridgeMachineTemplateList struct {
+	metav1.TypeMeta `json:",inline"`
+	// metadata is the list's metadata.
+	// +optional
+	metav1.ListMeta `json:"metadata,omitempty"`
+
+	// items are the PVBridgeMachineTemplates.
+	// +required
+	Items []PVBridgeMachineTemplate `json:"items"`
+}

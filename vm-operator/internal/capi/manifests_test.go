@@ -1,0 +1,214 @@
+package capi
+
+import (
+	"bufio"
+	"bytes"
+	"errors"
+	"io"
+	"os"
+	"path/filepath"
+	"regexp"
+	"strings"
+	"testing"
+
+	. "github.com/onsi/gomega"
+	appsv1 "k8s.io/api/apps/v1"
+	rbacv1 "k8s.io/api/rbac/v1"
+	apiextensionsv1 "k8s.io/apiextensions-apiserver/pkg/apis/apiextensions/v1"
+	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/apimachinery/pkg/runtime/serializer/json"
+	utilyaml "k8s.io/apimachinery/pkg/util/yaml"
+	"k8s.io/utils/ptr"
+	bootstrapv1 "sigs.k8s.io/cluster-api/api/bootstrap/kubeadm/v1beta2"
+	controlplanev1 "sigs.k8s.io/cluster-api/api/controlplane/kubeadm/v1beta2"
+	clusterv1 "sigs.k8s.io/cluster-api/api/core/v1beta2"
+	"sigs.k8s.io/yaml"
+
+	infrav1 "pvbridge.io/pkg/apis/infrastructure/v1alpha1"
+	"pvbridge.io/pkg/tenancy"
+)
+
+// clusterctlDir holds the provider's clusterctl files (hack/render-capi-provider.sh).
+const clusterctlDir = "../../../manifests/clusterctl"
+
+// documents splits a multi-document YAML file into its objects.
+func documents(t *testing.T, file string) []*unstructured.Unstructured {
+	t.Helper()
+	data, err := os.ReadFile(filepath.Join(clusterctlDir, file))
+	if err != nil {
+		t.Fatalf("read %s (run make generate): %v", file, err)
+	}
+	var objs []*unstructured.Unstructured
+	r := utilyaml.NewYAMLReader(bufioReader(data))
+	for {
+		doc, err := r.Read()
+		if errors.Is(err, io.EOF) {
+			return objs
+		}
+		if err != nil {
+			t.Fatal(err)
+		}
+		u := &unstructured.Unstructured{}
+		if err := yaml.Unmarshal(doc, &u.Object); err != nil {
+			t.Fatalf("%s: %v", file, err)
+		}
+		if len(u.Object) > 0 {
+			objs = append(objs, u)
+		}
+	}
+}
+
+// The contract's rules that a CRD carries: namespaced, named <plural>.<group> (Cluster API's
+// CalculateCRDName), the label mapping the contract to our version, which metadata.yaml's
+// release series implements too, and the fields Cluster API reads.
+func TestInfrastructureComponentsFollowTheContract(t *testing.T) {
+	g := NewWithT(t)
+	crds := map[string]*apiextensionsv1.CustomResourceDefinition{}
+	var deployment *appsv1.Deployment
+	var aggregated bool
+	for _, u := range documents(t, "infrastructure-components.yaml") {
+		switch u.GetKind() {
+		case "CustomResourceDefinition":
+			crd := &apiextensionsv1.CustomResourceDefinition{}
+			g.Expect(runtime.DefaultUnstructuredConverter.FromUnstructured(u.Object, crd)).To(Succeed())
+			crds[crd.Spec.Names.Kind] = crd
+		case "Deployment":
+			deployment = &appsv1.Deployment{}
+			g.Expect(runtime.DefaultUnstructuredConverter.FromUnstructured(u.Object, deployment)).To(Succeed())
+		case "ClusterRole":
+			role := &rbacv1.ClusterRole{}
+			g.Expect(runtime.DefaultUnstructuredConverter.FromUnstructured(u.Object, role)).To(Succeed())
+			aggregated = aggregated || role.Labels["cluster.x-k8s.io/aggregate-to-manager"] == "true"
+		}
+	}
+	g.Expect(crds).To(HaveLen(3))
+	g.Expect(aggregated).To(BeTrue(), "Cluster API's controllers may manage the provider's kinds")
+	g.Expect(deployment).NotTo(BeNil())
+	g.Expect(deployment.Spec.Template.Spec.Containers[0].Args).To(ContainElement("--role=infrastructure-provider"))
+
+	meta := map[string]any{}
+	data, err := os.ReadFile(filepath.Join(clusterctlDir, "metadata.yaml"))
+	g.Expect(err).NotTo(HaveOccurred())
+	g.Expect(yaml.Unmarshal(data, &meta)).To(Succeed())
+	g.Expect(meta["apiVersion"]).To(Equal("clusterctl.cluster.x-k8s.io/v1alpha3"))
+	for _, s := range meta["releaseSeries"].([]any) {
+		g.Expect(s.(map[string]any)["contract"]).To(Equal("v1beta2"))
+	}
+
+	prop := func(s apiextensionsv1.JSONSchemaProps, path ...string) apiextensionsv1.JSONSchemaProps {
+		for _, p := range path {
+			if s.Type == "array" {
+				s = s.Items.Schema.Properties[p]
+				continue
+			}
+			next, ok := s.Properties[p]
+			g.Expect(ok).To(BeTrue(), "field %s of %v", p, path)
+			s = next
+		}
+		return s
+	}
+	for kind, fields := range map[string]map[string]string{
+		"PVBridgeCluster": {
+			"spec.controlPlaneEndpoint.host": "string", "spec.controlPlaneEndpoint.port": "integer",
+			"status.initialization.provisioned": "boolean", "status.failureDomains": "array",
+			"status.failureDomains.name": "string", "status.failureDomains.controlPlane": "boolean",
+			"status.conditions": "array",
+		},
+		"PVBridgeMachine": {
+			"spec.providerID": "string", "status.initialization.provisioned": "boolean",
+			"status.addresses": "array", "status.addresses.type": "string", "status.addresses.address": "string",
+			"status.failureDomain": "string", "status.conditions": "array",
+		},
+		"PVBridgeMachineTemplate": {"spec.template.spec.className": "string", "spec.template.metadata.labels": "object"},
+	} {
+		t.Run(kind, func(t *testing.T) {
+			g := NewWithT(t)
+			crd := crds[kind]
+			g.Expect(crd).NotTo(BeNil())
+			g.Expect(crd.Spec.Group).To(Equal(infrav1.GroupVersion.Group))
+			g.Expect(crd.Name).To(Equal(crd.Spec.Names.Plural + "." + crd.Spec.Group))
+			g.Expect(crd.Spec.Scope).To(Equal(apiextensionsv1.NamespaceScoped))
+			g.Expect(crd.Labels).To(HaveKeyWithValue("cluster.x-k8s.io/v1beta2", infrav1.GroupVersion.Version))
+			g.Expect(crd.Spec.Versions).To(HaveLen(1))
+			g.Expect(crd.Spec.Versions[0].Name).To(Equal(infrav1.GroupVersion.Version))
+			g.Expect(crd.Spec.Versions[0].Storage).To(BeTrue())
+			schema := *crd.Spec.Versions[0].Schema.OpenAPIV3Schema
+			for path, typ := range fields {
+				g.Expect(prop(schema, strings.Split(path, ".")...).Type).To(Equal(typ), path)
+			}
+		})
+	}
+}
+
+// variable matches clusterctl's ${NAME} and ${NAME:=default}.
+var variable = regexp.MustCompile(`\$\{([A-Z_]+)(:=([^}]*))?\}`)
+
+// The template renders (with the variables clusterctl documents) into objects that Cluster API's
+// own types decode strictly, and its Cluster opts in to pvbridge storage.
+func TestClusterTemplateRenders(t *testing.T) {
+	g := NewWithT(t)
+	data, err := os.ReadFile(filepath.Join(clusterctlDir, "cluster-template.yaml"))
+	g.Expect(err).NotTo(HaveOccurred())
+	values := map[string]string{
+		"CLUSTER_NAME": "guest-1", "NAMESPACE": "tenant-a", "KUBERNETES_VERSION": "v1.37.0",
+		"CONTROL_PLANE_MACHINE_COUNT": "3", "WORKER_MACHINE_COUNT": "2", "CONTROL_PLANE_ENDPOINT_IP": "10.0.0.10",
+	}
+	used := map[string]bool{}
+	rendered := variable.ReplaceAllStringFunc(string(data), func(m string) string {
+		sub := variable.FindStringSubmatch(m)
+		used[sub[1]] = true
+		if v, ok := values[sub[1]]; ok {
+			return v
+		}
+		g.Expect(sub[2]).NotTo(BeEmpty(), "variable %s has no value and no default", sub[1])
+		return sub[3]
+	})
+	for name := range values {
+		g.Expect(used).To(HaveKey(name))
+	}
+
+	scheme := runtime.NewScheme()
+	for _, add := range []func(*runtime.Scheme) error{clusterv1.AddToScheme, controlplanev1.AddToScheme, bootstrapv1.AddToScheme, infrav1.AddToScheme} {
+		g.Expect(add(scheme)).To(Succeed())
+	}
+	strict := json.NewSerializerWithOptions(json.DefaultMetaFactory, scheme, scheme, json.SerializerOptions{Yaml: true, Strict: true})
+	kinds := map[string]runtime.Object{}
+	r := utilyaml.NewYAMLReader(bufioReader([]byte(rendered)))
+	for {
+		doc, err := r.Read()
+		if errors.Is(err, io.EOF) {
+			break
+		}
+		g.Expect(err).NotTo(HaveOccurred())
+		if len(bytes.TrimSpace(doc)) == 0 || strings.HasPrefix(strings.TrimSpace(string(doc)), "#") && !strings.Contains(string(doc), "kind:") {
+			continue
+		}
+		obj, gvk, err := strict.Decode(doc, nil, nil)
+		g.Expect(err).NotTo(HaveOccurred(), "decode %s", doc)
+		kinds[gvk.Kind] = obj
+	}
+	g.Expect(kinds).To(HaveKey("Cluster"))
+	g.Expect(kinds).To(HaveKey("PVBridgeCluster"))
+	g.Expect(kinds).To(HaveKey("KubeadmControlPlane"))
+	g.Expect(kinds).To(HaveKey("MachineDeployment"))
+	g.Expect(kinds).To(HaveKey("PVBridgeMachineTemplate"))
+	g.Expect(kinds).To(HaveKey("KubeadmConfigTemplate"))
+
+	cluster := kinds["Cluster"].(*clusterv1.Cluster)
+	g.Expect(cluster.Labels).To(HaveKeyWithValue(tenancy.EnabledLabel, "true"))
+	g.Expect(cluster.Spec.InfrastructureRef.Kind).To(Equal("PVBridgeCluster"))
+	ic := kinds["PVBridgeCluster"].(*infrav1.PVBridgeCluster)
+	g.Expect(ic.Spec.ControlPlaneEndpoint).To(Equal(infrav1.APIEndpoint{Host: "10.0.0.10", Port: 6443}))
+	kcp := kinds["KubeadmControlPlane"].(*controlplanev1.KubeadmControlPlane)
+	g.Expect(kcp.Spec.MachineTemplate.Spec.InfrastructureRef.Kind).To(Equal("PVBridgeMachineTemplate"))
+	for _, args := range [][]bootstrapv1.Arg{
+		kcp.Spec.KubeadmConfigSpec.InitConfiguration.NodeRegistration.KubeletExtraArgs,
+		kcp.Spec.KubeadmConfigSpec.JoinConfiguration.NodeRegistration.KubeletExtraArgs,
+		kinds["KubeadmConfigTemplate"].(*bootstrapv1.KubeadmConfigTemplate).Spec.Template.Spec.JoinConfiguration.NodeRegistration.KubeletExtraArgs,
+	} {
+		g.Expect(args).To(ContainElement(bootstrapv1.Arg{Name: "provider-id", Value: ptr.To("{{ ds.meta_data.provider_id }}")}))
+	}
+}
+
+func bufioReader(data []byte) *bufio.Reader { return bufio.NewReader(bytes.NewReader(data)) }
