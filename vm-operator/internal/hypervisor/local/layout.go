@@ -141,27 +141,21 @@ func writeRecord(r *os.Root, rec record) error {
 // writeFile replaces the file name with data atomically: a reader sees the old content or the
 // new one, never a part. The caller holds the VM's lock, which makes the temporary name unique.
 func writeFile(r *os.Root, name string, data []byte) error {
-	if err := r.MkdirAll(tmpDir, 0o755); err != nil {
-		return err
-	}
-	tmp := filepath.Join(tmpDir, strings.ReplaceAll(name, "/", "_"))
-	if err := r.WriteFile(tmp, data, 0o644); err != nil {
-		return err
-	}
-	return r.Rename(tmp, name)
+	return writeFileMode(r, name, data, 0o644)
 }
 
-// writePrivateFile is writeFile for a file only root may read (bootstrap data).
-func writePrivateFile(r *os.Root, name string, data []byte) error {
+// writeFileMode is writeFile with the file's mode: 0o600 for a file only root may read
+// (bootstrap data).
+func writeFileMode(r *os.Root, name string, data []byte, mode os.FileMode) error {
 	if err := r.MkdirAll(tmpDir, 0o755); err != nil {
 		return err
 	}
 	tmp := filepath.Join(tmpDir, strings.ReplaceAll(name, "/", "_"))
-	if err := r.WriteFile(tmp, data, 0o600); err != nil {
+	if err := r.WriteFile(tmp, data, mode); err != nil {
 		return err
 	}
 	// WriteFile keeps the mode of a file left over from an interrupted write.
-	if err := r.Chmod(tmp, 0o600); err != nil {
+	if err := r.Chmod(tmp, mode); err != nil {
 		return err
 	}
 	return r.Rename(tmp, name)
@@ -172,10 +166,10 @@ func writeSeed(r *os.Root, b *hypervisor.Bootstrap) error {
 	if err := r.MkdirAll(seedDir, 0o700); err != nil {
 		return err
 	}
-	if err := writePrivateFile(r, seedDir+"/meta-data", b.MetaData); err != nil {
+	if err := writeFileMode(r, seedDir+"/meta-data", b.MetaData, 0o600); err != nil {
 		return err
 	}
-	return writePrivateFile(r, seedDir+"/user-data", b.UserData)
+	return writeFileMode(r, seedDir+"/user-data", b.UserData, 0o600)
 }
 
 // removeIfExists removes the file or empty directory name; a missing one is success.
