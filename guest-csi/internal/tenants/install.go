@@ -40,9 +40,9 @@ const (
 
 	// clusterConfigMap is the install's ConfigMap with the cluster's identity, read by the
 	// guest-csi controller's --cluster-name and --cluster-uid (through its environment).
-	clusterConfigMap = "pvbridge-cluster"
-	clusterNameKey   = "cluster-name"
-	clusterUIDKey    = "cluster-uid"
+	clusterConfigMap = tenancy.GuestIdentityConfigMap
+	clusterNameKey   = tenancy.GuestIdentityNameKey
+	clusterUIDKey    = tenancy.GuestIdentityUIDKey
 )
 
 // Events of the guest install, on the Cluster.
