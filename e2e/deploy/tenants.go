@@ -22,6 +22,9 @@ type TenantsOptions struct {
 	// TokenTTL is the life of each guest credential (--token-ttl); the apiserver's minimum is
 	// 10 minutes. A new one is issued after two thirds of it.
 	TokenTTL string
+	// GuestImageRegistry moves every image of the guest install to this registry
+	// (--guest-image-registry, a platform's mirror); empty: the images as shipped.
+	GuestImageRegistry string
 }
 
 // StartTenants applies the admission policy of manifests/base/admission and starts the tenants
@@ -52,6 +55,7 @@ func StartTenants(ctx context.Context, lab *cluster.Lab, m *Management, opts Ten
 			"--mgmt-ca-file=" + filepath.Join(m.CP.Dir, "certs", "apiserver.crt"),
 			"--capacity-namespace=" + CSINamespace, "--token-ttl=" + ttl,
 			"--leader-elect=false", "--health-probe-bind-address=0", "--metrics-bind-address=0",
+			"--guest-image-registry=" + opts.GuestImageRegistry,
 			"--v=4",
 		},
 		Restart: true,

@@ -120,6 +120,7 @@ var _ = Describe("Static provisioning", Label("static"), func() {
 		Eventually(func(g Gomega) {
 			out, code := trace(ctx, alpha, "pvc", "data", "-n", ns)
 			g.Expect(code).To(Equal(0), "%s", out)
+			g.Expect(out).To(ContainSubstring("management namespace %s (from Cluster %s/alpha", alpha.Options.Namespace, alpha.Options.Namespace))
 			g.Expect(out).To(ContainSubstring("management PVC %s/%s", alpha.Options.Namespace, mpvc.Name))
 			g.Expect(out).To(MatchRegexp(`VirtualMachine %s/%s +done +attached on host host-a as disk pvb`, alpha.Options.Namespace, pod.Spec.NodeName))
 		}).WithContext(ctx).WithTimeout(timeout).Should(Succeed())
@@ -148,13 +149,14 @@ var _ = Describe("Static provisioning", Label("static"), func() {
 })
 
 // trace runs the operator CLI, `kubectl pvbridge trace <args>`, against guest g and the
-// management cluster as its admin, and returns its output and exit code.
+// management cluster as its admin (whose context's namespace is default: the CLI finds the
+// guest's namespace by itself), and returns its output and exit code.
 func trace(ctx context.Context, g *guestCluster, args ...string) (string, int) {
 	GinkgoHelper()
 	bin, err := lab.Binaries().Own("./pkg/cmd/kubectl-pvbridge")
 	Expect(err).NotTo(HaveOccurred())
 	cmd := exec.CommandContext(ctx, bin, append([]string{"trace"}, append(args,
-		"--kubeconfig="+g.CP.Kubeconfig, "--mgmt-kubeconfig="+mgmt.CP.Kubeconfig, "--mgmt-namespace="+g.Options.Namespace)...)...)
+		"--kubeconfig="+g.CP.Kubeconfig, "--mgmt-kubeconfig="+mgmt.CP.Kubeconfig)...)...)
 	out, err := cmd.CombinedOutput()
 	var exit *exec.ExitError
 	if err != nil && !errors.As(err, &exit) {

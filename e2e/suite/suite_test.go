@@ -54,6 +54,11 @@ type guestCluster struct {
 	c client.Client
 }
 
+// guestMirror is the registry the lab's tenants controller installs guests from, as an
+// air-gapped platform's mirror (the process lab pulls no image: the guest's workloads are
+// checked to name it).
+const guestMirror = "mirror.pvbridge.test:5000/k8s"
+
 var (
 	alphaOptions = deploy.GuestOptions{
 		Name: "alpha", Namespace: "tenant-a",
@@ -105,7 +110,7 @@ var _ = BeforeSuite(func(ctx SpecContext) {
 	Expect(err).NotTo(HaveOccurred())
 	// The shortest credential life the apiserver grants: every guest credential is renewed
 	// (after 6m40s) while the suite runs.
-	_, err = deploy.StartTenants(ctx, lab, mgmt, deploy.TenantsOptions{TokenTTL: "10m"})
+	_, err = deploy.StartTenants(ctx, lab, mgmt, deploy.TenantsOptions{TokenTTL: "10m", GuestImageRegistry: guestMirror})
 	Expect(err).NotTo(HaveOccurred())
 	mc, err = client.NewWithWatch(mcp.RESTConfig(), client.Options{Scheme: scheme()})
 	Expect(err).NotTo(HaveOccurred())

@@ -11,6 +11,7 @@ import (
 	snapshotv1 "github.com/kubernetes-csi/external-snapshotter/client/v8/apis/volumesnapshot/v1"
 	. "github.com/onsi/ginkgo/v2"
 	. "github.com/onsi/gomega"
+	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/api/resource"
@@ -172,6 +173,28 @@ var _ = Describe("Tenancy", Label("tenancy"), func() {
 		// kubelet reports a pod's status once a second: that much is granularity, not delay.
 		Expect(median(flooded)).To(BeNumerically("<=", 2*median(quiet)+time.Second),
 			"beta's attach while alpha floods (quiet %v, flooded %v)", quiet, flooded)
+	})
+
+	It("installs the guest side with every image from the platform's registry mirror", func(ctx SpecContext) {
+		var templates []corev1.PodTemplateSpec
+		deployments := &appsv1.DeploymentList{}
+		Expect(alpha.c.List(ctx, deployments, client.InNamespace(deploy.GuestInstallNamespace))).To(Succeed())
+		for _, d := range deployments.Items {
+			templates = append(templates, d.Spec.Template)
+		}
+		daemonSets := &appsv1.DaemonSetList{}
+		Expect(alpha.c.List(ctx, daemonSets, client.InNamespace(deploy.GuestInstallNamespace))).To(Succeed())
+		for _, d := range daemonSets.Items {
+			templates = append(templates, d.Spec.Template)
+		}
+		var images []string
+		for _, t := range templates {
+			for _, c := range append(t.Spec.InitContainers, t.Spec.Containers...) {
+				images = append(images, c.Image)
+			}
+		}
+		Expect(images).To(ContainElements(guestMirror+"/pvbridge/guest-csi:v0.1.0", guestMirror+"/sig-storage/csi-provisioner:v6.4.0"))
+		Expect(images).To(HaveEach(HavePrefix(guestMirror + "/")))
 	})
 
 	It("rotates a revoked credential without a failed RPC beyond retries", func(ctx SpecContext) {

@@ -55,6 +55,14 @@ const (
 	// ParamsConfigMap is the ConfigMap of each tenant namespace that the tenants controller
 	// writes and the admission policy reads (see docs/tenants.md).
 	ParamsConfigMap = "pvbridge-tenancy"
+	// GuestIdentityConfigMap is the ConfigMap of the guest cluster (namespace pvbridge-system)
+	// that names its Cluster in the management cluster: keys GuestIdentityNameKey and
+	// GuestIdentityUIDKey. The tenants controller installs it; guest-csi reads it.
+	GuestIdentityConfigMap = "pvbridge-cluster"
+	// GuestIdentityNameKey is the Cluster's name in GuestIdentityConfigMap.
+	GuestIdentityNameKey = "cluster-name"
+	// GuestIdentityUIDKey is the Cluster's UID in GuestIdentityConfigMap.
+	GuestIdentityUIDKey = "cluster-uid"
 	// GuestCredentialsSecret is the Secret of the guest cluster (namespace pvbridge-system)
 	// that holds guest-csi's management kubeconfig under the key "kubeconfig".
 	GuestCredentialsSecret = "pvbridge-mgmt-credentials" //nolint:gosec // a Secret's name, not a credential

@@ -48,6 +48,9 @@ func main() {
 	fs.Int64Var(&opts.SnapshotQuota, "snapshot-quota", 100,
 		"VolumeSnapshots each namespace labelled "+tenancy.TenancyNamespaceLabel+"="+tenancy.TenancyEnforced+
 			" may hold: the controller creates the ResourceQuota "+tenants.SnapshotQuota+" where there is none (an admin may change it). 0: none.")
+	fs.StringVar(&opts.ImageRegistry, "guest-image-registry", "",
+		"A registry (host[:port][/path]) that replaces the registry of every image installed into guests, for a platform's mirror: "+
+			"ghcr.io/pvbridge/guest-csi:v0.1.0 becomes <registry>/pvbridge/guest-csi:v0.1.0, registry.k8s.io/sig-storage/csi-provisioner:v6.4.0 <registry>/sig-storage/csi-provisioner:v6.4.0. Empty: the images as shipped.")
 	fs.Float32Var(&opts.KubeAPIQPS, "kube-api-qps", 20, "Queries per second to the management apiserver.")
 	fs.IntVar(&opts.KubeAPIBurst, "kube-api-burst", 40, "Burst of queries to the management apiserver.")
 	command.Main(fs, "guest-csi-tenants", "pvbridge tenants controller, version "+version+".", func(ctx context.Context) error {

@@ -40,9 +40,9 @@ const (
 
 	// clusterConfigMap is the install's ConfigMap with the cluster's identity, read by the
 	// guest-csi controller's --cluster-name and --cluster-uid (through its environment).
-	clusterConfigMap = "pvbridge-cluster"
-	clusterNameKey   = "cluster-name"
-	clusterUIDKey    = "cluster-uid"
+	clusterConfigMap = tenancy.GuestIdentityConfigMap
+	clusterNameKey   = tenancy.GuestIdentityNameKey
+	clusterUIDKey    = tenancy.GuestIdentityUIDKey
 )
 
 // Events of the guest install, on the Cluster.
@@ -133,9 +133,9 @@ var (
 // renderInstall is the install for cluster: the ConfigMap pvbridge-cluster with its name and
 // UID, the pod templates that read it annotated with them (so that a changed identity restarts
 // the pods), the StorageClasses' mgmtStorageClass set to mgmtClass — or, when mgmtClass is
-// empty, the StorageClasses left out and named in skipped — and every object labelled as
-// managed by this controller. base is not changed.
-func renderInstall(base []*unstructured.Unstructured, cluster *clusterv1.Cluster, mgmtClass string) (objs []*unstructured.Unstructured, skipped []string, err error) {
+// empty, the StorageClasses left out and named in skipped —, every image moved to registry
+// when it is set, and every object labelled as managed by this controller. base is not changed.
+func renderInstall(base []*unstructured.Unstructured, cluster *clusterv1.Cluster, mgmtClass, registry string) (objs []*unstructured.Unstructured, skipped []string, err error) {
 	for _, b := range base {
 		u := b.DeepCopy()
 		labels := u.GetLabels()
@@ -164,12 +164,53 @@ func renderInstall(base []*unstructured.Unstructured, cluster *clusterv1.Cluster
 			annotations[tenancy.ClusterUIDLabel] = string(cluster.UID)
 			err = unstructured.SetNestedStringMap(u.Object, annotations, "spec", "template", "metadata", "annotations")
 		}
+		if err == nil && registry != "" {
+			err = mirrorImages(u, registry)
+		}
 		if err != nil {
 			return nil, nil, fmt.Errorf("fill in %s %s: %w", u.GetKind(), u.GetName(), err)
 		}
 		objs = append(objs, u)
 	}
 	return objs, skipped, nil
+}
+
+// mirrorImages moves the images of a workload's containers and init containers to registry.
+func mirrorImages(u *unstructured.Unstructured, registry string) error {
+	for _, field := range []string{"containers", "initContainers"} {
+		path := []string{"spec", "template", "spec", field}
+		containers, found, err := unstructured.NestedSlice(u.Object, path...)
+		if err != nil || !found {
+			return err
+		}
+		for _, c := range containers {
+			if container, ok := c.(map[string]any); ok {
+				if image, ok := container["image"].(string); ok {
+					container["image"] = mirrorImage(image, registry)
+				}
+			}
+		}
+		if err := unstructured.SetNestedSlice(u.Object, containers, path...); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// mirrorImage is image from registry: its registry (the first component of its name when that
+// has a dot or a colon or is localhost, as container runtimes read names; else Docker Hub's)
+// replaced. ghcr.io/pvbridge/guest-csi:v0.1.0 becomes <registry>/pvbridge/guest-csi:v0.1.0;
+// busybox:1.36 (Docker Hub) <registry>/library/busybox:1.36.
+func mirrorImage(image, registry string) string {
+	first, rest, found := strings.Cut(image, "/")
+	switch {
+	case found && (strings.ContainsAny(first, ".:") || first == "localhost"):
+		return registry + "/" + rest
+	case found:
+		return registry + "/" + image
+	default:
+		return registry + "/library/" + image
+	}
 }
 
 // readsClusterConfigMap is true for a workload whose containers take an environment variable
@@ -216,6 +257,8 @@ type InstallReconciler struct {
 	Recorder events.EventRecorder
 	// Resync is how often the install is applied again; zero: DefaultInstallResync.
 	Resync time.Duration
+	// Registry, when set, replaces the registry of every image of the install (mirrorImage).
+	Registry string
 
 	mu sync.Mutex
 	// applied remembers per Cluster what the last apply left in its guest, so that Events
@@ -315,7 +358,7 @@ func (r *InstallReconciler) Reconcile(ctx context.Context, req ctrl.Request) (ct
 		skipReason = fmt.Sprintf("the cluster may use no management StorageClass (annotation %s of the Cluster, else of its Namespace, names none)",
 			tenancy.StorageClassesAnnotation)
 	}
-	objs, skipped, err := renderInstall(base, cluster, mgmtClass)
+	objs, skipped, err := renderInstall(base, cluster, mgmtClass, r.Registry)
 	if err != nil {
 		return ctrl.Result{}, err
 	}

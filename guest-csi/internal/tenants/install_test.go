@@ -93,7 +93,7 @@ func TestRenderInstall(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			g := NewWithT(t)
-			objs, skipped, err := renderInstall(base, cluster, tc.class)
+			objs, skipped, err := renderInstall(base, cluster, tc.class, "")
 			g.Expect(err).NotTo(HaveOccurred())
 			g.Expect(skipped).To(Equal(tc.skipped))
 			g.Expect(objs).To(HaveLen(len(base) - len(tc.skipped)))
@@ -216,7 +216,7 @@ func TestGuestInstall(t *testing.T) {
 	reasons := func(ctx context.Context) ([]string, error) { return eventReasons(ctx, c) }
 
 	// Installed, with the cluster's values.
-	expected, skipped, err := renderInstall(must(guestInstall()), c, "fast")
+	expected, skipped, err := renderInstall(must(guestInstall()), c, "fast", "")
 	g.Expect(err).NotTo(HaveOccurred())
 	g.Expect(skipped).To(BeEmpty())
 	eventually(g, func(g Gomega, ctx context.Context) {
@@ -367,4 +367,40 @@ func must[T any](v T, err error) T {
 		panic(err)
 	}
 	return v
+}
+
+// TestMirrorImage: a mirror replaces the registry of each image, Docker Hub's implied one too.
+func TestMirrorImage(t *testing.T) {
+	for image, want := range map[string]string{
+		"ghcr.io/pvbridge/guest-csi:v0.1.0":                  "mirror.test:5000/k8s/pvbridge/guest-csi:v0.1.0",
+		"registry.k8s.io/sig-storage/csi-provisioner:v6.4.0": "mirror.test:5000/k8s/sig-storage/csi-provisioner:v6.4.0",
+		"localhost/tools/probe@sha256:0123":                  "mirror.test:5000/k8s/tools/probe@sha256:0123",
+		"registry.example.com:5000/team/app:1":               "mirror.test:5000/k8s/team/app:1",
+		"team/app:1":                                         "mirror.test:5000/k8s/team/app:1",
+		"busybox:1.36":                                       "mirror.test:5000/k8s/library/busybox:1.36",
+	} {
+		t.Run(image, func(t *testing.T) {
+			NewWithT(t).Expect(mirrorImage(image, "mirror.test:5000/k8s")).To(Equal(want))
+		})
+	}
+}
+
+// TestRenderInstallMirrorsEveryImage: with a registry, no container of the install names
+// another one.
+func TestRenderInstallMirrorsEveryImage(t *testing.T) {
+	g := NewWithT(t)
+	cluster := &clusterv1.Cluster{ObjectMeta: metav1.ObjectMeta{Namespace: "tenant-a", Name: "alpha", UID: "1234-uid"}}
+	objs, _, err := renderInstall(must(guestInstall()), cluster, "fast", "mirror.test")
+	g.Expect(err).NotTo(HaveOccurred())
+	var images []string
+	for _, u := range objs {
+		for _, field := range []string{"containers", "initContainers"} {
+			containers, _, _ := unstructured.NestedSlice(u.Object, "spec", "template", "spec", field)
+			for _, c := range containers {
+				images = append(images, c.(map[string]any)["image"].(string))
+			}
+		}
+	}
+	g.Expect(images).To(ContainElement("mirror.test/pvbridge/guest-csi:v0.1.0"))
+	g.Expect(images).To(HaveEach(HavePrefix("mirror.test/")))
 }

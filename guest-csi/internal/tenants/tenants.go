@@ -31,6 +31,7 @@ import (
 	"net"
 	"net/url"
 	"os"
+	"strings"
 	"time"
 
 	snapshotv1 "github.com/kubernetes-csi/external-snapshotter/client/v8/apis/volumesnapshot/v1"
@@ -106,6 +107,23 @@ type Options struct {
 	// SnapshotQuota is the count of VolumeSnapshots each enforced namespace's quota allows
 	// (QuotaReconciler); 0: the controller makes no quota.
 	SnapshotQuota int64
+	// ImageRegistry, when set, replaces the registry of every image the guest install names
+	// (a platform's mirror): see mirrorImage.
+	ImageRegistry string
+}
+
+// validateRegistry accepts an image registry as ImageRegistry takes it: host[:port][/path],
+// without a scheme, a trailing slash, a tag or a digest.
+func validateRegistry(registry string) error {
+	if registry == "" {
+		return nil
+	}
+	host, _, _ := strings.Cut(registry, "/")
+	if strings.Contains(registry, "://") || strings.HasSuffix(registry, "/") || strings.ContainsAny(registry, " @") ||
+		host == "" || strings.Contains(strings.TrimPrefix(registry, host), ":") {
+		return fmt.Errorf("guest image registry %q is not host[:port][/path] (e.g. mirror.example.com:5000/k8s)", registry)
+	}
+	return nil
 }
 
 // Validate reports every problem with the options.
@@ -123,6 +141,9 @@ func (o *Options) Validate() error {
 	}
 	if o.SnapshotQuota < 0 {
 		errs = append(errs, fmt.Errorf("snapshot quota %d is negative", o.SnapshotQuota))
+	}
+	if err := validateRegistry(o.ImageRegistry); err != nil {
+		errs = append(errs, err)
 	}
 	if o.TokenTTL < MinTokenTTL {
 		errs = append(errs, fmt.Errorf("token TTL %s is below the apiserver's minimum of %s", o.TokenTTL, MinTokenTTL))
@@ -169,8 +190,9 @@ type Config struct {
 	InstallResync time.Duration
 	// Clock tells when a token is due for renewal; nil: the real clock.
 	Clock clock.PassiveClock
-	// SnapshotQuota: see Options.
+	// SnapshotQuota and ImageRegistry: see Options.
 	SnapshotQuota int64
+	ImageRegistry string
 }
 
 // SetupWithManager registers the reconcilers with mgr.
@@ -194,6 +216,7 @@ func SetupWithManager(mgr ctrl.Manager, cfg Config) error {
 		Guests:   guests,
 		Recorder: mgr.GetEventRecorder(fieldManager),
 		Resync:   cfg.InstallResync,
+		Registry: cfg.ImageRegistry,
 	}
 	if err := install.SetupWithManager(mgr); err != nil {
 		return fmt.Errorf("set up the guest install controller: %w", err)
@@ -268,7 +291,7 @@ func New(opts Options) (*Controller, error) {
 	err = SetupWithManager(mgr, Config{
 		MgmtServer: opts.MgmtServer, MgmtCA: ca,
 		CapacityNamespace: opts.CapacityNamespace, GuestNamespace: opts.GuestNamespace, TokenTTL: opts.TokenTTL,
-		SnapshotQuota: opts.SnapshotQuota,
+		SnapshotQuota: opts.SnapshotQuota, ImageRegistry: opts.ImageRegistry,
 	})
 	if err != nil {
 		return nil, err

@@ -27,6 +27,10 @@ func TestOptionsValidate(t *testing.T) {
 		{"bad guest namespace", func(o *Options) { o.GuestNamespace = "" }, `guest namespace "" is not a namespace name`},
 		{"token below the apiserver's minimum", func(o *Options) { o.TokenTTL = 5 * time.Minute }, "token TTL 5m0s is below the apiserver's minimum of 10m0s"},
 		{"bad health address", func(o *Options) { o.HealthAddress = "8081" }, "health address:"},
+		{"a mirror with a port and a path", func(o *Options) { o.ImageRegistry = "mirror.example.com:5000/k8s" }, ""},
+		{"a mirror with a scheme", func(o *Options) { o.ImageRegistry = "https://mirror.example.com" }, `guest image registry "https://mirror.example.com" is not host[:port][/path]`},
+		{"a mirror with a tag", func(o *Options) { o.ImageRegistry = "mirror.example.com/k8s:v1" }, "is not host[:port][/path]"},
+		{"a mirror with a trailing slash", func(o *Options) { o.ImageRegistry = "mirror.example.com/" }, "is not host[:port][/path]"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			g := NewWithT(t)

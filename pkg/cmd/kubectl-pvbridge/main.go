@@ -55,7 +55,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	kubeconfig := fs.String("kubeconfig", "", "Kubeconfig of the guest cluster; empty for kubectl's default ($KUBECONFIG, ~/.kube/config).")
 	namespace := fs.StringP("namespace", "n", "", "Namespace of the guest PVC; empty for the kubeconfig context's, else default.")
 	mgmtKubeconfig := fs.String("mgmt-kubeconfig", "", "Kubeconfig of the management cluster. Required.")
-	mgmtNamespace := fs.String("mgmt-namespace", "", "The guest cluster's namespace in the management cluster; empty for the namespace of the management kubeconfig's context.")
+	mgmtNamespace := fs.String("mgmt-namespace", "", "The guest cluster's namespace in the management cluster; empty to find it from the guest's Cluster UID (ConfigMap pvbridge-system/pvbridge-cluster), else the management kubeconfig context's.")
 	timeout := fs.Duration("timeout", 30*time.Second, "How long the reads may take.")
 	fs.Usage = func() {
 		fmt.Fprint(stderr, usage)
@@ -84,16 +84,20 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		fmt.Fprintln(stderr, "management cluster:", err)
 		return exitError
 	}
-	t := &chain.Tracer{Guest: guest, Mgmt: mgmt, MgmtNamespace: *mgmtNamespace}
-	if t.MgmtNamespace == "" {
-		t.MgmtNamespace = contextNamespace
-	}
 	if *namespace == "" {
 		*namespace = guestNamespace
 	}
 
 	ctx, cancel := context.WithTimeout(ctx, *timeout)
 	defer cancel()
+	t := &chain.Tracer{Guest: guest, Mgmt: mgmt, MgmtNamespace: *mgmtNamespace}
+	how := "--mgmt-namespace"
+	if t.MgmtNamespace == "" {
+		if t.MgmtNamespace, how, err = chain.FindMgmtNamespace(ctx, guest, mgmt); err != nil {
+			t.MgmtNamespace, how = contextNamespace, "the management kubeconfig's context, as "+err.Error()
+		}
+	}
+	fmt.Fprintf(stdout, "management namespace %s (from %s)\n\n", t.MgmtNamespace, how)
 	var steps []chain.Step
 	if fs.Arg(1) == "pvc" {
 		steps, err = t.PVC(ctx, *namespace, fs.Arg(2))
