@@ -30,6 +30,12 @@ k8s_ldflags() {
 	echo "$x"
 }
 
+capi_version=v1.14.2
+capi_ldflags() {
+	local v=$1 p=sigs.k8s.io/cluster-api/version
+	echo " -X $p.gitVersion=$v -X $p.gitMajor=$(echo "$v" | cut -d. -f1 | tr -d v) -X $p.gitMinor=$(echo "$v" | cut -d. -f2) -X $p.gitTreeState=clean"
+}
+
 # The tags of every binary of hack/tools/kubernetes: a tag that selects other files of a shared
 # package (grpcnotrace selects grpc's) would otherwise compile that package and all above it twice.
 k8s_tags=selinux,notest,grpcnotrace
@@ -47,6 +53,7 @@ kubernetes-e2e|kubernetes|$k8s_version|$k8s_tags|$(k8s_ldflags $k8s_version)|e2e
 csi-sanity|kubernetes|v5.6.0|$k8s_tags||csi-sanity=github.com/kubernetes-csi/csi-test/v5/cmd/csi-sanity
 ginkgo|kubernetes|v2.33.0|$k8s_tags||ginkgo=github.com/onsi/ginkgo/v2/ginkgo
 containerd|containerd|v2.4.2|no_btrfs| -X github.com/containerd/containerd/v2/version.Version=v2.4.2|containerd=github.com/containerd/containerd/v2/cmd/containerd containerd-shim-runc-v2=github.com/containerd/containerd/v2/cmd/containerd-shim-runc-v2 ctr=github.com/containerd/containerd/v2/cmd/ctr
+cluster-api|cluster-api|$capi_version||$(capi_ldflags $capi_version)|clusterctl=sigs.k8s.io/cluster-api/cmd/clusterctl capi-manager=sigs.k8s.io/cluster-api/core capi-kubeadm-bootstrap-manager=sigs.k8s.io/cluster-api/bootstrap/kubeadm capi-kubeadm-control-plane-manager=sigs.k8s.io/cluster-api/controlplane/kubeadm
 controller-gen|controller-gen|v0.23.0|||controller-gen=sigs.k8s.io/controller-tools/cmd/controller-gen
 golangci-lint|golangci-lint|v2.15.0|||golangci-lint=github.com/golangci/golangci-lint/v2/cmd/golangci-lint
 EOF
