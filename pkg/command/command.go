@@ -14,8 +14,7 @@ import (
 	"k8s.io/component-base/featuregate"
 	"k8s.io/component-base/logs"
 	logsapi "k8s.io/component-base/logs/api/v1"
-	// --logging-format=json: the format registers itself with logsapi when imported.
-	_ "k8s.io/component-base/logs/json/register"
+	_ "k8s.io/component-base/logs/json/register" // --logging-format=json: the format registers itself with logsapi
 	"k8s.io/klog/v2"
 )
 

@@ -3,6 +3,7 @@ package command
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"os"
 	"os/exec"
 	"strings"
@@ -34,13 +35,14 @@ func run(t *testing.T, args ...string) (string, int) {
 	var stderr strings.Builder
 	cmd.Stderr = &stderr
 	err := cmd.Run()
-	code := 0
-	if exit, ok := err.(*exec.ExitError); ok {
-		code = exit.ExitCode()
-	} else if err != nil {
+	var exit *exec.ExitError
+	switch {
+	case errors.As(err, &exit):
+		return stderr.String(), exit.ExitCode()
+	case err != nil:
 		t.Fatal(err)
 	}
-	return stderr.String(), code
+	return stderr.String(), 0
 }
 
 func TestLoggingFormats(t *testing.T) {
