@@ -57,7 +57,8 @@ const (
 	ParamsConfigMap = "pvbridge-tenancy"
 	// GuestIdentityConfigMap is the ConfigMap of the guest cluster (namespace pvbridge-system)
 	// that names its Cluster in the management cluster: keys GuestIdentityNameKey and
-	// GuestIdentityUIDKey. The tenants controller installs it; guest-csi reads it.
+	// GuestIdentityUIDKey. The tenants controller installs it; guest-csi's controller reads it
+	// through its environment (--cluster-name, --cluster-uid).
 	GuestIdentityConfigMap = "pvbridge-cluster"
 	// GuestIdentityNameKey is the Cluster's name in GuestIdentityConfigMap.
 	GuestIdentityNameKey = "cluster-name"

@@ -4,6 +4,7 @@
 package testenv
 
 import (
+	"context"
 	"errors"
 	"flag"
 	"fmt"
@@ -17,6 +18,7 @@ import (
 	"github.com/onsi/ginkgo/v2"
 	"k8s.io/client-go/rest"
 	"sigs.k8s.io/controller-runtime/pkg/envtest"
+	"sigs.k8s.io/controller-runtime/pkg/manager"
 )
 
 // BinDir is the directory of the pinned third-party binaries: $PVBRIDGE_BIN, else
@@ -159,4 +161,33 @@ func HasCapability(t *testing.T, set string, c int) bool {
 	}
 	t.Fatalf("no %s in /proc/self/status", set)
 	return false
+}
+
+// RunManager starts mgr for the rest of the test: it is stopped when the test ends, and an
+// error it stopped with fails the test.
+func RunManager(t *testing.T, mgr manager.Manager) {
+	t.Helper()
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- mgr.Start(ctx) }()
+	t.Cleanup(func() {
+		cancel()
+		if err := <-done; err != nil {
+			t.Errorf("manager: %v", err)
+		}
+	})
+}
+
+// RunTests runs a package's tests against one test apiserver with crds (Start): use takes what
+// the tests need of it before they run, and it is stopped after them. It returns the tests'
+// exit code, 1 if the apiserver did not start.
+func RunTests(m *testing.M, use func(*Server), crds ...string) int {
+	srv, err := Start(crds...)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 1
+	}
+	defer srv.Stop()
+	use(srv)
+	return m.Run()
 }

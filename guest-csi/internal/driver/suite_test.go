@@ -2,7 +2,6 @@ package driver
 
 import (
 	"flag"
-	"fmt"
 	"os"
 	"path/filepath"
 	"testing"
@@ -33,14 +32,9 @@ func runSuite(m *testing.M) int {
 	if testenv.Fuzzing() {
 		return m.Run()
 	}
-	srv, err := testenv.Start("bases", "snapshot")
-	if err != nil {
-		fmt.Fprintln(os.Stderr, err)
-		return 1
-	}
-	defer srv.Stop()
-	testEnv, adminKubeconfig = srv.Environment, srv.AdminKubeconfig
-	return m.Run()
+	return testenv.RunTests(m, func(srv *testenv.Server) {
+		testEnv, adminKubeconfig = srv.Environment, srv.AdminKubeconfig
+	}, "bases", "snapshot")
 }
 
 // kubeconfigIn writes a copy of the admin kubeconfig whose context names namespace, as the

@@ -88,15 +88,7 @@ func (e *tenantEnv) startManager(t *testing.T, cfg Config) {
 	if err := SetupWithManager(mgr, cfg); err != nil {
 		t.Fatal(err)
 	}
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- mgr.Start(ctx) }()
-	t.Cleanup(func() {
-		cancel()
-		if err := <-done; err != nil {
-			t.Error(err)
-		}
-	})
+	testenv.RunManager(t, mgr)
 }
 
 // accountUID waits for the ServiceAccount of cluster's guest identity and returns its UID.

@@ -33,17 +33,9 @@ import (
 	"pvbridge.io/pkg/tenancy"
 )
 
-const (
-	// DefaultInstallResync is how often the guest install is applied again, putting back what
-	// was changed or deleted in the guest.
-	DefaultInstallResync = 10 * time.Minute
-
-	// clusterConfigMap is the install's ConfigMap with the cluster's identity, read by the
-	// guest-csi controller's --cluster-name and --cluster-uid (through its environment).
-	clusterConfigMap = tenancy.GuestIdentityConfigMap
-	clusterNameKey   = tenancy.GuestIdentityNameKey
-	clusterUIDKey    = tenancy.GuestIdentityUIDKey
-)
+// DefaultInstallResync is how often the guest install is applied again, putting back what was
+// changed or deleted in the guest.
+const DefaultInstallResync = 10 * time.Minute
 
 // Events of the guest install, on the Cluster.
 const (
@@ -90,13 +82,13 @@ func parseInstall(data []byte) ([]*unstructured.Unstructured, error) {
 		case isClusterConfigMap(u):
 			data, _, err := unstructured.NestedStringMap(u.Object, "data")
 			if err != nil {
-				return nil, fmt.Errorf("guest install: ConfigMap %s: %w", clusterConfigMap, err)
+				return nil, fmt.Errorf("guest install: ConfigMap %s: %w", tenancy.GuestIdentityConfigMap, err)
 			}
-			if _, ok := data[clusterNameKey]; !ok {
-				return nil, fmt.Errorf("guest install: ConfigMap %s has no %q", clusterConfigMap, clusterNameKey)
+			if _, ok := data[tenancy.GuestIdentityNameKey]; !ok {
+				return nil, fmt.Errorf("guest install: ConfigMap %s has no %q", tenancy.GuestIdentityConfigMap, tenancy.GuestIdentityNameKey)
 			}
-			if _, ok := data[clusterUIDKey]; !ok {
-				return nil, fmt.Errorf("guest install: ConfigMap %s has no %q", clusterConfigMap, clusterUIDKey)
+			if _, ok := data[tenancy.GuestIdentityUIDKey]; !ok {
+				return nil, fmt.Errorf("guest install: ConfigMap %s has no %q", tenancy.GuestIdentityConfigMap, tenancy.GuestIdentityUIDKey)
 			}
 			identity = true
 		case isGuestStorageClass(u):
@@ -108,7 +100,7 @@ func parseInstall(data []byte) ([]*unstructured.Unstructured, error) {
 		objs = append(objs, u)
 	}
 	if !identity {
-		return nil, fmt.Errorf("guest install: no ConfigMap %s with the cluster's identity", clusterConfigMap)
+		return nil, fmt.Errorf("guest install: no ConfigMap %s with the cluster's identity", tenancy.GuestIdentityConfigMap)
 	}
 	if classes == 0 {
 		return nil, fmt.Errorf("guest install: no StorageClass of %s", names.GuestDriver)
@@ -117,7 +109,7 @@ func parseInstall(data []byte) ([]*unstructured.Unstructured, error) {
 }
 
 func isClusterConfigMap(u *unstructured.Unstructured) bool {
-	return u.GetAPIVersion() == "v1" && u.GetKind() == "ConfigMap" && u.GetName() == clusterConfigMap
+	return u.GetAPIVersion() == "v1" && u.GetKind() == "ConfigMap" && u.GetName() == tenancy.GuestIdentityConfigMap
 }
 
 func isGuestStorageClass(u *unstructured.Unstructured) bool {
@@ -147,8 +139,8 @@ func renderInstall(base []*unstructured.Unstructured, cluster *clusterv1.Cluster
 		switch {
 		case isClusterConfigMap(u):
 			err = errors.Join(
-				unstructured.SetNestedField(u.Object, cluster.Name, "data", clusterNameKey),
-				unstructured.SetNestedField(u.Object, string(cluster.UID), "data", clusterUIDKey))
+				unstructured.SetNestedField(u.Object, cluster.Name, "data", tenancy.GuestIdentityNameKey),
+				unstructured.SetNestedField(u.Object, string(cluster.UID), "data", tenancy.GuestIdentityUIDKey))
 		case isGuestStorageClass(u):
 			if mgmtClass == "" {
 				skipped = append(skipped, "StorageClass "+u.GetName())
@@ -222,7 +214,7 @@ func readsClusterConfigMap(u *unstructured.Unstructured) bool {
 		env, _, _ := unstructured.NestedSlice(container, "env")
 		for _, e := range env {
 			variable, _ := e.(map[string]any)
-			if name, _, _ := unstructured.NestedString(variable, "valueFrom", "configMapKeyRef", "name"); name == clusterConfigMap {
+			if name, _, _ := unstructured.NestedString(variable, "valueFrom", "configMapKeyRef", "name"); name == tenancy.GuestIdentityConfigMap {
 				return true
 			}
 		}

@@ -26,7 +26,7 @@ import (
 var (
 	installNamespace  = "pvbridge-system"
 	controllerKey     = client.ObjectKey{Namespace: installNamespace, Name: "guest-csi-controller"}
-	clusterConfigKey  = client.ObjectKey{Namespace: installNamespace, Name: clusterConfigMap}
+	clusterConfigKey  = client.ObjectKey{Namespace: installNamespace, Name: tenancy.GuestIdentityConfigMap}
 	defaultClassKey   = client.ObjectKey{Name: "pvbridge"}
 	xfsClassKey       = client.ObjectKey{Name: "pvbridge-xfs"}
 	snapshotClassKey  = client.ObjectKey{Name: "pvbridge"}
@@ -238,7 +238,7 @@ func TestGuestInstall(t *testing.T) {
 	g.Expect(guestAdmin.Get(ctx, controllerKey, deployment)).To(Succeed())
 	g.Expect(deployment.Spec.Template.Annotations).To(HaveKeyWithValue(tenancy.ClusterUIDLabel, string(c.UID)))
 	g.Expect(deployment.Spec.Template.Spec.Containers[0].Args).To(ContainElements("--cluster-name=$(CLUSTER_NAME)", "--cluster-uid=$(CLUSTER_UID)"))
-	g.Expect(deployment.Spec.Template.Spec.Containers[0].Env).To(ContainElement(HaveField("ValueFrom.ConfigMapKeyRef.Name", clusterConfigMap)),
+	g.Expect(deployment.Spec.Template.Spec.Containers[0].Env).To(ContainElement(HaveField("ValueFrom.ConfigMapKeyRef.Name", tenancy.GuestIdentityConfigMap)),
 		"guest-csi's --cluster-uid reads the ConfigMap")
 	for _, key := range []client.ObjectKey{defaultClassKey, xfsClassKey} {
 		sc := &storagev1.StorageClass{}

@@ -2,7 +2,6 @@ package driver
 
 import (
 	"flag"
-	"fmt"
 	"os"
 	"testing"
 
@@ -22,12 +21,5 @@ func runSuite(m *testing.M) int {
 	if testenv.Fuzzing() {
 		return m.Run()
 	}
-	srv, err := testenv.Start("bases")
-	if err != nil {
-		fmt.Fprintln(os.Stderr, err)
-		return 1
-	}
-	defer srv.Stop()
-	kubeconfig = srv.AdminKubeconfig
-	return m.Run()
+	return testenv.RunTests(m, func(srv *testenv.Server) { kubeconfig = srv.AdminKubeconfig }, "bases")
 }

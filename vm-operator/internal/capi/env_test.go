@@ -1,7 +1,6 @@
 package capi
 
 import (
-	"context"
 	"testing"
 	"time"
 
@@ -21,6 +20,7 @@ import (
 	infrav1 "pvbridge.io/pkg/apis/infrastructure/v1alpha1"
 	vmv1 "pvbridge.io/pkg/apis/vm/v1alpha1"
 	"pvbridge.io/pkg/tenancy"
+	"pvbridge.io/pkg/testenv"
 )
 
 // envTest is one test's view of the test apiserver: the provider running in a manager, an
@@ -45,15 +45,7 @@ func newEnvTest(t *testing.T, detachTimeout time.Duration) *envTest {
 	})
 	g.Expect(err).NotTo(HaveOccurred())
 	g.Expect(SetupWithManager(mgr, Options{VolumeDetachTimeout: detachTimeout})).To(Succeed())
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- mgr.Start(ctx) }()
-	t.Cleanup(func() {
-		cancel()
-		if err := <-done; err != nil {
-			t.Errorf("manager: %v", err)
-		}
-	})
+	testenv.RunManager(t, mgr)
 	c, err := client.New(testEnv, client.Options{Scheme: scheme})
 	g.Expect(err).NotTo(HaveOccurred())
 	ns := &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{GenerateName: "capi-"}}

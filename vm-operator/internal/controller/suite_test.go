@@ -1,7 +1,6 @@
 package controller
 
 import (
-	"fmt"
 	"os"
 	"testing"
 
@@ -23,12 +22,5 @@ func TestMain(m *testing.M) {
 
 func runSuite(m *testing.M) int {
 	ctrl.SetLogger(klog.Background())
-	srv, err := testenv.Start("bases")
-	if err != nil {
-		fmt.Fprintln(os.Stderr, err)
-		return 1
-	}
-	defer srv.Stop()
-	testEnv = srv.Config
-	return m.Run()
+	return testenv.RunTests(m, func(srv *testenv.Server) { testEnv = srv.Config }, "bases")
 }

@@ -24,6 +24,7 @@ import (
 
 	vmv1 "pvbridge.io/pkg/apis/vm/v1alpha1"
 	"pvbridge.io/pkg/names"
+	"pvbridge.io/pkg/testenv"
 )
 
 // These tests run the real reconcilers in a manager against the package's test apiserver. No
@@ -53,15 +54,7 @@ func newEnvTest(t *testing.T) *envTest {
 	})
 	g.Expect(err).NotTo(HaveOccurred())
 	g.Expect(SetupWithManager(mgr)).To(Succeed())
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- mgr.Start(ctx) }()
-	t.Cleanup(func() {
-		cancel()
-		if err := <-done; err != nil {
-			t.Errorf("manager: %v", err)
-		}
-	})
+	testenv.RunManager(t, mgr)
 
 	c, err := client.New(testEnv, client.Options{Scheme: scheme})
 	g.Expect(err).NotTo(HaveOccurred())
