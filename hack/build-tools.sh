@@ -44,7 +44,7 @@ k8s_tags=selinux,notest,grpcnotrace
 components() {
 	cat <<EOF
 etcd|etcd|v3.6.4|||etcd=go.etcd.io/etcd/server/v3
-kubernetes|kubernetes|$k8s_version|$k8s_tags|$(k8s_ldflags $k8s_version)|kube-apiserver=k8s.io/kubernetes/cmd/kube-apiserver kube-controller-manager=k8s.io/kubernetes/cmd/kube-controller-manager kube-scheduler=k8s.io/kubernetes/cmd/kube-scheduler kubelet=k8s.io/kubernetes/cmd/kubelet kubectl=k8s.io/kubernetes/cmd/kubectl
+kubernetes|kubernetes|$k8s_version|$k8s_tags|$(k8s_ldflags $k8s_version)|kube-apiserver=k8s.io/kubernetes/cmd/kube-apiserver kube-controller-manager=k8s.io/kubernetes/cmd/kube-controller-manager kube-scheduler=k8s.io/kubernetes/cmd/kube-scheduler kubelet=k8s.io/kubernetes/cmd/kubelet kubectl=k8s.io/kubernetes/cmd/kubectl kubeadm=k8s.io/kubernetes/cmd/kubeadm
 csi-provisioner|kubernetes|v6.4.0|$k8s_tags| -X main.version=v6.4.0|csi-provisioner=github.com/kubernetes-csi/external-provisioner/v6/cmd/csi-provisioner
 csi-attacher|kubernetes|v4.13.0|$k8s_tags| -X main.version=v4.13.0|csi-attacher=github.com/kubernetes-csi/external-attacher/v4/cmd/csi-attacher
 csi-resizer|kubernetes|v2.3.0|$k8s_tags| -X main.version=v2.3.0|csi-resizer=github.com/kubernetes-csi/external-resizer/v2/cmd/csi-resizer

@@ -35,13 +35,24 @@ var nodePaths = []string{
 // directories, then binds (path in the node → directory of the machine). Its first process is
 // pause, which ends on SIGTERM and so ends the namespace.
 func (n *Node) startNamespace(ctx context.Context, binds map[string]string) error {
-	pause, err := n.cp.lab.bin.Own("./e2e/cmd/pause")
+	pause, err := n.lab.bin.Own("./e2e/cmd/pause")
 	if err != nil {
 		return err
 	}
 	ready := filepath.Join(n.Dir, "namespace-ready")
 	var script strings.Builder
-	for _, p := range nodePaths {
+	if n.vm {
+		// Its host name, and a hosts file of its own that names it (the VM writes it).
+		hosts := filepath.Join(n.Dir, "hosts")
+		if err := os.MkdirAll(n.Dir, 0o755); err != nil {
+			return err
+		}
+		if err := os.WriteFile(hosts, nil, 0o644); err != nil {
+			return err
+		}
+		fmt.Fprintf(&script, "hostname %q\nmount --bind %q /etc/hosts\n", n.Name, hosts)
+	}
+	for _, p := range n.paths {
 		// The mount point must exist in the machine's tree; it stays an empty directory there.
 		if err := os.MkdirAll(p, 0o755); err != nil {
 			return err
@@ -62,9 +73,13 @@ func (n *Node) startNamespace(ctx context.Context, binds map[string]string) erro
 	// Shared, so that a pod's Bidirectional mount propagation works inside the node; the machine,
 	// a master of this namespace, sees none of the node's mounts.
 	fmt.Fprintf(&script, "mount --make-rshared /\ntouch %q\nexec %q\n", ready, pause)
-	n.namespace, err = n.cp.lab.Start(Command{
-		Name: n.cp.Name + "/" + n.Name + "/namespace", Bin: "unshare",
-		Args: []string{"--mount", "--pid", "--fork", "--mount-proc", "--propagation", "slave", "/bin/sh", "-ec", script.String()},
+	unshare := []string{"--mount", "--pid", "--fork", "--mount-proc", "--propagation", "slave"}
+	if n.vm {
+		unshare = append(unshare, "--net", "--uts")
+	}
+	n.namespace, err = n.lab.Start(Command{
+		Name: n.prefix + "/namespace", Bin: "unshare",
+		Args: append(unshare, "/bin/sh", "-ec", script.String()),
 		Dir:  n.Dir, LogPath: filepath.Join(n.Dir, "namespace.log"),
 	})
 	if err != nil {
@@ -99,12 +114,22 @@ func (n *Node) Command(ctx context.Context, name string, args ...string) *exec.C
 	if n.nsPid == 0 {
 		return exec.CommandContext(ctx, name, args...)
 	}
-	return exec.CommandContext(ctx, "nsenter", append([]string{"--target", strconv.Itoa(n.nsPid), "--mount", "--", name}, args...)...)
+	return exec.CommandContext(ctx, "nsenter", append(n.nsenter("--mount"), append([]string{"--", name}, args...)...)...)
 }
 
 // inNamespace returns the command line that runs bin with args in the node's namespace.
 func (n *Node) inNamespace(bin string, args ...string) (string, []string) {
-	return "nsenter", append([]string{"--target", strconv.Itoa(n.nsPid), "--mount", "--pid", "--", bin}, args...)
+	return "nsenter", append(n.nsenter("--mount", "--pid"), append([]string{"--", bin}, args...)...)
+}
+
+// nsenter returns nsenter's options that enter the node's namespaces of kinds, and a VM's
+// network and host name.
+func (n *Node) nsenter(kinds ...string) []string {
+	o := append([]string{"--target", strconv.Itoa(n.nsPid)}, kinds...)
+	if n.vm {
+		o = append(o, "--net", "--uts")
+	}
+	return o
 }
 
 // containerdConfig is the configuration of a node's containerd: the default paths (which are
@@ -134,11 +159,11 @@ const SandboxImage = "registry.k8s.io/pause:3.10.2"
 
 // startContainerd starts the node's containerd in its namespace and imports the image archives.
 func (n *Node) startContainerd(ctx context.Context, archives []string) error {
-	bin, err := n.cp.lab.bin.Tool("containerd")
+	bin, err := n.lab.bin.Tool("containerd")
 	if err != nil {
 		return err
 	}
-	ctr, err := n.cp.lab.bin.Tool("ctr")
+	ctr, err := n.lab.bin.Tool("ctr")
 	if err != nil {
 		return err
 	}
@@ -147,8 +172,8 @@ func (n *Node) startContainerd(ctx context.Context, archives []string) error {
 		return err
 	}
 	nsenter, args := n.inNamespace(bin, "--config", config)
-	if n.runtime, err = n.cp.lab.Start(Command{
-		Name: n.cp.Name + "/" + n.Name + "/containerd", Bin: nsenter, Args: args,
+	if n.runtime, err = n.lab.Start(Command{
+		Name: n.prefix + "/containerd", Bin: nsenter, Args: args,
 		// containerd finds its shim, the shim runc, in PATH.
 		Env: []string{"PATH=" + filepath.Dir(bin) + ":/usr/sbin:/usr/bin:/sbin:/bin"},
 		Dir: n.Dir, LogPath: filepath.Join(n.Dir, "containerd.log"),

@@ -7,7 +7,6 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
-	"strings"
 	"testing"
 	"time"
 
@@ -121,7 +120,7 @@ func runBusybox(ctx context.Context, c kubernetes.Interface, node, name, script 
 		if err != nil {
 			return false, err
 		}
-		return p.Status.Phase == corev1.PodRunning && strings.HasPrefix(p.Status.PodIP, "10.244."), nil
+		return p.Status.Phase == corev1.PodRunning && p.Status.PodIP != "" && p.Status.PodIP != p.Status.HostIP, nil
 	})
 }
 

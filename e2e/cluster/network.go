@@ -7,6 +7,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strings"
 )
 
@@ -51,14 +52,23 @@ func (l *Lab) addControlPlane(cp *ControlPlane) (string, error) {
 }
 
 func (l *Lab) startPodNetwork() (*podNetwork, error) {
-	if err := os.MkdirAll(subnetLocks, 0o755); err != nil {
+	return l.startNetwork(subnetLocks, func(i int) *podNetwork {
+		return &podNetwork{Bridge: fmt.Sprintf("pvblab%d", i), Subnet: fmt.Sprintf("10.244.%d.0/24", i), Gateway: fmt.Sprintf("10.244.%d.1", i)}
+	}, (*podNetwork).start)
+}
+
+// startNetwork takes the first free /24 of those locked in locks, made by network (its link's
+// name, subnet and the machine's address on it), and starts it: the link of a pod network or a
+// VM. Its rules route to every control plane of the lab, now and later.
+func (l *Lab) startNetwork(locks string, network func(i int) *podNetwork, start func(*podNetwork) error) (*podNetwork, error) {
+	if err := os.MkdirAll(locks, 0o755); err != nil {
 		return nil, err
 	}
 	if err := os.MkdirAll(filepath.Join(l.Root, "bridges"), 0o755); err != nil {
 		return nil, err
 	}
 	for i := 1; i < 255; i++ {
-		lock := filepath.Join(subnetLocks, fmt.Sprint(i))
+		lock := filepath.Join(locks, fmt.Sprint(i))
 		f, err := os.OpenFile(lock, os.O_CREATE|os.O_EXCL|os.O_WRONLY, 0o644)
 		if errors.Is(err, os.ErrExist) {
 			continue
@@ -71,16 +81,14 @@ func (l *Lab) startPodNetwork() (*podNetwork, error) {
 		if err != nil {
 			return nil, err
 		}
-		pn := &podNetwork{
-			Bridge: fmt.Sprintf("pvblab%d", i), Subnet: fmt.Sprintf("10.244.%d.0/24", i), Gateway: fmt.Sprintf("10.244.%d.1", i),
-			lock: lock, comment: "pvbridge-lab " + l.Root,
-		}
+		pn := network(i)
+		pn.lock, pn.comment = lock, "pvbridge-lab "+l.Root
 		pn.record = filepath.Join(l.Root, "bridges", pn.Bridge)
-		// The reaper finds the bridge (and its lock) here if the lab is killed.
+		// The reaper finds the link (and its lock) here if the lab is killed.
 		if err := os.WriteFile(pn.record, []byte(lock), 0o644); err != nil {
 			return nil, err
 		}
-		if err := pn.start(); err != nil {
+		if err := start(pn); err != nil {
 			return nil, errors.Join(err, pn.stop())
 		}
 		l.mu.Lock()
@@ -93,16 +101,29 @@ func (l *Lab) startPodNetwork() (*podNetwork, error) {
 		}
 		return pn, nil
 	}
-	return nil, fmt.Errorf("no free /24 in 10.244.0.0/16 (locks in %s)", subnetLocks)
+	return nil, fmt.Errorf("no free /24 (locks in %s)", locks)
+}
+
+// stopNetwork stops pn and takes it out of the lab's networks, before the lab stops.
+func (l *Lab) stopNetwork(pn *podNetwork) error {
+	l.mu.Lock()
+	l.networks = slices.DeleteFunc(l.networks, func(n *podNetwork) bool { return n == pn })
+	l.mu.Unlock()
+	return pn.stop()
 }
 
 func (pn *podNetwork) start() error {
-	for _, args := range [][]string{
+	return run([][]string{
 		{"ip", "link", "add", pn.Bridge, "type", "bridge"},
 		{"ip", "addr", "add", pn.Gateway + "/24", "dev", pn.Bridge},
 		{"ip", "link", "set", pn.Bridge, "up"},
 		{"sysctl", "-q", "-w", "net.ipv4.conf." + pn.Bridge + ".route_localnet=1"},
-	} {
+	})
+}
+
+// run runs each command line in turn.
+func run(cmds [][]string) error {
+	for _, args := range cmds {
 		if out, err := exec.Command(args[0], args[1:]...).CombinedOutput(); err != nil {
 			return fmt.Errorf("%s: %w: %s", strings.Join(args, " "), err, out)
 		}

@@ -27,7 +27,11 @@ type Node struct {
 	// KubeletDir is the kubelet's root directory, in the machine's tree.
 	KubeletDir string
 
-	cp      *ControlPlane
+	cp      *ControlPlane // the kubelet's (nil for a VM, whose kubelet kubeadm configures)
+	lab     *Lab
+	prefix  string   // of its processes' names: <control plane>/<node>, vm/<name>
+	paths   []string // a containerd node's own directories: nodePaths, and a VM's
+	vm      bool     // a VM: its own network and host name too
 	runtime *Process // fakecri, or containerd
 	kubelet *Process
 
@@ -73,7 +77,7 @@ func (n *Node) Kubelet() *Process { return n.kubelet }
 // AddNode starts a kubelet named name with its own container runtime and waits until the Node
 // is Ready.
 func (cp *ControlPlane) AddNode(ctx context.Context, name string, opts NodeOptions) (*Node, error) {
-	n := &Node{Name: name, Dir: filepath.Join(cp.Dir, "nodes", name), cp: cp}
+	n := &Node{Name: name, Dir: filepath.Join(cp.Dir, "nodes", name), cp: cp, lab: cp.lab, prefix: cp.Name + "/" + name, paths: nodePaths}
 	p, err := freePorts(2)
 	if err != nil {
 		return nil, err
@@ -183,13 +187,13 @@ func (n *Node) startFakeRuntime(ctx context.Context) error {
 			return err
 		}
 	}
-	fakecri, err := n.cp.lab.bin.Own("./e2e/cmd/fakecri")
+	fakecri, err := n.lab.bin.Own("./e2e/cmd/fakecri")
 	if err != nil {
 		return err
 	}
 	socket := filepath.Join(n.Dir, "cri.sock")
-	if n.runtime, err = n.cp.lab.Start(Command{
-		Name: n.cp.Name + "/" + n.Name + "/fakecri", Bin: fakecri, Args: []string{"--socket=" + socket},
+	if n.runtime, err = n.lab.Start(Command{
+		Name: n.prefix + "/fakecri", Bin: fakecri, Args: []string{"--socket=" + socket},
 		Dir: n.Dir, LogPath: filepath.Join(n.Dir, "fakecri.log"),
 	}); err != nil {
 		return err
@@ -227,7 +231,7 @@ func (n *Node) startSharingDevicePlugins(ctx context.Context, c Command) (*Proce
 	if err := os.Remove(devicePluginSocket); err != nil && !os.IsNotExist(err) {
 		return nil, err
 	}
-	p, err := n.cp.lab.Start(c)
+	p, err := n.lab.Start(c)
 	if err != nil {
 		return nil, err
 	}

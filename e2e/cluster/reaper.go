@@ -24,12 +24,12 @@ for f in "$root"/pids/*; do
 	[ -e "$f" ] || continue
 	kill -KILL -- "-${f##*/}" 2>/dev/null
 done
-# The cgroups runc made for the containerd nodes' containers, /k8s.io/<id> in each hierarchy
+# The cgroups runc made for the containers of the containerd nodes and VMs, /k8s.io/<id> in each hierarchy
 # (named by the tasks' state directories): the containers die with their node's namespace and
 # nobody deletes them, and every kubelet's cAdvisor on the machine that watches "/" would read
 # them every 10 s. A cgroup can go once the kernel has ended its processes: up to 10 s.
 cgroups=""
-for t in "$root"/*/nodes/*/root/run/containerd/io.containerd.runtime.v2.task/k8s.io/*; do
+for t in "$root"/*/nodes/*/root/run/containerd/io.containerd.runtime.v2.task/k8s.io/* "$root"/vms/*/root/run/containerd/io.containerd.runtime.v2.task/k8s.io/*; do
 	[ -e "$t" ] || continue
 	for c in /sys/fs/cgroup/k8s.io/"${t##*/}" /sys/fs/cgroup/*/k8s.io/"${t##*/}"; do
 		[ -d "$c" ] && cgroups="$cgroups $c"

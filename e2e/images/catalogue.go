@@ -162,3 +162,17 @@ func Tags(component string) (map[string]string, error) {
 	}
 	return tags, nil
 }
+
+// KubeadmImages are the images `kubeadm init` runs as static pods, built from the lab's pinned
+// binaries and named as kubeadm names them for version (`kubeadm config images list`), etcd
+// tagged etcdTag (the lab's etcd, which a cluster configuration's etcd.local.imageTag names).
+// kubeadm sets each container's command, so no image has one.
+func KubeadmImages(version, etcdTag string) []Image {
+	k8s := "https://github.com/kubernetes/kubernetes"
+	return []Image{
+		{Name: "registry.k8s.io/kube-apiserver", Tag: version, Tool: "kube-apiserver", User: "0", Source: k8s},
+		{Name: "registry.k8s.io/kube-controller-manager", Tag: version, Tool: "kube-controller-manager", User: "0", Source: k8s},
+		{Name: "registry.k8s.io/kube-scheduler", Tag: version, Tool: "kube-scheduler", User: "0", Source: k8s},
+		{Name: "registry.k8s.io/etcd", Tag: etcdTag, Tool: "etcd", User: "0", Source: "https://github.com/etcd-io/etcd"},
+	}
+}

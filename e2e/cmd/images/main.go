@@ -23,8 +23,9 @@ func main() {
 	flag.StringVar(&o.Root, "root", envOr("PVBRIDGE_ROOT", "."), "pvbridge's repository")
 	flag.StringVar(&o.Bin, "bin", os.Getenv("PVBRIDGE_BIN"), "directory of the pinned third-party binaries (make tools)")
 	lab := flag.Bool("lab", false, "also build the images only the lab needs")
+	kubeadm := flag.String("kubeadm", "", "also build the images kubeadm init runs for this Kubernetes version, etcd tagged <version>,<etcd tag>")
 	flag.Parse()
-	if err := run(o, *lab); err != nil {
+	if err := run(o, *lab, *kubeadm); err != nil {
 		fmt.Fprintln(os.Stderr, "images:", err)
 		os.Exit(1)
 	}
@@ -37,7 +38,7 @@ func envOr(key, def string) string {
 	return def
 }
 
-func run(o images.Options, lab bool) error {
+func run(o images.Options, lab bool, kubeadm string) error {
 	var err error
 	if o.Tags, err = images.Tags(filepath.Join(o.Root, "manifests", "components", "images", "kustomization.yaml")); err != nil {
 		return err
@@ -54,6 +55,13 @@ func run(o images.Options, lab bool) error {
 			return err
 		}
 		imgs = append(slices.Clone(imgs), more...)
+	}
+	if kubeadm != "" {
+		version, etcd, ok := strings.Cut(kubeadm, ",")
+		if !ok {
+			return fmt.Errorf("--kubeadm %q: want <version>,<etcd tag>", kubeadm)
+		}
+		imgs = append(slices.Clone(imgs), images.KubeadmImages(version, etcd)...)
 	}
 	built, err := images.BuildAll(o, imgs)
 	if err != nil {
