@@ -2,7 +2,11 @@ package cluster
 
 import (
 	"context"
+	"crypto/sha256"
+	"crypto/x509"
+	"encoding/pem"
 	"fmt"
+	"os"
 	"os/exec"
 	"path/filepath"
 	"regexp"
@@ -19,12 +23,14 @@ import (
 	"pvbridge.io/e2e/images"
 )
 
-// TestVMBootsAKubeadmControlPlane boots a lab VM with the user data Cluster API's kubeadm
-// bootstrap provider writes for a control plane machine (a kubeadm configuration file, then
-// `kubeadm init` and the bootstrap-success sentinel): kubeadm runs the control plane as static
-// pods of the VM's kubelet in real containers, the Node is Ready, a pod runs in the VM's pod
-// network and its logs are read through the guest apiserver; stopping the VM removes its link.
-func TestVMBootsAKubeadmControlPlane(t *testing.T) {
+// TestVMsBootAKubeadmCluster boots two lab VMs with the user data Cluster API's kubeadm
+// bootstrap provider writes: a control plane machine (a kubeadm configuration file, then
+// `kubeadm init` and the bootstrap-success sentinel), whose control plane runs as static pods
+// of the VM's kubelet in real containers, and a worker that joins it with a bootstrap token.
+// Both Nodes are Ready; a pod on the worker reaches a pod on the control plane VM across the
+// VMs' pod networks, and its logs are read through the guest apiserver from the worker's
+// kubelet; stopping a VM removes its link.
+func TestVMsBootAKubeadmCluster(t *testing.T) {
 	g := NewWithT(t)
 	ctx := t.Context()
 	lab := newTestLab(t)
@@ -32,6 +38,7 @@ func TestVMBootsAKubeadmControlPlane(t *testing.T) {
 	archives, version, etcdTag, err := kubeadmImageArchives(ctx, lab)
 	g.Expect(err).NotTo(HaveOccurred())
 
+	start := time.Now()
 	vm, err := lab.StartVM(ctx, "cp-0", VMOptions{
 		Images:   archives,
 		UserData: []byte(controlPlaneUserData(version, etcdTag)),
@@ -65,19 +72,49 @@ func TestVMBootsAKubeadmControlPlane(t *testing.T) {
 		g.Expect(err).NotTo(HaveOccurred())
 	}).WithContext(ctx).WithTimeout(5 * time.Minute).WithPolling(time.Second).Should(Succeed())
 
-	// An ordinary pod, in the VM's pod network; its logs come through the guest's apiserver
-	// from the VM's kubelet.
-	g.Expect(runBusybox(ctx, c, "cp-0", "hello", `echo "hello from $(hostname)"; exec sleep 3600`)).To(Succeed())
+	t.Logf("control plane VM: user data run, Node Ready and control plane running %.1f s after boot", time.Since(start).Seconds())
+
+	// A worker joins with the token of the init configuration and the hash of the cluster's CA,
+	// as Cluster API's join data has them.
+	caHash, err := caCertHash(vm.HostPath("/etc/kubernetes/pki/ca.crt"))
+	g.Expect(err).NotTo(HaveOccurred())
+	start = time.Now()
+	worker, err := lab.StartVM(ctx, "md-0", VMOptions{
+		Images:   archives,
+		UserData: []byte(workerUserData(vm.Address+":6443", caHash)),
+		MetaData: []byte("instance-id: 0c4d1e9a\nlocal-hostname: md-0\nprovider-id: pvbridge://tenant-a/md-0\n"),
+	})
+	g.Expect(err).NotTo(HaveOccurred())
+	g.Expect(worker.WaitBooted(bootCtx)).To(Succeed())
 	g.Eventually(func(g Gomega) {
-		pod, err := c.CoreV1().Pods("default").Get(ctx, "hello", metav1.GetOptions{})
+		node, err := c.CoreV1().Nodes().Get(ctx, "md-0", metav1.GetOptions{})
 		g.Expect(err).NotTo(HaveOccurred())
-		g.Expect(pod.Status.PodIP).To(HavePrefix(strings.TrimSuffix(vm.PodSubnet, "0/24")))
-		logs, err := c.CoreV1().Pods("default").GetLogs("hello", &corev1.PodLogOptions{}).DoRaw(ctx)
+		g.Expect(NodeReady(node)).To(BeTrue(), "node conditions: %v", node.Status.Conditions)
+		g.Expect(node.Spec.ProviderID).To(Equal("pvbridge://tenant-a/md-0"))
+	}).WithContext(ctx).WithTimeout(5 * time.Minute).WithPolling(time.Second).Should(Succeed())
+	t.Logf("worker VM: joined and Node Ready %.1f s after boot", time.Since(start).Seconds())
+
+	// Pods in each VM's pod network; the worker's reaches the control plane VM's, and its logs
+	// come through the guest's apiserver from the worker's kubelet.
+	g.Expect(runBusybox(ctx, c, "cp-0", "server", `while true; do echo "pong from $(hostname)" | nc -l -p 8080; done`)).To(Succeed())
+	server, err := c.CoreV1().Pods("default").Get(ctx, "server", metav1.GetOptions{})
+	g.Expect(err).NotTo(HaveOccurred())
+	g.Expect(server.Status.PodIP).To(HavePrefix(strings.TrimSuffix(vm.PodSubnet, "0/24")))
+	g.Expect(runBusybox(ctx, c, "md-0", "client", `while true; do nc -w 2 `+server.Status.PodIP+` 8080; sleep 1; done`)).To(Succeed())
+	g.Eventually(func(g Gomega) {
+		pod, err := c.CoreV1().Pods("default").Get(ctx, "client", metav1.GetOptions{})
+		g.Expect(err).NotTo(HaveOccurred())
+		g.Expect(pod.Status.PodIP).To(HavePrefix(strings.TrimSuffix(worker.PodSubnet, "0/24")))
+		logs, err := c.CoreV1().Pods("default").GetLogs("client", &corev1.PodLogOptions{}).DoRaw(ctx)
 		g.Expect(err).NotTo(HaveOccurred(), string(logs))
-		g.Expect(string(logs)).To(ContainSubstring("hello from hello"))
+		g.Expect(string(logs)).To(ContainSubstring("pong from server"))
 	}).WithContext(ctx).WithTimeout(2 * time.Minute).Should(Succeed())
 
-	link := vm.network.Bridge
+	link := worker.network.Bridge
+	g.Expect(worker.Stop()).To(Succeed())
+	g.Expect(exec.Command("ip", "link", "show", link).Run()).To(HaveOccurred(), "link %s left behind", link)
+	g.Expect(worker.namespace.Exited()).To(BeTrue())
+	link = vm.network.Bridge
 	g.Expect(vm.Stop()).To(Succeed())
 	g.Expect(exec.Command("ip", "link", "show", link).Run()).To(HaveOccurred(), "link %s left behind", link)
 	g.Expect(vm.namespace.Exited()).To(BeTrue())
@@ -104,6 +141,8 @@ write_files:
       - name: provider-id
         value: '{{ ds.meta_data.provider_id }}'
       ignorePreflightErrors: [SystemVerification]
+    bootstrapTokens:
+    - token: %[3]s
     timeouts:
       controlPlaneComponentHealthCheck: 10m0s
       kubeletHealthCheck: 10m0s
@@ -111,8 +150,8 @@ write_files:
     ---
     apiVersion: kubeadm.k8s.io/v1beta4
     kind: ClusterConfiguration
-    kubernetesVersion: %s
-    etcd: {local: {imageTag: %s}}
+    kubernetesVersion: %[1]s
+    etcd: {local: {imageTag: %[2]s}}
     networking: {serviceSubnet: 10.112.0.0/16}
     proxy: {disabled: true}
     dns: {disabled: true}
@@ -122,7 +161,60 @@ write_files:
   content: "This placeholder file is used to create the /run/cluster-api sub directory"
 runcmd:
 - 'kubeadm init --config /run/kubeadm/kubeadm.yaml && echo success > /run/cluster-api/bootstrap-success.complete'
-`, version, etcdTag)
+`, version, etcdTag, bootstrapToken)
+}
+
+// bootstrapToken is the token with which the control plane's kubeadm init lets workers join.
+const bootstrapToken = "pvbvm0.0123456789abcdef"
+
+// workerUserData is a cloud-config as Cluster API's kubeadm bootstrap provider writes it for a
+// worker machine: kubeadm join of endpoint with the bootstrap token, trusting the CA of hash.
+func workerUserData(endpoint, caHash string) string {
+	return fmt.Sprintf(`## template: jinja
+#cloud-config
+write_files:
+- path: /run/kubeadm/kubeadm-join-config.yaml
+  owner: root:root
+  permissions: '0640'
+  content: |
+    apiVersion: kubeadm.k8s.io/v1beta4
+    kind: JoinConfiguration
+    discovery:
+      bootstrapToken:
+        apiServerEndpoint: %s
+        token: %s
+        caCertHashes: [%s]
+    nodeRegistration:
+      name: '{{ ds.meta_data.local_hostname }}'
+      criSocket: unix:///run/containerd/containerd.sock
+      kubeletExtraArgs:
+      - name: provider-id
+        value: '{{ ds.meta_data.provider_id }}'
+      ignorePreflightErrors: [SystemVerification]
+    timeouts:
+      kubeletHealthCheck: 10m0s
+      kubernetesAPICall: 5m0s
+      tlsBootstrap: 10m0s
+runcmd:
+- kubeadm join --config /run/kubeadm/kubeadm-join-config.yaml && echo success > /run/cluster-api/bootstrap-success.complete
+`, endpoint, bootstrapToken, caHash)
+}
+
+// caCertHash is kubeadm's hash of a CA certificate: sha256 of its public key info.
+func caCertHash(path string) (string, error) {
+	data, err := os.ReadFile(path)
+	if err != nil {
+		return "", err
+	}
+	block, _ := pem.Decode(data)
+	if block == nil {
+		return "", fmt.Errorf("%s: no PEM block", path)
+	}
+	cert, err := x509.ParseCertificate(block.Bytes)
+	if err != nil {
+		return "", err
+	}
+	return fmt.Sprintf("sha256:%x", sha256.Sum256(cert.RawSubjectPublicKeyInfo)), nil
 }
 
 // kubeadmImageArchives builds the lab's images and those kubeadm runs (images.KubeadmImages)
