@@ -10,6 +10,8 @@ import (
 	"strings"
 	"sync"
 	"time"
+
+	"sigs.k8s.io/yaml"
 )
 
 // A lab VM is a machine that boots as a cloud VM does, for Cluster API: a containerd node (see
@@ -57,10 +59,11 @@ type VM struct {
 	// PodSubnet is its pods' subnet.
 	PodSubnet string
 
-	network *podNetwork
-	booted  chan struct{} // closed when the user data has run
-	bootErr error
-	stop    sync.Once
+	instanceID string
+	network    *podNetwork
+	booted     chan struct{} // closed when the user data has run
+	bootErr    error
+	stop       sync.Once
 }
 
 // StartVM boots VM name: it returns once the VM's containerd and kubelet service run, while its
@@ -70,12 +73,26 @@ func (l *Lab) StartVM(ctx context.Context, name string, opts VMOptions) (*VM, er
 	if err != nil {
 		return nil, fmt.Errorf("vm %s: %w", name, err)
 	}
+	var meta struct {
+		InstanceID string `json:"instance-id"`
+	}
+	if err := yaml.Unmarshal(opts.MetaData, &meta); err != nil || meta.InstanceID == "" {
+		return nil, fmt.Errorf("vm %s: meta-data without an instance-id (%v)", name, err)
+	}
+	// One directory per instance: a VM powered on again is the same machine, which keeps its
+	// files and does not run its user data twice, as cloud-init does not; a new VM of the same
+	// name is another machine.
+	dir := filepath.Join(l.Root, "vms", name+"-"+firstN(meta.InstanceID, 8))
+	if id, err := os.ReadFile(filepath.Join(dir, "instance-id")); err == nil && string(id) == meta.InstanceID {
+		config = &CloudConfig{}
+	}
 	vm := &VM{
 		Node: &Node{
-			Name: name, Dir: filepath.Join(l.Root, "vms", name), lab: l, prefix: "vm/" + name,
+			Name: name, Dir: dir, lab: l, prefix: "vm/" + name,
 			paths: append(append([]string(nil), nodePaths...), vmPaths...), vm: true,
 		},
-		booted: make(chan struct{}),
+		instanceID: meta.InstanceID,
+		booted:     make(chan struct{}),
 	}
 	vm.KubeletDir = vm.HostPath("/var/lib/kubelet")
 	if err := vm.startNamespace(ctx, opts.Binds); err != nil {
@@ -241,6 +258,9 @@ func (vm *VM) runCloudConfig(ctx context.Context, c *CloudConfig) {
 		fmt.Fprintf(log, "not run (the lab VM runs write_files, bootcmd, runcmd only): %s\n", strings.Join(c.Unsupported, ", "))
 	}
 	vm.bootErr = vm.cloudConfig(ctx, c, log)
+	if vm.bootErr == nil {
+		vm.bootErr = os.WriteFile(filepath.Join(vm.Dir, "instance-id"), []byte(vm.instanceID), 0o644)
+	}
 	if vm.bootErr != nil {
 		vm.bootErr = fmt.Errorf("vm %s: %w (log: %s)", vm.Name, vm.bootErr, logPath)
 		fmt.Fprintln(log, vm.bootErr)
@@ -335,4 +355,11 @@ func (vm *VM) Stop() error {
 		err = errors.Join(errs...)
 	})
 	return err
+}
+
+func firstN(s string, n int) string {
+	if len(s) > n {
+		return s[:n]
+	}
+	return s
 }
