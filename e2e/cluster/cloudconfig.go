@@ -6,12 +6,14 @@ import (
 	"encoding/base64"
 	"fmt"
 	"io"
+	"net"
 	"path"
 	"regexp"
 	"slices"
 	"strconv"
 	"strings"
 
+	utilyaml "k8s.io/apimachinery/pkg/util/yaml"
 	"sigs.k8s.io/yaml"
 )
 
@@ -168,4 +170,34 @@ func (f CloudFile) Mode() (uint32, error) {
 		return 0, fmt.Errorf("write_files %s: permissions %q are not octal", f.Path, f.Permissions)
 	}
 	return uint32(m), nil
+}
+
+// ControlPlaneEndpoint returns the host of the control plane endpoint of a kubeadm
+// ClusterConfiguration among the files, that of a first control plane machine's data (kubeadm
+// init), or "".
+func (c *CloudConfig) ControlPlaneEndpoint() string {
+	for _, f := range c.WriteFiles {
+		data, err := f.Data()
+		if err != nil {
+			continue
+		}
+		dec := utilyaml.NewYAMLOrJSONDecoder(bytes.NewReader(data), 4096)
+		for {
+			var doc struct {
+				Kind                 string `json:"kind"`
+				ControlPlaneEndpoint string `json:"controlPlaneEndpoint"`
+			}
+			if err := dec.Decode(&doc); err != nil {
+				break
+			}
+			if doc.Kind == "ClusterConfiguration" && doc.ControlPlaneEndpoint != "" {
+				host, _, err := net.SplitHostPort(doc.ControlPlaneEndpoint)
+				if err != nil {
+					return doc.ControlPlaneEndpoint
+				}
+				return host
+			}
+		}
+	}
+	return ""
 }

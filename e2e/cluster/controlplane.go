@@ -62,7 +62,7 @@ func (l *Lab) StartControlPlane(ctx context.Context, name string) (*ControlPlane
 	if err := cp.writeCredentials(); err != nil {
 		return nil, err
 	}
-	p, err := freePorts(3)
+	p, err := FreePorts(3)
 	if err != nil {
 		return nil, err
 	}

@@ -93,6 +93,9 @@ func (l *Lab) startNetwork(locks string, network func(i int) *podNetwork, start 
 		}
 		l.mu.Lock()
 		defer l.mu.Unlock()
+		if pn.Gateway == "" { // an address, not a link
+			return pn, nil
+		}
 		l.networks = append(l.networks, pn)
 		for _, cp := range l.controlPlanes {
 			if err := pn.route(cp); err != nil {

@@ -78,7 +78,7 @@ func (n *Node) Kubelet() *Process { return n.kubelet }
 // is Ready.
 func (cp *ControlPlane) AddNode(ctx context.Context, name string, opts NodeOptions) (*Node, error) {
 	n := &Node{Name: name, Dir: filepath.Join(cp.Dir, "nodes", name), cp: cp, lab: cp.lab, prefix: cp.Name + "/" + name, paths: nodePaths}
-	p, err := freePorts(2)
+	p, err := FreePorts(2)
 	if err != nil {
 		return nil, err
 	}

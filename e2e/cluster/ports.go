@@ -35,7 +35,8 @@ func freePort() (int, error) {
 	return 0, fmt.Errorf("no free loopback port")
 }
 
-func freePorts(n int) ([]int, error) {
+// FreePorts returns n distinct free ports of 127.0.0.1, none of them handed out before.
+func FreePorts(n int) ([]int, error) {
 	out := make([]int, n)
 	for i := range out {
 		p, err := freePort()

@@ -49,6 +49,9 @@ type VMOptions struct {
 	Binds map[string]string
 	// UserData and MetaData are its NoCloud seed; UserData a cloud-config.
 	UserData, MetaData []byte
+	// Addresses are more addresses of the VM, routed to it by the machine: the control plane
+	// endpoint that a cloud's load balancer would give it.
+	Addresses []string
 }
 
 // VM is a running lab VM.
@@ -76,8 +79,11 @@ func (l *Lab) StartVM(ctx context.Context, name string, opts VMOptions) (*VM, er
 	var meta struct {
 		InstanceID string `json:"instance-id"`
 	}
-	if err := yaml.Unmarshal(opts.MetaData, &meta); err != nil || meta.InstanceID == "" {
-		return nil, fmt.Errorf("vm %s: meta-data without an instance-id (%v)", name, err)
+	if err := yaml.Unmarshal(opts.MetaData, &meta); err != nil {
+		return nil, fmt.Errorf("vm %s: meta-data: %w", name, err)
+	}
+	if meta.InstanceID == "" {
+		return nil, fmt.Errorf("vm %s: meta-data without an instance-id", name)
 	}
 	// One directory per instance: a VM powered on again is the same machine, which keeps its
 	// files and does not run its user data twice, as cloud-init does not; a new VM of the same
@@ -99,7 +105,7 @@ func (l *Lab) StartVM(ctx context.Context, name string, opts VMOptions) (*VM, er
 		return nil, err
 	}
 	l.atStop(vm.Stop)
-	if err := vm.startNetwork(); err != nil {
+	if err := vm.startNetwork(opts.Addresses); err != nil {
 		return nil, err
 	}
 	if err := vm.writeImage(); err != nil {
@@ -116,7 +122,7 @@ func (l *Lab) StartVM(ctx context.Context, name string, opts VMOptions) (*VM, er
 }
 
 // startNetwork makes the VM's link and addresses, and the machine's route to its pods.
-func (vm *VM) startNetwork() error {
+func (vm *VM) startNetwork(addresses []string) error {
 	var i int
 	pn, err := vm.lab.startNetwork(vmLocks, func(n int) *podNetwork {
 		i = n
@@ -124,7 +130,7 @@ func (vm *VM) startNetwork() error {
 	}, func(pn *podNetwork) error {
 		vm.Address, vm.PodSubnet = fmt.Sprintf("10.250.%d.2", i), fmt.Sprintf("10.245.%d.0/24", i)
 		in := append([]string{"nsenter"}, vm.nsenter()...)
-		return run([][]string{
+		cmds := [][]string{
 			{"ip", "link", "add", pn.Bridge, "type", "veth", "peer", "name", "eth0", "netns", fmt.Sprint(vm.nsPid)},
 			{"ip", "addr", "add", pn.Gateway + "/24", "dev", pn.Bridge},
 			{"ip", "link", "set", pn.Bridge, "up"},
@@ -135,7 +141,11 @@ func (vm *VM) startNetwork() error {
 			append(in, "ip", "route", "add", "default", "via", pn.Gateway),
 			append(in, "sysctl", "-q", "-w", "net.ipv4.ip_forward=1"),
 			{"ip", "route", "replace", vm.PodSubnet, "via", vm.Address},
-		})
+		}
+		for _, a := range addresses {
+			cmds = append(cmds, append(in, "ip", "addr", "add", a+"/32", "dev", "eth0"), []string{"ip", "route", "replace", a + "/32", "via", vm.Address})
+		}
+		return run(cmds)
 	})
 	if err != nil {
 		return fmt.Errorf("vm %s: network: %w", vm.Name, err)
@@ -362,4 +372,24 @@ func firstN(s string, n int) string {
 		return s[:n]
 	}
 	return s
+}
+
+// endpointLocks holds one file per control plane endpoint address in use across the labs.
+const endpointLocks = "/run/pvbridge-lab/endpoints"
+
+// ControlPlaneEndpoint reserves an address for a guest cluster's control plane endpoint,
+// 10.251.<i>.1, until the lab stops: what a cloud's load balancer would give the cluster. The
+// VM whose kubeadm init makes the endpoint's apiserver gets it (VMOptions.Addresses).
+func (l *Lab) ControlPlaneEndpoint() (string, error) {
+	var address string
+	pn, err := l.startNetwork(endpointLocks, func(i int) *podNetwork {
+		address = fmt.Sprintf("10.251.%d.1", i)
+		// No link of this name is made: the reaper's `ip link del` of it fails, and it frees the lock.
+		return &podNetwork{Bridge: fmt.Sprintf("pvbep%d", i)}
+	}, func(*podNetwork) error { return nil })
+	if err != nil {
+		return "", fmt.Errorf("control plane endpoint: %w", err)
+	}
+	l.atStop(func() error { return l.stopNetwork(pn) })
+	return address, nil
 }

@@ -110,4 +110,3 @@ func TestVMsBootAKubeadmCluster(t *testing.T) {
 	g.Expect(exec.Command("ip", "link", "show", link).Run()).To(HaveOccurred(), "link %s left behind", link)
 	g.Expect(vm.namespace.Exited()).To(BeTrue())
 }
-

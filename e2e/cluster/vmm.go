@@ -141,10 +141,15 @@ func (m *VMM) boot(ctx context.Context, key string) (*VM, error) {
 	if err != nil {
 		return nil, err
 	}
-	return m.lab.StartVM(ctx, filepath.Base(key), VMOptions{
-		Images: m.opts.Images, Binds: map[string]string{m.opts.DeviceRoot: dir},
-		UserData: userData, MetaData: metaData,
-	})
+	opts := VMOptions{Images: m.opts.Images, Binds: map[string]string{m.opts.DeviceRoot: dir}, UserData: userData, MetaData: metaData}
+	// The load balancer of the control plane endpoint: the first control plane machine's VM
+	// (whose kubeadm init makes the endpoint's apiserver) gets the endpoint's address.
+	if c, err := ParseCloudConfig(userData, metaData); err == nil {
+		if ep := c.ControlPlaneEndpoint(); ep != "" {
+			opts.Addresses = append(opts.Addresses, ep)
+		}
+	}
+	return m.lab.StartVM(ctx, filepath.Base(key), opts)
 }
 
 func (m *VMM) logf(format string, args ...any) {

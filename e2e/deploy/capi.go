@@ -1,0 +1,348 @@
+package deploy
+
+import (
+	"bytes"
+	"context"
+	"encoding/base64"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"regexp"
+	"strings"
+	"time"
+
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/apimachinery/pkg/runtime/schema"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/apimachinery/pkg/util/wait"
+	utilyaml "k8s.io/apimachinery/pkg/util/yaml"
+	"k8s.io/client-go/dynamic"
+	"k8s.io/client-go/util/cert"
+	"k8s.io/utils/ptr"
+
+	"pvbridge.io/e2e/cluster"
+)
+
+// ClusterAPI is Cluster API running in the management cluster of a lab, installed as a real
+// install has it: its core manager and kubeadm bootstrap and control plane providers (the
+// pinned release, hack/build-tools.sh cluster-api) as processes, their CRDs from the release's
+// module with the contract labels its kustomizations add, their mutating, validating and
+// conversion webhooks served on 127.0.0.1 with a CA made here (URLs instead of Services), and
+// pvbridge's infrastructure provider (vm-operator --role=infrastructure-provider). The managers
+// use the lab's admin credentials; Cluster API's own RBAC is not installed.
+type ClusterAPI struct {
+	Managers map[string]*cluster.Process
+	Provider *cluster.Process
+}
+
+// capiManagers are Cluster API's managers: binary, directory of the release's module (CRDs and
+// webhooks), contract labels of its CRDs.
+var capiManagers = []struct {
+	name, binary, path string
+	labels             map[string]any
+}{
+	{"core", "capi-manager", "core", nil},
+	{"bootstrap", "capi-kubeadm-bootstrap-manager", "bootstrap/kubeadm", map[string]any{"cluster.x-k8s.io/v1beta1": "v1beta1", "cluster.x-k8s.io/v1beta2": "v1beta2"}},
+	{"controlplane", "capi-kubeadm-control-plane-manager", "controlplane/kubeadm", map[string]any{"cluster.x-k8s.io/v1beta1": "v1beta1", "cluster.x-k8s.io/v1beta2": "v1beta2"}},
+}
+
+// StartClusterAPI installs and starts Cluster API and pvbridge's provider in m's cluster.
+func StartClusterAPI(ctx context.Context, lab *cluster.Lab, m *Management) (*ClusterAPI, error) {
+	dir := filepath.Join(m.CP.Dir, "cluster-api")
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		return nil, err
+	}
+	module, err := capiModule(ctx, lab.Binaries().Repo)
+	if err != nil {
+		return nil, err
+	}
+	certPEM, keyPEM, err := cert.GenerateSelfSignedCertKey("127.0.0.1", []net.IP{net.IPv4(127, 0, 0, 1)}, nil)
+	if err != nil {
+		return nil, err
+	}
+	for name, data := range map[string][]byte{"tls.crt": certPEM, "tls.key": keyPEM} {
+		if err := os.WriteFile(filepath.Join(dir, name), data, 0o600); err != nil {
+			return nil, err
+		}
+	}
+	dyn, err := dynamic.NewForConfig(m.CP.RESTConfig())
+	if err != nil {
+		return nil, err
+	}
+	c := &ClusterAPI{Managers: map[string]*cluster.Process{}}
+	var health []string
+	for _, mgr := range capiManagers {
+		ports, err := cluster.FreePorts(3)
+		if err != nil {
+			return nil, err
+		}
+		url := fmt.Sprintf("https://127.0.0.1:%d", ports[0])
+		if err := installCAPIObjects(ctx, dyn, filepath.Join(module, mgr.path), mgr.name, url, certPEM, mgr.labels); err != nil {
+			return nil, fmt.Errorf("cluster api %s: %w", mgr.name, err)
+		}
+		bin, err := lab.Binaries().Tool(mgr.binary)
+		if err != nil {
+			return nil, fmt.Errorf("%w (hack/build-tools.sh cluster-api builds it)", err)
+		}
+		if c.Managers[mgr.name], err = lab.Start(cluster.Command{
+			Name: m.CP.Name + "/capi-" + mgr.name, Bin: bin, Dir: dir,
+			LogPath: filepath.Join(m.CP.Dir, "logs", "capi-"+mgr.name+".log"),
+			Args: []string{
+				"--kubeconfig=" + m.CP.Kubeconfig, "--webhook-cert-dir=" + dir,
+				fmt.Sprintf("--webhook-port=%d", ports[0]),
+				fmt.Sprintf("--health-addr=127.0.0.1:%d", ports[1]),
+				fmt.Sprintf("--diagnostics-address=127.0.0.1:%d", ports[2]), "--insecure-diagnostics",
+				"--v=2",
+			},
+			Restart: true,
+		}); err != nil {
+			return nil, err
+		}
+		health = append(health, fmt.Sprintf("http://127.0.0.1:%d/readyz", ports[1]))
+	}
+	// The provider's CRDs as its release has them, with the contract label Cluster API reads.
+	components, err := readObjects(filepath.Join(lab.Binaries().Repo, "manifests", "clusterctl", "infrastructure-components.yaml"))
+	if err != nil {
+		return nil, err
+	}
+	for _, o := range components {
+		if o.GetKind() != "CustomResourceDefinition" {
+			continue
+		}
+		if err := apply(ctx, dyn, crdGVR, o); err != nil {
+			return nil, err
+		}
+	}
+	bin, err := lab.Binaries().Own("./vm-operator/cmd/vm-operator")
+	if err != nil {
+		return nil, err
+	}
+	if c.Provider, err = lab.Start(cluster.Command{
+		Name: m.CP.Name + "/capi-provider", Bin: bin, Dir: dir,
+		LogPath: filepath.Join(m.CP.Dir, "logs", "capi-provider.log"),
+		Args: []string{
+			"--role=infrastructure-provider", "--kubeconfig=" + m.CP.Kubeconfig,
+			"--metrics-bind-address=0", "--health-probe-bind-address=0", "--v=4",
+		},
+		Restart: true,
+	}); err != nil {
+		return nil, err
+	}
+	return c, waitReady(ctx, health)
+}
+
+// capiModule is the directory of the pinned Cluster API module (hack/tools/cluster-api).
+func capiModule(ctx context.Context, repo string) (string, error) {
+	cmd := exec.CommandContext(ctx, "go", "list", "-m", "-f", "{{.Dir}}", "sigs.k8s.io/cluster-api")
+	cmd.Dir = filepath.Join(repo, "hack", "tools", "cluster-api")
+	cmd.Env = append(os.Environ(), "GOWORK=off")
+	out, err := cmd.Output()
+	if err != nil {
+		return "", fmt.Errorf("go list -m sigs.k8s.io/cluster-api: %w", err)
+	}
+	return strings.TrimSpace(string(out)), nil
+}
+
+// installCAPIObjects applies a manager's CRDs (with labels, converted by its webhook at url)
+// and its webhook configurations (named after the manager, called at url).
+func installCAPIObjects(ctx context.Context, dyn dynamic.Interface, dir, manager, url string, ca []byte, labels map[string]any) error {
+	caBundle := base64.StdEncoding.EncodeToString(ca)
+	crds, err := filepath.Glob(filepath.Join(dir, "config", "crd", "bases", "*.yaml"))
+	if err != nil {
+		return err
+	}
+	var objs []*unstructured.Unstructured
+	for _, f := range append(crds, filepath.Join(dir, "config", "webhook", "manifests.yaml")) {
+		docs, err := readObjects(f)
+		if err != nil {
+			return err
+		}
+		objs = append(objs, docs...)
+	}
+	for _, o := range objs {
+		gvr := crdGVR
+		switch o.GetKind() {
+		case "CustomResourceDefinition":
+			l := o.GetLabels()
+			if l == nil {
+				l = map[string]string{}
+			}
+			for k, v := range labels {
+				l[k] = v.(string)
+			}
+			o.SetLabels(l)
+			if err := unstructured.SetNestedMap(o.Object, map[string]any{
+				"strategy": "Webhook",
+				"webhook": map[string]any{
+					"conversionReviewVersions": []any{"v1"},
+					"clientConfig":             map[string]any{"url": url + "/convert", "caBundle": caBundle},
+				},
+			}, "spec", "conversion"); err != nil {
+				return err
+			}
+		case "MutatingWebhookConfiguration", "ValidatingWebhookConfiguration":
+			gvr = schema.GroupVersionResource{Group: "admissionregistration.k8s.io", Version: "v1", Resource: strings.ToLower(o.GetKind()) + "s"}
+			o.SetName("capi-" + manager + "-" + o.GetName())
+			hooks, _, _ := unstructured.NestedSlice(o.Object, "webhooks")
+			for _, h := range hooks {
+				h := h.(map[string]any)
+				path, _, _ := unstructured.NestedString(h, "clientConfig", "service", "path")
+				h["clientConfig"] = map[string]any{"url": url + path, "caBundle": caBundle}
+			}
+			if err := unstructured.SetNestedSlice(o.Object, hooks, "webhooks"); err != nil {
+				return err
+			}
+		default:
+			return fmt.Errorf("%s: unexpected %s", dir, o.GetKind())
+		}
+		if err := apply(ctx, dyn, gvr, o); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+var crdGVR = schema.GroupVersionResource{Group: "apiextensions.k8s.io", Version: "v1", Resource: "customresourcedefinitions"}
+
+// apply applies a cluster-scoped object, taking over the fields others set.
+func apply(ctx context.Context, dyn dynamic.Interface, gvr schema.GroupVersionResource, o *unstructured.Unstructured) error {
+	data, err := json.Marshal(o.Object)
+	if err != nil {
+		return err
+	}
+	if _, err := dyn.Resource(gvr).Patch(ctx, o.GetName(), types.ApplyPatchType, data, metav1.PatchOptions{FieldManager: "pvbridge-lab", Force: ptr.To(true)}); err != nil {
+		return fmt.Errorf("apply %s %s: %w", o.GetKind(), o.GetName(), err)
+	}
+	return nil
+}
+
+// readObjects reads the objects of a YAML file.
+func readObjects(path string) ([]*unstructured.Unstructured, error) {
+	data, err := os.ReadFile(path)
+	if err != nil {
+		return nil, err
+	}
+	return decodeObjects(path, data)
+}
+
+// decodeObjects decodes the objects of YAML data read from path.
+func decodeObjects(path string, data []byte) ([]*unstructured.Unstructured, error) {
+	dec := utilyaml.NewYAMLOrJSONDecoder(bytes.NewReader(data), 4096)
+	var objs []*unstructured.Unstructured
+	for {
+		o := &unstructured.Unstructured{}
+		if err := dec.Decode(&o.Object); errors.Is(err, io.EOF) {
+			return objs, nil
+		} else if err != nil {
+			return nil, fmt.Errorf("%s: %w", path, err)
+		}
+		if len(o.Object) > 0 {
+			objs = append(objs, o)
+		}
+	}
+}
+
+// waitReady waits until every URL answers 200.
+func waitReady(ctx context.Context, urls []string) error {
+	for _, u := range urls {
+		err := wait.PollUntilContextTimeout(ctx, 200*time.Millisecond, 2*time.Minute, true, func(ctx context.Context) (bool, error) {
+			req, err := http.NewRequestWithContext(ctx, http.MethodGet, u, nil)
+			if err != nil {
+				return false, err
+			}
+			resp, err := http.DefaultClient.Do(req)
+			if err != nil {
+				return false, nil
+			}
+			resp.Body.Close()
+			return resp.StatusCode == http.StatusOK, nil
+		})
+		if err != nil {
+			return fmt.Errorf("%s not ready: %w", u, err)
+		}
+	}
+	return nil
+}
+
+// templateVariable is a clusterctl variable: ${NAME} or ${NAME:=default}.
+var templateVariable = regexp.MustCompile(`\$\{([A-Z0-9_]+)(:=([^}]*))?\}`)
+
+// ClusterTemplate renders manifests/clusterctl/cluster-template.yaml with vars, as clusterctl
+// generate cluster does, and returns its objects.
+func ClusterTemplate(repo string, vars map[string]string) ([]*unstructured.Unstructured, error) {
+	path := filepath.Join(repo, "manifests", "clusterctl", "cluster-template.yaml")
+	data, err := os.ReadFile(path)
+	if err != nil {
+		return nil, err
+	}
+	var missing []string
+	text := templateVariable.ReplaceAllStringFunc(string(data), func(m string) string {
+		sub := templateVariable.FindStringSubmatch(m)
+		if v, ok := vars[sub[1]]; ok {
+			return v
+		}
+		if sub[2] != "" {
+			return sub[3]
+		}
+		missing = append(missing, sub[1])
+		return m
+	})
+	if len(missing) > 0 {
+		return nil, fmt.Errorf("%s: variables not set: %s", path, strings.Join(missing, ", "))
+	}
+	return decodeObjects(path, []byte(text))
+}
+
+// LabCluster adapts a rendered cluster template to the lab's VMs (docs/design.md): the guest's
+// Services outside the lab's own Service addresses (10.96.<n>.0/24, which the machine routes
+// to the lab's control planes), kubeadm's preflight check of the cgroup version skipped (the
+// machine runs cgroup v1, which the VMs' kubelets accept) and its image pulls (no registry: the
+// images are the VM's), no kube-proxy or CoreDNS (not built yet), the lab's etcd, and timeouts
+// for a loaded 2-core machine.
+func LabCluster(objs []*unstructured.Unstructured, etcdTag string) error {
+	nodeRegistration := map[string]any{
+		"ignorePreflightErrors": []any{"SystemVerification", "ImagePull"},
+		"imagePullPolicy":       "Never",
+	}
+	set := func(o *unstructured.Unstructured, value any, path ...string) error {
+		return unstructured.SetNestedField(o.Object, runtime.DeepCopyJSONValue(value), path...)
+	}
+	for _, o := range objs {
+		var errs []error
+		switch o.GetKind() {
+		case "Cluster":
+			errs = append(errs, set(o, []any{"10.112.0.0/16"}, "spec", "clusterNetwork", "services", "cidrBlocks"))
+		case "KubeadmControlPlane":
+			spec := []string{"spec", "kubeadmConfigSpec"}
+			errs = append(errs,
+				set(o, etcdTag, append(spec, "clusterConfiguration", "etcd", "local", "imageTag")...),
+				set(o, []any{"addon/kube-proxy", "addon/coredns"}, append(spec, "initConfiguration", "skipPhases")...),
+				set(o, map[string]any{"controlPlaneComponentHealthCheckSeconds": int64(600), "kubernetesAPICallSeconds": int64(300)}, append(spec, "initConfiguration", "timeouts")...),
+				set(o, map[string]any{"controlPlaneComponentHealthCheckSeconds": int64(600), "kubernetesAPICallSeconds": int64(300), "tlsBootstrapSeconds": int64(600)}, append(spec, "joinConfiguration", "timeouts")...),
+			)
+			for _, k := range []string{"ignorePreflightErrors", "imagePullPolicy"} {
+				errs = append(errs,
+					set(o, nodeRegistration[k], append(spec, "initConfiguration", "nodeRegistration", k)...),
+					set(o, nodeRegistration[k], append(spec, "joinConfiguration", "nodeRegistration", k)...))
+			}
+		case "KubeadmConfigTemplate":
+			join := []string{"spec", "template", "spec", "joinConfiguration"}
+			errs = append(errs, set(o, map[string]any{"kubernetesAPICallSeconds": int64(300), "tlsBootstrapSeconds": int64(600)}, append(join, "timeouts")...))
+			for _, k := range []string{"ignorePreflightErrors", "imagePullPolicy"} {
+				errs = append(errs, set(o, nodeRegistration[k], append(join, "nodeRegistration", k)...))
+			}
+		}
+		if err := errors.Join(errs...); err != nil {
+			return fmt.Errorf("%s %s: %w", o.GetKind(), o.GetName(), err)
+		}
+	}
+	return nil
+}
