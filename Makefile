@@ -14,11 +14,9 @@ export PVBRIDGE_ROOT := $(CURDIR)
 MODULES := pkg guest-csi mgmt-csi vm-operator e2e
 COMPONENTS := pkg guest-csi mgmt-csi vm-operator
 # The pinned third-party components (hack/build-tools.sh) the lab runs, and the tests (which
-# also run containerd nodes and Kubernetes' e2e.test).
-# Cluster API (`hack/build-tools.sh cluster-api`, tried with hack/capi-sandbox.sh) is in neither: the
-# lab does not run it yet (issue 32).
+# also run containerd nodes, Kubernetes' e2e.test and Cluster API's managers).
 LAB_TOOLS := etcd kubernetes csi-provisioner csi-attacher csi-resizer csi-snapshotter
-TEST_TOOLS := $(LAB_TOOLS) containerd kubernetes-e2e csi-sanity
+TEST_TOOLS := $(LAB_TOOLS) containerd kubernetes-e2e csi-sanity cluster-api
 CONTROLLER_GEN := $(PVBRIDGE_BIN)/controller-gen
 GOLANGCI_LINT := $(PVBRIDGE_BIN)/golangci-lint
 KUBECTL := $(PVBRIDGE_BIN)/kubectl

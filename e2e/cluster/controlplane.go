@@ -301,3 +301,17 @@ func (cp *ControlPlane) waitReady(ctx context.Context) error {
 	}
 	return nil
 }
+
+// ControlPlaneOf returns a control plane the lab did not start (a guest's that kubeadm made in
+// lab VMs), reached with the admin kubeconfig at path: a client of it, not its processes.
+func (l *Lab) ControlPlaneOf(name, dir, kubeconfig string) (*ControlPlane, error) {
+	rc, err := clientcmd.BuildConfigFromFlags("", kubeconfig)
+	if err != nil {
+		return nil, err
+	}
+	c, err := kubernetes.NewForConfig(rc)
+	if err != nil {
+		return nil, err
+	}
+	return &ControlPlane{Name: name, Dir: dir, Server: rc.Host, Kubeconfig: kubeconfig, lab: l, restConfig: rc, client: c}, nil
+}

@@ -4,9 +4,12 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"maps"
+	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"time"
@@ -52,6 +55,10 @@ type VMOptions struct {
 	// Addresses are more addresses of the VM, routed to it by the machine: the control plane
 	// endpoint that a cloud's load balancer would give it.
 	Addresses []string
+	// Services are the VM's DNAT rules, Service address:port → endpoint address:port, for its
+	// pods and its own processes: the guest's `kubernetes` Service while the lab's guests run
+	// no kube-proxy.
+	Services map[string]string
 }
 
 // VM is a running lab VM.
@@ -105,7 +112,7 @@ func (l *Lab) StartVM(ctx context.Context, name string, opts VMOptions) (*VM, er
 		return nil, err
 	}
 	l.atStop(vm.Stop)
-	if err := vm.startNetwork(opts.Addresses); err != nil {
+	if err := vm.startNetwork(opts.Addresses, opts.Services); err != nil {
 		return nil, err
 	}
 	if err := vm.writeImage(); err != nil {
@@ -122,7 +129,7 @@ func (l *Lab) StartVM(ctx context.Context, name string, opts VMOptions) (*VM, er
 }
 
 // startNetwork makes the VM's link and addresses, and the machine's route to its pods.
-func (vm *VM) startNetwork(addresses []string) error {
+func (vm *VM) startNetwork(addresses []string, services map[string]string) error {
 	var i int
 	pn, err := vm.lab.startNetwork(vmLocks, func(n int) *podNetwork {
 		i = n
@@ -144,6 +151,15 @@ func (vm *VM) startNetwork(addresses []string) error {
 		}
 		for _, a := range addresses {
 			cmds = append(cmds, append(in, "ip", "addr", "add", a+"/32", "dev", "eth0"), []string{"ip", "route", "replace", a + "/32", "via", vm.Address})
+		}
+		for _, service := range slices.Sorted(maps.Keys(services)) {
+			ip, port, err := net.SplitHostPort(service)
+			if err != nil {
+				return fmt.Errorf("service %q: %w", service, err)
+			}
+			for _, chain := range []string{"PREROUTING", "OUTPUT"} {
+				cmds = append(cmds, append(in, "iptables", "-t", "nat", "-A", chain, "-d", ip, "-p", "tcp", "--dport", port, "-j", "DNAT", "--to-destination", services[service]))
+			}
 		}
 		return run(cmds)
 	})

@@ -31,6 +31,8 @@ type VMMOptions struct {
 	Images []string
 	// DeviceRoot is where a VM sees its directory (the guest-csi node plugin's --device-root).
 	DeviceRoot string
+	// Services are every VM's DNAT rules (VMOptions.Services).
+	Services map[string]string
 }
 
 // VMM boots the bootstrapped VMs of a local hypervisor's root.
@@ -141,7 +143,7 @@ func (m *VMM) boot(ctx context.Context, key string) (*VM, error) {
 	if err != nil {
 		return nil, err
 	}
-	opts := VMOptions{Images: m.opts.Images, Binds: map[string]string{m.opts.DeviceRoot: dir}, UserData: userData, MetaData: metaData}
+	opts := VMOptions{Images: m.opts.Images, Binds: map[string]string{m.opts.DeviceRoot: dir}, Services: m.opts.Services, UserData: userData, MetaData: metaData}
 	// The load balancer of the control plane endpoint: the first control plane machine's VM
 	// (whose kubeadm init makes the endpoint's apiserver) gets the endpoint's address.
 	if c, err := ParseCloudConfig(userData, metaData); err == nil {

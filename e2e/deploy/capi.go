@@ -54,9 +54,10 @@ var capiManagers = []struct {
 	{"controlplane", "capi-kubeadm-control-plane-manager", "controlplane/kubeadm", map[string]any{"cluster.x-k8s.io/v1beta1": "v1beta1", "cluster.x-k8s.io/v1beta2": "v1beta2"}},
 }
 
-// StartClusterAPI installs and starts Cluster API and pvbridge's provider in m's cluster.
-func StartClusterAPI(ctx context.Context, lab *cluster.Lab, m *Management) (*ClusterAPI, error) {
-	dir := filepath.Join(m.CP.Dir, "cluster-api")
+// StartClusterAPI installs and starts Cluster API and pvbridge's provider in the management
+// cluster mgmt.
+func StartClusterAPI(ctx context.Context, lab *cluster.Lab, mgmt *cluster.ControlPlane) (*ClusterAPI, error) {
+	dir := filepath.Join(mgmt.Dir, "cluster-api")
 	if err := os.MkdirAll(dir, 0o755); err != nil {
 		return nil, err
 	}
@@ -73,7 +74,7 @@ func StartClusterAPI(ctx context.Context, lab *cluster.Lab, m *Management) (*Clu
 			return nil, err
 		}
 	}
-	dyn, err := dynamic.NewForConfig(m.CP.RESTConfig())
+	dyn, err := dynamic.NewForConfig(mgmt.RESTConfig())
 	if err != nil {
 		return nil, err
 	}
@@ -93,10 +94,10 @@ func StartClusterAPI(ctx context.Context, lab *cluster.Lab, m *Management) (*Clu
 			return nil, fmt.Errorf("%w (hack/build-tools.sh cluster-api builds it)", err)
 		}
 		if c.Managers[mgr.name], err = lab.Start(cluster.Command{
-			Name: m.CP.Name + "/capi-" + mgr.name, Bin: bin, Dir: dir,
-			LogPath: filepath.Join(m.CP.Dir, "logs", "capi-"+mgr.name+".log"),
+			Name: mgmt.Name + "/capi-" + mgr.name, Bin: bin, Dir: dir,
+			LogPath: filepath.Join(mgmt.Dir, "logs", "capi-"+mgr.name+".log"),
 			Args: []string{
-				"--kubeconfig=" + m.CP.Kubeconfig, "--webhook-cert-dir=" + dir,
+				"--kubeconfig=" + mgmt.Kubeconfig, "--webhook-cert-dir=" + dir,
 				fmt.Sprintf("--webhook-port=%d", ports[0]),
 				fmt.Sprintf("--health-addr=127.0.0.1:%d", ports[1]),
 				fmt.Sprintf("--diagnostics-address=127.0.0.1:%d", ports[2]), "--insecure-diagnostics",
@@ -126,10 +127,10 @@ func StartClusterAPI(ctx context.Context, lab *cluster.Lab, m *Management) (*Clu
 		return nil, err
 	}
 	if c.Provider, err = lab.Start(cluster.Command{
-		Name: m.CP.Name + "/capi-provider", Bin: bin, Dir: dir,
-		LogPath: filepath.Join(m.CP.Dir, "logs", "capi-provider.log"),
+		Name: mgmt.Name + "/capi-provider", Bin: bin, Dir: dir,
+		LogPath: filepath.Join(mgmt.Dir, "logs", "capi-provider.log"),
 		Args: []string{
-			"--role=infrastructure-provider", "--kubeconfig=" + m.CP.Kubeconfig,
+			"--role=infrastructure-provider", "--kubeconfig=" + mgmt.Kubeconfig,
 			"--metrics-bind-address=0", "--health-probe-bind-address=0", "--v=4",
 		},
 		Restart: true,
@@ -301,6 +302,14 @@ func ClusterTemplate(repo string, vars map[string]string) ([]*unstructured.Unstr
 	return decodeObjects(path, []byte(text))
 }
 
+// LabGuestServices is the Service range of the lab's guests made by Cluster API, and
+// LabGuestKubernetesService the address of their `kubernetes` Service, which the lab's VMs
+// route to the control plane endpoint (VMOptions.Services): no kube-proxy runs in them yet.
+const (
+	LabGuestServices          = "10.112.0.0/16"
+	LabGuestKubernetesService = "10.112.0.1"
+)
+
 // LabCluster adapts a rendered cluster template to the lab's VMs (docs/design.md): the guest's
 // Services outside the lab's own Service addresses (10.96.<n>.0/24, which the machine routes
 // to the lab's control planes), kubeadm's preflight check of the cgroup version skipped (the
@@ -319,7 +328,7 @@ func LabCluster(objs []*unstructured.Unstructured, etcdTag string) error {
 		var errs []error
 		switch o.GetKind() {
 		case "Cluster":
-			errs = append(errs, set(o, []any{"10.112.0.0/16"}, "spec", "clusterNetwork", "services", "cidrBlocks"))
+			errs = append(errs, set(o, []any{LabGuestServices}, "spec", "clusterNetwork", "services", "cidrBlocks"))
 		case "KubeadmControlPlane":
 			spec := []string{"spec", "kubeadmConfigSpec"}
 			errs = append(errs,

@@ -61,6 +61,11 @@ type InstalledOptions struct {
 	Guest GuestOptions
 	// Images are more image archives every node imports (test images).
 	Images []string
+	// ClusterAPI makes the guest with Cluster API from the shipped cluster template: one control
+	// plane machine and Workers worker machines, VMs of the hosts that the lab's VMMs boot with
+	// their bootstrap data (Guest.VMs is not used).
+	ClusterAPI bool
+	Workers    int
 }
 
 // Installed is a lab whose pvbridge runs in containers, installed from the overlays.
@@ -73,6 +78,9 @@ type Installed struct {
 	Options    InstalledOptions
 	// UID is the UID of the guest's Cluster: its identity.
 	UID string
+	// ClusterAPI and VMMs (by host) run with Options.ClusterAPI.
+	ClusterAPI *ClusterAPI
+	VMMs       map[string]*cluster.VMM
 }
 
 // Install builds the images, starts both clusters on containerd nodes and installs pvbridge in
@@ -99,6 +107,9 @@ func Install(ctx context.Context, lab *cluster.Lab, opts InstalledOptions) (*Ins
 		return nil, err
 	}
 
+	if opts.ClusterAPI {
+		return in, in.installClusterAPIGuest(ctx, lab, archives)
+	}
 	if in.Guest, err = lab.StartControlPlane(ctx, "guest"); err != nil {
 		return nil, err
 	}

@@ -30,7 +30,7 @@ func TestClusterAPIMakesAGuestCluster(t *testing.T) {
 	ctx := t.Context()
 	ns := namespace(t)
 
-	_, err := deploy.StartClusterAPI(ctx, lab, mgmt)
+	_, err := deploy.StartClusterAPI(ctx, lab, mgmt.CP)
 	g.Expect(err).NotTo(HaveOccurred())
 	archives, version, etcdTag, err := cluster.KubeadmImageArchives(ctx, lab)
 	g.Expect(err).NotTo(HaveOccurred())

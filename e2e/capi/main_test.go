@@ -1,0 +1,76 @@
+// Package capi_test proves pvbridge in the setting it was made for: a guest cluster that
+// Cluster API's own controllers make (core, kubeadm bootstrap and control plane providers, and
+// pvbridge's infrastructure provider) from the shipped cluster template, whose Machines are
+// VirtualMachines that boot kubeadm in the lab, with pvbridge installed in real containers from
+// the overlays in both clusters. Every test shares one such lab (deploy.Install with
+// ClusterAPI): two management hosts, guest cluster alpha of one control plane machine and two
+// workers.
+package capi_test
+
+import (
+	"context"
+	"flag"
+	"fmt"
+	"os"
+	"testing"
+
+	"k8s.io/klog/v2"
+	logf "sigs.k8s.io/controller-runtime/pkg/log"
+
+	"pvbridge.io/e2e/cluster"
+	"pvbridge.io/e2e/deploy"
+)
+
+var (
+	// lab and in are the shared lab and what is installed in it.
+	lab *cluster.Lab
+	in  *deploy.Installed
+)
+
+func TestMain(m *testing.M) {
+	flag.Parse()
+	logf.SetLogger(klog.Background()) // deploy's controller-runtime clients log through klog
+	os.Exit(run(m))
+}
+
+func run(m *testing.M) int {
+	root, err := os.MkdirTemp("", "pvb-")
+	if err == nil {
+		err = install(context.Background(), root)
+	}
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "install the lab:", err)
+	}
+	code := 1
+	if err == nil {
+		code = m.Run()
+	}
+	if lab != nil {
+		if err := lab.Stop(); err != nil {
+			fmt.Fprintln(os.Stderr, "stop the lab:", err)
+			code = 1
+		}
+	}
+	if code == 0 {
+		_ = os.RemoveAll(root)
+	} else {
+		fmt.Fprintln(os.Stderr, "lab kept in", root)
+	}
+	return code
+}
+
+func install(ctx context.Context, root string) error {
+	bin, err := cluster.DefaultBinaries()
+	if err != nil {
+		return err
+	}
+	if lab, err = cluster.NewLab(root, bin); err != nil {
+		return err
+	}
+	in, err = deploy.Install(ctx, lab, deploy.InstalledOptions{
+		Hosts: []string{"host-a", "host-b"}, PmemSize: 16 << 30,
+		ClusterAPI: true, Workers: 2,
+		Guest: deploy.GuestOptions{Name: "alpha", Namespace: "tenant-a"},
+	})
+	return err
+}
