@@ -63,8 +63,9 @@ type Options struct {
 	MemoryMiB int
 	// CPUs is the number of vCPUs; default 1.
 	CPUs int
-	// HotplugPorts is the number of pcie-root-ports created at power-on: the most disks a VM
-	// can hold at once. Default 16, at most 64.
+	// HotplugPorts is the number of pcie-root-ports created at power-on when the VM does not
+	// ask for a number (hypervisor.VM.Slots): the most disks a VM can hold at once. Default 16,
+	// at most 64.
 	HotplugPorts int
 	// Kernel, Initrd and Append boot a Linux kernel directly (-kernel, -initrd, -append).
 	// Without Kernel the firmware boots whatever ExtraArgs provide.
