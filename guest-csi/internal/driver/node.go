@@ -24,12 +24,17 @@ const TopologyKey = topology.Key
 // ErrHostUnknown is what a Host returns while it does not know the node's host yet.
 var ErrHostUnknown = topology.ErrHostUnknown
 
-// Host tells the node plugin which management host runs its VirtualMachine. Guest nodes hold no
-// management credentials: the guest-csi controller labels each guest Node with its host, and a
-// Host reads that label of the plugin's own Node.
+// VM is what the node plugin knows of its VirtualMachine: its host and its hot-plug slots.
+type VM = topology.VM
+
+// Host tells the node plugin which management host runs its VirtualMachine, and how many volumes
+// the VM can hold. Guest nodes hold no management credentials: the guest-csi controller labels
+// each guest Node with its host and annotates it with the VM's slots, and a Host reads them from
+// the plugin's own Node.
 type Host interface {
-	// HostOf returns the host name, or an error wrapping ErrHostUnknown while it is not known.
-	HostOf(ctx context.Context) (string, error)
+	// VMOf returns what is known of the VM, or an error wrapping ErrHostUnknown while its host
+	// is not known.
+	VMOf(ctx context.Context) (VM, error)
 	// WaitForHost returns once the host is known, or with ctx's error when ctx ends first.
 	WaitForHost(ctx context.Context) error
 }
@@ -68,14 +73,18 @@ func (n *nodeServer) NodeGetCapabilities(context.Context, *csi.NodeGetCapabiliti
 	), nil
 }
 
-// NodeGetInfo reports the VM as the node and its host as the node's topology. While the host
-// is not known (the controller has not labelled the Node yet) it answers Unavailable, and
-// kubelet retries the plugin registration.
+// NodeGetInfo reports the VM as the node, its host as the node's topology and its hot-plug
+// slots as max_volumes_per_node (none while the VM has not reported them). Kubelet asks again
+// every nodeAllocatableUpdatePeriodSeconds of the CSIDriver, and after an attach refused with
+// ResourceExhausted, and writes the number into the CSINode's allocatable count, which the
+// scheduler places volumes by. While the host is not known (the controller has not labelled the
+// Node yet) it answers Unavailable, and kubelet retries the plugin registration.
 func (n *nodeServer) NodeGetInfo(ctx context.Context, _ *csi.NodeGetInfoRequest) (*csi.NodeGetInfoResponse, error) {
 	if n.host == nil {
 		return nil, status.Errorf(codes.Unavailable, "node %s: %v: no source of the host is configured", n.nodeID, ErrHostUnknown)
 	}
-	host, err := n.host.HostOf(ctx)
+	vm, err := n.host.VMOf(ctx)
+	host := vm.Host
 	if err == nil && host == "" {
 		err = ErrHostUnknown
 	}
@@ -90,6 +99,7 @@ func (n *nodeServer) NodeGetInfo(ctx context.Context, _ *csi.NodeGetInfoRequest)
 	}
 	return &csi.NodeGetInfoResponse{
 		NodeId:             n.nodeID,
+		MaxVolumesPerNode:  vm.MaxVolumes,
 		AccessibleTopology: &csi.Topology{Segments: map[string]string{TopologyKey: host}},
 	}, nil
 }

@@ -34,10 +34,12 @@ func TestNodeGetInfo(t *testing.T) {
 	tests := []struct {
 		name     string
 		host     Host
+		wantMax  int64
 		wantCode codes.Code
 		wantMsg  string
 	}{
 		{name: "the VM is the node, its host the topology", host: fakeHost{host: testHost}},
+		{name: "the VM's slots are the node's volume limit", host: fakeHost{host: testHost, slots: 5}, wantMax: 5},
 		{name: "no source of the host is unavailable", host: nil, wantCode: codes.Unavailable, wantMsg: "not known yet"},
 		{name: "an unlabelled node is unavailable", host: fakeHost{err: ErrHostUnknown}, wantCode: codes.Unavailable, wantMsg: "not known yet"},
 		{name: "an empty host is unavailable", host: fakeHost{}, wantCode: codes.Unavailable, wantMsg: "not known yet"},
@@ -55,6 +57,7 @@ func TestNodeGetInfo(t *testing.T) {
 			}
 			g.Expect(resp.GetNodeId()).To(Equal(testNode))
 			g.Expect(resp.GetAccessibleTopology().GetSegments()).To(Equal(map[string]string{TopologyKey: testHost}))
+			g.Expect(resp.GetMaxVolumesPerNode()).To(Equal(tt.wantMax))
 		})
 	}
 }

@@ -13,6 +13,8 @@ package hypervisor
 import (
 	"context"
 	"errors"
+
+	vmv1 "pvbridge.io/pkg/apis/vm/v1alpha1"
 )
 
 // Errors a Driver returns, wrapped with details.
@@ -25,7 +27,8 @@ var (
 	// ErrConflict: the serial is attached with another device, or the device under another serial.
 	ErrConflict = errors.New("conflicting disk")
 	// ErrNoSlot: every hot-plug slot of the VM holds a disk; detach one first.
-	ErrNoSlot = errors.New("no free hot-plug slot")
+	// Its text is the API's vmv1.NoFreeSlotError, which reaches the guest in status.volumes.
+	ErrNoSlot = errors.New(vmv1.NoFreeSlotError)
 )
 
 // MaxSlots bounds the hot-plug slots of a VM, as VirtualMachine's spec.volumes bounds its
