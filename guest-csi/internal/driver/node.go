@@ -69,6 +69,7 @@ func (n *nodeServer) NodeGetCapabilities(context.Context, *csi.NodeGetCapabiliti
 	return csinode.Capabilities(
 		csi.NodeServiceCapability_RPC_STAGE_UNSTAGE_VOLUME,
 		csi.NodeServiceCapability_RPC_GET_VOLUME_STATS,
+		csi.NodeServiceCapability_RPC_GET_VOLUME_HEALTH,
 		csi.NodeServiceCapability_RPC_EXPAND_VOLUME,
 	), nil
 }
@@ -203,6 +204,47 @@ func (n *nodeServer) NodeGetVolumeStats(ctx context.Context, req *csi.NodeGetVol
 		return nil, n.StatusError(err)
 	}
 	return n.Stats(ctx, req.GetVolumeId(), req.GetVolumePath(), device)
+}
+
+// NodeGetVolumeHealth reports a volume INACCESSIBLE, with the mounter's reason, when the disk
+// behind its publish path (or, without one, its staging path) left the VM or has no capacity
+// left (DeviceGone: the management side lost its backing device), when its filesystem fails
+// (MountCorrupted, IOError), or when the publish path is no mount (NotMounted; a block volume
+// has nothing mounted at its staging path, so that is not reported there). Kubelet's
+// CSIVolumeHealth feature asks it for every volume a pod uses and writes the answer into the
+// pod's status.volumeHealth. The node knows its disks by the serials of publish contexts and the
+// paths it is given: without a path it knows nothing adverse, and says so with no entries. A
+// path that does not exist is NotFound.
+func (n *nodeServer) NodeGetVolumeHealth(ctx context.Context, req *csi.NodeGetVolumeHealthRequest) (*csi.NodeGetVolumeHealthResponse, error) {
+	if req.GetVolumeId() == "" {
+		return nil, status.Error(codes.InvalidArgument, "volume_id is required")
+	}
+	ctx = klog.NewContext(ctx, klog.FromContext(ctx).WithValues("volumeID", req.GetVolumeId()))
+	health := &csi.VolumeHealth{VolumeId: req.GetVolumeId()}
+	path, published := req.GetVolumePublishPath(), true
+	if path == "" {
+		path, published = req.GetStagingTargetPath(), false
+	}
+	if path == "" {
+		return &csi.NodeGetVolumeHealthResponse{VolumeHealth: health}, nil
+	}
+	device, err := n.deviceAt(path)
+	if err != nil {
+		return nil, n.StatusError(err)
+	}
+	stats, err := n.Mounter.Stats(ctx, path, device)
+	switch {
+	case err != nil:
+		return nil, n.StatusError(err)
+	case stats.Condition == nil:
+	case stats.Condition.Reason == mounter.ReasonNotMounted && !published:
+	default:
+		health.HealthStatuses = []*csi.VolumeHealth_VolumeHealthEntry{{
+			Status: csi.VolumeHealthErrorType_INACCESSIBLE, Reason: stats.Condition.Reason,
+			Message: fmt.Sprintf("volume %s on node %s: %s", req.GetVolumeId(), n.nodeID, stats.Condition.Message),
+		}}
+	}
+	return &csi.NodeGetVolumeHealthResponse{VolumeHealth: health}, nil
 }
 
 // NodeExpandVolume grows the filesystem at the volume path to fill its disk, which the
