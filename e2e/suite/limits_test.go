@@ -1,0 +1,195 @@
+package suite_test
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+
+	. "github.com/onsi/ginkgo/v2"
+	. "github.com/onsi/gomega"
+	"google.golang.org/grpc/codes"
+	corev1 "k8s.io/api/core/v1"
+	storagev1 "k8s.io/api/storage/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/utils/ptr"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+
+	"pvbridge.io/e2e/deploy"
+	vmv1 "pvbridge.io/pkg/apis/vm/v1alpha1"
+	"pvbridge.io/pkg/csinode/csinodetest"
+	"pvbridge.io/pkg/mounter"
+	"pvbridge.io/pkg/names"
+)
+
+// localDefaultSlots is the local hypervisor's slots of a VM that asks for none: the lab's VMs.
+const localDefaultSlots = 64
+
+var _ = Describe("Volume limits", Label("limits"), func() {
+	It("places no more volumes on a VM than its hot-plug slots, and refuses one more attach with ResourceExhausted", func(ctx SpecContext) {
+		// vm-1 and vm-3 run on host-a: a volume of host-a can go to either.
+		const full, other = "vm-1", "vm-3"
+		By("vm-1 gets one hot-plug slot, and its guest node says so to the scheduler")
+		setSlots(ctx, alpha, full, ptr.To[int32](1))
+		DeferCleanup(func(ctx SpecContext) { // after the namespace's cleanup: the VM is empty then
+			setSlots(ctx, alpha, full, nil)
+			waitVolumeLimit(ctx, alpha, full, localDefaultSlots)
+		})
+		waitVolumeLimit(ctx, alpha, full, 1)
+		ns := alpha.namespace(ctx)
+		alpha.create(ctx, deploy.PVC(ns, "first", "", "64Mi", false))
+		alpha.runPod(ctx, ns, "first", "first", full, false)
+
+		By("a pod that must run on the full VM is not scheduled, for the scheduler's reason")
+		alpha.create(ctx, deploy.PVC(ns, "pinned", "", "64Mi", false))
+		alpha.create(ctx, deploy.Pod(ns, "pinned", "pinned", full, false))
+		Eventually(func(g Gomega) {
+			pod := &corev1.Pod{}
+			g.Expect(alpha.c.Get(ctx, client.ObjectKey{Namespace: ns, Name: "pinned"}, pod)).To(Succeed())
+			g.Expect(pod.Spec.NodeName).To(BeEmpty())
+			g.Expect(pod.Status.Conditions).To(ContainElement(And(
+				HaveField("Type", corev1.PodScheduled), HaveField("Status", corev1.ConditionFalse),
+				HaveField("Message", ContainSubstring("node(s) exceed max volume count")),
+			)))
+		}).WithContext(ctx).WithTimeout(timeout).Should(Succeed())
+
+		By("a pod that prefers the full VM runs on the other VM of its host")
+		alpha.create(ctx, deploy.PVC(ns, "elsewhere", "", "64Mi", false))
+		pod := deploy.Pod(ns, "elsewhere", "elsewhere", "", false)
+		pod.Spec.Affinity = &corev1.Affinity{NodeAffinity: &corev1.NodeAffinity{
+			RequiredDuringSchedulingIgnoredDuringExecution: &corev1.NodeSelector{NodeSelectorTerms: []corev1.NodeSelectorTerm{{
+				MatchExpressions: []corev1.NodeSelectorRequirement{{Key: corev1.LabelHostname, Operator: corev1.NodeSelectorOpIn, Values: []string{full, other}}},
+			}}},
+			PreferredDuringSchedulingIgnoredDuringExecution: []corev1.PreferredSchedulingTerm{{Weight: 100, Preference: corev1.NodeSelectorTerm{
+				MatchExpressions: []corev1.NodeSelectorRequirement{{Key: corev1.LabelHostname, Operator: corev1.NodeSelectorOpIn, Values: []string{full}}},
+			}}},
+		}}
+		alpha.create(ctx, pod)
+		pod = alpha.running(ctx, ns, "elsewhere")
+		Expect(pod.Spec.NodeName).To(Equal(other))
+
+		By("an attach to the full VM is refused with ResourceExhausted, which kubelet reads the limit again after")
+		_, pv := alpha.bound(ctx, ns, "elsewhere")
+		alpha.deletePod(ctx, pod)
+		// As the attach-detach controller would make it for a pod bound to vm-1 beside the
+		// scheduler (a stale count, or a pod with spec.nodeName).
+		va := &storagev1.VolumeAttachment{
+			ObjectMeta: metav1.ObjectMeta{Name: "e2e-beyond-the-slots-" + ns},
+			Spec: storagev1.VolumeAttachmentSpec{
+				Attacher: names.GuestDriver, NodeName: full,
+				Source: storagev1.VolumeAttachmentSource{PersistentVolumeName: ptr.To(pv.Name)},
+			},
+		}
+		alpha.create(ctx, va)
+		DeferCleanup(func(ctx SpecContext) { // before the namespace's cleanup: the PV is deleted then
+			Expect(client.IgnoreNotFound(alpha.c.Delete(ctx, va))).To(Succeed())
+			gone(ctx, alpha.c, va)
+		})
+		Eventually(func(g Gomega) {
+			g.Expect(alpha.c.Get(ctx, client.ObjectKeyFromObject(va), va)).To(Succeed())
+			g.Expect(va.Status.AttachError).NotTo(BeNil())
+			g.Expect(va.Status.AttachError.ErrorCode).To(HaveValue(BeEquivalentTo(codes.ResourceExhausted)))
+			g.Expect(va.Status.AttachError.Message).To(ContainSubstring("as many as its hot-plug slots"))
+		}).WithContext(ctx).WithTimeout(timeout).Should(Succeed())
+		Expect(va.Status.Attached).To(BeFalse())
+		Expect(vm(ctx, alpha.Options.Namespace, full).Spec.Volumes).To(HaveLen(1), "only the first pod's volume is in the VM")
+	})
+})
+
+var _ = Describe("Volume health", Label("health"), func() {
+	It("shows a volume whose backing device lost its capacity in the pod's status, and its recovery", func(ctx SpecContext) {
+		ns := alpha.namespace(ctx)
+		alpha.create(ctx, deploy.PVC(ns, "data", "", "64Mi", false))
+		pod := alpha.runPod(ctx, ns, "app", "data", "vm-2", false)
+		_, pv := alpha.bound(ctx, ns, "data")
+		mpv := &corev1.PersistentVolume{}
+		Expect(mc.Get(ctx, client.ObjectKey{Name: mgmtClaim(ctx, alpha, pv).Spec.VolumeName}, mpv)).To(Succeed())
+		Eventually(volumeHealth).WithContext(ctx).WithArguments(alpha, pod).WithTimeout(timeout).Should(
+			HaveKeyWithValue("data", BeEmpty()), "kubelet reports the healthy volume")
+
+		By("the PMEM file behind the volume on host-b loses its capacity")
+		file := filepath.Join(mgmtHost("host-b").PmemDir, "volumes", mpv.Spec.CSI.VolumeHandle+".img")
+		st, err := os.Stat(file)
+		Expect(err).NotTo(HaveOccurred())
+		resize(file, 0)
+		DeferCleanup(resize, file, st.Size()) // before the namespace's cleanup: the volume is deleted then
+		Eventually(volumeHealth).WithContext(ctx).WithArguments(alpha, pod).WithTimeout(timeout).Should(
+			HaveKeyWithValue("data", ContainElement(And(
+				HaveField("Status", corev1.VolumeHealthInaccessible), HaveField("Reason", mounter.ReasonDeviceGone),
+				HaveField("Message", ContainSubstring("on node vm-2")),
+			))))
+
+		By("the capacity is back: the condition clears")
+		resize(file, st.Size())
+		Eventually(volumeHealth).WithContext(ctx).WithArguments(alpha, pod).WithTimeout(timeout).Should(
+			HaveKeyWithValue("data", BeEmpty()))
+	})
+})
+
+// setSlots sets, or with nil removes, spec.maxVolumes of guest g's VM name, as a platform admin.
+func setSlots(ctx context.Context, g *guestCluster, name string, slots *int32) {
+	GinkgoHelper()
+	value := "null"
+	if slots != nil {
+		value = fmt.Sprint(*slots)
+	}
+	obj := &vmv1.VirtualMachine{ObjectMeta: metaName(g.Options.Namespace, name)}
+	Expect(mc.Patch(ctx, obj, client.RawPatch(types.MergePatchType, []byte(`{"spec":{"maxVolumes":`+value+`}}`)))).To(Succeed())
+}
+
+// waitVolumeLimit waits until guest g's CSINode of vm says that it takes n volumes of guest-csi,
+// as the scheduler reads it.
+func waitVolumeLimit(ctx context.Context, g *guestCluster, vm string, n int32) {
+	GinkgoHelper()
+	Eventually(func(g2 Gomega) {
+		csiNode := &storagev1.CSINode{}
+		g2.Expect(g.c.Get(ctx, client.ObjectKey{Name: vm}, csiNode)).To(Succeed())
+		g2.Expect(csiNode.Spec.Drivers).To(ContainElement(And(
+			HaveField("Name", names.GuestDriver),
+			HaveField("Allocatable", HaveField("Count", HaveValue(Equal(n)))),
+		)))
+	}).WithContext(ctx).WithTimeout(timeout).Should(Succeed())
+}
+
+// volumeHealth returns the conditions kubelet reports in the pod's status.volumeHealth, by
+// volume name.
+func volumeHealth(ctx context.Context, g *guestCluster, pod *corev1.Pod) (map[string][]corev1.VolumeHealthCondition, error) {
+	got := &corev1.Pod{}
+	if err := g.c.Get(ctx, client.ObjectKeyFromObject(pod), got); err != nil {
+		return nil, err
+	}
+	health := map[string][]corev1.VolumeHealthCondition{}
+	for _, v := range got.Status.VolumeHealth {
+		health[v.Name] = v.HealthConditions
+	}
+	return health, nil
+}
+
+// mgmtHost returns the lab's management host name.
+func mgmtHost(name string) *deploy.Host {
+	GinkgoHelper()
+	for _, h := range mgmt.Hosts {
+		if h.Node.Name == name {
+			return h
+		}
+	}
+	Fail("no management host " + name)
+	return nil
+}
+
+// resize makes a PMEM volume's file size bytes and tells its loop devices, as a host whose
+// backing storage shrank (or came back) would.
+func resize(file string, size int64) {
+	GinkgoHelper()
+	Expect(os.Truncate(file, size)).To(Succeed())
+	loops, err := csinodetest.LoopDevices(file)
+	Expect(err).NotTo(HaveOccurred())
+	Expect(loops).NotTo(BeEmpty())
+	for _, loop := range loops {
+		out, err := exec.Command("losetup", "--set-capacity", loop).CombinedOutput()
+		Expect(err).NotTo(HaveOccurred(), "%s", strings.TrimSpace(string(out)))
+	}
+}
