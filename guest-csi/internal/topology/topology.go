@@ -109,16 +109,16 @@ type VMFunc func(ctx context.Context, vm string) (VM, error)
 // Labeller labels every guest Node with the host of its VM and annotates it with the VM's
 // slots. It reconciles a node when the node or its VM changes.
 type Labeller struct {
-	guest  kubernetes.Interface
-	hostOf VMFunc
-	queue  workqueue.TypedRateLimitingInterface[string]
+	guest kubernetes.Interface
+	vmOf  VMFunc
+	queue workqueue.TypedRateLimitingInterface[string]
 }
 
 // NewLabeller returns a Labeller of the guest cluster's Nodes.
-func NewLabeller(guest kubernetes.Interface, hostOf VMFunc) *Labeller {
+func NewLabeller(guest kubernetes.Interface, vmOf VMFunc) *Labeller {
 	return &Labeller{
-		guest:  guest,
-		hostOf: hostOf,
+		guest: guest,
+		vmOf:  vmOf,
 		queue: workqueue.NewTypedRateLimitingQueueWithConfig(
 			workqueue.NewTypedItemExponentialFailureRateLimiter[string](100*time.Millisecond, 30*time.Second),
 			workqueue.TypedRateLimitingQueueConfig[string]{Name: "node-labeller"}),
@@ -184,7 +184,7 @@ func (l *Labeller) Run(ctx context.Context) error {
 }
 
 func (l *Labeller) label(ctx context.Context, node *corev1.Node) error {
-	vm, err := l.hostOf(ctx, node.Name)
+	vm, err := l.vmOf(ctx, node.Name)
 	if err != nil || vm.Host == "" {
 		return err
 	}
