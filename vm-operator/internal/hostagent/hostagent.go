@@ -308,7 +308,7 @@ func (r *Reconciler) slots(ctx context.Context, ref hypervisor.VM, d *decisions)
 		ctrl.LoggerFrom(ctx).V(1).Info("Cannot read the VM's hot-plug slots", "err", err)
 		return
 	}
-	if n > 0 {
+	if n > 0 && n <= hypervisor.MaxSlots {
 		d.slots = ptr.To(int32(n))
 	}
 }

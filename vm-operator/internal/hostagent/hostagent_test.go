@@ -349,8 +349,8 @@ func TestReconcileReportsTheVMsSlots(t *testing.T) {
 			want: ptr.To[int32](5),
 		},
 		{
-			name: "a VM asked to be off reports nothing new",
-			vm:   func(vm *vmv1.VirtualMachine) { vm.Spec.PowerState = vmv1.PowerStateOff },
+			name:    "a VM asked to be off reports nothing new",
+			vm:      func(vm *vmv1.VirtualMachine) { vm.Spec.PowerState = vmv1.PowerStateOff },
 			prepare: func(h *fakeHypervisor) { h.slots = 16 }, want: nil,
 		},
 	}
