@@ -7,6 +7,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strings"
+	"time"
 
 	. "github.com/onsi/ginkgo/v2"
 	. "github.com/onsi/gomega"
@@ -71,31 +72,32 @@ var _ = Describe("Volume limits", Label("limits"), func() {
 		pod = alpha.running(ctx, ns, "elsewhere")
 		Expect(pod.Spec.NodeName).To(Equal(other))
 
-		By("an attach to the full VM is refused with ResourceExhausted, which kubelet reads the limit again after")
+		By("a pod bound to the full VM beside the scheduler: its attach is ResourceExhausted, and kubelet rejects it")
 		_, pv := alpha.bound(ctx, ns, "elsewhere")
 		alpha.deletePod(ctx, pod)
-		// As the attach-detach controller would make it for a pod bound to vm-1 beside the
-		// scheduler (a stale count, or a pod with spec.nodeName).
-		va := &storagev1.VolumeAttachment{
-			ObjectMeta: metav1.ObjectMeta{Name: "e2e-beyond-the-slots-" + ns},
-			Spec: storagev1.VolumeAttachmentSpec{
-				Attacher: names.GuestDriver, NodeName: full,
-				Source: storagev1.VolumeAttachmentSource{PersistentVolumeName: ptr.To(pv.Name)},
-			},
-		}
-		alpha.create(ctx, va)
-		DeferCleanup(func(ctx SpecContext) { // before the namespace's cleanup: the PV is deleted then
-			Expect(client.IgnoreNotFound(alpha.c.Delete(ctx, va))).To(Succeed())
-			gone(ctx, alpha.c, va)
-		})
+		bypass := deploy.Pod(ns, "bypass", "elsewhere", "", false)
+		bypass.Spec.NodeName = full // no scheduler, no count
+		alpha.create(ctx, bypass)
 		Eventually(func(g Gomega) {
-			g.Expect(alpha.c.Get(ctx, client.ObjectKeyFromObject(va), va)).To(Succeed())
-			g.Expect(va.Status.AttachError).NotTo(BeNil())
-			g.Expect(va.Status.AttachError.ErrorCode).To(HaveValue(BeEquivalentTo(codes.ResourceExhausted)))
-			g.Expect(va.Status.AttachError.Message).To(ContainSubstring("as many as its hot-plug slots"))
+			vas := &storagev1.VolumeAttachmentList{}
+			g.Expect(alpha.c.List(ctx, vas)).To(Succeed())
+			g.Expect(vas.Items).To(ContainElement(And(
+				HaveField("Spec.NodeName", full), HaveField("Spec.Source.PersistentVolumeName", HaveValue(Equal(pv.Name))),
+				HaveField("Status.Attached", false),
+				HaveField("Status.AttachError", And(
+					HaveField("ErrorCode", HaveValue(BeEquivalentTo(codes.ResourceExhausted))),
+					HaveField("Message", ContainSubstring("as many as its hot-plug slots")),
+				)),
+			)))
 		}).WithContext(ctx).WithTimeout(timeout).Should(Succeed())
-		Expect(va.Status.Attached).To(BeFalse())
 		Expect(vm(ctx, alpha.Options.Namespace, full).Spec.Volumes).To(HaveLen(1), "only the first pod's volume is in the VM")
+		// kubelet waits 2 min 3 s for a pod's volumes, then reads the VolumeAttachment's code,
+		// asks NodeGetInfo again and rejects the pod.
+		Eventually(func(g Gomega) {
+			g.Expect(alpha.c.Get(ctx, client.ObjectKeyFromObject(bypass), bypass)).To(Succeed())
+			g.Expect(bypass.Status.Phase).To(Equal(corev1.PodFailed))
+			g.Expect(bypass.Status.Reason).To(Equal("VolumeAttachmentLimitExceeded"))
+		}).WithContext(ctx).WithTimeout(2*timeout + time.Minute).Should(Succeed())
 	})
 })
 
