@@ -376,6 +376,7 @@ func hotplugPorts(ctx context.Context, mon *Monitor) ([]port, error) {
 
 // Slots implements hypervisor.Driver: the hot-plug ports the running VM has, whatever the
 // options or vm.Slots say now (a VM keeps the ports it was started with); 0 when it does not run.
+// They are read from QEMU once per connection to its monitor (a new process is a new one).
 func (d *Driver) Slots(ctx context.Context, vm hypervisor.VM) (int, error) {
 	v, err := d.state(vm)
 	if err != nil {
@@ -388,10 +389,19 @@ func (d *Driver) Slots(ctx context.Context, vm hypervisor.VM) (int, error) {
 	if err != nil {
 		return 0, err
 	}
+	v.monMu.Lock()
+	n, known := v.ports, v.portsOf == mon
+	v.monMu.Unlock()
+	if known {
+		return n, nil
+	}
 	ports, err := hotplugPorts(ctx, mon)
 	if err != nil {
 		return 0, fmt.Errorf("VM %s: list hot-plug ports: %w", v.name, err)
 	}
+	v.monMu.Lock()
+	v.ports, v.portsOf = len(ports), mon
+	v.monMu.Unlock()
 	return len(ports), nil
 }
 

@@ -104,9 +104,13 @@ type vmState struct {
 	// picks a free port) and Detach. Detach does not hold it while it waits for the guest.
 	mu sync.Mutex
 
-	monMu sync.Mutex // guards mon and proc
+	monMu sync.Mutex // guards mon, proc, ports and portsOf
 	mon   *Monitor
 	proc  *process
+	// ports is how many hot-plug ports the QEMU behind the monitor portsOf was started with:
+	// fixed for the life of a process, so read once per connection.
+	ports   int
+	portsOf *Monitor
 }
 
 // New returns a driver configured by opts.

@@ -356,6 +356,19 @@ func TestSlotsAreThePortsTheVMWasStartedWith(t *testing.T) {
 	}
 }
 
+func TestARestartedVMHasTheSlotsItWasStartedWith(t *testing.T) {
+	g := NewWithT(t)
+	d := newDriver(t, Options{HotplugPorts: 2})
+	vm := testVM
+	startVM(t, d, vm)
+	g.Expect(d.Slots(t.Context(), vm)).To(Equal(2))
+	g.Expect(d.PowerOff(t.Context(), vm)).To(Succeed())
+	g.Expect(d.Slots(t.Context(), vm)).To(BeZero(), "a VM that does not run has no slots")
+	vm.Slots = 5
+	startVM(t, d, vm)
+	g.Expect(d.Slots(t.Context(), vm)).To(Equal(5))
+}
+
 func TestAttachUsesFreePortsOnly(t *testing.T) {
 	g := NewWithT(t)
 	ctx := t.Context()
