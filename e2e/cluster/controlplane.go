@@ -106,6 +106,9 @@ func (l *Lab) StartControlPlane(ctx context.Context, name string) (*ControlPlane
 		"--endpoint-reconciler-type=none",
 		fmt.Sprintf("--watch-cache=%t", cp.lab.WatchCache), "--enable-priority-and-fairness=false",
 		"--profiling=false", "--etcd-count-metric-poll-period=0",
+		// Pods' status.volumeHealth, which kubelets with the same gate write (CSI volume
+		// health, alpha in v1.37): without it the apiserver drops the field.
+		"--feature-gates=CSIVolumeHealth=true",
 	); err != nil {
 		return nil, err
 	}

@@ -293,6 +293,13 @@ syncFrequency: 10s
 # pod was gone; the lab reports every 20 s.
 nodeStatusReportFrequency: 20s
 makeIPTablesUtilChains: false
+# CSI volume health (alpha in v1.37, with the apiserver's gate): the kubelet asks each node
+# plugin that offers it for the health of every volume in use, every volumeStatsAggPeriod, and
+# writes the answer into the pod's status.volumeHealth. 10 s instead of a minute, so that a
+# test sees a change within seconds; the lab's pods have few volumes.
+featureGates:
+  CSIVolumeHealth: true
+volumeStatsAggPeriod: 10s
 # The nodes share the machine's disk, most of which is not theirs: at the default thresholds
 # (85%% used) a node removed the images it had not run yet (the conformance tests' busybox, which
 # no registry serves here) and would evict pods. No image garbage collection; evictions only

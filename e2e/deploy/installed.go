@@ -42,6 +42,10 @@ import (
 const (
 	// PmemDir is where an installed lab's hosts mount their emulated PMEM.
 	PmemDir = "/var/lib/pvbridge/pmem"
+	// VMSlots is the hot-plug slots of an installed lab's VMs, and so each guest node's volume
+	// limit: few, so that Kubernetes' volumeLimits test, which fills a node to its limit with a
+	// pod per volume, stays a short test.
+	VMSlots = 8
 	// VMRoot is where an installed lab's host agents keep their VMs (local hypervisor).
 	VMRoot = "/var/lib/pvbridge/vms"
 	// VMDeviceRoot is where a guest node of an installed lab sees its VM's device tree.
@@ -219,6 +223,9 @@ patches:
       - op: replace
         path: /spec/template/spec/containers/0/args/3
         value: --vm-root=` + VMRoot + `
+      - op: add
+        path: /spec/template/spec/containers/0/args/-
+        value: --vm-slots=` + fmt.Sprint(VMSlots) + `
 `
 }
 

@@ -555,6 +555,9 @@ func TestGuestTenancyPolicy(t *testing.T) {
 				vm.Spec.Bootstrap = &vmv1.VirtualMachineBootstrap{DataSecretName: "another-clusters-bootstrap"}
 			}),
 			want: tenancyPolicy + "guest cluster a1 may change only spec.volumes of " + what("VirtualMachine", ownVM) + ", not spec.bootstrap"},
+		{name: "give its VM more hot-plug slots", as: "tenant-a/a1",
+			do:   patch(vmKey(ownVM), func(vm *vmv1.VirtualMachine) { vm.Spec.MaxVolumes = ptr.To[int32](64) }),
+			want: tenancyPolicy + "guest cluster a1 may change only spec.volumes of " + what("VirtualMachine", ownVM) + ", not spec.maxVolumes"},
 		{name: "relabel its VM", as: "tenant-a/a1",
 			do:   patch(vmKey(ownVM), func(vm *vmv1.VirtualMachine) { vm.Labels[tenancy.CAPIClusterNameLabel] = "a2" }),
 			want: tenancyPolicy + "guest cluster a1 may change only spec.volumes of " + what("VirtualMachine", ownVM) + ", not metadata.labels"},

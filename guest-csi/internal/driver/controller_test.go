@@ -280,6 +280,62 @@ func TestConcurrentPublishesToOneVM(t *testing.T) {
 	g.Expect(aborted.Load()).To(BeZero(), "calls answered Aborted")
 }
 
+// A VM takes as many volumes as its hot-plug slots (status.maxVolumes), also when they come at
+// once in one batch; one more is ResourceExhausted until a detach frees a slot.
+func TestPublishBeyondTheVMsSlotsIsResourceExhausted(t *testing.T) {
+	g := NewWithT(t)
+	const name = "vm-slots"
+	e := newGuestEnv(t, envOptions{vms: []string{name}})
+	node := &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: name}}
+	g.Expect(e.admin.Create(t.Context(), node)).To(Succeed())
+	t.Cleanup(func() { _ = e.admin.Delete(context.WithoutCancel(t.Context()), node) })
+	vm := &vmv1.VirtualMachine{ObjectMeta: metav1.ObjectMeta{Namespace: e.ns, Name: name}}
+	g.Expect(e.admin.Status().Patch(t.Context(), vm, client.RawPatch(types.MergePatchType, []byte(`{"status":{"maxVolumes":2}}`)))).To(Succeed())
+	// The guest Node is annotated from the driver's cache of the VM: once it shows the slots,
+	// so does the cache that publishes read.
+	g.Eventually(func() map[string]string {
+		g.Expect(e.admin.Get(t.Context(), client.ObjectKeyFromObject(node), node)).To(Succeed())
+		return node.Annotations
+	}).WithTimeout(eventually).Should(HaveKeyWithValue("guest.csi.pvbridge.io/max-volumes", "2"))
+	ids := []string{e.createVolume(t, "slot-1"), e.createVolume(t, "slot-2"), e.createVolume(t, "slot-3")}
+
+	var wg sync.WaitGroup
+	errs := make([]error, len(ids))
+	for i, id := range ids {
+		wg.Go(func() { _, errs[i] = retried(t, e.ctrl.ControllerPublishVolume, e.publishReq(id, name)) })
+	}
+	wg.Wait()
+	var attached []string
+	refused := ""
+	for i, err := range errs {
+		if err == nil {
+			attached = append(attached, ids[i])
+			continue
+		}
+		expectCodeIn(g, err, codes.ResourceExhausted, "as many as its hot-plug slots")
+		g.Expect(refused).To(BeEmpty(), "one publish is refused, not two")
+		refused = ids[i]
+	}
+	g.Expect(attached).To(HaveLen(2))
+	g.Expect(e.vmVolumes(t, name)).To(ConsistOf(attached), "the refused volume was not added")
+
+	_, err := call(t, e.ctrl.ControllerPublishVolume, e.publishReq(attached[0], name))
+	g.Expect(err).NotTo(HaveOccurred(), "a volume that has its slot publishes again")
+	_, err = retried(t, e.ctrl.ControllerUnpublishVolume, e.unpublishReq(attached[0], name))
+	g.Expect(err).NotTo(HaveOccurred())
+	// The unpublish returned once the disk left the VM's status; the cache may show it a
+	// moment later.
+	g.Eventually(func() error {
+		_, err := call(t, e.ctrl.ControllerPublishVolume, e.publishReq(refused, name))
+		return err
+	}).WithTimeout(eventually).Should(Succeed(), "the detach freed a slot")
+	g.Expect(e.vmVolumes(t, name)).To(ConsistOf(attached[1], refused))
+	for _, id := range []string{attached[1], refused} {
+		_, err := retried(t, e.ctrl.ControllerUnpublishVolume, e.unpublishReq(id, name))
+		g.Expect(err).NotTo(HaveOccurred())
+	}
+}
+
 // An entry of spec.volumes that another writer also owns (an earlier guest-csi, which wrote the
 // list with updates, or an admin's edit) is removed all the same.
 func TestUnpublishRemovesAnEntryOthersWrote(t *testing.T) {

@@ -23,6 +23,7 @@ import (
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/clientcmd"
 	"k8s.io/klog/v2"
+	"k8s.io/utils/ptr"
 	"sigs.k8s.io/controller-runtime/pkg/cache"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
@@ -255,7 +256,7 @@ func (d *Driver) Run(ctx context.Context) error {
 // register registers the node plugin with kubelet once the node's host is known: kubelet asks
 // NodeGetInfo once, and never again after a failed registration.
 func (d *Driver) register(ctx context.Context, endpoint string, host Host) error {
-	if _, err := host.HostOf(ctx); err != nil {
+	if _, err := host.VMOf(ctx); err != nil {
 		klog.FromContext(ctx).Info("Waiting for the node's host before registering with kubelet", "reason", err.Error())
 		if err := host.WaitForHost(ctx); err != nil {
 			if ctx.Err() != nil {
@@ -354,13 +355,13 @@ func (d *Driver) setupController(server *csiserver.Server, guest kubernetes.Inte
 	if err != nil {
 		return nil, nil, err
 	}
-	labeller = topology.NewLabeller(guest, func(ctx context.Context, name string) (string, error) {
+	labeller = topology.NewLabeller(guest, func(ctx context.Context, name string) (topology.VM, error) {
 		vm := &vmv1.VirtualMachine{}
 		err := conn.Get(ctx, client.ObjectKey{Namespace: conn.Namespace(), Name: name}, vm)
 		if err != nil {
-			return "", client.IgnoreNotFound(err)
+			return topology.VM{}, client.IgnoreNotFound(err)
 		}
-		return vm.Status.Host, nil
+		return topology.VM{Host: vm.Status.Host, MaxVolumes: int64(ptr.Deref(vm.Status.MaxVolumes, 0))}, nil
 	})
 	cfg := controllerConfig{
 		cluster:           cluster,

@@ -24,12 +24,17 @@ const TopologyKey = topology.Key
 // ErrHostUnknown is what a Host returns while it does not know the node's host yet.
 var ErrHostUnknown = topology.ErrHostUnknown
 
-// Host tells the node plugin which management host runs its VirtualMachine. Guest nodes hold no
-// management credentials: the guest-csi controller labels each guest Node with its host, and a
-// Host reads that label of the plugin's own Node.
+// VM is what the node plugin knows of its VirtualMachine: its host and its hot-plug slots.
+type VM = topology.VM
+
+// Host tells the node plugin which management host runs its VirtualMachine, and how many volumes
+// the VM can hold. Guest nodes hold no management credentials: the guest-csi controller labels
+// each guest Node with its host and annotates it with the VM's slots, and a Host reads them from
+// the plugin's own Node.
 type Host interface {
-	// HostOf returns the host name, or an error wrapping ErrHostUnknown while it is not known.
-	HostOf(ctx context.Context) (string, error)
+	// VMOf returns what is known of the VM, or an error wrapping ErrHostUnknown while its host
+	// is not known.
+	VMOf(ctx context.Context) (VM, error)
 	// WaitForHost returns once the host is known, or with ctx's error when ctx ends first.
 	WaitForHost(ctx context.Context) error
 }
@@ -64,18 +69,23 @@ func (n *nodeServer) NodeGetCapabilities(context.Context, *csi.NodeGetCapabiliti
 	return csinode.Capabilities(
 		csi.NodeServiceCapability_RPC_STAGE_UNSTAGE_VOLUME,
 		csi.NodeServiceCapability_RPC_GET_VOLUME_STATS,
+		csi.NodeServiceCapability_RPC_GET_VOLUME_HEALTH,
 		csi.NodeServiceCapability_RPC_EXPAND_VOLUME,
 	), nil
 }
 
-// NodeGetInfo reports the VM as the node and its host as the node's topology. While the host
-// is not known (the controller has not labelled the Node yet) it answers Unavailable, and
-// kubelet retries the plugin registration.
+// NodeGetInfo reports the VM as the node, its host as the node's topology and its hot-plug
+// slots as max_volumes_per_node (none while the VM has not reported them). Kubelet asks again
+// every nodeAllocatableUpdatePeriodSeconds of the CSIDriver, and after an attach refused with
+// ResourceExhausted, and writes the number into the CSINode's allocatable count, which the
+// scheduler places volumes by. While the host is not known (the controller has not labelled the
+// Node yet) it answers Unavailable, and kubelet retries the plugin registration.
 func (n *nodeServer) NodeGetInfo(ctx context.Context, _ *csi.NodeGetInfoRequest) (*csi.NodeGetInfoResponse, error) {
 	if n.host == nil {
 		return nil, status.Errorf(codes.Unavailable, "node %s: %v: no source of the host is configured", n.nodeID, ErrHostUnknown)
 	}
-	host, err := n.host.HostOf(ctx)
+	vm, err := n.host.VMOf(ctx)
+	host := vm.Host
 	if err == nil && host == "" {
 		err = ErrHostUnknown
 	}
@@ -90,6 +100,7 @@ func (n *nodeServer) NodeGetInfo(ctx context.Context, _ *csi.NodeGetInfoRequest)
 	}
 	return &csi.NodeGetInfoResponse{
 		NodeId:             n.nodeID,
+		MaxVolumesPerNode:  vm.MaxVolumes,
 		AccessibleTopology: &csi.Topology{Segments: map[string]string{TopologyKey: host}},
 	}, nil
 }
@@ -193,6 +204,47 @@ func (n *nodeServer) NodeGetVolumeStats(ctx context.Context, req *csi.NodeGetVol
 		return nil, n.StatusError(err)
 	}
 	return n.Stats(ctx, req.GetVolumeId(), req.GetVolumePath(), device)
+}
+
+// NodeGetVolumeHealth reports a volume INACCESSIBLE, with the mounter's reason, when the disk
+// behind its publish path (or, without one, its staging path) left the VM or has no capacity
+// left (DeviceGone: the management side lost its backing device), when its filesystem fails
+// (MountCorrupted, IOError), or when the publish path is no mount (NotMounted; a block volume
+// has nothing mounted at its staging path, so that is not reported there). Kubelet's
+// CSIVolumeHealth feature asks it for every volume a pod uses and writes the answer into the
+// pod's status.volumeHealth. The node knows its disks by the serials of publish contexts and the
+// paths it is given: without a path it knows nothing adverse, and says so with no entries. A
+// path that does not exist is NotFound.
+func (n *nodeServer) NodeGetVolumeHealth(ctx context.Context, req *csi.NodeGetVolumeHealthRequest) (*csi.NodeGetVolumeHealthResponse, error) {
+	if req.GetVolumeId() == "" {
+		return nil, status.Error(codes.InvalidArgument, "volume_id is required")
+	}
+	ctx = klog.NewContext(ctx, klog.FromContext(ctx).WithValues("volumeID", req.GetVolumeId()))
+	health := &csi.VolumeHealth{VolumeId: req.GetVolumeId()}
+	path, published := req.GetVolumePublishPath(), true
+	if path == "" {
+		path, published = req.GetStagingTargetPath(), false
+	}
+	if path == "" {
+		return &csi.NodeGetVolumeHealthResponse{VolumeHealth: health}, nil
+	}
+	device, err := n.deviceAt(path)
+	if err != nil {
+		return nil, n.StatusError(err)
+	}
+	stats, err := n.Mounter.Stats(ctx, path, device)
+	switch {
+	case err != nil:
+		return nil, n.StatusError(err)
+	case stats.Condition == nil:
+	case stats.Condition.Reason == mounter.ReasonNotMounted && !published:
+	default:
+		health.HealthStatuses = []*csi.VolumeHealth_VolumeHealthEntry{{
+			Status: csi.VolumeHealthErrorType_INACCESSIBLE, Reason: stats.Condition.Reason,
+			Message: fmt.Sprintf("volume %s on node %s: %s", req.GetVolumeId(), n.nodeID, stats.Condition.Message),
+		}}
+	}
+	return &csi.NodeGetVolumeHealthResponse{VolumeHealth: health}, nil
 }
 
 // NodeExpandVolume grows the filesystem at the volume path to fill its disk, which the

@@ -25,13 +25,16 @@ const (
 	testHost     = "host-a"
 )
 
-// fakeHost is a Host that knows host, or fails with err.
+// fakeHost is a Host that knows host and slots, or fails with err.
 type fakeHost struct {
-	host string
-	err  error
+	host  string
+	slots int64
+	err   error
 }
 
-func (f fakeHost) HostOf(context.Context) (string, error) { return f.host, f.err }
+func (f fakeHost) VMOf(context.Context) (VM, error) {
+	return VM{Host: f.host, MaxVolumes: f.slots}, f.err
+}
 
 func (f fakeHost) WaitForHost(ctx context.Context) error {
 	if f.host == "" {

@@ -26,6 +26,7 @@ func TestNodeGetCapabilities(t *testing.T) {
 	g.Expect(got).To(ConsistOf(
 		csi.NodeServiceCapability_RPC_STAGE_UNSTAGE_VOLUME,
 		csi.NodeServiceCapability_RPC_GET_VOLUME_STATS,
+		csi.NodeServiceCapability_RPC_GET_VOLUME_HEALTH,
 		csi.NodeServiceCapability_RPC_EXPAND_VOLUME,
 	))
 }
@@ -34,10 +35,12 @@ func TestNodeGetInfo(t *testing.T) {
 	tests := []struct {
 		name     string
 		host     Host
+		wantMax  int64
 		wantCode codes.Code
 		wantMsg  string
 	}{
 		{name: "the VM is the node, its host the topology", host: fakeHost{host: testHost}},
+		{name: "the VM's slots are the node's volume limit", host: fakeHost{host: testHost, slots: 5}, wantMax: 5},
 		{name: "no source of the host is unavailable", host: nil, wantCode: codes.Unavailable, wantMsg: "not known yet"},
 		{name: "an unlabelled node is unavailable", host: fakeHost{err: ErrHostUnknown}, wantCode: codes.Unavailable, wantMsg: "not known yet"},
 		{name: "an empty host is unavailable", host: fakeHost{}, wantCode: codes.Unavailable, wantMsg: "not known yet"},
@@ -55,6 +58,7 @@ func TestNodeGetInfo(t *testing.T) {
 			}
 			g.Expect(resp.GetNodeId()).To(Equal(testNode))
 			g.Expect(resp.GetAccessibleTopology().GetSegments()).To(Equal(map[string]string{TopologyKey: testHost}))
+			g.Expect(resp.GetMaxVolumesPerNode()).To(Equal(tt.wantMax))
 		})
 	}
 }
@@ -371,6 +375,118 @@ func TestNodeGetVolumeStats(t *testing.T) {
 			g.Expect(units).To(Equal(tt.wantUnit))
 			if tt.capability.GetBlock() != nil {
 				g.Expect(resp.GetUsage()[0].GetTotal()).To(Equal(testDiskSize))
+			}
+		})
+	}
+}
+
+func TestNodeGetVolumeHealth(t *testing.T) {
+	inaccessible := func(reason string) []*csi.VolumeHealth_VolumeHealthEntry {
+		return []*csi.VolumeHealth_VolumeHealthEntry{{Status: csi.VolumeHealthErrorType_INACCESSIBLE, Reason: reason}}
+	}
+	// unplug takes the disk out of the VM's device tree, as a hot-unplug the guest did not
+	// agree to (a surprise removal) leaves it.
+	unplug := func(t *testing.T, e *vmEnv) {
+		t.Helper()
+		for _, p := range []string{e.path("vm/dev/disk/by-id/virtio-pvb-v"), e.nodes["pvb-v"], e.path("vm/sys/block/vdb")} {
+			if err := os.RemoveAll(p); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	tests := []struct {
+		name       string
+		capability *csi.VolumeCapability
+		// request makes the request, and breaks what the case is about.
+		request  func(t *testing.T, e *vmEnv, staging, target string) *csi.NodeGetVolumeHealthRequest
+		want     []*csi.VolumeHealth_VolumeHealthEntry
+		wantCode codes.Code
+		wantMsg  string
+	}{
+		{
+			name: "a healthy published filesystem", capability: fsCap("ext4"),
+			request: func(_ *testing.T, _ *vmEnv, staging, target string) *csi.NodeGetVolumeHealthRequest {
+				return &csi.NodeGetVolumeHealthRequest{VolumeId: "v", StagingTargetPath: staging, VolumePublishPath: target}
+			},
+		},
+		{
+			name: "a healthy raw block volume, whose staging directory is no mount", capability: rawCap(),
+			request: func(t *testing.T, _ *vmEnv, staging, _ string) *csi.NodeGetVolumeHealthRequest {
+				mkdir(t, staging) // kubelet's
+				return &csi.NodeGetVolumeHealthRequest{VolumeId: "v", StagingTargetPath: staging}
+			},
+		},
+		{
+			name: "a disk that left the VM under a filesystem", capability: fsCap("ext4"),
+			request: func(t *testing.T, e *vmEnv, staging, target string) *csi.NodeGetVolumeHealthRequest {
+				unplug(t, e)
+				return &csi.NodeGetVolumeHealthRequest{VolumeId: "v", StagingTargetPath: staging, VolumePublishPath: target}
+			},
+			want: inaccessible(mounter.ReasonDeviceGone),
+		},
+		{
+			name: "a disk that left the VM under a raw block volume", capability: rawCap(),
+			request: func(t *testing.T, e *vmEnv, staging, target string) *csi.NodeGetVolumeHealthRequest {
+				unplug(t, e)
+				return &csi.NodeGetVolumeHealthRequest{VolumeId: "v", StagingTargetPath: staging, VolumePublishPath: target}
+			},
+			want: inaccessible(mounter.ReasonDeviceGone),
+		},
+		{
+			name: "a disk whose backing device lost its capacity", capability: fsCap("xfs"),
+			request: func(t *testing.T, e *vmEnv, staging, target string) *csi.NodeGetVolumeHealthRequest {
+				e.grow(t, "pvb-v", 0)
+				return &csi.NodeGetVolumeHealthRequest{VolumeId: "v", StagingTargetPath: staging, VolumePublishPath: target}
+			},
+			want: inaccessible(mounter.ReasonDeviceGone),
+		},
+		{
+			name: "a publish path that is no mount", capability: fsCap("ext4"),
+			request: func(t *testing.T, e *vmEnv, staging, _ string) *csi.NodeGetVolumeHealthRequest {
+				p := e.path("empty")
+				mkdir(t, p)
+				return &csi.NodeGetVolumeHealthRequest{VolumeId: "v", StagingTargetPath: staging, VolumePublishPath: p}
+			},
+			want: inaccessible(mounter.ReasonNotMounted),
+		},
+		{
+			name: "no path: nothing adverse is known", capability: fsCap("ext4"),
+			request: func(*testing.T, *vmEnv, string, string) *csi.NodeGetVolumeHealthRequest {
+				return &csi.NodeGetVolumeHealthRequest{VolumeId: "v"}
+			},
+		},
+		{
+			name: "a path that does not exist", capability: fsCap("ext4"),
+			request: func(_ *testing.T, e *vmEnv, _, _ string) *csi.NodeGetVolumeHealthRequest {
+				return &csi.NodeGetVolumeHealthRequest{VolumeId: "v", VolumePublishPath: e.path("nothing")}
+			},
+			wantCode: codes.NotFound,
+		},
+		{
+			name: "no volume ID", capability: fsCap("ext4"),
+			request: func(_ *testing.T, _ *vmEnv, _, target string) *csi.NodeGetVolumeHealthRequest {
+				return &csi.NodeGetVolumeHealthRequest{VolumePublishPath: target}
+			},
+			wantCode: codes.InvalidArgument, wantMsg: "volume_id",
+		},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			g := NewWithT(t)
+			e := newVMEnv(t)
+			staging, target := e.published(t, "v", "pvb-v", tt.capability)
+			resp, err := e.n.NodeGetVolumeHealth(t.Context(), tt.request(t, e, staging, target))
+			expectCode(g, err, tt.wantCode, tt.wantMsg)
+			if tt.wantCode != codes.OK {
+				return
+			}
+			g.Expect(resp.GetVolumeHealth().GetVolumeId()).To(Equal("v"))
+			entries := resp.GetVolumeHealth().GetHealthStatuses()
+			g.Expect(entries).To(HaveLen(len(tt.want)))
+			for i, want := range tt.want {
+				g.Expect(entries[i].GetStatus()).To(Equal(want.GetStatus()))
+				g.Expect(entries[i].GetReason()).To(Equal(want.GetReason()))
+				g.Expect(entries[i].GetMessage()).To(ContainSubstring("volume v on node " + testNode))
 			}
 		})
 	}

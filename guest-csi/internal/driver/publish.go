@@ -3,6 +3,7 @@ package driver
 import (
 	"context"
 	"slices"
+	"strings"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"google.golang.org/grpc/codes"
@@ -20,7 +21,8 @@ import (
 
 // ControllerPublishVolume attaches a volume to a guest node: it adds the management PVC to the
 // node's VirtualMachine's spec.volumes and waits until vm-operator reports the disk attached,
-// with its serial, which the node finds the disk by.
+// with its serial, which the node finds the disk by. A volume that does not fit the VM's
+// hot-plug slots (status.maxVolumes) is ResourceExhausted, never added.
 func (s *controllerServer) ControllerPublishVolume(ctx context.Context, req *csi.ControllerPublishVolumeRequest) (*csi.ControllerPublishVolumeResponse, error) {
 	id, node := req.GetVolumeId(), req.GetNodeId()
 	switch {
@@ -76,6 +78,10 @@ func (s *controllerServer) ControllerPublishVolume(ctx context.Context, req *csi
 		case e.Attached && e.DiskSerial != "":
 			serial = e.DiskSerial
 			return true, nil
+		case e.Error != "" && strings.Contains(e.Error, vmv1.NoFreeSlotError):
+			// The hypervisor's own limit, reached by entries not written here (an admin's):
+			// kubelet reads the node's volume limit again after this code.
+			return false, status.Errorf(codes.ResourceExhausted, "VirtualMachine %s/%s cannot attach management PVC %s: %s", c.Namespace, node, id, e.Error)
 		case e.Error != "":
 			return false, status.Errorf(codes.FailedPrecondition, "VirtualMachine %s/%s cannot attach management PVC %s: %s", c.Namespace, node, id, e.Error)
 		}

@@ -42,11 +42,13 @@ func (b *volumeBatch) holds(id string) bool {
 }
 
 // volumeBatch is the edits of one patch of a VM's spec.volumes: the management PVCs whose
-// entries it adds and removes. err is the outcome, set before done is closed.
+// entries it adds and removes. err is the outcome, and refused the adds that did not fit the
+// VM's slots (ResourceExhausted), both set before done is closed.
 type volumeBatch struct {
 	add, remove []string
 	done        chan struct{}
 	err         error
+	refused     map[string]error
 }
 
 // batchTimeout bounds the writing of one batch, rereads included.
@@ -103,6 +105,9 @@ func (s *controllerServer) editVolumes(ctx context.Context, vm *vmv1.VirtualMach
 	}
 	select {
 	case <-next.done:
+		if err := next.refused[id]; err != nil {
+			return err
+		}
 		return next.err
 	case <-ctx.Done():
 		return status.FromContextError(ctx.Err()).Err()
@@ -151,8 +156,18 @@ func (s *controllerServer) writeBatch(ctx context.Context, vm *vmv1.VirtualMachi
 	for attempt := 0; ; attempt++ {
 		base := vm.DeepCopy()
 		vm.Spec.Volumes = slices.DeleteFunc(vm.Spec.Volumes, func(v vmv1.VirtualMachineVolume) bool { return slices.Contains(b.remove, v.Name) })
+		b.refused = nil
 		for _, id := range b.add {
-			if !listed(vm, id) {
+			switch {
+			case listed(vm, id):
+			case full(vm):
+				if b.refused == nil {
+					b.refused = map[string]error{}
+				}
+				b.refused[id] = status.Errorf(codes.ResourceExhausted,
+					"VirtualMachine %s/%s holds %d volumes, as many as its hot-plug slots (status.maxVolumes); management PVC %s does not fit until one is detached",
+					vm.Namespace, vm.Name, *vm.Status.MaxVolumes, id)
+			default:
 				vm.Spec.Volumes = append(vm.Spec.Volumes, vmv1.VirtualMachineVolume{Name: id, PersistentVolumeClaim: vmv1.PersistentVolumeClaimVolumeSource{ClaimName: id}})
 			}
 		}
@@ -194,6 +209,22 @@ func (s *controllerServer) writeBatch(ctx context.Context, vm *vmv1.VirtualMachi
 			return status.Errorf(codes.NotFound, "VirtualMachine %s/%s was replaced", vm.Namespace, vm.Name)
 		}
 	}
+}
+
+// full reports whether every hot-plug slot of the VM (status.maxVolumes; none: no limit) is
+// taken: by an entry of spec.volumes, or by a disk still plugged whose entry left spec (its
+// detach is under way, and its slot is free only once the hypervisor lets it go).
+func full(vm *vmv1.VirtualMachine) bool {
+	if vm.Status.MaxVolumes == nil {
+		return false
+	}
+	taken := len(vm.Spec.Volumes)
+	for _, e := range vm.Status.Volumes {
+		if e.Attached && !listed(vm, e.Name) {
+			taken++
+		}
+	}
+	return taken >= int(*vm.Status.MaxVolumes)
 }
 
 // listed reports whether the VM's spec.volumes has id's entry.

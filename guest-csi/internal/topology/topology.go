@@ -1,14 +1,18 @@
-// Package topology tells every guest node which management host runs its VirtualMachine. The
-// guest-csi controller, which has the management credential, labels each guest Node with the
-// host of the VM of the same name; the node plugin, which has none, reads its own Node's label
-// and reports it as its CSI topology, so that a guest PV is only used on VMs of the host that
-// holds its PMEM.
+// Package topology tells every guest node which management host runs its VirtualMachine, and how
+// many volumes the VM can hold. The guest-csi controller, which has the management credential,
+// labels each guest Node with the host of the VM of the same name and annotates it with the VM's
+// hot-plug slots; the node plugin, which has none, reads its own Node and reports the label as
+// its CSI topology, so that a guest PV is only used on VMs of the host that holds its PMEM, and
+// the slots as its volume limit, so that the scheduler places no more volumes on the node than
+// its VM can hold.
 package topology
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
+	"strconv"
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
@@ -25,6 +29,7 @@ import (
 	watchtools "k8s.io/client-go/tools/watch"
 	"k8s.io/client-go/util/workqueue"
 	"k8s.io/klog/v2"
+	"k8s.io/utils/ptr"
 
 	"pvbridge.io/pkg/names"
 )
@@ -32,29 +37,48 @@ import (
 // Key is the topology segment, and the guest Node label, naming the management host.
 const Key = names.GuestTopologyKey
 
+// MaxVolumesAnnotation is the guest Node annotation that holds its VirtualMachine's
+// status.maxVolumes: how many volumes the VM can hold hot-plugged at once.
+const MaxVolumesAnnotation = "guest.csi.pvbridge.io/max-volumes"
+
 // ErrHostUnknown is what a node's host is while the controller has not labelled the node.
 var ErrHostUnknown = errors.New("the host of this node is not known yet")
 
-// NodeHost reads the host of a guest node from the node's label.
+// VM is what a guest node knows of its VirtualMachine.
+type VM struct {
+	// Host is the management host that runs it.
+	Host string
+	// MaxVolumes is how many volumes it can hold hot-plugged at once; 0 when not known.
+	MaxVolumes int64
+}
+
+// NodeHost reads the host of a guest node from the node's label, and its VM's slots from the
+// node's annotation.
 type NodeHost struct {
 	Client kubernetes.Interface
 	Node   string
 }
 
-// HostOf returns the node's host, or an error wrapping ErrHostUnknown while it has no label.
-func (h NodeHost) HostOf(ctx context.Context) (string, error) {
+// VMOf returns what the node knows of its VM, or an error wrapping ErrHostUnknown while it has
+// no host label. An annotation that is no positive number is no limit: the controller writes
+// only those, so anything else was written by somebody else.
+func (h NodeHost) VMOf(ctx context.Context) (VM, error) {
 	n, err := h.Client.CoreV1().Nodes().Get(ctx, h.Node, metav1.GetOptions{})
 	if apierrors.IsNotFound(err) {
-		return "", fmt.Errorf("%w: node %s is not registered", ErrHostUnknown, h.Node)
+		return VM{}, fmt.Errorf("%w: node %s is not registered", ErrHostUnknown, h.Node)
 	}
 	if err != nil {
-		return "", fmt.Errorf("read node %s: %w", h.Node, err)
+		return VM{}, fmt.Errorf("read node %s: %w", h.Node, err)
 	}
 	host := n.Labels[Key]
 	if host == "" {
-		return "", fmt.Errorf("%w: node %s has no label %s", ErrHostUnknown, h.Node, Key)
+		return VM{}, fmt.Errorf("%w: node %s has no label %s", ErrHostUnknown, h.Node, Key)
 	}
-	return host, nil
+	vm := VM{Host: host}
+	if v, err := strconv.ParseInt(n.Annotations[MaxVolumesAnnotation], 10, 32); err == nil && v > 0 {
+		vm.MaxVolumes = v
+	}
+	return vm, nil
 }
 
 // WaitForHost watches the node until it has its host label, or ctx ends.
@@ -78,23 +102,23 @@ func (h NodeHost) WaitForHost(ctx context.Context) error {
 	return err
 }
 
-// HostFunc returns the host of the VM of a guest node: "" while it has none, or when the node
-// is no VM of the cluster.
-type HostFunc func(ctx context.Context, vm string) (string, error)
+// VMFunc returns what a guest node is to know of its VM: no host while it has none, or when the
+// node is no VM of the cluster.
+type VMFunc func(ctx context.Context, vm string) (VM, error)
 
-// Labeller labels every guest Node with the host of its VM. It reconciles a node when the node
-// or its VM changes.
+// Labeller labels every guest Node with the host of its VM and annotates it with the VM's
+// slots. It reconciles a node when the node or its VM changes.
 type Labeller struct {
-	guest  kubernetes.Interface
-	hostOf HostFunc
-	queue  workqueue.TypedRateLimitingInterface[string]
+	guest kubernetes.Interface
+	vmOf  VMFunc
+	queue workqueue.TypedRateLimitingInterface[string]
 }
 
 // NewLabeller returns a Labeller of the guest cluster's Nodes.
-func NewLabeller(guest kubernetes.Interface, hostOf HostFunc) *Labeller {
+func NewLabeller(guest kubernetes.Interface, vmOf VMFunc) *Labeller {
 	return &Labeller{
-		guest:  guest,
-		hostOf: hostOf,
+		guest: guest,
+		vmOf:  vmOf,
 		queue: workqueue.NewTypedRateLimitingQueueWithConfig(
 			workqueue.NewTypedItemExponentialFailureRateLimiter[string](100*time.Millisecond, 30*time.Second),
 			workqueue.TypedRateLimitingQueueConfig[string]{Name: "node-labeller"}),
@@ -160,20 +184,36 @@ func (l *Labeller) Run(ctx context.Context) error {
 }
 
 func (l *Labeller) label(ctx context.Context, node *corev1.Node) error {
-	host, err := l.hostOf(ctx, node.Name)
-	if err != nil || host == "" || node.Labels[Key] == host {
+	vm, err := l.vmOf(ctx, node.Name)
+	if err != nil || vm.Host == "" {
 		return err
 	}
-	if msgs := validation.IsValidLabelValue(host); len(msgs) > 0 {
-		return fmt.Errorf("host %q of VM %s is no label value: %v", host, node.Name, msgs)
+	if msgs := validation.IsValidLabelValue(vm.Host); len(msgs) > 0 {
+		return fmt.Errorf("host %q of VM %s is no label value: %v", vm.Host, node.Name, msgs)
 	}
-	patch := fmt.Appendf(nil, `{"metadata":{"labels":{%q:%q}}}`, Key, host)
+	// The slots go only where the host is (a VM that has none has not run yet), and are
+	// removed when the VM no longer says: a stale limit would keep volumes from a node that
+	// can hold them, or place more than it can.
+	var maxVolumes *string // null in a merge patch removes the annotation
+	if vm.MaxVolumes > 0 {
+		maxVolumes = ptr.To(strconv.FormatInt(vm.MaxVolumes, 10))
+	}
+	if node.Labels[Key] == vm.Host && node.Annotations[MaxVolumesAnnotation] == ptr.Deref(maxVolumes, "") {
+		return nil
+	}
+	patch, err := json.Marshal(map[string]any{"metadata": map[string]any{
+		"labels":      map[string]string{Key: vm.Host},
+		"annotations": map[string]*string{MaxVolumesAnnotation: maxVolumes},
+	}})
+	if err != nil {
+		return err
+	}
 	if _, err := l.guest.CoreV1().Nodes().Patch(ctx, node.Name, types.MergePatchType, patch, metav1.PatchOptions{}); err != nil {
 		if apierrors.IsNotFound(err) {
 			return nil // deleted meanwhile
 		}
 		return err
 	}
-	klog.FromContext(ctx).Info("Labelled guest node with its host", "node", node.Name, "host", host)
+	klog.FromContext(ctx).Info("Labelled guest node with its host and slots", "node", node.Name, "host", vm.Host, "maxVolumes", vm.MaxVolumes)
 	return nil
 }

@@ -1,6 +1,7 @@
 package topology
 
 import (
+	"context"
 	"testing"
 
 	. "github.com/onsi/gomega"
@@ -10,25 +11,80 @@ import (
 )
 
 func TestNodeHost(t *testing.T) {
+	node := func(name string, labels, annotations map[string]string) *corev1.Node {
+		return &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: name, Labels: labels, Annotations: annotations}}
+	}
+	labelled := map[string]string{Key: "host-a"}
 	for _, tc := range []struct {
 		name    string
 		node    *corev1.Node
-		want    string
+		want    VM
 		unknown bool
 	}{
-		{"labelled", &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: "vm-1", Labels: map[string]string{Key: "host-a"}}}, "host-a", false},
-		{"not labelled yet", &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: "vm-1"}}, "", true},
-		{"not registered yet", &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: "vm-2"}}, "", true},
+		{"labelled", node("vm-1", labelled, nil), VM{Host: "host-a"}, false},
+		{"labelled and annotated with its slots", node("vm-1", labelled, map[string]string{MaxVolumesAnnotation: "7"}), VM{Host: "host-a", MaxVolumes: 7}, false},
+		{"slots that are no number are no limit", node("vm-1", labelled, map[string]string{MaxVolumesAnnotation: "many"}), VM{Host: "host-a"}, false},
+		{"slots that are not positive are no limit", node("vm-1", labelled, map[string]string{MaxVolumesAnnotation: "-1"}), VM{Host: "host-a"}, false},
+		{"not labelled yet", node("vm-1", nil, map[string]string{MaxVolumesAnnotation: "7"}), VM{}, true},
+		{"not registered yet", node("vm-2", nil, nil), VM{}, true},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			g := NewWithT(t)
-			host, err := NodeHost{Client: fake.NewClientset(tc.node), Node: "vm-1"}.HostOf(t.Context())
+			vm, err := NodeHost{Client: fake.NewClientset(tc.node), Node: "vm-1"}.VMOf(t.Context())
 			if tc.unknown {
 				g.Expect(err).To(MatchError(ErrHostUnknown))
 				return
 			}
 			g.Expect(err).NotTo(HaveOccurred())
-			g.Expect(host).To(Equal(tc.want))
+			g.Expect(vm).To(Equal(tc.want))
+		})
+	}
+}
+
+func TestLabellerLabelsAndAnnotatesTheNode(t *testing.T) {
+	for _, tc := range []struct {
+		name            string
+		labels, annots  map[string]string
+		vm              VM
+		wantLabels      map[string]string
+		wantAnnotations map[string]string
+	}{
+		{
+			name: "a new node gets its host and slots", vm: VM{Host: "host-a", MaxVolumes: 4},
+			wantLabels: map[string]string{Key: "host-a"}, wantAnnotations: map[string]string{MaxVolumesAnnotation: "4"},
+		},
+		{
+			name: "changed slots are rewritten", vm: VM{Host: "host-a", MaxVolumes: 2},
+			labels: map[string]string{Key: "host-a"}, annots: map[string]string{MaxVolumesAnnotation: "4", "other": "kept"},
+			wantLabels: map[string]string{Key: "host-a"}, wantAnnotations: map[string]string{MaxVolumesAnnotation: "2", "other": "kept"},
+		},
+		{
+			name: "slots the VM no longer reports are removed", vm: VM{Host: "host-a"},
+			labels: map[string]string{Key: "host-a"}, annots: map[string]string{MaxVolumesAnnotation: "4"},
+			wantLabels: map[string]string{Key: "host-a"}, wantAnnotations: nil,
+		},
+		{
+			name: "a VM without a host leaves the node alone", vm: VM{MaxVolumes: 4},
+			wantLabels: nil, wantAnnotations: nil,
+		},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			g := NewWithT(t)
+			node := &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: "vm-1", Labels: tc.labels, Annotations: tc.annots}}
+			client := fake.NewClientset(node)
+			l := NewLabeller(client, func(_ context.Context, vm string) (VM, error) {
+				g.Expect(vm).To(Equal("vm-1"))
+				return tc.vm, nil
+			})
+			g.Expect(l.label(t.Context(), node)).To(Succeed())
+			got, err := client.CoreV1().Nodes().Get(t.Context(), "vm-1", metav1.GetOptions{})
+			g.Expect(err).NotTo(HaveOccurred())
+			g.Expect(got.Labels).To(Equal(tc.wantLabels))
+			if tc.wantAnnotations == nil {
+				g.Expect(got.Annotations).NotTo(HaveKey(MaxVolumesAnnotation))
+			} else {
+				g.Expect(got.Annotations).To(Equal(tc.wantAnnotations))
+			}
 		})
 	}
 }
@@ -47,5 +103,5 @@ func TestNodeHostWaitsForTheLabel(t *testing.T) {
 	_, err := client.CoreV1().Nodes().Update(t.Context(), node, metav1.UpdateOptions{})
 	g.Expect(err).NotTo(HaveOccurred())
 	g.Eventually(done).Should(Receive(BeNil()))
-	g.Expect(h.HostOf(t.Context())).To(Equal("host-a"))
+	g.Expect(h.VMOf(t.Context())).To(Equal(VM{Host: "host-a"}))
 }

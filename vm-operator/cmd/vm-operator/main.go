@@ -39,6 +39,8 @@ func main() {
 		"Host agent, local hypervisor: the directory holding one directory per VM, <root>/<namespace>/<name>.")
 	fs.StringVar(&opts.QEMURunDir, "qemu-run-dir", "/run/pvbridge/qemu",
 		"Host agent, qemu hypervisor: the directory holding each VM's QMP socket, pid file and logs.")
+	fs.IntVar(&opts.Slots, "vm-slots", 0,
+		"Host agent: how many disks a VirtualMachine holds hot-plugged at once when its spec.maxVolumes does not say (qemu: PCIe root ports per VM); 0 means the hypervisor driver's default, 16 for qemu, 64 for local. A guest node reports its VM's number as its CSI volume limit.")
 	fs.StringVar(&opts.CSIEndpoint, "csi-endpoint", "unix:///var/lib/kubelet/plugins/pmem.csi.pvbridge.io/csi.sock",
 		"Host agent: the socket of this host's mgmt-csi node plugin, through which VM volumes are staged and published.")
 	fs.StringVar(&opts.StateDir, "state-dir", "/var/lib/pvbridge/host-agent",

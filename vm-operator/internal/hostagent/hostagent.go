@@ -31,6 +31,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/apimachinery/pkg/util/resourceversion"
+	"k8s.io/utils/ptr"
 	ctrl "sigs.k8s.io/controller-runtime"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 	"sigs.k8s.io/controller-runtime/pkg/controller"
@@ -184,7 +185,7 @@ func (r *Reconciler) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Resu
 	if err := r.current(ctx, vm); err != nil {
 		return ctrl.Result{}, client.IgnoreNotFound(err)
 	}
-	ref := hypervisor.VM{Namespace: vm.Namespace, Name: vm.Name, UID: vm.Status.UniqueID}
+	ref := hypervisor.VM{Namespace: vm.Namespace, Name: vm.Name, UID: vm.Status.UniqueID, Slots: int(ptr.Deref(vm.Spec.MaxVolumes, 0))}
 	// A VM being deleted or powered off keeps no disk.
 	wantOn := vm.DeletionTimestamp.IsZero() && vm.Spec.PowerState != vmv1.PowerStateOff
 	d := &decisions{set: map[string]vmv1.VirtualMachineVolumeStatus{}}
@@ -196,6 +197,7 @@ func (r *Reconciler) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Resu
 		if err := r.Hypervisor.PowerOn(ctx, ref); err != nil {
 			return ctrl.Result{}, errors.Join(err, r.writeStatus(ctx, vm, &decisions{}, hypervisorError(vm, "power on", err)))
 		}
+		r.slots(ctx, ref, d)
 		if err := r.claim(ctx, vm); err != nil {
 			return ctrl.Result{}, err
 		}
@@ -293,6 +295,22 @@ type decisions struct {
 	waiting bool
 	// busy: the guest refused to release a disk.
 	busy bool
+	// slots, when set, is the VM's status.maxVolumes: what its hypervisor says it holds.
+	slots *int32
+}
+
+// slots records how many disks the running VM can hold, as its hypervisor says: its guest
+// cluster's scheduler counts on that number (the node's CSI volume limit). A VM that cannot
+// tell keeps the number it had.
+func (r *Reconciler) slots(ctx context.Context, ref hypervisor.VM, d *decisions) {
+	n, err := r.Hypervisor.Slots(ctx, ref)
+	if err != nil {
+		ctrl.LoggerFrom(ctx).V(1).Info("Cannot read the VM's hot-plug slots", "err", err)
+		return
+	}
+	if n > 0 && n <= hypervisor.MaxSlots {
+		d.slots = ptr.To(int32(n))
+	}
 }
 
 // claim records in status, in one write, the volumes about to be staged: while an entry of the
@@ -528,6 +546,9 @@ func (r *Reconciler) writeStatus(ctx context.Context, vm *vmv1.VirtualMachine, d
 	for attempt := 0; ; attempt++ {
 		base := vm.DeepCopy()
 		vm.Status.Volumes = applyDecisions(vm.Status.Volumes, d)
+		if d.slots != nil {
+			vm.Status.MaxVolumes = d.slots
+		}
 		if ready != nil {
 			meta.SetStatusCondition(&vm.Status.Conditions, *ready)
 		}

@@ -2,6 +2,7 @@ package hostagent
 
 import (
 	"context"
+	"errors"
 	"path/filepath"
 	"sync"
 	"testing"
@@ -66,6 +67,9 @@ type fakeHypervisor struct {
 	attachErr error
 	detachErr error // of a disk that is attached
 	forced    int
+	// slots is what Slots reports of a running VM that asks for none; slotsErr fails it.
+	slots    int
+	slotsErr error
 	// bootstraps records the bootstrap data each VM was powered on with.
 	bootstraps map[string]*hypervisor.Bootstrap
 }
@@ -135,6 +139,20 @@ func (h *fakeHypervisor) Detach(_ context.Context, vm hypervisor.VM, serial stri
 	}
 	delete(h.disks[vm.Name], serial)
 	return nil
+}
+
+func (h *fakeHypervisor) Slots(_ context.Context, vm hypervisor.VM) (int, error) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	switch {
+	case h.slotsErr != nil:
+		return 0, h.slotsErr
+	case !h.on[vm.Name]:
+		return 0, nil
+	case vm.Slots > 0:
+		return vm.Slots, nil
+	}
+	return h.slots, nil
 }
 
 func (h *fakeHypervisor) Disks(_ context.Context, vm hypervisor.VM) ([]hypervisor.Disk, error) {
@@ -302,6 +320,54 @@ func TestReconcile(t *testing.T) {
 			g.Expect(got.Status.Volumes).To(Equal(tt.wantStatus))
 			g.Expect(fc.calls).To(Equal(tt.wantCalls))
 			g.Expect(h.disks["vm-1"]).To(HaveLen(tt.wantDisks))
+		})
+	}
+}
+
+func TestReconcileReportsTheVMsSlots(t *testing.T) {
+	tests := []struct {
+		name    string
+		vm      func(vm *vmv1.VirtualMachine)
+		prepare func(h *fakeHypervisor)
+		want    *int32
+	}{
+		{
+			name: "a running VM reports its hypervisor's default", vm: func(*vmv1.VirtualMachine) {},
+			prepare: func(h *fakeHypervisor) { h.slots = 16 }, want: ptr.To[int32](16),
+		},
+		{
+			name:    "a VM that asks for slots reports what its hypervisor gave it",
+			vm:      func(vm *vmv1.VirtualMachine) { vm.Spec.MaxVolumes = ptr.To[int32](3) },
+			prepare: func(h *fakeHypervisor) { h.slots = 16 }, want: ptr.To[int32](3),
+		},
+		{
+			name: "a VM whose hypervisor cannot tell keeps its number",
+			vm:   func(vm *vmv1.VirtualMachine) { vm.Status.MaxVolumes = ptr.To[int32](5) },
+			prepare: func(h *fakeHypervisor) {
+				h.slots, h.slotsErr = 16, errors.New("monitor gone")
+			},
+			want: ptr.To[int32](5),
+		},
+		{
+			name:    "a VM asked to be off reports nothing new",
+			vm:      func(vm *vmv1.VirtualMachine) { vm.Spec.PowerState = vmv1.PowerStateOff },
+			prepare: func(h *fakeHypervisor) { h.slots = 16 }, want: nil,
+		},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			g := NewWithT(t)
+			vm := virtualMachine(nil, nil)
+			tt.vm(vm)
+			c := newClient(g, vm, false)
+			h := newFakeHypervisor()
+			tt.prepare(h)
+			r := &Reconciler{Client: c, Node: "host-a", Hypervisor: h, CSI: &fakeCSI{}, StateDir: t.TempDir()}
+			_, err := r.Reconcile(t.Context(), ctrl.Request{NamespacedName: client.ObjectKeyFromObject(vm)})
+			g.Expect(err).NotTo(HaveOccurred())
+			got := &vmv1.VirtualMachine{}
+			g.Expect(c.Get(t.Context(), client.ObjectKeyFromObject(vm), got)).To(Succeed())
+			g.Expect(got.Status.MaxVolumes).To(Equal(tt.want))
 		})
 	}
 }

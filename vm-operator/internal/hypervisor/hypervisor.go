@@ -13,6 +13,8 @@ package hypervisor
 import (
 	"context"
 	"errors"
+
+	vmv1 "pvbridge.io/pkg/apis/vm/v1alpha1"
 )
 
 // Errors a Driver returns, wrapped with details.
@@ -24,7 +26,14 @@ var (
 	ErrBusy = errors.New("disk still held by the virtual machine")
 	// ErrConflict: the serial is attached with another device, or the device under another serial.
 	ErrConflict = errors.New("conflicting disk")
+	// ErrNoSlot: every hot-plug slot of the VM holds a disk; detach one first.
+	// Its text is the API's vmv1.NoFreeSlotError, which reaches the guest in status.volumes.
+	ErrNoSlot = errors.New(vmv1.NoFreeSlotError)
 )
+
+// MaxSlots bounds the hot-plug slots of a VM, as VirtualMachine's spec.volumes bounds its
+// entries.
+const MaxSlots = 64
 
 // MaxSerialLength is the virtio-blk limit: QEMU silently truncates a longer serial.
 const MaxSerialLength = 20
@@ -35,6 +44,10 @@ type VM struct {
 	Namespace, Name string
 	// UID is the VirtualMachine's status.uniqueID: stable for the VM's life, never reused.
 	UID string
+	// Slots is how many disks the VM is to hold hot-plugged at once (VirtualMachine
+	// spec.maxVolumes); 0 means the driver's default. The qemu driver gives a VM its slots
+	// when it starts it; the local driver applies them to every Attach.
+	Slots int
 	// Bootstrap, when set, is what the VM boots with (a Cluster API machine's bootstrap
 	// data); PowerOn hands it to a VM it starts.
 	Bootstrap *Bootstrap
@@ -84,6 +97,10 @@ type Driver interface {
 	// longer holds its device: ErrBusy while the guest has not let go yet. A disk that is not
 	// attached, or a VM that does not run, is success.
 	Detach(ctx context.Context, vm VM, serial string) error
+	// Slots reports how many disks the running vm can hold hot-plugged at once (qemu: the
+	// hot-plug ports it was started with; local: vm.Slots or the driver's default); 0 when vm
+	// does not run. An Attach of one more disk than that fails with ErrNoSlot.
+	Slots(ctx context.Context, vm VM) (int, error)
 	// Disks lists the disks attached to vm, those its guest sees (empty when it does not run).
 	// A disk whose Attach was interrupted is not listed until Attach is repeated: the host
 	// agent takes a listed disk for done and reports it attached without a second hot-plug.

@@ -71,6 +71,9 @@ type Options struct {
 	Hypervisor string
 	VMRoot     string
 	QEMURunDir string
+	// Slots is how many disks a VirtualMachine holds hot-plugged at once when its
+	// spec.maxVolumes does not say; 0 means the driver's default (qemu 16, local 64).
+	Slots int
 	// CSIEndpoint is the unix socket of the host's mgmt-csi node plugin.
 	CSIEndpoint string
 	// StateDir is where the host agent stages and publishes VM volumes.
@@ -106,6 +109,9 @@ func (o *Options) Validate() error {
 		}
 		if _, err := csiserver.ParseEndpoint(o.CSIEndpoint); err != nil {
 			errs = append(errs, fmt.Errorf("CSI endpoint: %w", err))
+		}
+		if o.Slots < 0 || o.Slots > hypervisor.MaxSlots {
+			errs = append(errs, fmt.Errorf("slots %d: want 0 (the driver's default) to %d", o.Slots, hypervisor.MaxSlots))
 		}
 		if o.UnplugTimeout < 0 {
 			errs = append(errs, fmt.Errorf("unplug timeout %s is negative", o.UnplugTimeout))
@@ -229,9 +235,9 @@ func setupHostAgent(mgr ctrl.Manager, opts Options) error {
 	var hv hypervisor.Driver
 	var err error
 	if opts.Hypervisor == "qemu" {
-		hv, err = qemu.New(qemu.Options{RunDir: opts.QEMURunDir})
+		hv, err = qemu.New(qemu.Options{RunDir: opts.QEMURunDir, HotplugPorts: opts.Slots})
 	} else {
-		hv, err = local.New(local.Options{Root: opts.VMRoot})
+		hv, err = local.New(local.Options{Root: opts.VMRoot, Slots: opts.Slots})
 	}
 	if err != nil {
 		return fmt.Errorf("%s hypervisor: %w", opts.Hypervisor, err)

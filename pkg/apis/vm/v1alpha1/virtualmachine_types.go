@@ -99,6 +99,15 @@ type VirtualMachineSpec struct {
 	// +kubebuilder:validation:XValidation:rule="self == oldSelf",message="bootstrap is immutable once set"
 	Bootstrap *VirtualMachineBootstrap `json:"bootstrap,omitempty"`
 
+	// maxVolumes is how many volumes the VirtualMachine can hold hot-plugged at once: the
+	// hot-plug slots of its virtual hardware (qemu: PCIe root ports). Empty means the default of
+	// its host's hypervisor driver. The qemu driver gives a VM its slots when it starts; the
+	// local driver applies a change at once. status.maxVolumes is what the VM has.
+	// +optional
+	// +kubebuilder:validation:Minimum=1
+	// +kubebuilder:validation:Maximum=64
+	MaxVolumes *int32 `json:"maxVolumes,omitempty"`
+
 	// volumes are the disks attached to the VirtualMachine, keyed by name. Adding an entry
 	// hot-plugs the volume, removing it unplugs the volume.
 	// +optional
@@ -178,6 +187,16 @@ type VirtualMachineStatus struct {
 	// phase summarizes the state of the VirtualMachine.
 	// +optional
 	Phase Phase `json:"phase,omitempty"`
+
+	// maxVolumes is how many volumes the running VirtualMachine can hold hot-plugged at once,
+	// as its hypervisor reports it (qemu: the PCIe root ports it was started with; local: its
+	// configured count). One more entry in spec.volumes than that is not attached. The host
+	// agent writes it; a guest cluster reports it to its scheduler as the node's volume limit.
+	// Empty while the VirtualMachine does not run.
+	// +optional
+	// +kubebuilder:validation:Minimum=0
+	// +kubebuilder:validation:Maximum=64
+	MaxVolumes *int32 `json:"maxVolumes,omitempty"`
 
 	// conditions describe the state of the VirtualMachine: Ready, Placed and VolumesAttached.
 	// +optional

@@ -23,3 +23,9 @@ const (
 	// unplugged and unstaged by the host agent) and its VolumeAttachments are gone.
 	VolumesFinalizer = "vm.pvbridge.io/volumes"
 )
+
+// NoFreeSlotError is the phrase a status.volumes entry's error contains when the hypervisor
+// refused the hot-plug because every slot of the VirtualMachine holds a disk
+// (status.maxVolumes): a guest answers such an attach with ResourceExhausted, which makes its
+// kubelet read the node's volume limit again.
+const NoFreeSlotError = "no free hot-plug slot"

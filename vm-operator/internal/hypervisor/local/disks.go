@@ -48,7 +48,7 @@ func (d *Driver) Attach(ctx context.Context, vm hypervisor.VM, disk hypervisor.D
 	if err := r.Mkdir(tmpDir, 0o755); err != nil {
 		return wrap(err)
 	}
-	rec, err := recordFor(r, disk, dev)
+	rec, err := recordFor(r, disk, dev, d.slotsOf(vm))
 	if err != nil {
 		return wrap(err)
 	}
@@ -94,8 +94,10 @@ func (d *Driver) openRunning(vm hypervisor.VM) (_ *os.Root, err error) {
 
 // recordFor returns the record of disk, dev being the number of disk.Device: the existing one,
 // updated to the path disk names, or a new one with the lowest free name. It stores what it
-// returns; ErrConflict if the serial or the device is attached with another.
-func recordFor(r *os.Root, disk hypervisor.Disk, dev uint64) (record, error) {
+// returns; ErrConflict if the serial or the device is attached with another, ErrNoSlot when a
+// new disk would be one more than slots. Every record counts, complete or not: each holds its
+// device, as a disk in the middle of a hot-plug holds its slot.
+func recordFor(r *os.Root, disk hypervisor.Disk, dev uint64, slots int) (record, error) {
 	records, err := readRecords(r)
 	if err != nil {
 		return record{}, err
@@ -120,6 +122,8 @@ func recordFor(r *os.Root, disk hypervisor.Disk, dev uint64) (record, error) {
 	case existing != nil:
 		rec = *existing
 		rec.Device = disk.Device
+	case len(records) >= slots:
+		return record{}, fmt.Errorf("%w: all %d slots hold disks", hypervisor.ErrNoSlot, slots)
 	default:
 		name, err := lowestFreeName(r, records)
 		if err != nil {

@@ -406,6 +406,51 @@ func TestDiskNamesAreReusedLowestFirst(t *testing.T) {
 	}), "Disks lists in the order of the names")
 }
 
+func TestAttachBeyondTheSlotsIsRefused(t *testing.T) {
+	tests := []struct {
+		name      string
+		opts      Options
+		vmSlots   int
+		wantSlots int
+	}{
+		{name: "the driver's default", opts: Options{}, wantSlots: hypervisor.MaxSlots},
+		{name: "the driver's configured number", opts: Options{Slots: 2}, wantSlots: 2},
+		{name: "the VM's own number wins", opts: Options{Slots: 5}, vmSlots: 3, wantSlots: 3},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			g := NewWithT(t)
+			e := newEnv(t)
+			d := e.driver(t, tt.opts)
+			vm := hypervisor.VM{Namespace: "tenant-a", Name: "node-1", UID: "uid-1", Slots: tt.vmSlots}
+			g.Expect(d.Slots(t.Context(), vm)).To(BeZero(), "a VM that does not run has no slots")
+			g.Expect(d.PowerOn(t.Context(), vm)).To(Succeed())
+			g.Expect(d.Slots(t.Context(), vm)).To(Equal(tt.wantSlots))
+			if tt.wantSlots > 5 {
+				return // filling 64 slots with loop devices proves nothing more
+			}
+			var disks []hypervisor.Disk
+			for i := range tt.wantSlots + 1 {
+				device, _ := e.loop(t, 16*mib)
+				disks = append(disks, hypervisor.Disk{Serial: fmt.Sprintf("disk-%d", i), Device: device})
+			}
+			for _, disk := range disks[:tt.wantSlots] {
+				g.Expect(d.Attach(t.Context(), vm, disk)).To(Succeed())
+			}
+			extra := disks[tt.wantSlots]
+			g.Expect(d.Attach(t.Context(), vm, extra)).To(MatchError(hypervisor.ErrNoSlot))
+			g.Expect(d.Disks(t.Context(), vm)).To(HaveLen(tt.wantSlots), "the refused disk is not plugged")
+			g.Expect(d.Attach(t.Context(), vm, disks[0])).To(Succeed(), "repeating an attach of a disk that has its slot succeeds")
+
+			g.Expect(d.Detach(t.Context(), vm, disks[0].Serial)).To(Succeed())
+			g.Expect(d.Attach(t.Context(), vm, extra)).To(Succeed(), "a detach frees a slot")
+			for _, disk := range disks[1:] {
+				g.Expect(d.Detach(t.Context(), vm, disk.Serial)).To(Succeed())
+			}
+		})
+	}
+}
+
 func TestSizeIsRefreshedAfterTheDeviceGrew(t *testing.T) {
 	tests := []struct {
 		name    string

@@ -61,6 +61,9 @@ type Options struct {
 	// Sysfs is where the host's sysfs is mounted, read for device sizes and holders.
 	// Default /sys.
 	Sysfs string
+	// Slots is how many disks a VM holds at once when its VirtualMachine does not say
+	// (hypervisor.VM.Slots). Default hypervisor.MaxSlots.
+	Slots int
 }
 
 // Driver is the local hypervisor. It is safe for concurrent use; the operations on one VM are
@@ -69,6 +72,7 @@ type Options struct {
 type Driver struct {
 	root  string
 	sysfs string
+	slots int
 	locks vmLocks
 }
 
@@ -82,6 +86,12 @@ func New(opts Options) (*Driver, error) {
 	if opts.Sysfs == "" {
 		opts.Sysfs = "/sys"
 	}
+	if opts.Slots == 0 {
+		opts.Slots = hypervisor.MaxSlots
+	}
+	if opts.Slots < 0 || opts.Slots > hypervisor.MaxSlots {
+		return nil, fmt.Errorf("slots %d: want 1 to %d", opts.Slots, hypervisor.MaxSlots)
+	}
 	if err := os.MkdirAll(opts.Root, 0o755); err != nil {
 		return nil, fmt.Errorf("create root: %w", err)
 	}
@@ -92,7 +102,25 @@ func New(opts Options) (*Driver, error) {
 	if st.Flags&unix.ST_NODEV != 0 {
 		return nil, fmt.Errorf("root %s is on a filesystem mounted nodev: guests could not open their disks", opts.Root)
 	}
-	return &Driver{root: filepath.Clean(opts.Root), sysfs: opts.Sysfs}, nil
+	return &Driver{root: filepath.Clean(opts.Root), sysfs: opts.Sysfs, slots: opts.Slots}, nil
+}
+
+// Slots reports the VM's slots, vm.Slots or the driver's default, while it runs; 0 otherwise.
+// The local driver has no hardware to count: the number is configuration, enforced by Attach.
+func (d *Driver) Slots(ctx context.Context, vm hypervisor.VM) (int, error) {
+	running, err := d.Running(ctx, vm)
+	if err != nil || !running {
+		return 0, err
+	}
+	return d.slotsOf(vm), nil
+}
+
+// slotsOf is how many disks vm holds at most.
+func (d *Driver) slotsOf(vm hypervisor.VM) int {
+	if vm.Slots > 0 {
+		return min(vm.Slots, hypervisor.MaxSlots)
+	}
+	return d.slots
 }
 
 // Name returns "local".

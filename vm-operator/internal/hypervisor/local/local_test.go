@@ -17,8 +17,21 @@ func TestNew(t *testing.T) {
 		name string
 		// root returns the root to pass, given a fresh directory.
 		root    func(t *testing.T, dir string) string
+		slots   int
 		wantErr string
 	}{
+		{
+			name:    "refuses more slots than a VM can have",
+			root:    func(_ *testing.T, dir string) string { return dir },
+			slots:   hypervisor.MaxSlots + 1,
+			wantErr: "slots 65",
+		},
+		{
+			name:    "refuses negative slots",
+			root:    func(_ *testing.T, dir string) string { return dir },
+			slots:   -1,
+			wantErr: "slots -1",
+		},
 		{
 			name: "creates a missing root",
 			root: func(_ *testing.T, dir string) string { return filepath.Join(dir, "a/b") },
@@ -48,7 +61,7 @@ func TestNew(t *testing.T) {
 			g := NewWithT(t)
 			root := tt.root(t, t.TempDir())
 
-			d, err := New(Options{Root: root})
+			d, err := New(Options{Root: root, Slots: tt.slots})
 
 			if tt.wantErr != "" {
 				g.Expect(err).To(MatchError(ContainSubstring(tt.wantErr)))

@@ -332,24 +332,77 @@ func nodeExists(ctx context.Context, mon *Monitor, node string) (bool, error) {
 	return false, nil
 }
 
-// freePort returns the first hot-plug port with no device on its bus.
+// freePort returns the first hot-plug port with no device on its bus; ErrNoSlot when every
+// port holds one.
 func (d *Driver) freePort(ctx context.Context, mon *Monitor) (string, error) {
-	for i := range d.opts.HotplugPorts {
-		port := portID(i)
-		var props []qomProperty
-		err := mon.Execute(ctx, "qom-list", map[string]string{"path": peripheral + port + "/" + port}, &props)
-		if IsClass(err, ClassDeviceNotFound) {
-			continue // started with fewer ports
-		}
-		if err != nil {
-			return "", err
-		}
-		// The bus links each device on it as child[N].
-		if !slices.ContainsFunc(props, func(p qomProperty) bool { return strings.HasPrefix(p.Name, "child[") }) {
-			return port, nil
+	ports, err := hotplugPorts(ctx, mon)
+	if err != nil {
+		return "", err
+	}
+	for _, p := range ports {
+		if !p.used {
+			return p.id, nil
 		}
 	}
-	return "", fmt.Errorf("all %d hot-plug ports are in use", d.opts.HotplugPorts)
+	return "", fmt.Errorf("%w: all %d hot-plug ports hold a device", hypervisor.ErrNoSlot, len(ports))
+}
+
+// port is a hot-plug port of a running VM.
+type port struct {
+	id   string
+	used bool // a device is plugged into it
+}
+
+// hotplugPorts lists the hot-plug ports the running VM was started with, as QEMU reports them:
+// they are numbered from 0 without gaps (args), so the first that does not exist ends them.
+func hotplugPorts(ctx context.Context, mon *Monitor) ([]port, error) {
+	var ports []port
+	for i := range hypervisor.MaxSlots {
+		id := portID(i)
+		var props []qomProperty
+		err := mon.Execute(ctx, "qom-list", map[string]string{"path": peripheral + id + "/" + id}, &props)
+		if IsClass(err, ClassDeviceNotFound) {
+			break
+		}
+		if err != nil {
+			return nil, err
+		}
+		// The bus links each device on it as child[N].
+		used := slices.ContainsFunc(props, func(p qomProperty) bool { return strings.HasPrefix(p.Name, "child[") })
+		ports = append(ports, port{id: id, used: used})
+	}
+	return ports, nil
+}
+
+// Slots implements hypervisor.Driver: the hot-plug ports the running VM has, whatever the
+// options or vm.Slots say now (a VM keeps the ports it was started with); 0 when it does not run.
+// They are read from QEMU once per connection to its monitor (a new process is a new one).
+func (d *Driver) Slots(ctx context.Context, vm hypervisor.VM) (int, error) {
+	v, err := d.state(vm)
+	if err != nil {
+		return 0, err
+	}
+	mon, err := v.monitor(ctx)
+	if errors.Is(err, hypervisor.ErrVMNotFound) {
+		return 0, nil
+	}
+	if err != nil {
+		return 0, err
+	}
+	v.monMu.Lock()
+	n, known := v.ports, v.portsOf == mon
+	v.monMu.Unlock()
+	if known {
+		return n, nil
+	}
+	ports, err := hotplugPorts(ctx, mon)
+	if err != nil {
+		return 0, fmt.Errorf("VM %s: list hot-plug ports: %w", v.name, err)
+	}
+	v.monMu.Lock()
+	v.ports, v.portsOf = len(ports), mon
+	v.monMu.Unlock()
+	return len(ports), nil
 }
 
 // qomProperty is an entry of a qom-list reply.

@@ -63,8 +63,9 @@ type Options struct {
 	MemoryMiB int
 	// CPUs is the number of vCPUs; default 1.
 	CPUs int
-	// HotplugPorts is the number of pcie-root-ports created at power-on: the most disks a VM
-	// can hold at once. Default 16, at most 64.
+	// HotplugPorts is the number of pcie-root-ports created at power-on when the VM does not
+	// ask for a number (hypervisor.VM.Slots): the most disks a VM can hold at once. Default 16,
+	// at most 64.
 	HotplugPorts int
 	// Kernel, Initrd and Append boot a Linux kernel directly (-kernel, -initrd, -append).
 	// Without Kernel the firmware boots whatever ExtraArgs provide.
@@ -103,9 +104,13 @@ type vmState struct {
 	// picks a free port) and Detach. Detach does not hold it while it waits for the guest.
 	mu sync.Mutex
 
-	monMu sync.Mutex // guards mon and proc
+	monMu sync.Mutex // guards mon, proc, ports and portsOf
 	mon   *Monitor
 	proc  *process
+	// ports is how many hot-plug ports the QEMU behind the monitor portsOf was started with:
+	// fixed for the life of a process, so read once per connection.
+	ports   int
+	portsOf *Monitor
 }
 
 // New returns a driver configured by opts.

@@ -328,6 +328,45 @@ func TestVMThatDoesNotRun(t *testing.T) {
 	g.Expect(d.Attach(ctx, testVM, hypervisor.Disk{Serial: "pvc-a", Device: loop})).To(MatchError(hypervisor.ErrVMNotFound))
 	g.Expect(d.Detach(ctx, testVM, "pvc-a")).To(Succeed(), "a VM that does not run holds no disk")
 	g.Expect(d.Disks(ctx, testVM)).To(BeEmpty())
+	g.Expect(d.Slots(ctx, testVM)).To(BeZero())
+}
+
+func TestSlotsAreThePortsTheVMWasStartedWith(t *testing.T) {
+	tests := []struct {
+		name  string
+		opts  Options
+		slots int // the VM's own number
+		want  int
+	}{
+		{name: "the driver's default", opts: Options{}, want: 16},
+		{name: "the driver's configured ports", opts: Options{HotplugPorts: 3}, want: 3},
+		{name: "the VM's own number wins", opts: Options{HotplugPorts: 3}, slots: 9, want: 9},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			g := NewWithT(t)
+			d := newDriver(t, tt.opts)
+			vm := testVM
+			vm.Slots = tt.slots
+			startVM(t, d, vm)
+			g.Expect(d.Slots(t.Context(), vm)).To(Equal(tt.want))
+			vm.Slots = tt.want + 1
+			g.Expect(d.Slots(t.Context(), vm)).To(Equal(tt.want), "a running VM keeps the ports it was started with")
+		})
+	}
+}
+
+func TestARestartedVMHasTheSlotsItWasStartedWith(t *testing.T) {
+	g := NewWithT(t)
+	d := newDriver(t, Options{HotplugPorts: 2})
+	vm := testVM
+	startVM(t, d, vm)
+	g.Expect(d.Slots(t.Context(), vm)).To(Equal(2))
+	g.Expect(d.PowerOff(t.Context(), vm)).To(Succeed())
+	g.Expect(d.Slots(t.Context(), vm)).To(BeZero(), "a VM that does not run has no slots")
+	vm.Slots = 5
+	startVM(t, d, vm)
+	g.Expect(d.Slots(t.Context(), vm)).To(Equal(5))
 }
 
 func TestAttachUsesFreePortsOnly(t *testing.T) {
@@ -344,7 +383,8 @@ func TestAttachUsesFreePortsOnly(t *testing.T) {
 
 	g.Expect(d.Attach(ctx, testVM, disk1)).To(Succeed())
 	g.Expect(d.Attach(ctx, testVM, disk2)).To(Succeed())
-	g.Expect(d.Attach(ctx, testVM, disk3)).To(MatchError(ContainSubstring("all 2 hot-plug ports are in use")))
+	g.Expect(d.Attach(ctx, testVM, disk3)).To(MatchError(hypervisor.ErrNoSlot))
+	g.Expect(d.Attach(ctx, testVM, disk3)).To(MatchError(ContainSubstring("all 2 hot-plug ports hold a device")))
 	g.Expect(hasNode(t, d, testVM, nodePrefix+"pvc-3")).To(BeFalse())
 
 	g.Expect(d.Detach(ctx, testVM, disk1.Serial)).To(Succeed())

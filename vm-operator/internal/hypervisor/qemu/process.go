@@ -133,7 +133,11 @@ func (d *Driver) args(v *vmState, vm hypervisor.VM, qmpFD int) []string {
 		args = append(args, "-uuid", vm.UID)
 	}
 	// pcie.0 does not take hot-plugged devices: one root port per disk, eight per slot.
-	for i := range o.HotplugPorts {
+	ports := o.HotplugPorts
+	if vm.Slots > 0 {
+		ports = min(vm.Slots, hypervisor.MaxSlots)
+	}
+	for i := range ports {
 		dev := fmt.Sprintf("pcie-root-port,id=%s,bus=pcie.0,chassis=%d,slot=%d,addr=0x%x.%d",
 			portID(i), i+1, i+1, 2+i/8, i%8)
 		if i%8 == 0 {
