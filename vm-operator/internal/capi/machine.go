@@ -146,7 +146,10 @@ func (r *MachineReconciler) Reconcile(ctx context.Context, req ctrl.Request) (_ 
 		return ctrl.Result{}, nil
 	}
 	if deleting {
-		return r.reconcileDelete(ctx, pm)
+		// As Cluster API's machine controller, which neither drains the Node nor waits for its
+		// volumes while the Cluster is deleted: the guest that would detach them is going too.
+		clusterGoing := cluster == nil || !cluster.DeletionTimestamp.IsZero()
+		return r.reconcileDelete(ctx, pm, clusterGoing)
 	}
 	return r.reconcileNormal(ctx, cluster, machine, pm)
 }

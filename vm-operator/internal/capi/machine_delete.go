@@ -24,9 +24,10 @@ import (
 // the provider waits for both (up to VolumeDetachTimeout, counted from the PVBridgeMachine's
 // deletionTimestamp, so a restart neither resets nor shortens it), then powers the VM off,
 // deletes it, waits until it is gone (vm-operator's own finalizer keeps it until its disks are
-// unplugged), and only then releases the PVBridgeMachine. Every step reads its state from the
-// API objects, so a provider restarted at any step goes on from there.
-func (r *MachineReconciler) reconcileDelete(ctx context.Context, pm *infrav1.PVBridgeMachine) (ctrl.Result, error) {
+// unplugged), and only then releases the PVBridgeMachine. While the Cluster is deleted (or gone:
+// clusterGoing) it does not wait for the volumes, as Cluster API does not drain then. Every step
+// reads its state from the API objects, so a provider restarted at any step goes on from there.
+func (r *MachineReconciler) reconcileDelete(ctx context.Context, pm *infrav1.PVBridgeMachine, clusterGoing bool) (ctrl.Result, error) {
 	log := ctrl.LoggerFrom(ctx)
 	vm := &vmv1.VirtualMachine{}
 	if err := r.Client.Get(ctx, client.ObjectKeyFromObject(pm), vm); err != nil {
@@ -40,7 +41,9 @@ func (r *MachineReconciler) reconcileDelete(ctx context.Context, pm *infrav1.PVB
 		return r.release(ctx, pm)
 	}
 	if vm.DeletionTimestamp.IsZero() {
-		if attached := attachedVolumes(vm); len(attached) > 0 {
+		if attached := attachedVolumes(vm); len(attached) > 0 && clusterGoing {
+			log.Info("The Cluster is being deleted: powering the VM off without waiting for its volumes", "vm", klog.KObj(vm), "volumes", attached)
+		} else if len(attached) > 0 {
 			wait, timedOut := r.detachWait(pm)
 			if !timedOut {
 				msg := fmt.Sprintf("waiting for %d volume(s) of VirtualMachine %s to detach: %v", len(attached), vm.Name, attached)

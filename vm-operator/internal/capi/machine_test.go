@@ -211,6 +211,16 @@ func TestMachineDeletion(t *testing.T) {
 		wantVMDeleted: true, wantPoweredOff: true,
 		wantEvent: infrav1.VolumeDetachTimedOutReason,
 	}, {
+		name: "volumes in the VM while the Cluster is deleted: no wait (no guest will detach them), powered off and deleted",
+		prepare: func(f *fixtures, vm *vmv1.VirtualMachine) {
+			vm.Spec.Volumes = []vmv1.VirtualMachineVolume{volume}
+			f.cluster.DeletionTimestamp = &metav1.Time{Time: deletedAt}
+			f.cluster.Finalizers = []string{"cluster.cluster.x-k8s.io"}
+		},
+		elapsed:       time.Second,
+		wantReason:    infrav1.DeletingReason,
+		wantVMDeleted: true, wantPoweredOff: true,
+	}, {
 		name:         "the VM is gone: the finalizer is removed",
 		noVM:         true,
 		wantReleased: true,
