@@ -1,0 +1,172 @@
+package capi_test
+
+import (
+	"context"
+	"fmt"
+	"maps"
+	"os/exec"
+	"slices"
+	"strings"
+	"testing"
+	"time"
+
+	. "github.com/onsi/gomega"
+	corev1 "k8s.io/api/core/v1"
+	storagev1 "k8s.io/api/storage/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/apimachinery/pkg/runtime/schema"
+	"k8s.io/apimachinery/pkg/types"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+
+	"pvbridge.io/e2e/deploy"
+	pmemv1 "pvbridge.io/pkg/apis/pmem/v1alpha1"
+	vmv1 "pvbridge.io/pkg/apis/vm/v1alpha1"
+)
+
+// The tests of this file run in their order on the one guest; the last deletes it.
+
+// TestStatefulSetKeepsItsDataOnAClusterAPIGuest: a StatefulSet of 3 with a volume each on the
+// guest that Cluster API made; each pod writes its name to its volume; every pod is deleted and
+// comes back, and each reads its own data back in its container.
+func TestStatefulSetKeepsItsDataOnAClusterAPIGuest(t *testing.T) {
+	g := NewWithT(t)
+	ctx := t.Context()
+	c := in.Guest.Client()
+	ns, err := deploy.CreateNamespace(ctx, c, "sts")
+	g.Expect(err).NotTo(HaveOccurred())
+
+	start := time.Now()
+	_, err = c.AppsV1().StatefulSets(ns).Create(ctx, deploy.StatefulSet(ns, "web", 3, "64Mi"), metav1.CreateOptions{})
+	g.Expect(err).NotTo(HaveOccurred())
+	pods := waitPodsRunning(ctx, g, ns, 3)
+	t.Logf("StatefulSet of 3: every pod Running with its volume %.0f s after its creation", time.Since(start).Seconds())
+	for _, p := range pods {
+		g.Expect(kubectl(ctx, "exec", "-n", ns, p.Name, "--", "sh", "-c", "echo "+p.Name+" > /data/name && sync")).To(BeEmpty())
+	}
+
+	g.Expect(c.CoreV1().Pods(ns).DeleteCollection(ctx, metav1.DeleteOptions{}, metav1.ListOptions{LabelSelector: "app=web"})).To(Succeed())
+	g.Eventually(func(g Gomega) {
+		list, err := c.CoreV1().Pods(ns).List(ctx, metav1.ListOptions{LabelSelector: "app=web"})
+		g.Expect(err).NotTo(HaveOccurred())
+		for _, p := range list.Items {
+			g.Expect(p.UID).NotTo(BeElementOf(uids(pods)), "pod %s not recreated yet", p.Name)
+		}
+	}).WithContext(ctx).WithTimeout(2 * time.Minute).Should(Succeed())
+	for _, p := range waitPodsRunning(ctx, g, ns, 3) {
+		g.Expect(kubectl(ctx, "exec", "-n", ns, p.Name, "--", "cat", "/data/name")).To(Equal(p.Name + "\n"))
+	}
+}
+
+// TestClusterDeletionThroughClusterAPILeavesNothing deletes the guest's Cluster while the
+// StatefulSet's volumes are attached: Cluster API deletes its Machines (no drain while the Cluster
+// goes), the provider powers their VMs off and deletes them, and then every management object of
+// the guest is gone: its VirtualMachines, claims, volumes and PMEM volumes, VolumeAttachments, and
+// the credential the tenants controller made for it.
+func TestClusterDeletionThroughClusterAPILeavesNothing(t *testing.T) {
+	g := NewWithT(t)
+	ctx := t.Context()
+	mc, err := client.New(in.Mgmt.RESTConfig(), client.Options{Scheme: scheme(g)})
+	g.Expect(err).NotTo(HaveOccurred())
+	ns := in.Options.Guest.Namespace
+
+	// The guest's volumes in the management cluster, attached to its VMs.
+	claims := &corev1.PersistentVolumeClaimList{}
+	g.Expect(mc.List(ctx, claims, client.InNamespace(ns))).To(Succeed())
+	g.Expect(claims.Items).NotTo(BeEmpty(), "the StatefulSet's volumes")
+	volumes := map[string]string{} // PV → volume handle, the PmemVolume's name
+	for _, pvc := range claims.Items {
+		pv := &corev1.PersistentVolume{}
+		g.Expect(mc.Get(ctx, client.ObjectKey{Name: pvc.Spec.VolumeName}, pv)).To(Succeed())
+		volumes[pv.Name] = pv.Spec.CSI.VolumeHandle
+	}
+	g.Expect(vmAttachments(ctx, g, mc, ns)).NotTo(BeEmpty())
+
+	start := time.Now()
+	capiCluster := &unstructured.Unstructured{}
+	capiCluster.SetGroupVersionKind(schema.GroupVersionKind{Group: "cluster.x-k8s.io", Version: "v1beta2", Kind: "Cluster"})
+	capiCluster.SetNamespace(ns)
+	capiCluster.SetName(in.Options.Guest.Name)
+	g.Expect(mc.Delete(ctx, capiCluster)).To(Succeed())
+	g.Eventually(func(g Gomega) {
+		machines := &unstructured.UnstructuredList{}
+		machines.SetGroupVersionKind(deploy.MachineGVK)
+		g.Expect(mc.List(ctx, machines, client.InNamespace(ns))).To(Succeed())
+		g.Expect(machines.Items).To(BeEmpty(), "Machines")
+		vms := &vmv1.VirtualMachineList{}
+		g.Expect(mc.List(ctx, vms, client.InNamespace(ns))).To(Succeed())
+		g.Expect(vms.Items).To(BeEmpty(), "VirtualMachines")
+		g.Expect(mc.List(ctx, claims, client.InNamespace(ns))).To(Succeed())
+		g.Expect(claims.Items).To(BeEmpty(), "management claims")
+		g.Expect(vmAttachments(ctx, g, mc, ns)).To(BeEmpty(), "VolumeAttachments")
+		for pv, handle := range volumes {
+			g.Expect(apierrors.IsNotFound(mc.Get(ctx, client.ObjectKey{Name: pv}, &corev1.PersistentVolume{}))).To(BeTrue(), "PV %s", pv)
+			g.Expect(apierrors.IsNotFound(mc.Get(ctx, client.ObjectKey{Name: handle}, &pmemv1.PmemVolume{}))).To(BeTrue(), "PmemVolume %s", handle)
+		}
+		accounts := &corev1.ServiceAccountList{}
+		g.Expect(mc.List(ctx, accounts, client.InNamespace(ns))).To(Succeed())
+		for _, a := range accounts.Items {
+			g.Expect(a.OwnerReferences).NotTo(ContainElement(HaveField("UID", types.UID(in.UID))), "ServiceAccount %s of the guest", a.Name)
+		}
+	}).WithContext(ctx).WithTimeout(5 * time.Minute).WithPolling(time.Second).Should(Succeed())
+	t.Logf("Cluster deleted with %d volumes attached: everything of the guest gone %.0f s after", len(volumes), time.Since(start).Seconds())
+	for host, vmm := range in.VMMs {
+		for _, name := range slices.Collect(maps.Keys(in.GuestNodes)) {
+			vm, err := vmm.VM(ns, name)
+			g.Expect(err).NotTo(HaveOccurred())
+			g.Expect(vm).To(BeNil(), "VM %s still runs on %s", name, host)
+		}
+	}
+}
+
+// vmAttachments lists the VolumeAttachments of the VMs of namespace ns.
+func vmAttachments(ctx context.Context, g Gomega, mc client.Client, ns string) []storagev1.VolumeAttachment {
+	list := &storagev1.VolumeAttachmentList{}
+	g.Expect(mc.List(ctx, list, client.MatchingLabels{vmv1.VMNamespaceLabel: ns})).To(Succeed())
+	return list.Items
+}
+
+func scheme(g Gomega) *runtime.Scheme {
+	s, err := deploy.MgmtScheme()
+	g.Expect(err).NotTo(HaveOccurred())
+	g.Expect(pmemv1.AddToScheme(s)).To(Succeed())
+	return s
+}
+
+// waitPodsRunning waits until n pods of app=web run in ns, and returns them.
+func waitPodsRunning(ctx context.Context, g Gomega, ns string, n int) []corev1.Pod {
+	var pods []corev1.Pod
+	g.Eventually(func(g Gomega) {
+		list, err := in.Guest.Client().CoreV1().Pods(ns).List(ctx, metav1.ListOptions{LabelSelector: "app=web"})
+		g.Expect(err).NotTo(HaveOccurred())
+		g.Expect(list.Items).To(HaveLen(n))
+		for _, p := range list.Items {
+			g.Expect(p.Status.Phase).To(Equal(corev1.PodRunning), "pod %s", p.Name)
+		}
+		pods = list.Items
+	}).WithContext(ctx).WithTimeout(5 * time.Minute).WithPolling(time.Second).Should(Succeed())
+	return pods
+}
+
+func uids(pods []corev1.Pod) []any {
+	var u []any
+	for _, p := range pods {
+		u = append(u, p.UID)
+	}
+	return u
+}
+
+// kubectl runs kubectl against the guest and returns its output.
+func kubectl(ctx context.Context, args ...string) (string, error) {
+	bin, err := lab.Binaries().Tool("kubectl")
+	if err != nil {
+		return "", err
+	}
+	out, err := exec.CommandContext(ctx, bin, append([]string{"--kubeconfig", in.Guest.Kubeconfig}, args...)...).CombinedOutput()
+	if err != nil {
+		return "", fmt.Errorf("kubectl %s: %w: %s", strings.Join(args, " "), err, out)
+	}
+	return string(out), nil
+}
