@@ -39,8 +39,8 @@ help: ## Show this help.
 RUNTIME ?= process
 
 .PHONY: run
-run: deps lab-tools ## Start the lab (management + guest clusters on 127.0.0.1) until Ctrl-C; RUNTIME=containerd for real containers.
-	$(if $(filter containerd,$(RUNTIME)),hack/phase.sh tools hack/build-tools.sh containerd)
+run: deps lab-tools ## Start the lab (management + guest clusters on 127.0.0.1) until Ctrl-C; RUNTIME=containerd for real containers, RUNTIME=capi for a guest made by Cluster API.
+	$(if $(filter containerd capi,$(RUNTIME)),hack/phase.sh tools hack/build-tools.sh containerd $(if $(filter capi,$(RUNTIME)),cluster-api))
 	go build -o bin/lab ./e2e/cmd/lab
 	bin/lab --runtime=$(RUNTIME)
 

@@ -123,6 +123,7 @@ func (in *Installed) installClusterAPIGuest(ctx context.Context, lab *cluster.La
 	if err != nil {
 		return err
 	}
+	in.workers = workers
 	// The credential the tenants controller delivers goes into the guest's pvbridge-system,
 	// which the overlay applied next declares too.
 	gc := in.Guest.Client()
@@ -204,3 +205,6 @@ func (in *Installed) waitMachines(ctx context.Context, mc client.Client) ([]stri
 	}
 	return workers, nil
 }
+
+// Workers are the names of the guest's worker nodes made by Cluster API, sorted.
+func (in *Installed) Workers() []string { return slices.Sorted(slices.Values(in.workers)) }

@@ -85,6 +85,7 @@ type Installed struct {
 	// ClusterAPI and VMMs (by host) run with Options.ClusterAPI.
 	ClusterAPI *ClusterAPI
 	VMMs       map[string]*cluster.VMM
+	workers    []string
 }
 
 // Install builds the images, starts both clusters on containerd nodes and installs pvbridge in

@@ -23,13 +23,18 @@ type demoLab struct {
 	guestNodes map[string]*cluster.Node
 	// containers: the pods run in real containers (and kubectl exec works).
 	containers bool
+	// vm is the guest node of the demo's pod; capi: the guest was made by Cluster API.
+	vm   string
+	capi bool
 }
 
 // demo gives a pod of the guest cluster a volume through both layers: a guest PVC (default
-// StorageClass), mirrored into the management cluster, provisioned from host-b's PMEM,
-// hot-plugged into VM vm-2 and mounted there; it writes to it and shows the objects involved.
+// StorageClass), mirrored into the management cluster, provisioned from the PMEM of the host
+// of VM d.vm, hot-plugged into the VM and mounted there; it writes to it and shows the objects
+// involved.
 func demo(ctx context.Context, d demoLab, kubectl string) error {
-	const ns, vm = "demo", "vm-2"
+	const ns = "demo"
+	vm := d.vm
 	c := d.guest.Client()
 	fmt.Printf("\ndemo: a PVC and a pod on %s in the guest cluster (default StorageClass %s)\n", vm, deploy.StorageClassGuest)
 	if _, err := c.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: ns}}, metav1.CreateOptions{}); err != nil {
@@ -77,9 +82,13 @@ func demo(ctx context.Context, d demoLab, kubectl string) error {
 		args              []string
 	}{
 		{"guest cluster: the PVC, its PV and the VolumeAttachment to " + vm, d.guest.Kubeconfig, []string{"get", "pvc,pv,volumeattachments", "-A"}},
-		{"management cluster: the mirrored PVC, its PMEM volume and the attachment to host-b", d.mgmt.Kubeconfig, []string{"get", "pvc,volumeattachments,pmemvolumes", "-A"}},
+		{"management cluster: the mirrored PVC, its PMEM volume and the attachment to its host", d.mgmt.Kubeconfig, []string{"get", "pvc,volumeattachments,pmemvolumes", "-A"}},
 		{"management cluster: " + vm + "'s volumes", d.mgmt.Kubeconfig, []string{"get", "virtualmachine", "-n", guest.Namespace, vm, "-o", "jsonpath={.status.volumes}"}},
+		{capiTitle(d), d.mgmt.Kubeconfig, []string{"get", "clusters,machines", "-A"}},
 	} {
+		if step.title == "" {
+			continue
+		}
 		fmt.Printf("\n%s:\n", step.title)
 		cmd := exec.CommandContext(ctx, kubectl, append([]string{"--kubeconfig", step.kubeconfig}, step.args...)...)
 		cmd.Stdout, cmd.Stderr = os.Stdout, os.Stderr
@@ -89,4 +98,12 @@ func demo(ctx context.Context, d demoLab, kubectl string) error {
 	}
 	fmt.Println()
 	return nil
+}
+
+// capiTitle titles the Cluster API objects of a guest made by Cluster API, or is empty.
+func capiTitle(d demoLab) string {
+	if !d.capi {
+		return ""
+	}
+	return "management cluster: the guest's Cluster and Machines (Cluster API)"
 }

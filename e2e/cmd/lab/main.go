@@ -25,15 +25,16 @@ import (
 func main() {
 	dir := flag.String("dir", envOr("PVBRIDGE_LAB_DIR", "/tmp/pvbridge-lab"), "directory of the lab's state, logs and kubeconfigs (emptied on start; keep it short: unix socket paths are limited to 108 bytes)")
 	runtime := flag.String("runtime", envOr("PVBRIDGE_LAB_RUNTIME", "process"), "process: pvbridge runs as processes beside kubelets whose container runtime is a fake (the quicker lab); "+
-		"containerd: every node runs containerd, and pvbridge is installed in real containers with kubectl apply -k of the overlays and the images make images builds")
+		"containerd: every node runs containerd, and pvbridge is installed in real containers with kubectl apply -k of the overlays and the images make images builds; "+
+		"capi: as containerd, with the guest made by Cluster API's controllers from the shipped cluster template (one control plane and two worker machines, VMs that boot kubeadm)")
 	flag.Parse()
 	// The lab's own clients (controller-runtime's) log through klog, as the components do.
 	logf.SetLogger(klog.Background())
-	if *runtime != "process" && *runtime != "containerd" {
-		fmt.Fprintf(os.Stderr, "lab: --runtime=%s: want process or containerd\n", *runtime)
+	if *runtime != "process" && *runtime != "containerd" && *runtime != "capi" {
+		fmt.Fprintf(os.Stderr, "lab: --runtime=%s: want process, containerd or capi\n", *runtime)
 		os.Exit(2)
 	}
-	if err := run(*dir, *runtime == "containerd"); err != nil {
+	if err := run(*dir, *runtime); err != nil {
 		fmt.Fprintln(os.Stderr, "lab:", err)
 		os.Exit(1)
 	}
@@ -60,7 +61,7 @@ var (
 // space only as volumes are written).
 const pmemPerHost = 8 << 30
 
-func run(dir string, containers bool) error {
+func run(dir, runtime string) error {
 	dir, err := filepath.Abs(dir)
 	if err != nil {
 		return err
@@ -93,9 +94,12 @@ func run(dir string, containers bool) error {
 	defer stop()
 	start := time.Now()
 	var d demoLab
-	if containers {
+	switch runtime {
+	case "containerd":
 		d, err = startInstalled(ctx, lab)
-	} else {
+	case "capi":
+		d, err = startClusterAPI(ctx, lab)
+	default:
 		d, err = startProcesses(ctx, lab)
 	}
 	if err != nil {
@@ -144,7 +148,7 @@ func startProcesses(ctx context.Context, lab *cluster.Lab) (demoLab, error) {
 	if err != nil {
 		return demoLab{}, err
 	}
-	return demoLab{mgmt: mcp, guest: gcp, guestNodes: g.Nodes}, nil
+	return demoLab{mgmt: mcp, guest: gcp, guestNodes: g.Nodes, vm: "vm-2"}, nil
 }
 
 // startInstalled starts both clusters on containerd nodes and installs pvbridge from the
@@ -155,7 +159,21 @@ func startInstalled(ctx context.Context, lab *cluster.Lab) (demoLab, error) {
 	if err != nil {
 		return demoLab{}, err
 	}
-	return demoLab{mgmt: in.Mgmt, guest: in.Guest, guestNodes: in.GuestNodes, containers: true}, nil
+	return demoLab{mgmt: in.Mgmt, guest: in.Guest, guestNodes: in.GuestNodes, containers: true, vm: "vm-2"}, nil
+}
+
+// startClusterAPI starts the management cluster on containerd nodes with pvbridge and Cluster
+// API, and the guest through Cluster API from the shipped cluster template.
+func startClusterAPI(ctx context.Context, lab *cluster.Lab) (demoLab, error) {
+	fmt.Println("building the images, starting the management cluster on containerd nodes (host-a, host-b) with pvbridge and Cluster API; guest alpha from the cluster template: one control plane and two worker machines as VirtualMachines that boot kubeadm ...")
+	in, err := deploy.Install(ctx, lab, deploy.InstalledOptions{
+		Hosts: mgmtHosts, PmemSize: pmemPerHost, ClusterAPI: true, Workers: 2,
+		Guest: deploy.GuestOptions{Name: guest.Name, Namespace: guest.Namespace},
+	})
+	if err != nil {
+		return demoLab{}, err
+	}
+	return demoLab{mgmt: in.Mgmt, guest: in.Guest, guestNodes: in.GuestNodes, containers: true, vm: in.Workers()[0], capi: true}, nil
 }
 
 // lock takes an exclusive lock on path, or says which lab holds it.
