@@ -39,7 +39,7 @@ write_files:
       - name: provider-id
         value: '{{ ds.meta_data.provider_id }}'
       ignorePreflightErrors: [SystemVerification]
-    BootstrapTokens:
+    bootstrapTokens:
     - token: %[3]s
     timeouts:
       controlPlaneComponentHealthCheck: 10m0s
@@ -78,7 +78,7 @@ write_files:
     apiVersion: kubeadm.k8s.io/v1beta4
     kind: JoinConfiguration
     discovery:
-      BootstrapToken:
+      bootstrapToken:
         apiServerEndpoint: %s
         token: %s
         caCertHashes: [%s]
