@@ -42,6 +42,9 @@ const (
 	// GuestInstallNamespace is the guest namespace of the installed guest side, which holds the
 	// management credential.
 	GuestInstallNamespace = "pvbridge-system"
+	// snapshotQuota is the ResourceQuota the tenants controller makes in every enforced
+	// namespace (guest-csi/internal/tenants.SnapshotQuota).
+	snapshotQuota = "pvbridge-snapshots"
 )
 
 // GuestOptions describe a guest cluster.
@@ -286,6 +289,20 @@ func createVMs(ctx context.Context, mc client.Client, opts GuestOptions) error {
 	})
 	if err != nil {
 		return fmt.Errorf("the tenancy parameters %s (written by the tenants controller): %w", params, err)
+	}
+	// The tenants controller's snapshot quota, once kube-controller-manager has computed its
+	// usage: until then the apiserver refuses every snapshot of the namespace ("status unknown
+	// for quota"), which csi-sanity, calling once, took for a failure.
+	quota := client.ObjectKey{Namespace: opts.Namespace, Name: snapshotQuota}
+	err = wait.PollUntilContextTimeout(ctx, 200*time.Millisecond, 2*time.Minute, true, func(ctx context.Context) (bool, error) {
+		q := &corev1.ResourceQuota{}
+		if err := mc.Get(ctx, quota, q); err != nil {
+			return false, client.IgnoreNotFound(err)
+		}
+		return len(q.Status.Hard) > 0, nil
+	})
+	if err != nil {
+		return fmt.Errorf("the snapshot quota %s (made by the tenants controller) computed: %w", quota, err)
 	}
 	for name, host := range opts.VMs {
 		vm := &vmv1.VirtualMachine{

@@ -16,7 +16,8 @@ import (
 // and are not retried as if they could pass by themselves: RBAC and admission policies
 // (PermissionDenied), an invalid object (InvalidArgument), a ResourceQuota (ResourceExhausted).
 // What may pass by itself is retryable: the apiserver unreachable or overloaded, no session
-// yet, a credential not accepted while a rotation reaches its user (Unavailable), a conflict
+// yet, a credential not accepted while a rotation reaches its user, a quota not computed yet
+// (Unavailable), a conflict
 // (Aborted), the call's deadline (DeadlineExceeded). Both drivers map their API errors here.
 func APIError(err error, format string, args ...any) error {
 	msg := fmt.Sprintf(format, args...) + ": " + err.Error()
@@ -27,6 +28,10 @@ func APIError(err error, format string, args ...any) error {
 		return status.Error(codes.Canceled, msg)
 	case apierrors.IsForbidden(err) && strings.Contains(err.Error(), "exceeded quota"):
 		return status.Error(codes.ResourceExhausted, msg)
+	case apierrors.IsForbidden(err) && strings.Contains(err.Error(), "status unknown for quota"):
+		// A quota whose usage kube-controller-manager has not computed yet (just created):
+		// the apiserver admits nothing it covers until then.
+		return status.Error(codes.Unavailable, msg)
 	case apierrors.IsForbidden(err):
 		return status.Error(codes.PermissionDenied, msg)
 	case apierrors.IsUnauthorized(err):

@@ -21,6 +21,7 @@ func TestAPIError(t *testing.T) {
 		wantCode codes.Code
 	}{
 		{"a quota is exhausted", apierrors.NewForbidden(gr, "x", errors.New(`exceeded quota: q, requested: requests.storage=1Gi`)), codes.ResourceExhausted},
+		{"a quota not computed yet is retryable", apierrors.NewForbidden(gr, "x", errors.New(`status unknown for quota: pvbridge-snapshots, resources: count/volumesnapshots.snapshot.storage.k8s.io`)), codes.Unavailable},
 		{"RBAC or an admission policy is a permission denied", apierrors.NewForbidden(gr, "x", errors.New("denied")), codes.PermissionDenied},
 		{"a credential not accepted while it rotates is retryable", apierrors.NewUnauthorized("token revoked"), codes.Unavailable},
 		{"an invalid object is an invalid argument", apierrors.NewInvalid(schema.GroupKind{Kind: "PersistentVolumeClaim"}, "x", nil), codes.InvalidArgument},
