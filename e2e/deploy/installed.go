@@ -227,6 +227,20 @@ patches:
       - op: add
         path: /spec/template/spec/containers/0/args/-
         value: --vm-slots=` + fmt.Sprint(VMSlots) + `
+` + in.unplugTimeoutPatch()
+}
+
+// unplugTimeoutPatch gives the host agents of a lab whose VMs boot (Cluster API) the process
+// lab's UnplugTimeout (the last --unplug-timeout wins): a lab VM's guest keeps its disks mounted
+// until the VMM stops it, which it does once the VM is off, so a VM powered off with volumes
+// (its Cluster deleted) is forced off after the timeout, 5 minutes by default.
+func (in *Installed) unplugTimeoutPatch() string {
+	if !in.Options.ClusterAPI {
+		return ""
+	}
+	return `      - op: add
+        path: /spec/template/spec/containers/0/args/-
+        value: --unplug-timeout=` + UnplugTimeout.String() + `
 `
 }
 
