@@ -235,7 +235,7 @@ exit 0
 
 // vmKubeletService runs the kubelet as kubeadm's systemd drop-in does (10-kubeadm.conf), once
 // kubeadm has written its configuration, with the VM image's drop-in directory.
-var vmKubeletService = `[ -f /var/lib/kubelet/config.yaml ] || { sleep 1; exit 1; }
+const vmKubeletService = `[ -f /var/lib/kubelet/config.yaml ] || { sleep 1; exit 1; }
 KUBELET_KUBEADM_ARGS=
 [ ! -f /var/lib/kubelet/kubeadm-flags.env ] || . /var/lib/kubelet/kubeadm-flags.env
 exec kubelet --bootstrap-kubeconfig=/etc/kubernetes/bootstrap-kubelet.conf --kubeconfig=/etc/kubernetes/kubelet.conf \
