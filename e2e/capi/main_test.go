@@ -10,7 +10,6 @@ package capi_test
 import (
 	"context"
 	"flag"
-	"fmt"
 	"os"
 	"testing"
 
@@ -30,47 +29,14 @@ var (
 func TestMain(m *testing.M) {
 	flag.Parse()
 	logf.SetLogger(klog.Background()) // deploy's controller-runtime clients log through klog
-	os.Exit(run(m))
-}
-
-func run(m *testing.M) int {
-	root, err := os.MkdirTemp("", "pvb-")
-	if err == nil {
-		err = install(context.Background(), root)
-	}
-	if err != nil {
-		fmt.Fprintln(os.Stderr, "install the lab:", err)
-	}
-	code := 1
-	if err == nil {
-		code = m.Run()
-	}
-	if lab != nil {
-		if err := lab.Stop(); err != nil {
-			fmt.Fprintln(os.Stderr, "stop the lab:", err)
-			code = 1
-		}
-	}
-	if code == 0 {
-		_ = os.RemoveAll(root)
-	} else {
-		fmt.Fprintln(os.Stderr, "lab kept in", root)
-	}
-	return code
-}
-
-func install(ctx context.Context, root string) error {
-	bin, err := cluster.DefaultBinaries()
-	if err != nil {
+	os.Exit(cluster.RunTests(m, func(ctx context.Context, l *cluster.Lab) error {
+		lab = l
+		var err error
+		in, err = deploy.Install(ctx, lab, deploy.InstalledOptions{
+			Hosts: []string{"host-a", "host-b"}, PmemSize: 16 << 30,
+			ClusterAPI: true, Workers: 2,
+			Guest: deploy.GuestOptions{Name: "alpha", Namespace: "tenant-a"},
+		})
 		return err
-	}
-	if lab, err = cluster.NewLab(root, bin); err != nil {
-		return err
-	}
-	in, err = deploy.Install(ctx, lab, deploy.InstalledOptions{
-		Hosts: []string{"host-a", "host-b"}, PmemSize: 16 << 30,
-		ClusterAPI: true, Workers: 2,
-		Guest: deploy.GuestOptions{Name: "alpha", Namespace: "tenant-a"},
-	})
-	return err
+	}))
 }
