@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds the pinned third-party binaries (Kubernetes, etcd, CSI sidecars, csi-sanity, code
-# generators, linters, Cluster API) from the Go module proxy, once, into a cache outside the repository:
+# generators, linters, Cluster API, the registry and CoreDNS of the lab's guests) from the Go module proxy, once, into a cache outside the repository:
 #
 #   $PVBRIDGE_CACHE/<component>-<version>/<binary>    the build
 #   $PVBRIDGE_CACHE/bin/<binary>                      a symlink to the pinned build
@@ -44,7 +44,7 @@ k8s_tags=selinux,notest,grpcnotrace
 components() {
 	cat <<EOF
 etcd|etcd|v3.6.4|||etcd=go.etcd.io/etcd/server/v3
-kubernetes|kubernetes|$k8s_version|$k8s_tags|$(k8s_ldflags $k8s_version)|kube-apiserver=k8s.io/kubernetes/cmd/kube-apiserver kube-controller-manager=k8s.io/kubernetes/cmd/kube-controller-manager kube-scheduler=k8s.io/kubernetes/cmd/kube-scheduler kubelet=k8s.io/kubernetes/cmd/kubelet kubectl=k8s.io/kubernetes/cmd/kubectl kubeadm=k8s.io/kubernetes/cmd/kubeadm
+kubernetes|kubernetes|$k8s_version|$k8s_tags|$(k8s_ldflags $k8s_version)|kube-apiserver=k8s.io/kubernetes/cmd/kube-apiserver kube-controller-manager=k8s.io/kubernetes/cmd/kube-controller-manager kube-scheduler=k8s.io/kubernetes/cmd/kube-scheduler kubelet=k8s.io/kubernetes/cmd/kubelet kubectl=k8s.io/kubernetes/cmd/kubectl kubeadm=k8s.io/kubernetes/cmd/kubeadm kube-proxy=k8s.io/kubernetes/cmd/kube-proxy
 csi-provisioner|kubernetes|v6.4.0|$k8s_tags| -X main.version=v6.4.0|csi-provisioner=github.com/kubernetes-csi/external-provisioner/v6/cmd/csi-provisioner
 csi-attacher|kubernetes|v4.13.0|$k8s_tags| -X main.version=v4.13.0|csi-attacher=github.com/kubernetes-csi/external-attacher/v4/cmd/csi-attacher
 csi-resizer|kubernetes|v2.3.0|$k8s_tags| -X main.version=v2.3.0|csi-resizer=github.com/kubernetes-csi/external-resizer/v2/cmd/csi-resizer
@@ -53,6 +53,8 @@ kubernetes-e2e|kubernetes|$k8s_version|$k8s_tags|$(k8s_ldflags $k8s_version)|e2e
 csi-sanity|kubernetes|v5.6.0|$k8s_tags||csi-sanity=github.com/kubernetes-csi/csi-test/v5/cmd/csi-sanity
 ginkgo|kubernetes|v2.33.0|$k8s_tags||ginkgo=github.com/onsi/ginkgo/v2/ginkgo
 containerd|containerd|v2.4.2|no_btrfs| -X github.com/containerd/containerd/v2/version.Version=v2.4.2|containerd=github.com/containerd/containerd/v2/cmd/containerd containerd-shim-runc-v2=github.com/containerd/containerd/v2/cmd/containerd-shim-runc-v2 ctr=github.com/containerd/containerd/v2/cmd/ctr
+registry|registry|v3.1.2|| -X github.com/distribution/distribution/v3/version.version=v3.1.2|registry=github.com/distribution/distribution/v3/cmd/registry
+coredns|coredns|v1.14.6|| -X github.com/coredns/coredns/coremain.GitCommit=v1.14.6|coredns=github.com/coredns/coredns
 cluster-api|cluster-api|$capi_version||$(capi_ldflags $capi_version)|capi-manager=sigs.k8s.io/cluster-api/core capi-kubeadm-bootstrap-manager=sigs.k8s.io/cluster-api/bootstrap/kubeadm capi-kubeadm-control-plane-manager=sigs.k8s.io/cluster-api/controlplane/kubeadm
 clusterctl|cluster-api|$capi_version||$(capi_ldflags $capi_version)|clusterctl=sigs.k8s.io/cluster-api/cmd/clusterctl
 controller-gen|controller-gen|v0.23.0|||controller-gen=sigs.k8s.io/controller-tools/cmd/controller-gen
