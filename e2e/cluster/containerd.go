@@ -133,9 +133,10 @@ func (n *Node) nsenter(kinds ...string) []string {
 }
 
 // containerdConfig is the configuration of a node's containerd: the default paths (which are
-// the node's own in its namespace), runc from Debian, the lab's pause image, CNI from Debian.
-func containerdConfig() string {
-	return `version = 3
+// the node's own in its namespace), runc from Debian, the lab's pause image, CNI from Debian,
+// and, if certsDir is set, the registries' hosts.toml files in it.
+func containerdConfig(certsDir string) string {
+	config := `version = 3
 [grpc]
   address = "/run/containerd/containerd.sock"
 [plugins.'io.containerd.cri.v1.images']
@@ -152,6 +153,12 @@ func containerdConfig() string {
     bin_dirs = ["/usr/lib/cni"]
     conf_dir = "/etc/cni/net.d"
 `
+	if certsDir != "" {
+		config += `[plugins.'io.containerd.cri.v1.images'.registry]
+  config_path = "` + certsDir + `"
+`
+	}
+	return config
 }
 
 // SandboxImage is the pause image of the lab's containerd nodes (images.LabImages builds it).
@@ -168,7 +175,11 @@ func (n *Node) startContainerd(ctx context.Context, archives []string) error {
 		return err
 	}
 	config := filepath.Join(n.Dir, "containerd.toml")
-	if err := os.WriteFile(config, []byte(containerdConfig()), 0o644); err != nil {
+	certsDir := ""
+	if n.vm {
+		certsDir = vmCertsDir
+	}
+	if err := os.WriteFile(config, []byte(containerdConfig(certsDir)), 0o644); err != nil {
 		return err
 	}
 	nsenter, args := n.inNamespace(bin, "--config", config)

@@ -20,8 +20,8 @@ import (
 
 // KubeadmInitUserData is a cloud-config as Cluster API's kubeadm bootstrap provider writes it
 // for the first control plane machine: the node's name from the meta-data (Jinja), kubeadm's
-// preflight check that cannot hold in a lab VM ignored by name (docs/design.md), no kube-proxy or CoreDNS
-// (not built yet), generous timeouts for a loaded 2-core machine.
+// preflight check that cannot hold in a lab VM ignored by name (docs/design.md), the lab's etcd,
+// generous timeouts for a loaded 2-core machine.
 func KubeadmInitUserData(version, etcdTag string) string {
 	return fmt.Sprintf(`## template: jinja
 #cloud-config
@@ -44,8 +44,6 @@ write_files:
     kubernetesVersion: %[1]s
     etcd: {local: {imageTag: %[2]s}}
     networking: {serviceSubnet: 10.112.0.0/16}
-    proxy: {disabled: true}
-    dns: {disabled: true}
 - path: /run/cluster-api/placeholder
   owner: root:root
   permissions: '0640'
@@ -114,7 +112,8 @@ func CACertHash(path string) (string, error) {
 }
 
 // KubeadmImageArchives builds the lab's images and those kubeadm runs (images.KubeadmImages)
-// for the pinned kubeadm and etcd, and returns them with kubeadm's version and etcd's tag.
+// for the pinned kubeadm, etcd and CoreDNS, and returns them with kubeadm's version and etcd's
+// tag.
 func KubeadmImageArchives(ctx context.Context, lab *Lab) (archives []string, version, etcdTag string, err error) {
 	kubeadm, err := lab.Binaries().Tool("kubeadm")
 	if err != nil {
@@ -125,14 +124,18 @@ func KubeadmImageArchives(ctx context.Context, lab *Lab) (archives []string, ver
 		return nil, "", "", err
 	}
 	version = strings.TrimSpace(string(out))
-	if etcdTag, err = etcdImageTag(ctx, lab); err != nil {
+	if etcdTag, err = imageTag(ctx, lab, "etcd", `etcd Version: (\d+\.\d+\.\d+)`, "%s-0"); err != nil {
+		return nil, "", "", err
+	}
+	corednsTag, err := imageTag(ctx, lab, "coredns", `CoreDNS-(\d+\.\d+\.\d+)`, "v%s")
+	if err != nil {
 		return nil, "", "", err
 	}
 	imgs, err := images.LabImages()
 	if err != nil {
 		return nil, "", "", err
 	}
-	imgs = append(imgs, images.KubeadmImages(version, etcdTag)...)
+	imgs = append(imgs, images.KubeadmImages(version, etcdTag, corednsTag)...)
 	built, err := images.BuildAll(images.Options{Root: lab.Binaries().Repo, Bin: lab.Binaries().Dir, Out: filepath.Join(lab.Root, "images")}, imgs)
 	if err != nil {
 		return nil, "", "", err
@@ -143,19 +146,21 @@ func KubeadmImageArchives(ctx context.Context, lab *Lab) (archives []string, ver
 	return archives, version, etcdTag, nil
 }
 
-// etcdImageTag is the tag of the lab's etcd as registry.k8s.io tags it: 3.6.4-0.
-func etcdImageTag(ctx context.Context, lab *Lab) (string, error) {
-	etcd, err := lab.Binaries().Tool("etcd")
+// imageTag is the tag registry.k8s.io gives the image of a pinned tool, from the version the
+// tool prints (-version): etcd's 3.6.4-0, CoreDNS' v1.14.6. version matches it, format makes
+// the tag of it.
+func imageTag(ctx context.Context, lab *Lab, tool, version, format string) (string, error) {
+	bin, err := lab.Binaries().Tool(tool)
 	if err != nil {
 		return "", err
 	}
-	out, err := exec.CommandContext(ctx, etcd, "--version").Output()
+	out, err := exec.CommandContext(ctx, bin, "-version").Output()
 	if err != nil {
-		return "", err
+		return "", fmt.Errorf("%s -version: %w", tool, err)
 	}
-	m := regexp.MustCompile(`etcd Version: (\d+\.\d+\.\d+)`).FindSubmatch(out)
+	m := regexp.MustCompile(version).FindSubmatch(out)
 	if m == nil {
-		return "", fmt.Errorf("etcd --version: %q", out)
+		return "", fmt.Errorf("%s -version: %q", tool, out)
 	}
-	return string(m[1]) + "-0", nil
+	return fmt.Sprintf(format, m[1]), nil
 }

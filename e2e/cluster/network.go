@@ -8,6 +8,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"slices"
+	"strconv"
 	"strings"
 )
 
@@ -140,9 +141,15 @@ func (pn *podNetwork) route(cp *ControlPlane) error {
 	if err != nil {
 		return err
 	}
+	return pn.dnat(cp.ServiceIP, 443, u.Host)
+}
+
+// dnat adds a rule that takes the connections from the network to address:port to the
+// machine's to (host:port).
+func (pn *podNetwork) dnat(address string, port int, to string) error {
 	rule := []string{
-		"PREROUTING", "-i", pn.Bridge, "-d", cp.ServiceIP, "-p", "tcp", "--dport", "443",
-		"-m", "comment", "--comment", pn.comment, "-j", "DNAT", "--to-destination", u.Host,
+		"PREROUTING", "-i", pn.Bridge, "-d", address, "-p", "tcp", "--dport", strconv.Itoa(port),
+		"-m", "comment", "--comment", pn.comment, "-j", "DNAT", "--to-destination", to,
 	}
 	if out, err := exec.Command("iptables", append([]string{"-t", "nat", "-A"}, rule...)...).CombinedOutput(); err != nil {
 		return fmt.Errorf("iptables -A %s: %w: %s", strings.Join(rule, " "), err, out)

@@ -4,12 +4,12 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"maps"
 	"net"
 	"os"
 	"os/exec"
+	"path"
 	"path/filepath"
-	"slices"
+	"strconv"
 	"strings"
 	"sync"
 	"time"
@@ -28,26 +28,31 @@ import (
 // Its network is a veth pair: eth0 in the VM with 10.250.<i>.2/24, 10.250.<i>.1 on the
 // machine, the VM's default route. Its pods are on a bridge of the VM, 10.245.<i>.0/24, which
 // the machine routes to the VM. As from a pod network, the VM reaches each control plane of the
-// lab at its Service address.
+// lab at its Service address, and the lab's registry at 10.250.<i>.1: its containerd pulls
+// every image from there (Registry), nothing is imported.
 
 // vmPaths are a VM's directories besides nodePaths: what kubeadm and Cluster API's bootstrap
-// data write.
-var vmPaths = []string{"/etc/kubernetes", "/var/lib/etcd", "/run/kubeadm", "/run/cluster-api"}
+// data write, containerd's registry configuration, and the kernel's modules, which kube-proxy's
+// DaemonSet mounts (empty: the machine's kernel has its netfilter built in).
+var vmPaths = []string{"/etc/kubernetes", "/var/lib/etcd", "/run/kubeadm", "/run/cluster-api", "/etc/containerd", "/lib/modules"}
 
 // vmLocks holds one file per VM network in use across the labs of the machine.
 const vmLocks = "/run/pvbridge-lab/vms"
 
-// The VM's own programs and kubelet drop-in, in its namespace.
+// The VM's own programs and kubelet drop-in, and its containerd's registry hosts (containerd's
+// config_path, at the place containerd's documentation has it), in its namespace.
 const (
 	vmBin            = "/run/pvbridge/bin"
 	vmKubeletDropIns = "/run/pvbridge/kubelet.conf.d"
+	vmCertsDir       = "/etc/containerd/certs.d"
 )
 
 // VMOptions configure a VM.
 type VMOptions struct {
-	// Images are OCI archives its containerd imports before it boots (its image's); they
-	// must include SandboxImage.
-	Images []string
+	// Registry is the lab's registry, from which the VM's containerd pulls every image: the
+	// images pushed to it by their names (registry.k8s.io/pause, docker.io/library/busybox)
+	// and those a user pushed to its address.
+	Registry *Registry
 	// Binds are more directories of the VM (see NodeOptions.Binds).
 	Binds map[string]string
 	// UserData and MetaData are its NoCloud seed; UserData a cloud-config.
@@ -55,10 +60,6 @@ type VMOptions struct {
 	// Addresses are more addresses of the VM, routed to it by the machine: the control plane
 	// endpoint that a cloud's load balancer would give it.
 	Addresses []string
-	// Services are the VM's DNAT rules, Service address:port → endpoint address:port, for its
-	// pods and its own processes: the guest's `kubernetes` Service while the lab's guests run
-	// no kube-proxy.
-	Services map[string]string
 }
 
 // VM is a running lab VM.
@@ -79,6 +80,9 @@ type VM struct {
 // StartVM boots VM name: it returns once the VM's containerd and kubelet service run, while its
 // user data runs (WaitBooted).
 func (l *Lab) StartVM(ctx context.Context, name string, opts VMOptions) (*VM, error) {
+	if opts.Registry == nil {
+		return nil, fmt.Errorf("vm %s: no registry to pull its images from", name)
+	}
 	config, err := ParseCloudConfig(opts.UserData, opts.MetaData)
 	if err != nil {
 		return nil, fmt.Errorf("vm %s: %w", name, err)
@@ -112,13 +116,13 @@ func (l *Lab) StartVM(ctx context.Context, name string, opts VMOptions) (*VM, er
 		return nil, err
 	}
 	l.atStop(vm.Stop)
-	if err := vm.startNetwork(opts.Addresses, opts.Services); err != nil {
+	if err := vm.startNetwork(opts.Addresses, opts.Registry); err != nil {
 		return nil, err
 	}
-	if err := vm.writeImage(); err != nil {
+	if err := vm.writeImage(opts.Registry); err != nil {
 		return nil, err
 	}
-	if err := vm.startContainerd(ctx, opts.Images); err != nil {
+	if err := vm.startContainerd(ctx, nil); err != nil {
 		return nil, err
 	}
 	if err := vm.startKubeletService(); err != nil {
@@ -128,8 +132,10 @@ func (l *Lab) StartVM(ctx context.Context, name string, opts VMOptions) (*VM, er
 	return vm, nil
 }
 
-// startNetwork makes the VM's link and addresses, and the machine's route to its pods.
-func (vm *VM) startNetwork(addresses []string, services map[string]string) error {
+// startNetwork makes the VM's link and addresses, the machine's route to its pods, and the
+// machine's rule that takes the VM's connections to the registry's port at the machine's
+// address on the link to the registry on 127.0.0.1 (route_localnet on the link).
+func (vm *VM) startNetwork(addresses []string, registry *Registry) error {
 	var i int
 	pn, err := vm.lab.startNetwork(vmLocks, func(n int) *podNetwork {
 		i = n
@@ -152,16 +158,10 @@ func (vm *VM) startNetwork(addresses []string, services map[string]string) error
 		for _, a := range addresses {
 			cmds = append(cmds, append(in, "ip", "addr", "add", a+"/32", "dev", "eth0"), []string{"ip", "route", "replace", a + "/32", "via", vm.Address})
 		}
-		for _, service := range slices.Sorted(maps.Keys(services)) {
-			ip, port, err := net.SplitHostPort(service)
-			if err != nil {
-				return fmt.Errorf("service %q: %w", service, err)
-			}
-			for _, chain := range []string{"PREROUTING", "OUTPUT"} {
-				cmds = append(cmds, append(in, "iptables", "-t", "nat", "-A", chain, "-d", ip, "-p", "tcp", "--dport", port, "-j", "DNAT", "--to-destination", services[service]))
-			}
+		if err := run(cmds); err != nil {
+			return err
 		}
-		return run(cmds)
+		return pn.dnat(pn.Gateway, registry.Port, registry.Address)
 	})
 	if err != nil {
 		return fmt.Errorf("vm %s: network: %w", vm.Name, err)
@@ -171,10 +171,11 @@ func (vm *VM) startNetwork(addresses []string, services map[string]string) error
 }
 
 // writeImage writes what the VM's image has besides the machine's programs: its hosts file
-// (written in place: it is bind-mounted at /etc/hosts), its pods' network,
-// its kubelet drop-in, and a systemctl that kubeadm finds first in PATH, which restarts the VM's
-// kubelet rather than the machine's.
-func (vm *VM) writeImage() error {
+// (written in place: it is bind-mounted at /etc/hosts), its pods' network, its containerd's
+// registry mirrors (the lab's registry at the machine's address on the VM's link), its kubelet
+// drop-in, and a systemctl that kubeadm finds first in PATH, which restarts the VM's kubelet
+// rather than the machine's.
+func (vm *VM) writeImage(registry *Registry) error {
 	hosts := fmt.Sprintf("127.0.0.1\tlocalhost\n%s\t%s\n", vm.Address, vm.Name)
 	if err := os.WriteFile(filepath.Join(vm.Dir, "hosts"), []byte(hosts), 0o644); err != nil {
 		return err
@@ -193,6 +194,9 @@ func (vm *VM) writeImage() error {
 `, vm.PodSubnet),
 		vmKubeletDropIns + "/10-lab.conf": vmKubeletDropIn,
 		vmBin + "/systemctl":              vmSystemctl,
+	}
+	for host, hosts := range registry.mirrors(net.JoinHostPort(vm.network.Gateway, strconv.Itoa(registry.Port))) {
+		files[path.Join(vmCertsDir, host, "hosts.toml")] = hosts
 	}
 	for p, data := range files {
 		if err := os.MkdirAll(filepath.Dir(vm.HostPath(p)), 0o755); err != nil {
@@ -214,11 +218,27 @@ cgroupRoot: /pvbridge-lab-node
 enforceNodeAllocatable: ["none"]
 failCgroupV1: false
 failSwapOn: false
-resolvConf: ""
 makeIPTablesUtilChains: false
 imageGCHighThresholdPercent: 100
 imageGCLowThresholdPercent: 99
 evictionHard: {memory.available: 100Mi, nodefs.available: 1%, nodefs.inodesFree: 1%, imagefs.available: 1%, imagefs.inodesFree: 1%}
+`
+
+// kubeadmInitConfig is where Cluster API's kubeadm bootstrap provider writes the configuration
+// of `kubeadm init`.
+const kubeadmInitConfig = "/run/kubeadm/kubeadm.yaml"
+
+// vmKubeProxyConfig is what a lab VM adds to kubeadm init's configuration, as Cluster API's
+// docker provider adds it for its containers (cluster-api#4712): kube-proxy leaves
+// nf_conntrack_max alone. The limit is the kernel's, which a lab VM shares with the machine;
+// from the VM's network namespace it is read-only, and kube-proxy, which by default sets it
+// whenever it differs from its own figure, exits on the write.
+const vmKubeProxyConfig = `
+---
+apiVersion: kubeproxy.config.k8s.io/v1alpha1
+kind: KubeProxyConfiguration
+conntrack:
+  maxPerCore: 0
 `
 
 // vmSystemctl answers kubeadm's use of systemd (is-active, enable, daemon-reload, restart of
@@ -333,6 +353,9 @@ func (vm *VM) writeFile(f CloudFile) error {
 	data, err := f.Data()
 	if err != nil {
 		return err
+	}
+	if f.Path == kubeadmInitConfig {
+		data = append(data, vmKubeProxyConfig...)
 	}
 	mode, err := f.Mode()
 	if err != nil {

@@ -27,12 +27,10 @@ const (
 type VMMOptions struct {
 	// Root is the local hypervisor's root.
 	Root string
-	// Images are what every VM's containerd imports (VMOptions.Images).
-	Images []string
+	// Registry is the lab's registry, which every VM pulls from (VMOptions.Registry).
+	Registry *Registry
 	// DeviceRoot is where a VM sees its directory (the guest-csi node plugin's --device-root).
 	DeviceRoot string
-	// Services are every VM's DNAT rules (VMOptions.Services).
-	Services map[string]string
 }
 
 // VMM boots the bootstrapped VMs of a local hypervisor's root.
@@ -143,7 +141,7 @@ func (m *VMM) boot(ctx context.Context, key string) (*VM, error) {
 	if err != nil {
 		return nil, err
 	}
-	opts := VMOptions{Images: m.opts.Images, Binds: map[string]string{m.opts.DeviceRoot: dir}, Services: m.opts.Services, UserData: userData, MetaData: metaData}
+	opts := VMOptions{Registry: m.opts.Registry, Binds: map[string]string{m.opts.DeviceRoot: dir}, UserData: userData, MetaData: metaData}
 	// The load balancer of the control plane endpoint: the first control plane machine's VM
 	// (whose kubeadm init makes the endpoint's apiserver) gets the endpoint's address.
 	if c, err := ParseCloudConfig(userData, metaData); err == nil {

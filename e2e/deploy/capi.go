@@ -302,25 +302,21 @@ func ClusterTemplate(repo string, vars map[string]string) ([]*unstructured.Unstr
 	return decodeObjects(path, []byte(text))
 }
 
-// LabGuestServices is the Service range of the lab's guests made by Cluster API, and
-// LabGuestKubernetesService the address of their `kubernetes` Service, which the lab's VMs
-// route to the control plane endpoint (VMOptions.Services): no kube-proxy runs in them yet.
+// LabGuestServices and LabGuestPods are the Service and pod ranges of the lab's guests made by
+// Cluster API: Services outside the lab's own Service addresses (10.96.<n>.0/24, which the
+// machine routes to the lab's control planes), pods in the lab VMs' pod networks
+// (10.245.<i>.0/24), which kube-proxy then counts as the cluster's own.
 const (
-	LabGuestServices          = "10.112.0.0/16"
-	LabGuestKubernetesService = "10.112.0.1"
+	LabGuestServices = "10.112.0.0/16"
+	LabGuestPods     = "10.245.0.0/16"
 )
 
 // LabCluster adapts a rendered cluster template to the lab's VMs (docs/design.md): the guest's
-// Services outside the lab's own Service addresses (10.96.<n>.0/24, which the machine routes
-// to the lab's control planes), kubeadm's preflight check of the cgroup version skipped (the
-// machine runs cgroup v1, which the VMs' kubelets accept) and its image pulls (no registry: the
-// images are the VM's), no kube-proxy or CoreDNS (not built yet), the lab's etcd, and timeouts
-// for a loaded 2-core machine.
+// Service and pod ranges, kubeadm's preflight check of the cgroup version skipped (the machine
+// runs cgroup v1, which the VMs' kubelets accept), the lab's etcd, and timeouts for a loaded
+// 2-core machine.
 func LabCluster(objs []*unstructured.Unstructured, etcdTag string) error {
-	nodeRegistration := map[string]any{
-		"ignorePreflightErrors": []any{"SystemVerification", "ImagePull"},
-		"imagePullPolicy":       "Never",
-	}
+	ignore := []any{"SystemVerification"}
 	set := func(o *unstructured.Unstructured, value any, path ...string) error {
 		return unstructured.SetNestedField(o.Object, runtime.DeepCopyJSONValue(value), path...)
 	}
@@ -328,26 +324,24 @@ func LabCluster(objs []*unstructured.Unstructured, etcdTag string) error {
 		var errs []error
 		switch o.GetKind() {
 		case "Cluster":
-			errs = append(errs, set(o, []any{LabGuestServices}, "spec", "clusterNetwork", "services", "cidrBlocks"))
+			network := []string{"spec", "clusterNetwork"}
+			errs = append(errs,
+				set(o, []any{LabGuestServices}, append(network, "services", "cidrBlocks")...),
+				set(o, []any{LabGuestPods}, append(network, "pods", "cidrBlocks")...))
 		case "KubeadmControlPlane":
 			spec := []string{"spec", "kubeadmConfigSpec"}
 			errs = append(errs,
 				set(o, etcdTag, append(spec, "clusterConfiguration", "etcd", "local", "imageTag")...),
-				set(o, []any{"addon/kube-proxy", "addon/coredns"}, append(spec, "initConfiguration", "skipPhases")...),
 				set(o, map[string]any{"controlPlaneComponentHealthCheckSeconds": int64(600), "kubernetesAPICallSeconds": int64(300)}, append(spec, "initConfiguration", "timeouts")...),
 				set(o, map[string]any{"controlPlaneComponentHealthCheckSeconds": int64(600), "kubernetesAPICallSeconds": int64(300), "tlsBootstrapSeconds": int64(600)}, append(spec, "joinConfiguration", "timeouts")...),
+				set(o, ignore, append(spec, "initConfiguration", "nodeRegistration", "ignorePreflightErrors")...),
+				set(o, ignore, append(spec, "joinConfiguration", "nodeRegistration", "ignorePreflightErrors")...),
 			)
-			for _, k := range []string{"ignorePreflightErrors", "imagePullPolicy"} {
-				errs = append(errs,
-					set(o, nodeRegistration[k], append(spec, "initConfiguration", "nodeRegistration", k)...),
-					set(o, nodeRegistration[k], append(spec, "joinConfiguration", "nodeRegistration", k)...))
-			}
 		case "KubeadmConfigTemplate":
 			join := []string{"spec", "template", "spec", "joinConfiguration"}
-			errs = append(errs, set(o, map[string]any{"kubernetesAPICallSeconds": int64(300), "tlsBootstrapSeconds": int64(600)}, append(join, "timeouts")...))
-			for _, k := range []string{"ignorePreflightErrors", "imagePullPolicy"} {
-				errs = append(errs, set(o, nodeRegistration[k], append(join, "nodeRegistration", k)...))
-			}
+			errs = append(errs,
+				set(o, map[string]any{"kubernetesAPICallSeconds": int64(300), "tlsBootstrapSeconds": int64(600)}, append(join, "timeouts")...),
+				set(o, ignore, append(join, "nodeRegistration", "ignorePreflightErrors")...))
 		}
 		if err := errors.Join(errs...); err != nil {
 			return fmt.Errorf("%s %s: %w", o.GetKind(), o.GetName(), err)

@@ -29,10 +29,11 @@ import (
 var MachineGVK = schema.GroupVersionKind{Group: "cluster.x-k8s.io", Version: "v1beta2", Kind: "Machine"}
 
 // installClusterAPIGuest makes the guest with Cluster API in the management cluster: Cluster
-// API's controllers and pvbridge's provider, a VMM per host that boots the VMs of the host's
-// agent with their bootstrap data, the shipped cluster template (one control plane machine,
-// Workers worker machines) adapted to the lab and opted in to the tenants controller, opted out
-// of its guest install (the lab applies the guest overlay with the VMs' device tree instead).
+// API's controllers and pvbridge's provider, the lab's registry with every image the guest runs,
+// a VMM per host that boots the VMs of the host's agent with their bootstrap data (pulling from
+// that registry), the shipped cluster template (one control plane machine, Workers worker
+// machines) adapted to the lab and opted in to the tenants controller, opted out of its guest
+// install (the lab applies the guest overlay with the VMs' device tree instead).
 // It returns once every Machine runs with a Ready Node and guest-csi is registered on every
 // worker.
 func (in *Installed) installClusterAPIGuest(ctx context.Context, lab *cluster.Lab, archives []string) error {
@@ -45,17 +46,19 @@ func (in *Installed) installClusterAPIGuest(ctx context.Context, lab *cluster.La
 	if err != nil {
 		return err
 	}
-	vmImages := slices.Compact(slices.Sorted(slices.Values(append(slices.Clone(archives), kubeadmArchives...))))
+	if in.Registry, err = lab.StartRegistry(ctx); err != nil {
+		return err
+	}
+	if err := in.Registry.Push(ctx, slices.Compact(slices.Sorted(slices.Values(append(slices.Clone(archives), kubeadmArchives...))))...); err != nil {
+		return err
+	}
 	endpoint, err := lab.ControlPlaneEndpoint()
 	if err != nil {
 		return err
 	}
 	in.VMMs = map[string]*cluster.VMM{}
 	for name, host := range in.Hosts {
-		in.VMMs[name] = lab.StartVMM(cluster.VMMOptions{
-			Root: host.HostPath(VMRoot), Images: vmImages, DeviceRoot: VMDeviceRoot,
-			Services: map[string]string{LabGuestKubernetesService + ":443": endpoint + ":6443"},
-		})
+		in.VMMs[name] = lab.StartVMM(cluster.VMMOptions{Root: host.HostPath(VMRoot), Registry: in.Registry, DeviceRoot: VMDeviceRoot})
 	}
 	objs, err := ClusterTemplate(lab.Binaries().Repo, map[string]string{
 		"CLUSTER_NAME": opts.Name, "NAMESPACE": opts.Namespace, "KUBERNETES_VERSION": version,

@@ -82,8 +82,10 @@ type Installed struct {
 	Options    InstalledOptions
 	// UID is the UID of the guest's Cluster: its identity.
 	UID string
-	// ClusterAPI and VMMs (by host) run with Options.ClusterAPI.
+	// ClusterAPI, the registry the guest's VMs pull from and VMMs (by host) run with
+	// Options.ClusterAPI.
 	ClusterAPI *ClusterAPI
+	Registry   *cluster.Registry
 	VMMs       map[string]*cluster.VMM
 	workers    []string
 }

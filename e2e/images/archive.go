@@ -2,13 +2,20 @@ package images
 
 import (
 	"archive/tar"
+	"context"
+	"errors"
+	"fmt"
+	"io"
 	"io/fs"
 	"os"
 	"path/filepath"
+	"strings"
 
+	"github.com/google/go-containerregistry/pkg/name"
 	v1 "github.com/google/go-containerregistry/pkg/v1"
 	"github.com/google/go-containerregistry/pkg/v1/empty"
 	"github.com/google/go-containerregistry/pkg/v1/layout"
+	"github.com/google/go-containerregistry/pkg/v1/remote"
 )
 
 // WriteArchive writes img as an OCI archive (a tar of an OCI image layout) named ref: both
@@ -76,4 +83,88 @@ func tarDir(file, dir string) error {
 		err = cerr
 	}
 	return err
+}
+
+// Push pushes the image of an OCI archive that WriteArchive wrote to registry (host:port, plain
+// HTTP) below the reference the archive names, which it returns: registry.k8s.io/pause:3.10.2
+// goes to <registry>/registry.k8s.io/pause:3.10.2.
+func Push(ctx context.Context, archive, registry string) (string, error) {
+	dir, err := os.MkdirTemp(filepath.Dir(archive), ".push-")
+	if err != nil {
+		return "", err
+	}
+	defer os.RemoveAll(dir)
+	if err := untar(archive, dir); err != nil {
+		return "", fmt.Errorf("%s: %w", archive, err)
+	}
+	index, err := layout.ImageIndexFromPath(dir)
+	if err != nil {
+		return "", fmt.Errorf("%s: %w", archive, err)
+	}
+	m, err := index.IndexManifest()
+	if err != nil {
+		return "", fmt.Errorf("%s: %w", archive, err)
+	}
+	if len(m.Manifests) != 1 {
+		return "", fmt.Errorf("%s: %d images, want 1", archive, len(m.Manifests))
+	}
+	ref := m.Manifests[0].Annotations["io.containerd.image.name"]
+	img, err := index.Image(m.Manifests[0].Digest)
+	if err != nil {
+		return "", fmt.Errorf("%s: %w", archive, err)
+	}
+	tag, err := name.NewTag(registry+"/"+ref, name.Insecure)
+	if err != nil {
+		return "", fmt.Errorf("%s: %w", archive, err)
+	}
+	if err := remote.Write(tag, img, remote.WithContext(ctx)); err != nil {
+		return "", fmt.Errorf("push %s: %w", tag, err)
+	}
+	return ref, nil
+}
+
+// untar extracts the files and directories of a tar file into dir.
+func untar(file, dir string) error {
+	f, err := os.Open(file)
+	if err != nil {
+		return err
+	}
+	defer f.Close()
+	tr := tar.NewReader(f)
+	for {
+		h, err := tr.Next()
+		if errors.Is(err, io.EOF) {
+			return nil
+		}
+		if err != nil {
+			return err
+		}
+		p := filepath.Join(dir, h.Name)
+		if !strings.HasPrefix(p, filepath.Clean(dir)+string(filepath.Separator)) {
+			return fmt.Errorf("%s leads outside the archive", h.Name)
+		}
+		switch h.Typeflag {
+		case tar.TypeDir:
+			err = os.MkdirAll(p, 0o755)
+		case tar.TypeReg:
+			err = writeFile(p, tr)
+		default:
+			err = fmt.Errorf("%s: unexpected type %c", h.Name, h.Typeflag)
+		}
+		if err != nil {
+			return err
+		}
+	}
+}
+
+func writeFile(p string, r io.Reader) error {
+	if err := os.MkdirAll(filepath.Dir(p), 0o755); err != nil {
+		return err
+	}
+	f, err := os.Create(p)
+	if err != nil {
+		return err
+	}
+	_, err = io.Copy(f, r)
+	return errors.Join(err, f.Close())
 }

@@ -163,16 +163,29 @@ func Tags(component string) (map[string]string, error) {
 	return tags, nil
 }
 
-// KubeadmImages are the images `kubeadm init` runs as static pods, built from the lab's pinned
-// binaries and named as kubeadm names them for version (`kubeadm config images list`), etcd
-// tagged etcdTag (the lab's etcd, which a cluster configuration's etcd.local.imageTag names).
-// kubeadm sets each container's command, so no image has one.
-func KubeadmImages(version, etcdTag string) []Image {
+// KubeadmImages are the images `kubeadm init` runs (the control plane as static pods, the
+// kube-proxy and CoreDNS addons), built from the lab's pinned binaries and named as kubeadm
+// names them for version (`kubeadm config images list`), etcd tagged etcdTag (the lab's etcd,
+// which a cluster configuration's etcd.local.imageTag names) and CoreDNS corednsTag (the pinned
+// CoreDNS is the one kubeadm deploys). kubeadm sets each container's command (or, for CoreDNS,
+// its arguments), so no image has one. kube-proxy programs the Service rules with the
+// iptables of this machine (nf_tables), whose extensions it loads from xtables/. CoreDNS runs
+// as root: upstream's image runs it as nonroot with a file capability to bind port 53, which
+// the lab's layers do not carry, and kubeadm's Deployment leaves it NET_BIND_SERVICE alone.
+func KubeadmImages(version, etcdTag, corednsTag string) []Image {
 	k8s := "https://github.com/kubernetes/kubernetes"
 	return []Image{
 		{Name: "registry.k8s.io/kube-apiserver", Tag: version, Tool: "kube-apiserver", User: "0", Source: k8s},
 		{Name: "registry.k8s.io/kube-controller-manager", Tag: version, Tool: "kube-controller-manager", User: "0", Source: k8s},
 		{Name: "registry.k8s.io/kube-scheduler", Tag: version, Tool: "kube-scheduler", User: "0", Source: k8s},
 		{Name: "registry.k8s.io/etcd", Tag: etcdTag, Tool: "etcd", User: "0", Source: "https://github.com/etcd-io/etcd"},
+		{
+			Name: "registry.k8s.io/kube-proxy", Tag: version, Tool: "kube-proxy", User: "0", Source: k8s,
+			Programs: []string{
+				"iptables", "iptables-save", "iptables-restore", "ip6tables", "ip6tables-save", "ip6tables-restore",
+				"/usr/lib/x86_64-linux-gnu/xtables",
+			},
+		},
+		{Name: "registry.k8s.io/coredns/coredns", Tag: corednsTag, Tool: "coredns", User: "0", Source: "https://github.com/coredns/coredns"},
 	}
 }

@@ -30,7 +30,10 @@ func TestAVMWithBootstrapDataBootsIt(t *testing.T) {
 
 	archives, version, etcdTag, err := cluster.KubeadmImageArchives(ctx, lab)
 	g.Expect(err).NotTo(HaveOccurred())
-	vmm := lab.StartVMM(cluster.VMMOptions{Root: vmop.VMRoots["host-a"], Images: archives, DeviceRoot: deploy.VMDeviceRoot})
+	registry, err := lab.StartRegistry(ctx)
+	g.Expect(err).NotTo(HaveOccurred())
+	g.Expect(registry.Push(ctx, archives...)).To(Succeed())
+	vmm := lab.StartVMM(cluster.VMMOptions{Root: vmop.VMRoots["host-a"], Registry: registry, DeviceRoot: deploy.VMDeviceRoot})
 	t.Cleanup(func() { g.Expect(vmm.Stop()).To(Succeed()) })
 
 	blockClaim(ctx, g, ns, "data", "host-a")

@@ -23,7 +23,7 @@ func main() {
 	flag.StringVar(&o.Root, "root", envOr("PVBRIDGE_ROOT", "."), "pvbridge's repository")
 	flag.StringVar(&o.Bin, "bin", os.Getenv("PVBRIDGE_BIN"), "directory of the pinned third-party binaries (make tools)")
 	lab := flag.Bool("lab", false, "also build the images only the lab needs")
-	kubeadm := flag.String("kubeadm", "", "also build the images kubeadm init runs for this Kubernetes version, etcd tagged <version>,<etcd tag>")
+	kubeadm := flag.String("kubeadm", "", "also build the images kubeadm init runs: <Kubernetes version>,<etcd tag>,<CoreDNS tag>")
 	flag.Parse()
 	if err := run(o, *lab, *kubeadm); err != nil {
 		fmt.Fprintln(os.Stderr, "images:", err)
@@ -57,11 +57,11 @@ func run(o images.Options, lab bool, kubeadm string) error {
 		imgs = append(slices.Clone(imgs), more...)
 	}
 	if kubeadm != "" {
-		version, etcd, ok := strings.Cut(kubeadm, ",")
-		if !ok {
-			return fmt.Errorf("--kubeadm %q: want <version>,<etcd tag>", kubeadm)
+		tags := strings.Split(kubeadm, ",")
+		if len(tags) != 3 {
+			return fmt.Errorf("--kubeadm %q: want <Kubernetes version>,<etcd tag>,<CoreDNS tag>", kubeadm)
 		}
-		imgs = append(slices.Clone(imgs), images.KubeadmImages(version, etcd)...)
+		imgs = append(slices.Clone(imgs), images.KubeadmImages(tags[0], tags[1], tags[2])...)
 	}
 	built, err := images.BuildAll(o, imgs)
 	if err != nil {
