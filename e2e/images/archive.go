@@ -8,8 +8,8 @@ import (
 	"io"
 	"io/fs"
 	"os"
+	"path"
 	"path/filepath"
-	"strings"
 
 	"github.com/google/go-containerregistry/pkg/name"
 	v1 "github.com/google/go-containerregistry/pkg/v1"
@@ -123,8 +123,17 @@ func Push(ctx context.Context, archive, registry string) (string, error) {
 	return ref, nil
 }
 
-// untar extracts the files and directories of a tar file into dir.
+// untar extracts the files and directories of a tar file into dir, made if missing; a name
+// that leads outside dir fails (os.Root).
 func untar(file, dir string) error {
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		return err
+	}
+	root, err := os.OpenRoot(dir)
+	if err != nil {
+		return err
+	}
+	defer root.Close()
 	f, err := os.Open(file)
 	if err != nil {
 		return err
@@ -139,15 +148,11 @@ func untar(file, dir string) error {
 		if err != nil {
 			return err
 		}
-		p := filepath.Join(dir, h.Name)
-		if !strings.HasPrefix(p, filepath.Clean(dir)+string(filepath.Separator)) {
-			return fmt.Errorf("%s leads outside the archive", h.Name)
-		}
 		switch h.Typeflag {
 		case tar.TypeDir:
-			err = os.MkdirAll(p, 0o755)
+			err = root.MkdirAll(h.Name, 0o755)
 		case tar.TypeReg:
-			err = writeFile(p, tr)
+			err = writeFile(root, h.Name, tr)
 		default:
 			err = fmt.Errorf("%s: unexpected type %c", h.Name, h.Typeflag)
 		}
@@ -157,11 +162,11 @@ func untar(file, dir string) error {
 	}
 }
 
-func writeFile(p string, r io.Reader) error {
-	if err := os.MkdirAll(filepath.Dir(p), 0o755); err != nil {
+func writeFile(root *os.Root, name string, r io.Reader) error {
+	if err := root.MkdirAll(path.Dir(name), 0o755); err != nil {
 		return err
 	}
-	f, err := os.Create(p)
+	f, err := root.Create(name)
 	if err != nil {
 		return err
 	}
