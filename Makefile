@@ -14,9 +14,10 @@ export PVBRIDGE_ROOT := $(CURDIR)
 MODULES := pkg guest-csi mgmt-csi vm-operator e2e
 COMPONENTS := pkg guest-csi mgmt-csi vm-operator
 # The pinned third-party components (hack/build-tools.sh) the lab runs, and the tests (which
-# also run containerd nodes, Kubernetes' e2e.test and Cluster API's managers).
+# also run containerd nodes, Kubernetes' e2e.test, Cluster API's managers and, for its guests,
+# the lab's registry and CoreDNS).
 LAB_TOOLS := etcd kubernetes csi-provisioner csi-attacher csi-resizer csi-snapshotter
-TEST_TOOLS := $(LAB_TOOLS) containerd kubernetes-e2e csi-sanity cluster-api
+TEST_TOOLS := $(LAB_TOOLS) containerd kubernetes-e2e csi-sanity cluster-api registry coredns
 CONTROLLER_GEN := $(PVBRIDGE_BIN)/controller-gen
 GOLANGCI_LINT := $(PVBRIDGE_BIN)/golangci-lint
 KUBECTL := $(PVBRIDGE_BIN)/kubectl
@@ -40,7 +41,7 @@ RUNTIME ?= process
 
 .PHONY: run
 run: deps lab-tools ## Start the lab (management + guest clusters on 127.0.0.1) until Ctrl-C; RUNTIME=containerd for real containers, RUNTIME=capi for a guest made by Cluster API.
-	$(if $(filter containerd capi,$(RUNTIME)),hack/phase.sh tools hack/build-tools.sh containerd $(if $(filter capi,$(RUNTIME)),cluster-api))
+	$(if $(filter containerd capi,$(RUNTIME)),hack/phase.sh tools hack/build-tools.sh containerd $(if $(filter capi,$(RUNTIME)),cluster-api registry coredns))
 	go build -o bin/lab ./e2e/cmd/lab
 	bin/lab --runtime=$(RUNTIME)
 

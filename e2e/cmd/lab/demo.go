@@ -26,6 +26,8 @@ type demoLab struct {
 	// vm is the guest node of the demo's pod; capi: the guest was made by Cluster API.
 	vm   string
 	capi bool
+	// registry is the address of the registry the guest's VMs pull from, if any.
+	registry string
 }
 
 // demo gives a pod of the guest cluster a volume through both layers: a guest PVC (default

@@ -116,6 +116,9 @@ func run(dir, runtime string) error {
 	}
 	fmt.Printf("\nmanagement cluster:\n  export KUBECONFIG=%s\n  %s get nodes,virtualmachines,pvc,pv,volumeattachments,pmemvolumes,pmemnodes -A\n", d.mgmt.Kubeconfig, kubectl)
 	fmt.Printf("\nguest cluster %s:\n  export KUBECONFIG=%s\n  %s get nodes,pvc,pv,volumeattachments -A\n", guest.Name, d.guest.Kubeconfig, kubectl)
+	if d.registry != "" {
+		fmt.Printf("\nthe guest's image registry (plain HTTP): push an image to %[1]s/<name>:<tag>, run it as image: %[1]s/<name>:<tag>\n", d.registry)
+	}
 	fmt.Println("\nPress Ctrl-C to stop.")
 	<-ctx.Done()
 	return nil
@@ -173,7 +176,7 @@ func startClusterAPI(ctx context.Context, lab *cluster.Lab) (demoLab, error) {
 	if err != nil {
 		return demoLab{}, err
 	}
-	return demoLab{mgmt: in.Mgmt, guest: in.Guest, guestNodes: in.GuestNodes, containers: true, vm: in.Workers()[0], capi: true}, nil
+	return demoLab{mgmt: in.Mgmt, guest: in.Guest, guestNodes: in.GuestNodes, containers: true, vm: in.Workers()[0], capi: true, registry: in.Registry.Address}, nil
 }
 
 // lock takes an exclusive lock on path, or says which lab holds it.
