@@ -173,7 +173,11 @@ func (pn *podNetwork) stop() error {
 		}
 	}
 	if exec.Command("ip", "link", "show", pn.Bridge).Run() == nil {
-		if out, err := exec.Command("ip", "link", "del", pn.Bridge).CombinedOutput(); err != nil {
+		// A VM's link also goes by itself, once the kernel has cleaned up the VM's network
+		// namespace after its last process: asynchronously, so possibly between the two
+		// commands ("Cannot find device").
+		out, err := exec.Command("ip", "link", "del", pn.Bridge).CombinedOutput()
+		if err != nil && exec.Command("ip", "link", "show", pn.Bridge).Run() == nil {
 			// Record and lock stay: the reaper tries again, and no other lab takes the name.
 			return errors.Join(append(errs, fmt.Errorf("ip link del %s: %w: %s", pn.Bridge, err, out))...)
 		}
