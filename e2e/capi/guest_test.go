@@ -48,6 +48,7 @@ func TestClusterAPIGuest(t *testing.T) {
 func statefulSetKeepsItsData(t *testing.T) {
 	g := NewWithT(t)
 	ctx := t.Context()
+	t.Logf("the guest made by Cluster API: its template applied → %d Machines Running with Ready Nodes and guest-csi on the workers after %.0f s", 1+in.Options.Workers, in.GuestReadyAfter.Seconds())
 	c := in.Guest.Client()
 	ns, err := deploy.CreateNamespace(ctx, c, "sts")
 	g.Expect(err).NotTo(HaveOccurred())
