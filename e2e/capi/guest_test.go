@@ -3,9 +3,7 @@ package capi_test
 import (
 	"context"
 	"fmt"
-	"maps"
 	"os/exec"
-	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -16,7 +14,6 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
-	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/runtime/schema"
 	"k8s.io/apimachinery/pkg/types"
 	"sigs.k8s.io/controller-runtime/pkg/client"
@@ -26,14 +23,32 @@ import (
 	vmv1 "pvbridge.io/pkg/apis/vm/v1alpha1"
 )
 
-// The tests of this file run in their order on the one guest; the last deletes it.
+// TestClusterAPIGuest runs its steps in order on the one guest, each on what the one before
+// left; the last deletes the guest.
+func TestClusterAPIGuest(t *testing.T) {
+	for _, step := range []struct {
+		name string
+		run  func(*testing.T)
+	}{
+		{"StatefulSetKeepsItsData", statefulSetKeepsItsData},
+		{"ScaleDownMovesVolumes", scaleDownMovesVolumes},
+		{"RollingReplacementMovesVolumes", rollingReplacementMovesVolumes},
+		{"WorkerDeletedWhileAPodWrites", workerDeletedWhileAPodWrites},
+		{"ClusterDeletionLeavesNothing", clusterDeletionLeavesNothing},
+	} {
+		if !t.Run(step.name, step.run) {
+			return // the next steps build on this one
+		}
+	}
+}
 
-// TestStatefulSetKeepsItsDataOnAClusterAPIGuest: a StatefulSet of 3 with a volume each on the
-// guest that Cluster API made; each pod writes its name to its volume; every pod is deleted and
-// comes back, and each reads its own data back in its container.
-func TestStatefulSetKeepsItsDataOnAClusterAPIGuest(t *testing.T) {
+// statefulSetKeepsItsData: a StatefulSet of 3 with a volume each on the guest that Cluster API
+// made; each pod writes its name to its volume; every pod is deleted and comes back, and each
+// reads its own data back in its container.
+func statefulSetKeepsItsData(t *testing.T) {
 	g := NewWithT(t)
 	ctx := t.Context()
+	t.Logf("the guest made by Cluster API: its template applied → %d Machines Running with Ready Nodes and guest-csi on the workers after %.0f s", 1+in.Options.Workers, in.GuestReadyAfter.Seconds())
 	c := in.Guest.Client()
 	ns, err := deploy.CreateNamespace(ctx, c, "sts")
 	g.Expect(err).NotTo(HaveOccurred())
@@ -41,11 +56,9 @@ func TestStatefulSetKeepsItsDataOnAClusterAPIGuest(t *testing.T) {
 	start := time.Now()
 	_, err = c.AppsV1().StatefulSets(ns).Create(ctx, deploy.StatefulSet(ns, "web", 3, "64Mi"), metav1.CreateOptions{})
 	g.Expect(err).NotTo(HaveOccurred())
-	pods := waitPodsRunning(ctx, g, ns, 3)
+	pods := waitPodsRunning(ctx, g, ns, "web", 3)
 	t.Logf("StatefulSet of 3: every pod Running with its volume %.0f s after its creation", time.Since(start).Seconds())
-	for _, p := range pods {
-		g.Expect(kubectl(ctx, "exec", "-n", ns, p.Name, "--", "sh", "-c", "echo "+p.Name+" > /data/name && sync")).To(BeEmpty())
-	}
+	writeNames(ctx, g, ns, pods)
 
 	g.Expect(c.CoreV1().Pods(ns).DeleteCollection(ctx, metav1.DeleteOptions{}, metav1.ListOptions{LabelSelector: "app=web"})).To(Succeed())
 	g.Eventually(func(g Gomega) {
@@ -55,22 +68,37 @@ func TestStatefulSetKeepsItsDataOnAClusterAPIGuest(t *testing.T) {
 			g.Expect(p.UID).NotTo(BeElementOf(uids(pods)), "pod %s not recreated yet", p.Name)
 		}
 	}).WithContext(ctx).WithTimeout(2 * time.Minute).Should(Succeed())
-	for _, p := range waitPodsRunning(ctx, g, ns, 3) {
-		g.Expect(kubectl(ctx, "exec", "-n", ns, p.Name, "--", "cat", "/data/name")).To(Equal(p.Name + "\n"))
+	readNamesBack(ctx, g, waitPodsRunning(ctx, g, ns, "web", 3))
+}
+
+// writeNames has each pod write its name to its volume, synced.
+func writeNames(ctx context.Context, g Gomega, ns string, pods []corev1.Pod) {
+	for _, p := range pods {
+		g.Expect(kubectl(ctx, "exec", "-n", ns, p.Name, "--", "sh", "-c", "echo "+p.Name+" > /data/name && sync")).To(BeEmpty())
 	}
 }
 
-// TestClusterDeletionThroughClusterAPILeavesNothing deletes the guest's Cluster while the
+// readNamesBack has each pod read its name back from its volume, in its container.
+func readNamesBack(ctx context.Context, g Gomega, pods []corev1.Pod) {
+	for _, p := range pods {
+		g.Expect(kubectl(ctx, "exec", "-n", p.Namespace, p.Name, "--", "cat", "/data/name")).To(Equal(p.Name+"\n"), "pod %s on %s", p.Name, p.Spec.NodeName)
+	}
+}
+
+// clusterDeletionLeavesNothing deletes the guest's Cluster while the
 // StatefulSet's volumes are attached: Cluster API deletes its Machines (no drain while the Cluster
 // goes), the provider powers their VMs off and deletes them, and then every management object of
 // the guest is gone: its VirtualMachines, claims, volumes and PMEM volumes, VolumeAttachments, and
 // the credential the tenants controller made for it.
-func TestClusterDeletionThroughClusterAPILeavesNothing(t *testing.T) {
+func clusterDeletionLeavesNothing(t *testing.T) {
 	g := NewWithT(t)
 	ctx := t.Context()
-	mc, err := client.New(in.Mgmt.RESTConfig(), client.Options{Scheme: scheme(g)})
-	g.Expect(err).NotTo(HaveOccurred())
+	mc := mgmtClient(g)
 	ns := in.Options.Guest.Namespace
+	var vmNames []string
+	for _, m := range machines(ctx, g, mc, "") {
+		vmNames = append(vmNames, m.GetName())
+	}
 
 	// The guest's volumes in the management cluster, attached to its VMs.
 	claims := &corev1.PersistentVolumeClaimList{}
@@ -91,10 +119,7 @@ func TestClusterDeletionThroughClusterAPILeavesNothing(t *testing.T) {
 	capiCluster.SetName(in.Options.Guest.Name)
 	g.Expect(mc.Delete(ctx, capiCluster)).To(Succeed())
 	g.Eventually(func(g Gomega) {
-		machines := &unstructured.UnstructuredList{}
-		machines.SetGroupVersionKind(deploy.MachineGVK)
-		g.Expect(mc.List(ctx, machines, client.InNamespace(ns))).To(Succeed())
-		g.Expect(machines.Items).To(BeEmpty(), "Machines")
+		g.Expect(machines(ctx, g, mc, "")).To(BeEmpty(), "Machines")
 		vms := &vmv1.VirtualMachineList{}
 		g.Expect(mc.List(ctx, vms, client.InNamespace(ns))).To(Succeed())
 		g.Expect(vms.Items).To(BeEmpty(), "VirtualMachines")
@@ -113,7 +138,7 @@ func TestClusterDeletionThroughClusterAPILeavesNothing(t *testing.T) {
 	}).WithContext(ctx).WithTimeout(5 * time.Minute).WithPolling(time.Second).Should(Succeed())
 	t.Logf("Cluster deleted with %d volumes attached: everything of the guest gone %.0f s after", len(volumes), time.Since(start).Seconds())
 	for host, vmm := range in.VMMs {
-		for _, name := range slices.Collect(maps.Keys(in.GuestNodes)) {
+		for _, name := range vmNames {
 			vm, err := vmm.VM(ns, name)
 			g.Expect(err).NotTo(HaveOccurred())
 			g.Expect(vm).To(BeNil(), "VM %s still runs on %s", name, host)
@@ -128,21 +153,26 @@ func vmAttachments(ctx context.Context, g Gomega, mc client.Client, ns string) [
 	return list.Items
 }
 
-func scheme(g Gomega) *runtime.Scheme {
+// mgmtClient is a client of the management cluster that knows pvbridge's objects; Cluster
+// API's are unstructured.
+func mgmtClient(g Gomega) client.Client {
 	s, err := deploy.MgmtScheme()
 	g.Expect(err).NotTo(HaveOccurred())
 	g.Expect(pmemv1.AddToScheme(s)).To(Succeed())
-	return s
+	mc, err := client.New(in.Mgmt.RESTConfig(), client.Options{Scheme: s})
+	g.Expect(err).NotTo(HaveOccurred())
+	return mc
 }
 
-// waitPodsRunning waits until n pods of app=web run in ns, and returns them.
-func waitPodsRunning(ctx context.Context, g Gomega, ns string, n int) []corev1.Pod {
+// waitPodsRunning waits until n pods of app run in ns, and returns them.
+func waitPodsRunning(ctx context.Context, g Gomega, ns, app string, n int) []corev1.Pod {
 	var pods []corev1.Pod
 	g.Eventually(func(g Gomega) {
-		list, err := in.Guest.Client().CoreV1().Pods(ns).List(ctx, metav1.ListOptions{LabelSelector: "app=web"})
+		list, err := in.Guest.Client().CoreV1().Pods(ns).List(ctx, metav1.ListOptions{LabelSelector: "app=" + app})
 		g.Expect(err).NotTo(HaveOccurred())
 		g.Expect(list.Items).To(HaveLen(n))
 		for _, p := range list.Items {
+			g.Expect(p.DeletionTimestamp).To(BeNil(), "pod %s is being deleted", p.Name)
 			g.Expect(p.Status.Phase).To(Equal(corev1.PodRunning), "pod %s", p.Name)
 		}
 		pods = list.Items

@@ -87,6 +87,7 @@ func (in *Installed) installClusterAPIGuest(ctx context.Context, lab *cluster.La
 	if classes == "" {
 		classes = DefaultAllowedClasses
 	}
+	start := time.Now()
 	for _, o := range objs {
 		if o.GetKind() == "Cluster" {
 			a := o.GetAnnotations()
@@ -161,6 +162,7 @@ func (in *Installed) installClusterAPIGuest(ctx context.Context, lab *cluster.La
 			return err
 		}
 	}
+	in.GuestReadyAfter = time.Since(start)
 	return nil
 }
 

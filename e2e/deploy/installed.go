@@ -87,7 +87,10 @@ type Installed struct {
 	ClusterAPI *ClusterAPI
 	Registry   *cluster.Registry
 	VMMs       map[string]*cluster.VMM
-	workers    []string
+	// GuestReadyAfter is how long the Cluster API guest took from its template's objects
+	// applied to every Machine Running with a Ready Node and guest-csi registered on the workers.
+	GuestReadyAfter time.Duration
+	workers         []string
 }
 
 // Install builds the images, starts both clusters on containerd nodes and installs pvbridge in
