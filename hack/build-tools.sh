@@ -53,8 +53,8 @@ kubernetes-e2e|kubernetes|$k8s_version|$k8s_tags|$(k8s_ldflags $k8s_version)|e2e
 csi-sanity|kubernetes|v5.6.0|$k8s_tags||csi-sanity=github.com/kubernetes-csi/csi-test/v5/cmd/csi-sanity
 ginkgo|kubernetes|v2.33.0|$k8s_tags||ginkgo=github.com/onsi/ginkgo/v2/ginkgo
 containerd|containerd|v2.4.2|no_btrfs| -X github.com/containerd/containerd/v2/version.Version=v2.4.2|containerd=github.com/containerd/containerd/v2/cmd/containerd containerd-shim-runc-v2=github.com/containerd/containerd/v2/cmd/containerd-shim-runc-v2 ctr=github.com/containerd/containerd/v2/cmd/ctr
-registry|registry|v3.1.2|| -X github.com/distribution/distribution/v3/version.version=v3.1.2|registry=github.com/distribution/distribution/v3/cmd/registry
-coredns|coredns|v1.14.6|| -X github.com/coredns/coredns/coremain.GitCommit=v1.14.6|coredns=github.com/coredns/coredns
+registry|registry|v3.1.2|| -X github.com/distribution/distribution/v3/version.version=v3.1.2|registry=./registry
+coredns|coredns|v1.14.6|| -X github.com/coredns/coredns/coremain.GitCommit=v1.14.6|coredns=./coredns
 cluster-api|cluster-api|$capi_version||$(capi_ldflags $capi_version)|capi-manager=sigs.k8s.io/cluster-api/core capi-kubeadm-bootstrap-manager=sigs.k8s.io/cluster-api/bootstrap/kubeadm capi-kubeadm-control-plane-manager=sigs.k8s.io/cluster-api/controlplane/kubeadm
 clusterctl|cluster-api|$capi_version||$(capi_ldflags $capi_version)|clusterctl=sigs.k8s.io/cluster-api/cmd/clusterctl
 controller-gen|controller-gen|v0.23.0|||controller-gen=sigs.k8s.io/controller-tools/cmd/controller-gen
