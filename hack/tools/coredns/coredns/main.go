@@ -5,6 +5,7 @@ package main
 
 import (
 	"github.com/coredns/coredns/core/dnsserver"
+	"github.com/coredns/coredns/coremain"
 	_ "github.com/coredns/coredns/plugin/cache"
 	_ "github.com/coredns/coredns/plugin/errors"
 	_ "github.com/coredns/coredns/plugin/forward"
@@ -16,7 +17,6 @@ import (
 	_ "github.com/coredns/coredns/plugin/metrics"
 	_ "github.com/coredns/coredns/plugin/ready"
 	_ "github.com/coredns/coredns/plugin/reload"
-	"github.com/coredns/coredns/coremain"
 )
 
 // directives are those plugins in CoreDNS's own order (its plugin.cfg), which is the order a
