@@ -32,9 +32,10 @@ var (
 )
 
 // subset is what CI runs of each driver: provisioning (empty, from a snapshot, from a clone,
-// with mount options) and the data tests of one filesystem volume, not the [Slow] ones.
+// with mount options), the data tests of one filesystem volume and ReadWriteOncePod's
+// enforcement, not the [Slow] ones.
 const (
-	subset     = `\[Testpattern: Dynamic PV \(default fs\)\] (provisioning|volumes)`
+	subset     = `\[Testpattern: Dynamic PV \(default fs\)\] (provisioning|volumes|read-write-once-pod)`
 	subsetSkip = `\[Slow\]`
 )
 

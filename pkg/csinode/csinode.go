@@ -10,11 +10,14 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"path/filepath"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
+	"golang.org/x/sys/unix"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 	"k8s.io/klog/v2"
+	"k8s.io/mount-utils"
 
 	"pvbridge.io/pkg/keylock"
 	"pvbridge.io/pkg/mounter"
@@ -97,9 +100,16 @@ func (b *Base) unmount(ctx context.Context, volumeID, path string) error {
 
 // Publish bind-mounts a staged filesystem at the request's target path, or device, for a
 // block volume, onto a file at the target path; read-only when the request or the access mode
-// says so. The caller validated the request and holds the volume's lock.
+// says so. A SINGLE_NODE_SINGLE_WRITER volume is published once: FailedPrecondition while
+// device is published at another target. The caller validated the request, holds the volume's
+// lock and found device for a block or single-writer volume.
 func (b *Base) Publish(ctx context.Context, req *csi.NodePublishVolumeRequest, device string) error {
 	capability := req.GetVolumeCapability()
+	if capability.GetAccessMode().GetMode() == csi.VolumeCapability_AccessMode_SINGLE_NODE_SINGLE_WRITER {
+		if err := b.notPublishedElsewhere(device, req.GetStagingTargetPath(), req.GetTargetPath()); err != nil {
+			return err
+		}
+	}
 	readOnly := req.GetReadonly() ||
 		capability.GetAccessMode().GetMode() == csi.VolumeCapability_AccessMode_SINGLE_NODE_READER_ONLY
 	var err error
@@ -109,6 +119,54 @@ func (b *Base) Publish(ctx context.Context, req *csi.NodePublishVolumeRequest, d
 		err = b.Mounter.Publish(ctx, req.GetStagingTargetPath(), req.GetTargetPath(), readOnly, capability.GetMount().GetMountFlags())
 	}
 	return b.StatusError(err)
+}
+
+// notPublishedElsewhere fails with FailedPrecondition when device is published at a path
+// other than target: a SINGLE_NODE_SINGLE_WRITER volume is published once. A publication is a
+// mount of the device's filesystem other than at the staging path, or a bind mount of the
+// device node itself (a block volume), which the mount table lists under the filesystem that
+// holds the node, with the node's name as its root.
+func (b *Base) notPublishedElsewhere(device, staging, target string) error {
+	var dev unix.Stat_t
+	if err := unix.Stat(device, &dev); err != nil {
+		return b.StatusError(fmt.Errorf("stat %s: %w", device, err))
+	}
+	node, err := filepath.EvalSymlinks(device)
+	if err != nil {
+		return b.StatusError(fmt.Errorf("resolve %s: %w", device, err))
+	}
+	mps, err := mount.ParseMountInfo(mounter.MountInfo)
+	if err != nil {
+		return b.StatusError(fmt.Errorf("read the mount table: %w", err))
+	}
+	staging, target = resolvePath(staging), resolvePath(target)
+	for _, mp := range mps {
+		mp.MountPoint = mounter.UnescapeMountPath(mp.MountPoint)
+		if mp.MountPoint == staging || mp.MountPoint == target {
+			continue
+		}
+		published := mp.Major == int(unix.Major(dev.Rdev)) && mp.Minor == int(unix.Minor(dev.Rdev))
+		if !published && mp.Root != "/" && filepath.Base(mp.Root) == filepath.Base(node) {
+			var st unix.Stat_t
+			published = unix.Stat(mp.MountPoint, &st) == nil && st.Mode&unix.S_IFMT == unix.S_IFBLK && st.Rdev == dev.Rdev
+		}
+		if published {
+			return status.Errorf(codes.FailedPrecondition, "the volume is published at %s already, and its access mode SINGLE_NODE_SINGLE_WRITER allows one publication", mp.MountPoint)
+		}
+	}
+	return nil
+}
+
+// resolvePath resolves the symbolic links in path as the mount table shows it (a target path
+// may not exist yet: then those of its directory).
+func resolvePath(path string) string {
+	if p, err := filepath.EvalSymlinks(path); err == nil {
+		return p
+	}
+	if dir, err := filepath.EvalSymlinks(filepath.Dir(path)); err == nil {
+		return filepath.Join(dir, filepath.Base(path))
+	}
+	return filepath.Clean(path)
 }
 
 // Stats reports a filesystem's bytes and inodes, or a block device's size, for the volume at

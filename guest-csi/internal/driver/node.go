@@ -71,6 +71,7 @@ func (n *nodeServer) NodeGetCapabilities(context.Context, *csi.NodeGetCapabiliti
 		csi.NodeServiceCapability_RPC_GET_VOLUME_STATS,
 		csi.NodeServiceCapability_RPC_GET_VOLUME_HEALTH,
 		csi.NodeServiceCapability_RPC_EXPAND_VOLUME,
+		csi.NodeServiceCapability_RPC_SINGLE_NODE_MULTI_WRITER,
 	), nil
 }
 
@@ -163,8 +164,12 @@ func (n *nodeServer) NodePublishVolume(ctx context.Context, req *csi.NodePublish
 	if err := validateNodeCapability(capability); err != nil {
 		return nil, err
 	}
+	// A mount volume publishes its staged filesystem: its disk is needed only to check that a
+	// single-writer volume is not published elsewhere.
+	needsDevice := capability.GetBlock() != nil ||
+		capability.GetAccessMode().GetMode() == csi.VolumeCapability_AccessMode_SINGLE_NODE_SINGLE_WRITER
 	var serial string
-	if capability.GetBlock() != nil {
+	if needsDevice {
 		var err error
 		if serial, err = serialFrom(req.GetPublishContext()); err != nil {
 			return nil, n.StatusError(err)
@@ -176,8 +181,8 @@ func (n *nodeServer) NodePublishVolume(ctx context.Context, req *csi.NodePublish
 	}
 	defer unlock()
 
-	var device string // a mount volume publishes its staged filesystem
-	if capability.GetBlock() != nil {
+	var device string
+	if needsDevice {
 		if device, err = n.device(ctx, serial); err != nil {
 			return nil, err
 		}
@@ -264,16 +269,18 @@ func (n *nodeServer) NodeExpandVolume(ctx context.Context, req *csi.NodeExpandVo
 }
 
 // validateNodeCapability validates the one capability of a node RPC. A disk is attached to one
-// VM, so only single-node access modes are possible; SINGLE_NODE_SINGLE_WRITER and
-// SINGLE_NODE_MULTI_WRITER need the SINGLE_NODE_MULTI_WRITER capability, which this driver
-// does not claim.
+// VM, so only single-node access modes are possible: with the SINGLE_NODE_MULTI_WRITER
+// capability, the CO asks SINGLE_NODE_SINGLE_WRITER for a ReadWriteOncePod volume (published
+// once) and SINGLE_NODE_MULTI_WRITER for a ReadWriteOnce one.
 func validateNodeCapability(c *csi.VolumeCapability) error {
 	if c == nil {
 		return status.Error(codes.InvalidArgument, "volume_capability is required")
 	}
 	switch c.GetAccessMode().GetMode() {
 	case csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER,
-		csi.VolumeCapability_AccessMode_SINGLE_NODE_READER_ONLY:
+		csi.VolumeCapability_AccessMode_SINGLE_NODE_READER_ONLY,
+		csi.VolumeCapability_AccessMode_SINGLE_NODE_SINGLE_WRITER,
+		csi.VolumeCapability_AccessMode_SINGLE_NODE_MULTI_WRITER:
 	case csi.VolumeCapability_AccessMode_UNKNOWN:
 		return status.Error(codes.InvalidArgument, "volume_capability.access_mode is required")
 	default:

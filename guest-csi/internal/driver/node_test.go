@@ -28,6 +28,7 @@ func TestNodeGetCapabilities(t *testing.T) {
 		csi.NodeServiceCapability_RPC_GET_VOLUME_STATS,
 		csi.NodeServiceCapability_RPC_GET_VOLUME_HEALTH,
 		csi.NodeServiceCapability_RPC_EXPAND_VOLUME,
+		csi.NodeServiceCapability_RPC_SINGLE_NODE_MULTI_WRITER,
 	))
 }
 
@@ -298,6 +299,9 @@ func TestNodePublishVolume(t *testing.T) {
 		{name: "no staging path", capability: fsCap("ext4"), change: func(r *csi.NodePublishVolumeRequest) { r.StagingTargetPath = "" }, wantCode: codes.InvalidArgument, wantMsg: "staging_target_path"},
 		{name: "raw block without a serial", capability: rawCap(), change: func(r *csi.NodePublishVolumeRequest) { r.PublishContext = nil }, wantCode: codes.InvalidArgument, wantMsg: "diskSerial"},
 		{name: "a filesystem that is not staged", capability: fsCap("ext4"), change: func(r *csi.NodePublishVolumeRequest) { r.StagingTargetPath += "-not" }, wantCode: codes.NotFound},
+		{name: "single writer (ReadWriteOncePod)", capability: withMode(fsCap("ext4"), csi.VolumeCapability_AccessMode_SINGLE_NODE_SINGLE_WRITER)},
+		{name: "single writer without a serial", capability: withMode(fsCap("ext4"), csi.VolumeCapability_AccessMode_SINGLE_NODE_SINGLE_WRITER), change: func(r *csi.NodePublishVolumeRequest) { r.PublishContext = nil }, wantCode: codes.InvalidArgument, wantMsg: "diskSerial"},
+		{name: "multi writer raw block", capability: withMode(rawCap(), csi.VolumeCapability_AccessMode_SINGLE_NODE_MULTI_WRITER)},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -333,6 +337,34 @@ func TestNodePublishVolume(t *testing.T) {
 			_, err = e.n.NodePublishVolume(t.Context(), req)
 			g.Expect(err).NotTo(HaveOccurred())
 			g.Expect(mountsUnder(t, target)).To(HaveLen(1))
+		})
+	}
+}
+
+// TestNodePublishVolumeAtASecondTarget: a SINGLE_NODE_SINGLE_WRITER volume (ReadWriteOncePod)
+// is published once, a SINGLE_NODE_MULTI_WRITER one (ReadWriteOnce) at every target asked.
+func TestNodePublishVolumeAtASecondTarget(t *testing.T) {
+	tests := []struct {
+		name       string
+		capability *csi.VolumeCapability
+		wantCode   codes.Code
+	}{
+		{"single-writer filesystem", withMode(fsCap("ext4"), csi.VolumeCapability_AccessMode_SINGLE_NODE_SINGLE_WRITER), codes.FailedPrecondition},
+		{"single-writer raw block", withMode(rawCap(), csi.VolumeCapability_AccessMode_SINGLE_NODE_SINGLE_WRITER), codes.FailedPrecondition},
+		{"multi-writer filesystem", withMode(fsCap("ext4"), csi.VolumeCapability_AccessMode_SINGLE_NODE_MULTI_WRITER), codes.OK},
+		{"multi-writer raw block", withMode(rawCap(), csi.VolumeCapability_AccessMode_SINGLE_NODE_MULTI_WRITER), codes.OK},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			g := NewWithT(t)
+			e := newVMEnv(t)
+			staging, _ := e.published(t, "v", "pvb-v", tt.capability)
+			second := e.path("pods/second/volumes/v")
+			_, err := e.n.NodePublishVolume(t.Context(), &csi.NodePublishVolumeRequest{
+				VolumeId: "v", StagingTargetPath: staging, TargetPath: second, VolumeCapability: tt.capability, PublishContext: publishContext("pvb-v"),
+			})
+			t.Cleanup(func() { _ = e.n.Mounter.Unmount(t.Context(), second) })
+			expectCode(g, err, tt.wantCode, "SINGLE_NODE_SINGLE_WRITER")
 		})
 	}
 }
