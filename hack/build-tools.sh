@@ -7,7 +7,8 @@
 #
 # A tool module under hack/tools/<module> pins each component's version (and its replace
 # directives, which is why `go install` cannot build most of them). The Kubernetes binaries, the
-# CSI sidecars and csi-sanity share one module (hack/tools/kubernetes) and one set of build tags:
+# CSI sidecars, csi-sanity, Cluster API and CoreDNS share one module (hack/tools/kubernetes) and
+# one set of build tags:
 # with one version of each library they share, the Go build cache compiles client-go, apiserver,
 # grpc and the rest once instead of once per sidecar. A component whose binaries exist is not
 # rebuilt, so a rerun with everything cached does no work.
@@ -54,15 +55,15 @@ csi-sanity|kubernetes|v5.6.0|$k8s_tags||csi-sanity=github.com/kubernetes-csi/csi
 ginkgo|kubernetes|v2.33.0|$k8s_tags||ginkgo=github.com/onsi/ginkgo/v2/ginkgo
 containerd|containerd|v2.4.2|no_btrfs| -X github.com/containerd/containerd/v2/version.Version=v2.4.2|containerd=github.com/containerd/containerd/v2/cmd/containerd containerd-shim-runc-v2=github.com/containerd/containerd/v2/cmd/containerd-shim-runc-v2 ctr=github.com/containerd/containerd/v2/cmd/ctr
 registry|registry|v3.1.2|| -X github.com/distribution/distribution/v3/version.version=v3.1.2|registry=./registry
-coredns|coredns|v1.14.6|| -X github.com/coredns/coredns/coremain.GitCommit=v1.14.6|coredns=./coredns
-cluster-api|cluster-api|$capi_version||$(capi_ldflags $capi_version)|capi-manager=sigs.k8s.io/cluster-api/core capi-kubeadm-bootstrap-manager=sigs.k8s.io/cluster-api/bootstrap/kubeadm capi-kubeadm-control-plane-manager=sigs.k8s.io/cluster-api/controlplane/kubeadm
-clusterctl|cluster-api|$capi_version||$(capi_ldflags $capi_version)|clusterctl=sigs.k8s.io/cluster-api/cmd/clusterctl
+coredns|kubernetes|v1.14.6|$k8s_tags| -X github.com/coredns/coredns/coremain.GitCommit=v1.14.6|coredns=./coredns
+cluster-api|kubernetes|$capi_version|$k8s_tags|$(capi_ldflags $capi_version)|capi-manager=sigs.k8s.io/cluster-api/core capi-kubeadm-bootstrap-manager=sigs.k8s.io/cluster-api/bootstrap/kubeadm capi-kubeadm-control-plane-manager=sigs.k8s.io/cluster-api/controlplane/kubeadm
+clusterctl|kubernetes|$capi_version|$k8s_tags|$(capi_ldflags $capi_version)|clusterctl=sigs.k8s.io/cluster-api/cmd/clusterctl
 controller-gen|controller-gen|v0.23.0|||controller-gen=sigs.k8s.io/controller-tools/cmd/controller-gen
 golangci-lint|golangci-lint|v2.15.0|||golangci-lint=github.com/golangci/golangci-lint/v2/cmd/golangci-lint
 EOF
 }
 
-# Built only when named: clusterctl (4 min on a cold build cache), which neither the lab nor the
+# Built only when named: clusterctl, which neither the lab nor the
 # tests run (they apply the cluster template themselves), so that `make tools` (and CI) do not
 # pay for it.
 on_request=" clusterctl "

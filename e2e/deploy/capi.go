@@ -140,10 +140,10 @@ func StartClusterAPI(ctx context.Context, lab *cluster.Lab, mgmt *cluster.Contro
 	return c, waitReady(ctx, health)
 }
 
-// capiModule is the directory of the pinned Cluster API module (hack/tools/cluster-api).
+// capiModule is the directory of the pinned Cluster API module (hack/tools/kubernetes pins it).
 func capiModule(ctx context.Context, repo string) (string, error) {
 	cmd := exec.CommandContext(ctx, "go", "list", "-m", "-f", "{{.Dir}}", "sigs.k8s.io/cluster-api")
-	cmd.Dir = filepath.Join(repo, "hack", "tools", "cluster-api")
+	cmd.Dir = filepath.Join(repo, "hack", "tools", "kubernetes")
 	cmd.Env = append(os.Environ(), "GOWORK=off")
 	out, err := cmd.Output()
 	if err != nil {

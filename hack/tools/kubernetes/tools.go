@@ -2,8 +2,9 @@
 
 // Package tools pins the Kubernetes binaries that the lab runs, Kubernetes' end-to-end test binary
 // (e2e.test, whose test files import every e2e test package, listed here so that go.sum covers
-// them), the agnhost test image, the kubernetes-csi sidecars and csi-sanity. One module builds
-// them all: the libraries they share (client-go, apiserver, grpc, ...) are compiled once.
+// them), the agnhost test image, the kubernetes-csi sidecars, csi-sanity, Cluster API's managers
+// and clusterctl, and CoreDNS (./coredns, a main of its own). One module builds them all: the
+// libraries they share (client-go, apiserver, controller-runtime, grpc, ...) are compiled once.
 package tools
 
 import (
@@ -56,4 +57,8 @@ import (
 	_ "k8s.io/kubernetes/test/fixtures"
 	_ "k8s.io/kubernetes/test/images/agnhost"
 	_ "k8s.io/kubernetes/test/utils/ktesting/format"
+	_ "sigs.k8s.io/cluster-api/bootstrap/kubeadm"
+	_ "sigs.k8s.io/cluster-api/cmd/clusterctl"
+	_ "sigs.k8s.io/cluster-api/controlplane/kubeadm"
+	_ "sigs.k8s.io/cluster-api/core"
 )
