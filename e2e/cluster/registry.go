@@ -69,24 +69,32 @@ http:
 	if err != nil {
 		return nil, err
 	}
-	ctx, cancel := context.WithTimeout(ctx, time.Minute)
-	defer cancel()
-	err = wait.PollUntilContextCancel(ctx, 100*time.Millisecond, true, func(ctx context.Context) (bool, error) {
-		req, err := http.NewRequestWithContext(ctx, http.MethodGet, "http://"+r.Address+"/v2/", nil)
-		if err != nil {
-			return false, err
-		}
-		resp, err := http.DefaultClient.Do(req)
-		if err != nil {
-			return false, nil
-		}
-		resp.Body.Close()
-		return resp.StatusCode == http.StatusOK, nil
-	})
-	if err != nil {
-		return nil, fmt.Errorf("registry not serving at %s: %w (log: %s)", r.Address, err, p.LogPath)
+	if err := WaitHTTPReady(ctx, time.Minute, "http://"+r.Address+"/v2/"); err != nil {
+		return nil, fmt.Errorf("registry: %w (log: %s)", err, p.LogPath)
 	}
 	return r, nil
+}
+
+// WaitHTTPReady waits, at most timeout for each, until every URL answers 200.
+func WaitHTTPReady(ctx context.Context, timeout time.Duration, urls ...string) error {
+	for _, u := range urls {
+		err := wait.PollUntilContextTimeout(ctx, 200*time.Millisecond, timeout, true, func(ctx context.Context) (bool, error) {
+			req, err := http.NewRequestWithContext(ctx, http.MethodGet, u, nil)
+			if err != nil {
+				return false, err
+			}
+			resp, err := http.DefaultClient.Do(req)
+			if err != nil {
+				return false, nil
+			}
+			resp.Body.Close()
+			return resp.StatusCode == http.StatusOK, nil
+		})
+		if err != nil {
+			return fmt.Errorf("%s not ready: %w", u, err)
+		}
+	}
+	return nil
 }
 
 // Push pushes the images of OCI archives (images.WriteArchive) below their own names:

@@ -9,7 +9,6 @@ import (
 	"fmt"
 	"io"
 	"net"
-	"net/http"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -22,7 +21,6 @@ import (
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/runtime/schema"
 	"k8s.io/apimachinery/pkg/types"
-	"k8s.io/apimachinery/pkg/util/wait"
 	utilyaml "k8s.io/apimachinery/pkg/util/yaml"
 	"k8s.io/client-go/dynamic"
 	"k8s.io/client-go/util/cert"
@@ -137,7 +135,7 @@ func StartClusterAPI(ctx context.Context, lab *cluster.Lab, mgmt *cluster.Contro
 	}); err != nil {
 		return nil, err
 	}
-	return c, waitReady(ctx, health)
+	return c, cluster.WaitHTTPReady(ctx, 2*time.Minute, health...)
 }
 
 // capiModule is the directory of the pinned Cluster API module (hack/tools/kubernetes pins it).
@@ -249,28 +247,6 @@ func decodeObjects(path string, data []byte) ([]*unstructured.Unstructured, erro
 			objs = append(objs, o)
 		}
 	}
-}
-
-// waitReady waits until every URL answers 200.
-func waitReady(ctx context.Context, urls []string) error {
-	for _, u := range urls {
-		err := wait.PollUntilContextTimeout(ctx, 200*time.Millisecond, 2*time.Minute, true, func(ctx context.Context) (bool, error) {
-			req, err := http.NewRequestWithContext(ctx, http.MethodGet, u, nil)
-			if err != nil {
-				return false, err
-			}
-			resp, err := http.DefaultClient.Do(req)
-			if err != nil {
-				return false, nil
-			}
-			resp.Body.Close()
-			return resp.StatusCode == http.StatusOK, nil
-		})
-		if err != nil {
-			return fmt.Errorf("%s not ready: %w", u, err)
-		}
-	}
-	return nil
 }
 
 // templateVariable is a clusterctl variable: ${NAME} or ${NAME:=default}.
