@@ -6,9 +6,10 @@
 #   $PVBRIDGE_CACHE/bin/<binary>                      a symlink to the pinned build
 #
 # A tool module under hack/tools/<module> pins each component's version (and its replace
-# directives, which is why `go install` cannot build most of them). The Kubernetes binaries, the
-# CSI sidecars, csi-sanity, Cluster API and CoreDNS share one module (hack/tools/kubernetes) and
-# one set of build tags:
+# directives, which is why `go install` cannot build most of them). The Kubernetes binaries, etcd,
+# containerd, the CSI sidecars, csi-sanity, Cluster API and CoreDNS share one module
+# (hack/tools/kubernetes) and one set of build tags, and pvbridge's modules require the same
+# versions of the libraries they have in common with it:
 # with one version of each library they share, the Go build cache compiles client-go, apiserver,
 # grpc and the rest once instead of once per sidecar. A component whose binaries exist is not
 # rebuilt, so a rerun with everything cached does no work.
@@ -20,7 +21,7 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 cache=${PVBRIDGE_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/pvbridge}
 export GOWORK=off CGO_ENABLED=0 GOFLAGS=-buildvcs=false
 
-k8s_version=v1.37.0
+k8s_version=v1.37.2
 k8s_ldflags() {
 	local v=$1 minor
 	minor=$(echo "$v" | cut -d. -f2)
@@ -39,12 +40,13 @@ capi_ldflags() {
 
 # The tags of every binary of hack/tools/kubernetes: a tag that selects other files of a shared
 # package (grpcnotrace selects grpc's) would otherwise compile that package and all above it twice.
-k8s_tags=selinux,notest,grpcnotrace
+k8s_tags=selinux,notest,grpcnotrace,no_btrfs
 
 # component | module | version | tags | extra ldflags | binary=package ...
 components() {
 	cat <<EOF
-etcd|etcd|v3.6.4|||etcd=go.etcd.io/etcd/server/v3
+etcd|kubernetes|v3.7.2|$k8s_tags||etcd=go.etcd.io/etcd/server/v3
+containerd|kubernetes|v2.4.2|$k8s_tags| -X github.com/containerd/containerd/v2/version.Version=v2.4.2|containerd=github.com/containerd/containerd/v2/cmd/containerd containerd-shim-runc-v2=github.com/containerd/containerd/v2/cmd/containerd-shim-runc-v2 ctr=github.com/containerd/containerd/v2/cmd/ctr
 kubernetes|kubernetes|$k8s_version|$k8s_tags|$(k8s_ldflags $k8s_version)|kube-apiserver=k8s.io/kubernetes/cmd/kube-apiserver kube-controller-manager=k8s.io/kubernetes/cmd/kube-controller-manager kube-scheduler=k8s.io/kubernetes/cmd/kube-scheduler kubelet=k8s.io/kubernetes/cmd/kubelet kubectl=k8s.io/kubernetes/cmd/kubectl kubeadm=k8s.io/kubernetes/cmd/kubeadm kube-proxy=k8s.io/kubernetes/cmd/kube-proxy
 csi-provisioner|kubernetes|v6.4.0|$k8s_tags| -X main.version=v6.4.0|csi-provisioner=github.com/kubernetes-csi/external-provisioner/v6/cmd/csi-provisioner
 csi-attacher|kubernetes|v4.13.0|$k8s_tags| -X main.version=v4.13.0|csi-attacher=github.com/kubernetes-csi/external-attacher/v4/cmd/csi-attacher
@@ -53,7 +55,6 @@ csi-snapshotter|kubernetes|v8.7.0|$k8s_tags| -X main.version=v8.7.0|csi-snapshot
 kubernetes-e2e|kubernetes|$k8s_version|$k8s_tags|$(k8s_ldflags $k8s_version)|e2e.test=k8s.io/kubernetes/test/e2e agnhost=k8s.io/kubernetes/test/images/agnhost
 csi-sanity|kubernetes|v5.6.0|$k8s_tags||csi-sanity=github.com/kubernetes-csi/csi-test/v5/cmd/csi-sanity
 ginkgo|kubernetes|v2.33.0|$k8s_tags||ginkgo=github.com/onsi/ginkgo/v2/ginkgo
-containerd|containerd|v2.4.2|no_btrfs| -X github.com/containerd/containerd/v2/version.Version=v2.4.2|containerd=github.com/containerd/containerd/v2/cmd/containerd containerd-shim-runc-v2=github.com/containerd/containerd/v2/cmd/containerd-shim-runc-v2 ctr=github.com/containerd/containerd/v2/cmd/ctr
 registry|registry|v3.1.2|| -X github.com/distribution/distribution/v3/version.version=v3.1.2|registry=./registry
 coredns|kubernetes|v1.14.6|$k8s_tags| -X github.com/coredns/coredns/coremain.GitCommit=v1.14.6|coredns=./coredns
 cluster-api|kubernetes|$capi_version|$k8s_tags|$(capi_ldflags $capi_version)|capi-manager=sigs.k8s.io/cluster-api/core capi-kubeadm-bootstrap-manager=sigs.k8s.io/cluster-api/bootstrap/kubeadm capi-kubeadm-control-plane-manager=sigs.k8s.io/cluster-api/controlplane/kubeadm

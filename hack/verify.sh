@@ -30,4 +30,17 @@ for m in pkg guest-csi mgmt-csi vm-operator e2e hack/tools/*; do
 		fail=1
 	fi
 done
+# pvbridge's modules build with the versions the tool module (hack/tools/kubernetes) has of every
+# library both compile: one library at another version would compile client-go and all above it
+# twice on a fresh machine (docs/design.md).
+deps() { GOWORK=off go list -deps -f '{{with .Module}}{{.Path}} {{with .Replace}}{{.Version}}{{else}}{{.Version}}{{end}}{{end}}' "$@" | sort -u; }
+tools=$(cd hack/tools/kubernetes && deps $(sed -n 's/^\t_ "\(.*\)"$/\1/p' tools.go) ./coredns)
+for m in pkg guest-csi mgmt-csi vm-operator e2e; do
+	skew=$(join <(cd "$m" && deps -test ./...) <(echo "$tools") | awk '$2 != $3 { print "  " $1, $2, "(tools: " $3 ")" }')
+	if [ -n "$skew" ]; then
+		echo "verify: $m requires other versions than hack/tools/kubernetes of:"; echo "$skew"
+		echo "  (cd $m && GOWORK=off go get <module>@<tools' version>)"
+		fail=1
+	fi
+done
 exit $fail

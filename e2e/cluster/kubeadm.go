@@ -147,7 +147,7 @@ func KubeadmImageArchives(ctx context.Context, lab *Lab) (archives []string, ver
 }
 
 // imageTag is the tag registry.k8s.io gives the image of a pinned tool, from the version the
-// tool prints (-version): etcd's 3.6.4-0, CoreDNS' v1.14.6. version matches it, format makes
+// tool prints (-version): etcd's 3.7.2-0, CoreDNS' v1.14.6. version matches it, format makes
 // the tag of it.
 func imageTag(ctx context.Context, lab *Lab, tool, version, format string) (string, error) {
 	bin, err := lab.Binaries().Tool(tool)

@@ -1,6 +1,7 @@
 //go:build tools
 
-// Package tools pins the Kubernetes binaries that the lab runs, Kubernetes' end-to-end test binary
+// Package tools pins the Kubernetes binaries that the lab runs, etcd, containerd (the daemon, its
+// runc shim and ctr, which imports images), Kubernetes' end-to-end test binary
 // (e2e.test, whose test files import every e2e test package, listed here so that go.sum covers
 // them), the agnhost test image, the kubernetes-csi sidecars, csi-sanity, Cluster API's managers
 // and clusterctl, and CoreDNS (./coredns, a main of its own). One module builds them all: the
@@ -8,6 +9,9 @@
 package tools
 
 import (
+	_ "github.com/containerd/containerd/v2/cmd/containerd"
+	_ "github.com/containerd/containerd/v2/cmd/containerd-shim-runc-v2"
+	_ "github.com/containerd/containerd/v2/cmd/ctr"
 	_ "github.com/kubernetes-csi/csi-test/v5/cmd/csi-sanity"
 	_ "github.com/kubernetes-csi/external-attacher/v4/cmd/csi-attacher"
 	_ "github.com/kubernetes-csi/external-provisioner/v6/cmd/csi-provisioner"
@@ -16,6 +20,7 @@ import (
 	_ "github.com/kubernetes-csi/external-snapshotter/v8/cmd/snapshot-controller"
 	_ "github.com/onsi/ginkgo/v2"
 	_ "github.com/onsi/ginkgo/v2/ginkgo"
+	_ "go.etcd.io/etcd/server/v3"
 	_ "go.yaml.in/yaml/v2"
 	_ "k8s.io/component-base/version"
 	_ "k8s.io/klog/v2"
