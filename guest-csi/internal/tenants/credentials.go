@@ -110,6 +110,7 @@ func (r *CredentialsReconciler) Reconcile(ctx context.Context, req ctrl.Request)
 	if err := r.Client.Get(ctx, req.NamespacedName, cluster); err != nil {
 		if apierrors.IsNotFound(err) {
 			r.Guests.Forget(req.NamespacedName)
+			credentialRenewAt.DeleteLabelValues(req.Namespace, req.Name)
 			return ctrl.Result{}, nil
 		}
 		return ctrl.Result{}, err
@@ -117,6 +118,9 @@ func (r *CredentialsReconciler) Reconcile(ctx context.Context, req ctrl.Request)
 	// A deleted Cluster keeps the credential it has (a third of its life at least) while its
 	// VMs drain; the cleanup controller removes the identity's capacity access at the end and
 	// the garbage collector the rest with the Cluster.
+	if !cluster.DeletionTimestamp.IsZero() || !optedIn(cluster) {
+		credentialRenewAt.DeleteLabelValues(cluster.Namespace, cluster.Name) // nothing is renewed any more
+	}
 	if !cluster.DeletionTimestamp.IsZero() {
 		return ctrl.Result{}, nil
 	}
@@ -271,6 +275,9 @@ func (r *CredentialsReconciler) deliver(ctx context.Context, cluster *clusterv1.
 	}
 	now := r.Config.Clock.Now()
 	reason, due := renewal(secret, want, string(account.UID), now)
+	if !due.IsZero() {
+		credentialRenewAt.WithLabelValues(cluster.Namespace, cluster.Name).Set(float64(due.Unix()))
+	}
 	if reason == "" {
 		log.V(2).Info("Guest credential is current", "renewAt", due)
 		return ctrl.Result{RequeueAfter: due.Sub(now)}, nil
@@ -296,6 +303,7 @@ func (r *CredentialsReconciler) deliver(ctx context.Context, cluster *clusterv1.
 		return r.unreachable(ctx, cluster, err)
 	}
 	due = renewAt(now, expires)
+	credentialRenewAt.WithLabelValues(cluster.Namespace, cluster.Name).Set(float64(due.Unix()))
 	log.Info("Delivered a management credential into the guest cluster", "reason", reason, "serviceAccount", klog.KObj(account),
 		"secret", key, "expires", expires, "renewAt", due)
 	eventReason := eventCredentialsRenewed

@@ -6,6 +6,7 @@ import (
 	"time"
 
 	. "github.com/onsi/gomega"
+	"github.com/prometheus/client_golang/prometheus/testutil"
 	authenticationv1 "k8s.io/api/authentication/v1"
 	corev1 "k8s.io/api/core/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
@@ -178,6 +179,12 @@ func TestCredentialsRenewedAfterTwoThirds(t *testing.T) {
 			g.Expect(now.Annotations[TokenIssuedAnnotation]).To(Equal(clock.Now().UTC().Format(time.RFC3339)))
 		}
 		g.Expect(res.RequeueAfter).To(BeNumerically("~", step.requeue, 2*time.Second), step.name)
+		issued, err := time.Parse(time.RFC3339, now.Annotations[TokenIssuedAnnotation])
+		g.Expect(err).NotTo(HaveOccurred())
+		expires, err := time.Parse(time.RFC3339, now.Annotations[TokenExpiresAnnotation])
+		g.Expect(err).NotTo(HaveOccurred())
+		g.Expect(testutil.ToFloat64(credentialRenewAt.WithLabelValues(c.Namespace, c.Name))).
+			To(Equal(float64(renewAt(issued, expires).Unix())), "%s: the metric says when the credential in the guest is due", step.name)
 		if step.renewed {
 			g.Expect(tokenOf(now.Data[GuestSecretKey])).NotTo(Equal(tokenOf(first.Data[GuestSecretKey])), step.name)
 			g.Expect(now.Annotations[TokenIssuedAnnotation]).NotTo(Equal(first.Annotations[TokenIssuedAnnotation]), step.name)
@@ -312,6 +319,7 @@ func TestIdentityRevokedOnOptOutAndNeverAdopted(t *testing.T) {
 	g.Expect(mgmtClient.Patch(ctx, c, patch)).To(Succeed())
 	_, err = r.Reconcile(ctx, req)
 	g.Expect(err).NotTo(HaveOccurred())
+	g.Expect(seriesOf(g, credentialRenewAt, e.ns)).To(BeEmpty(), "nothing to renew: no renewal is overdue")
 	for _, obj := range []client.Object{&corev1.ServiceAccount{}, &rbacv1.Role{}, &rbacv1.RoleBinding{}} {
 		err := mgmtClient.Get(ctx, key, obj)
 		g.Expect(apierrors.IsNotFound(err)).To(BeTrue(), "%T %s revoked: %v", obj, key, err)

@@ -17,7 +17,9 @@
 //     once its VirtualMachines are gone, the management PVCs and VolumeSnapshots it owns are
 //     deleted, those shared with it released, and its capacity-namespace RBAC removed;
 //   - quota (QuotaReconciler): a count quota of VolumeSnapshots in every enforced namespace that
-//     has none.
+//     has none;
+//   - quota usage (QuotaUsageReconciler): how much of each quota of an enforced namespace is
+//     used, as a metric (metrics.go).
 //
 // Nothing is removed from a guest cluster when its Cluster goes: the guest goes with it. The
 // Cluster itself is never written but for that finalizer: its status belongs to Cluster API.
@@ -233,6 +235,10 @@ func SetupWithManager(mgr ctrl.Manager, cfg Config) error {
 	}
 	if err := cleanup.SetupWithManager(mgr); err != nil {
 		return fmt.Errorf("set up the cleanup controller: %w", err)
+	}
+	usage := &QuotaUsageReconciler{Client: mgr.GetClient()}
+	if err := usage.SetupWithManager(mgr); err != nil {
+		return fmt.Errorf("set up the quota usage controller: %w", err)
 	}
 	if cfg.SnapshotQuota > 0 {
 		quota := &QuotaReconciler{Client: mgr.GetClient(), Snapshots: cfg.SnapshotQuota}

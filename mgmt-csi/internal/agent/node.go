@@ -90,6 +90,8 @@ func (r *NodeReporter) refresh(ctx context.Context) error {
 		q := func(v int64) *resource.Quantity { return resource.NewQuantity(v, resource.BinarySI) }
 		node.Status.Total, node.Status.Free = q(c.Total), q(c.Free)
 		node.Status.LargestAllocatable, node.Status.Alignment = q(c.LargestAllocatable), q(c.Alignment)
+		pmemTotalBytes.WithLabelValues(r.Node).Set(float64(c.Total))
+		pmemFreeBytes.WithLabelValues(r.Node).Set(float64(c.Free))
 	}
 	meta.SetStatusCondition(&node.Status.Conditions, ready)
 	if err := r.Client.Status().Patch(ctx, node, patch); err != nil {

@@ -356,6 +356,7 @@ func (r *Reconciler) forceOff(ctx context.Context, vm *vmv1.VirtualMachine, ref 
 	if err := r.Hypervisor.ForceOff(ctx, ref); err != nil {
 		return err
 	}
+	forcedOff.WithLabelValues(vm.Namespace, vm.Name).Inc()
 	ctrl.LoggerFrom(ctx).Info("Forced the VM off: its guest did not release its disks in time", "unplugTimeout", r.UnplugTimeout)
 	r.event(vm, corev1.EventTypeWarning, "ForcedOff", "The guest did not release its disks within %s of being asked to; the VM was forced off", r.UnplugTimeout)
 	return nil

@@ -10,6 +10,7 @@ import (
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	. "github.com/onsi/gomega"
+	"github.com/prometheus/client_golang/prometheus/testutil"
 	"google.golang.org/grpc"
 	corev1 "k8s.io/api/core/v1"
 	storagev1 "k8s.io/api/storage/v1"
@@ -490,10 +491,12 @@ func TestVMWhoseGuestKeepsItsDisksIsForcedOffAfterTheUnplugTimeout(t *testing.T)
 	}
 
 	// Then it pulls the plug: the disk goes with the VM, and the volume is released on the host.
+	forcedBefore := testutil.ToFloat64(forcedOff.WithLabelValues(vm.Namespace, vm.Name))
 	now = now.Add(time.Second)
 	_, err = r.Reconcile(t.Context(), req)
 	g.Expect(err).NotTo(HaveOccurred())
 	g.Expect(h.forced).To(Equal(1))
+	g.Expect(testutil.ToFloat64(forcedOff.WithLabelValues(vm.Namespace, vm.Name))).To(Equal(forcedBefore + 1))
 	g.Expect(h.disks["vm-1"]).To(BeEmpty())
 	g.Expect(fc.calls).To(Equal([]string{"unpublish pvc-1", "unstage pvc-1"}))
 	g.Expect(readyOf()).To(HaveField("Reason", vmv1.PoweredOffReason))
