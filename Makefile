@@ -15,9 +15,9 @@ MODULES := pkg guest-csi mgmt-csi vm-operator e2e
 COMPONENTS := pkg guest-csi mgmt-csi vm-operator
 # The pinned third-party components (hack/build-tools.sh) the lab runs, and the tests (which
 # also run containerd nodes, Kubernetes' e2e.test, Cluster API's managers and, for its guests,
-# the lab's registry and CoreDNS).
+# the lab's registry and CoreDNS, and promtool on the alert rules).
 LAB_TOOLS := etcd kubernetes csi-provisioner csi-attacher csi-resizer csi-snapshotter
-TEST_TOOLS := $(LAB_TOOLS) containerd kubernetes-e2e csi-sanity cluster-api registry coredns
+TEST_TOOLS := $(LAB_TOOLS) containerd kubernetes-e2e csi-sanity cluster-api registry coredns promtool
 CONTROLLER_GEN := $(PVBRIDGE_BIN)/controller-gen
 GOLANGCI_LINT := $(PVBRIDGE_BIN)/golangci-lint
 KUBECTL := $(PVBRIDGE_BIN)/kubectl

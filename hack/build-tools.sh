@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Builds the pinned third-party binaries (Kubernetes, etcd, CSI sidecars, csi-sanity, code
-# generators, linters, Cluster API, the registry and CoreDNS of the lab's guests) from the Go module proxy, once, into a cache outside the repository:
+# generators, linters, Cluster API, the registry and CoreDNS of the lab's guests, Prometheus and
+# promtool) from the Go module proxy, once, into a cache outside the repository:
 #
 #   $PVBRIDGE_CACHE/<component>-<version>/<binary>    the build
 #   $PVBRIDGE_CACHE/bin/<binary>                      a symlink to the pinned build
@@ -40,7 +41,9 @@ capi_ldflags() {
 
 # The tags of every binary of hack/tools/kubernetes: a tag that selects other files of a shared
 # package (grpcnotrace selects grpc's) would otherwise compile that package and all above it twice.
-k8s_tags=selinux,notest,grpcnotrace,no_btrfs
+# remove_all_sd leaves Prometheus' service discovery plugins out (the lab's scrape configuration
+# is static).
+k8s_tags=selinux,notest,grpcnotrace,no_btrfs,remove_all_sd
 
 # component | module | version | tags | extra ldflags | binary=package ...
 components() {
@@ -56,6 +59,8 @@ kubernetes-e2e|kubernetes|$k8s_version|$k8s_tags|$(k8s_ldflags $k8s_version)|e2e
 csi-sanity|kubernetes|v5.6.0|$k8s_tags||csi-sanity=github.com/kubernetes-csi/csi-test/v5/cmd/csi-sanity
 ginkgo|kubernetes|v2.33.0|$k8s_tags||ginkgo=github.com/onsi/ginkgo/v2/ginkgo
 registry|registry|v3.1.2|| -X github.com/distribution/distribution/v3/version.version=v3.1.2|registry=./registry
+promtool|kubernetes|v0.316.0|$k8s_tags| -X github.com/prometheus/common/version.Version=3.16.0 -X github.com/prometheus/common/version.Branch=HEAD|promtool=github.com/prometheus/prometheus/cmd/promtool
+prometheus|kubernetes|v0.316.0|$k8s_tags| -X github.com/prometheus/common/version.Version=3.16.0 -X github.com/prometheus/common/version.Branch=HEAD|prometheus=github.com/prometheus/prometheus/cmd/prometheus
 coredns|kubernetes|v1.14.6|$k8s_tags| -X github.com/coredns/coredns/coremain.GitCommit=v1.14.6|coredns=./coredns
 cluster-api|kubernetes|$capi_version|$k8s_tags|$(capi_ldflags $capi_version)|capi-manager=sigs.k8s.io/cluster-api/core capi-kubeadm-bootstrap-manager=sigs.k8s.io/cluster-api/bootstrap/kubeadm capi-kubeadm-control-plane-manager=sigs.k8s.io/cluster-api/controlplane/kubeadm
 clusterctl|kubernetes|$capi_version|$k8s_tags|$(capi_ldflags $capi_version)|clusterctl=sigs.k8s.io/cluster-api/cmd/clusterctl
@@ -64,10 +69,10 @@ golangci-lint|golangci-lint|v2.15.0|||golangci-lint=github.com/golangci/golangci
 EOF
 }
 
-# Built only when named: clusterctl, which neither the lab nor the
-# tests run (they apply the cluster template themselves), so that `make tools` (and CI) do not
-# pay for it.
-on_request=" clusterctl "
+# Built only when named: clusterctl, which neither the lab nor the tests run (they apply the
+# cluster template themselves), and the Prometheus server, which nothing runs yet, so that
+# `make tools` (and CI) do not pay for them.
+on_request=" clusterctl prometheus "
 
 want=("$@")
 selected() {

@@ -4,7 +4,8 @@
 // runc shim and ctr, which imports images), Kubernetes' end-to-end test binary
 // (e2e.test, whose test files import every e2e test package, listed here so that go.sum covers
 // them), the agnhost test image, the kubernetes-csi sidecars, csi-sanity, Cluster API's managers
-// and clusterctl, and CoreDNS (./coredns, a main of its own). One module builds them all: the
+// and clusterctl, CoreDNS (./coredns, a main of its own), and Prometheus and promtool (the lab's
+// monitoring and the alert rules' unit tests). One module builds them all: the
 // libraries they share (client-go, apiserver, controller-runtime, grpc, ...) are compiled once.
 package tools
 
@@ -20,6 +21,8 @@ import (
 	_ "github.com/kubernetes-csi/external-snapshotter/v8/cmd/snapshot-controller"
 	_ "github.com/onsi/ginkgo/v2"
 	_ "github.com/onsi/ginkgo/v2/ginkgo"
+	_ "github.com/prometheus/prometheus/cmd/prometheus"
+	_ "github.com/prometheus/prometheus/cmd/promtool"
 	_ "go.etcd.io/etcd/server/v3"
 	_ "go.yaml.in/yaml/v2"
 	_ "k8s.io/component-base/version"
