@@ -15,7 +15,8 @@
 # grpc and the rest once instead of once per sidecar. A component whose binaries exist is not
 # rebuilt, so a rerun with everything cached does no work.
 #
-# Usage: hack/build-tools.sh [component ...]     (default: all but those of $on_request below)
+# Usage: [LANES=others|kubernetes] hack/build-tools.sh [component ...]
+#        (default: all but those of $on_request below, both lanes)
 set -euo pipefail
 
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -86,9 +87,12 @@ selected() {
 }
 
 # build_lane builds the selected components whose module is (lane "kubernetes") or is not (lane
-# "others") hack/tools/kubernetes, one binary after the other.
+# "others") hack/tools/kubernetes, one component after the other. The missing binaries of a
+# component that are named as their package build in one go build (one action graph: its links
+# overlap the compiles of the others, instead of leaving a core idle); the others one by one.
 build_lane() {
 	local lane=$1 n=0 total comp module version tags ldflags bins dir spec bin pkg start build
+	local -a batch single
 	total=$(components | wc -l)
 	while IFS='|' read -r comp module version tags ldflags bins; do
 		n=$((n + 1))
@@ -96,31 +100,58 @@ build_lane() {
 		{ [ "$lane" = kubernetes ] && [ "$module" = kubernetes ]; } ||
 			{ [ "$lane" = others ] && [ "$module" != kubernetes ]; } || continue
 		dir="$cache/$comp-$version"
+		mkdir -p "$dir"
+		batch=() single=()
 		for spec in $bins; do
 			bin=${spec%%=*} pkg=${spec#*=}
 			if [ -x "$dir/$bin" ]; then
 				echo "[$n/$total] $bin $version: cached"
+			elif [[ $bin != *.test && $bin == "$(basename "$pkg")" ]]; then
+				batch+=("$pkg")
 			else
-				echo "[$n/$total] $bin $version: building ..."
-				start=$(date +%s)
-				mkdir -p "$dir"
-				# A binary named *.test is a package's test binary (Kubernetes' e2e.test).
-				build=(build)
-				[[ $bin == *.test ]] && build=(test -c)
-				(cd "$root/hack/tools/$module" &&
-					go "${build[@]}" -trimpath ${tags:+-tags "$tags"} -ldflags "all=$ldflags -s -w" -o "$dir/$bin.tmp" "$pkg")
-				mv "$dir/$bin.tmp" "$dir/$bin"
-				echo "[$n/$total] $bin $version: built in $(($(date +%s) - start))s"
+				single+=("$spec")
 			fi
-			ln -sfn "$dir/$bin" "$cache/bin/$bin"
+		done
+		# One binary alone is built as the others are, by name.
+		if [ ${#batch[@]} -eq 1 ]; then
+			single+=("$(basename "${batch[0]}")=${batch[0]}")
+			batch=()
+		fi
+		if [ ${#batch[@]} -gt 0 ]; then
+			echo "[$n/$total] ${batch[*]##*/} $version: building ..."
+			start=$(date +%s)
+			rm -rf "$dir/.batch" && mkdir "$dir/.batch"
+			(cd "$root/hack/tools/$module" &&
+				go build -trimpath ${tags:+-tags "$tags"} -ldflags "all=$ldflags -s -w" -o "$dir/.batch/" "${batch[@]}")
+			for pkg in "${batch[@]}"; do mv "$dir/.batch/$(basename "$pkg")" "$dir/"; done
+			rmdir "$dir/.batch"
+			echo "[$n/$total] ${batch[*]##*/} $version: built in $(($(date +%s) - start))s"
+		fi
+		for spec in "${single[@]}"; do
+			bin=${spec%%=*} pkg=${spec#*=}
+			echo "[$n/$total] $bin $version: building ..."
+			start=$(date +%s)
+			# A binary named *.test is a package's test binary (Kubernetes' e2e.test).
+			build=(build)
+			[[ $bin == *.test ]] && build=(test -c)
+			(cd "$root/hack/tools/$module" &&
+				go "${build[@]}" -trimpath ${tags:+-tags "$tags"} -ldflags "all=$ldflags -s -w" -o "$dir/$bin.tmp" "$pkg")
+			mv "$dir/$bin.tmp" "$dir/$bin"
+			echo "[$n/$total] $bin $version: built in $(($(date +%s) - start))s"
+		done
+		for spec in $bins; do
+			ln -sfn "$dir/${spec%%=*}" "$cache/bin/${spec%%=*}"
 		done
 	done < <(components)
 }
 
 # Two lanes at once: a go build leaves a core idle while it links or compiles one large package
-# whose dependants wait for it, and the other lane's build fills it.
+# whose dependants wait for it, and the other lane's build fills it. $LANES picks lanes (both by
+# default): .ci/run lints once the short lane is built, beside the long one.
 mkdir -p "$cache/bin"
-build_lane others &
-others=$!
-build_lane kubernetes
-wait "$others"
+pids=()
+for lane in ${LANES:-others kubernetes}; do
+	build_lane "$lane" &
+	pids+=($!)
+done
+for pid in "${pids[@]}"; do wait "$pid"; done

@@ -290,16 +290,24 @@ func createVMs(ctx context.Context, mc client.Client, opts GuestOptions) error {
 	if err != nil {
 		return fmt.Errorf("the tenancy parameters %s (written by the tenants controller): %w", params, err)
 	}
-	// The tenants controller's snapshot quota, once kube-controller-manager has computed its
-	// usage: until then the apiserver refuses every snapshot of the namespace ("status unknown
-	// for quota"), which csi-sanity, calling once, took for a failure.
+	// The tenants controller's snapshot quota, once kube-controller-manager has computed the
+	// usage of each of its resources: until then the apiserver refuses every snapshot of the
+	// namespace ("status unknown for quota"), which csi-sanity, calling once, took for a failure.
+	// A status with hard limits is not enough: the quota controller counts VolumeSnapshots only
+	// once it has discovered their CRD (on a loaded machine, a sync later), and leaves them out
+	// of used until then.
 	quota := client.ObjectKey{Namespace: opts.Namespace, Name: snapshotQuota}
-	err = wait.PollUntilContextTimeout(ctx, 200*time.Millisecond, 2*time.Minute, true, func(ctx context.Context) (bool, error) {
+	err = wait.PollUntilContextTimeout(ctx, 200*time.Millisecond, 3*time.Minute, true, func(ctx context.Context) (bool, error) {
 		q := &corev1.ResourceQuota{}
 		if err := mc.Get(ctx, quota, q); err != nil {
 			return false, client.IgnoreNotFound(err)
 		}
-		return len(q.Status.Hard) > 0, nil
+		for r := range q.Spec.Hard {
+			if _, ok := q.Status.Used[r]; !ok {
+				return false, nil
+			}
+		}
+		return len(q.Spec.Hard) > 0, nil
 	})
 	if err != nil {
 		return fmt.Errorf("the snapshot quota %s (made by the tenants controller) computed: %w", quota, err)
