@@ -119,7 +119,7 @@ sanity: deps test-tools ## Run the csi-sanity binary against both drivers as the
 ##@ Development
 
 .PHONY: generate
-generate: $(CONTROLLER_GEN) $(KUBECTL) ## Generate deepcopy code, CRDs and the tenants RBAC, copy the snapshot CRDs, render the guest install and the clusterctl provider files.
+generate: $(CONTROLLER_GEN) $(KUBECTL) ## Generate deepcopy code, CRDs and the tenants RBAC, copy the snapshot CRDs, render the guest install, the clusterctl provider files and the Grafana dashboard.
 	cd pkg && $(CONTROLLER_GEN) object:headerFile=../hack/boilerplate.go.txt paths=./apis/...
 	cd pkg && $(CONTROLLER_GEN) crd paths=./apis/vm/... paths=./apis/pmem/... output:crd:artifacts:config=../manifests/crd/bases
 	cd pkg && $(CONTROLLER_GEN) crd paths=./apis/infrastructure/... output:crd:artifacts:config=../manifests/crd/infrastructure
@@ -128,6 +128,7 @@ generate: $(CONTROLLER_GEN) $(KUBECTL) ## Generate deepcopy code, CRDs and the t
 	hack/update-snapshot-crds.sh
 	hack/render-guest-install.sh
 	hack/render-capi-provider.sh
+	go run ./e2e/cmd/dashboard > manifests/components/monitoring/dashboard.json
 
 .PHONY: verify
 verify: $(CONTROLLER_GEN) $(KUBECTL) ## Fail if generated files, formatting or go.mod files drift.

@@ -2,10 +2,12 @@ package manifests
 
 import (
 	"encoding/json"
+	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"slices"
+	"strings"
 	"testing"
 
 	. "github.com/onsi/gomega"
@@ -17,6 +19,7 @@ import (
 	"k8s.io/apimachinery/pkg/runtime"
 	"sigs.k8s.io/yaml"
 
+	"pvbridge.io/e2e/monitoring"
 	"pvbridge.io/pkg/testenv"
 )
 
@@ -173,4 +176,68 @@ func containerPorts(spec corev1.PodSpec) []corev1.ContainerPort {
 		ports = append(ports, c.Ports...)
 	}
 	return ports
+}
+
+// TestDashboardQueriesParse: every query of the Grafana dashboard (e2e/monitoring) is valid
+// PromQL, checked by promtool as the expression of a recording rule (Grafana's $__rate_interval
+// read as 5m).
+func TestDashboardQueriesParse(t *testing.T) {
+	g := NewWithT(t)
+	bin, err := testenv.BinDir()
+	g.Expect(err).NotTo(HaveOccurred())
+	type rule struct {
+		Record string `json:"record"`
+		Expr   string `json:"expr"`
+	}
+	var rules []rule
+	for i, p := range monitoring.Panels {
+		for j, q := range p.Queries {
+			rules = append(rules, rule{Record: fmt.Sprintf("pvbridge:panel_%d_%d", i, j), Expr: strings.ReplaceAll(q.Expr, "$__rate_interval", "5m")})
+		}
+	}
+	file := filepath.Join(t.TempDir(), "dashboard-rules.yaml")
+	data, err := yaml.Marshal(map[string]any{"groups": []any{map[string]any{"name": "dashboard", "rules": rules}}})
+	g.Expect(err).NotTo(HaveOccurred())
+	g.Expect(os.WriteFile(file, data, 0o600)).To(Succeed())
+	out, err := exec.CommandContext(t.Context(), filepath.Join(bin, "promtool"), "check", "rules", file).CombinedOutput()
+	g.Expect(err).NotTo(HaveOccurred(), "promtool check rules:\n%s", out)
+	g.Expect(string(out)).To(ContainSubstring(fmt.Sprintf("SUCCESS: %d rules found", len(rules))))
+}
+
+// TestMonitoringComponentBuilds: the monitoring component added to the management and guest
+// overlays, as an admin's overlay adds it, brings its ServiceMonitor, its PrometheusRule and the
+// dashboard's ConfigMap.
+func TestMonitoringComponentBuilds(t *testing.T) {
+	component, err := filepath.Abs(monitoringDir)
+	NewWithT(t).Expect(err).NotTo(HaveOccurred())
+	for _, overlay := range []string{"management", "guest"} {
+		t.Run(overlay, func(t *testing.T) {
+			g := NewWithT(t)
+			dir := t.TempDir()
+			base, err := filepath.Abs(filepath.Join(manifestsDir, "overlays", overlay))
+			g.Expect(err).NotTo(HaveOccurred())
+			rel := func(to string) string {
+				p, err := filepath.Rel(dir, to)
+				g.Expect(err).NotTo(HaveOccurred())
+				return p
+			}
+			kustomization := fmt.Sprintf("resources: [%s]\ncomponents: [%s]\n", rel(base), rel(component))
+			g.Expect(os.WriteFile(filepath.Join(dir, "kustomization.yaml"), []byte(kustomization), 0o600)).To(Succeed())
+			_, objs := build(t.Context(), g, dir)
+			keys := map[string]*unstructured.Unstructured{}
+			for _, obj := range objs {
+				keys[objectKey(obj)] = obj
+			}
+			g.Expect(keys).To(HaveKey("ServiceMonitor/pvbridge-system/pvbridge"))
+			g.Expect(keys).To(HaveKey("PrometheusRule/pvbridge-system/pvbridge"))
+			g.Expect(keys).To(HaveKey("ConfigMap/pvbridge-system/pvbridge-dashboard"))
+			dashboard, err := os.ReadFile(filepath.Join(monitoringDir, "dashboard.json"))
+			g.Expect(err).NotTo(HaveOccurred())
+			cm := keys["ConfigMap/pvbridge-system/pvbridge-dashboard"]
+			g.Expect(cm.GetLabels()).To(HaveKeyWithValue("grafana_dashboard", "1"))
+			data, _, err := unstructured.NestedString(cm.Object, "data", "dashboard.json")
+			g.Expect(err).NotTo(HaveOccurred())
+			g.Expect(data).To(Equal(string(dashboard)))
+		})
+	}
 }

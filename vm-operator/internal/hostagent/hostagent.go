@@ -36,6 +36,7 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/client"
 	"sigs.k8s.io/controller-runtime/pkg/controller"
 	"sigs.k8s.io/controller-runtime/pkg/handler"
+	"sigs.k8s.io/controller-runtime/pkg/metrics"
 	"sigs.k8s.io/controller-runtime/pkg/reconcile"
 	"sigs.k8s.io/controller-runtime/pkg/recorder"
 
@@ -131,6 +132,9 @@ func (r *Reconciler) forgetStop(uid types.UID) {
 // SetupWithManager registers the reconciler. The manager's cache holds only the
 // VirtualMachines placed on this host (a field selector on status.host).
 func (r *Reconciler) SetupWithManager(mgr ctrl.Manager) error {
+	if err := metrics.Registry.Register(&volumesCollector{reader: r.Client, node: r.Node}); err != nil {
+		return fmt.Errorf("register the volume count: %w", err)
+	}
 	return ctrl.NewControllerManagedBy(mgr).
 		For(&vmv1.VirtualMachine{}).
 		Named("hostagent").
