@@ -34,7 +34,7 @@ var (
 )
 
 // TestGuestInstallContent: the embedded install is the guest overlay's guest-csi side — driver,
-// RBAC, controller, node plugin, classes, the cluster's identity — without the snapshot CRDs and
+// RBAC, controller, node plugin, metrics Services, classes, the cluster's identity — without the snapshot CRDs and
 // snapshot-controller, which belong to the guest cluster.
 func TestGuestInstallContent(t *testing.T) {
 	g := NewWithT(t)
@@ -66,6 +66,8 @@ func TestGuestInstallContent(t *testing.T) {
 		"ConfigMap pvbridge-system/pvbridge-cluster",
 		"Deployment pvbridge-system/guest-csi-controller",
 		"DaemonSet pvbridge-system/guest-csi-node",
+		"Service pvbridge-system/guest-csi-controller-metrics",
+		"Service pvbridge-system/guest-csi-node-metrics",
 		"StorageClass pvbridge",
 		"StorageClass pvbridge-xfs",
 		"VolumeSnapshotClass pvbridge",

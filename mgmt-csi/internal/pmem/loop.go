@@ -38,8 +38,10 @@ func loopAttachments() (map[string][]string, error) {
 			continue
 		}
 		data, err := os.ReadFile(filepath.Join(sysBlock, e.Name(), "loop", "backing_file"))
-		if errors.Is(err, fs.ErrNotExist) {
-			continue // not bound
+		if errors.Is(err, fs.ErrNotExist) || errors.Is(err, unix.ENODEV) || errors.Is(err, unix.ENXIO) {
+			// Not bound; or being unbound right now by another process of the host, whose
+			// device answers ENODEV while the kernel tears it down (seen under load).
+			continue
 		}
 		if err != nil {
 			return nil, err
