@@ -56,10 +56,8 @@ test: deps test-tools ## Run every test: unit and integration (-race), end-to-en
 	@# longest first, so that the others fill the second worker beside them. The fuzz targets run
 	@# beside them (their output follows): the labs leave about a third of the CPU idle while
 	@# they wait on controllers.
-	@log=$$(mktemp) && trap 'rm -f $$log' EXIT && \
-	{ hack/phase.sh fuzz $(MAKE) --no-print-directory fuzz >$$log 2>&1 & } && fuzz=$$! && rc=0 && \
-	{ hack/phase.sh e2e $(E2E_GO_TEST) -vet=off -count=1 -timeout $(TEST_TIMEOUT) ./e2e/suite ./e2e/capi ./e2e/containers ./e2e/... || rc=$$?; } && \
-	{ wait $$fuzz || rc=$$((rc ? rc : 1)); } && cat $$log && exit $$rc
+	hack/beside.sh 'hack/phase.sh fuzz $(MAKE) --no-print-directory fuzz' \
+		hack/phase.sh e2e $(E2E_GO_TEST) -vet=off -count=1 -timeout $(TEST_TIMEOUT) ./e2e/suite ./e2e/capi ./e2e/containers ./e2e/...
 
 # Fuzz targets of every parser of tenant-controlled input: <module>:<package>:<target>,<target>...
 FUZZ_TARGETS := \

@@ -112,12 +112,7 @@ func TestMetricsServicesReachEveryComponent(t *testing.T) {
 // labels and annotations, and not on what is normal.
 func TestAlertRules(t *testing.T) {
 	g := NewWithT(t)
-	bin, err := testenv.BinDir()
-	g.Expect(err).NotTo(HaveOccurred())
-	promtool := filepath.Join(bin, "promtool")
-	_, err = os.Stat(promtool)
-	g.Expect(err).NotTo(HaveOccurred(), "promtool is not built: run `make tools`")
-
+	promtool := promtool(g)
 	rule := &monitoringv1.PrometheusRule{}
 	strictDecode(g, filepath.Join(monitoringDir, "rules.yaml"), rule)
 	groups, err := yaml.Marshal(rule.Spec)
@@ -159,6 +154,16 @@ func TestAlertRules(t *testing.T) {
 	}
 }
 
+// promtool is the path of the pinned promtool.
+func promtool(g Gomega) string {
+	bin, err := testenv.BinDir()
+	g.Expect(err).NotTo(HaveOccurred())
+	p := filepath.Join(bin, "promtool")
+	_, err = os.Stat(p)
+	g.Expect(err).NotTo(HaveOccurred(), "promtool is not built: run `make tools`")
+	return p
+}
+
 // strictDecode reads a YAML file into obj, failing on any field obj's type does not have.
 func strictDecode(g Gomega, file string, obj any) {
 	data, err := os.ReadFile(file)
@@ -183,8 +188,6 @@ func containerPorts(spec corev1.PodSpec) []corev1.ContainerPort {
 // read as 5m).
 func TestDashboardQueriesParse(t *testing.T) {
 	g := NewWithT(t)
-	bin, err := testenv.BinDir()
-	g.Expect(err).NotTo(HaveOccurred())
 	type rule struct {
 		Record string `json:"record"`
 		Expr   string `json:"expr"`
@@ -199,7 +202,7 @@ func TestDashboardQueriesParse(t *testing.T) {
 	data, err := yaml.Marshal(map[string]any{"groups": []any{map[string]any{"name": "dashboard", "rules": rules}}})
 	g.Expect(err).NotTo(HaveOccurred())
 	g.Expect(os.WriteFile(file, data, 0o600)).To(Succeed())
-	out, err := exec.CommandContext(t.Context(), filepath.Join(bin, "promtool"), "check", "rules", file).CombinedOutput()
+	out, err := exec.CommandContext(t.Context(), promtool(g), "check", "rules", file).CombinedOutput()
 	g.Expect(err).NotTo(HaveOccurred(), "promtool check rules:\n%s", out)
 	g.Expect(string(out)).To(ContainSubstring(fmt.Sprintf("SUCCESS: %d rules found", len(rules))))
 }

@@ -1,6 +1,6 @@
 // Package monitoring is pvbridge's Grafana dashboard, written as code with the Grafana
-// Foundation SDK: `make generate` renders it into manifests/components/monitoring, and the
-// lab's tests run each of its queries (Queries) against a Prometheus that scrapes pvbridge.
+// Foundation SDK: `make generate` renders it into manifests/components/monitoring, and
+// e2e/manifests checks each query of Panels with promtool.
 package monitoring
 
 import (

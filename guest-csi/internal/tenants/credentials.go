@@ -117,14 +117,14 @@ func (r *CredentialsReconciler) Reconcile(ctx context.Context, req ctrl.Request)
 	}
 	// A deleted Cluster keeps the credential it has (a third of its life at least) while its
 	// VMs drain; the cleanup controller removes the identity's capacity access at the end and
-	// the garbage collector the rest with the Cluster.
-	if !cluster.DeletionTimestamp.IsZero() || !optedIn(cluster) {
-		credentialRenewAt.DeleteLabelValues(cluster.Namespace, cluster.Name) // nothing is renewed any more
-	}
+	// the garbage collector the rest with the Cluster. Neither it nor a Cluster that opted out
+	// has a renewal to come, so neither has a renewal metric.
 	if !cluster.DeletionTimestamp.IsZero() {
+		credentialRenewAt.DeleteLabelValues(cluster.Namespace, cluster.Name)
 		return ctrl.Result{}, nil
 	}
 	if !optedIn(cluster) {
+		credentialRenewAt.DeleteLabelValues(cluster.Namespace, cluster.Name)
 		return ctrl.Result{}, r.revoke(ctx, cluster)
 	}
 	account, err := r.reconcileIdentity(ctx, cluster)
