@@ -15,12 +15,14 @@ MODULES := pkg guest-csi mgmt-csi vm-operator e2e
 COMPONENTS := pkg guest-csi mgmt-csi vm-operator
 # The pinned third-party components (hack/build-tools.sh) the lab runs, and the tests (which
 # also run containerd nodes, Kubernetes' e2e.test, Cluster API's managers and, for its guests,
-# the lab's registry and CoreDNS, and promtool on the alert rules).
+# the lab's registry and CoreDNS, Prometheus (the lab's, and promtool on the alert rules) and
+# helm, which renders the charts).
 LAB_TOOLS := etcd kubernetes csi-provisioner csi-attacher csi-resizer csi-snapshotter
-TEST_TOOLS := $(LAB_TOOLS) containerd kubernetes-e2e csi-sanity cluster-api registry coredns promtool
+TEST_TOOLS := $(LAB_TOOLS) containerd kubernetes-e2e csi-sanity cluster-api registry coredns prometheus helm
 CONTROLLER_GEN := $(PVBRIDGE_BIN)/controller-gen
 GOLANGCI_LINT := $(PVBRIDGE_BIN)/golangci-lint
 KUBECTL := $(PVBRIDGE_BIN)/kubectl
+HELM := $(PVBRIDGE_BIN)/helm
 # The end-to-end and integration tests start real clusters; give them room on a loaded 2-core machine.
 # The lab suites run side by side (e2e/suite took 869-1341 s beside e2e/containers' lab).
 TEST_TIMEOUT ?= 45m
@@ -41,7 +43,7 @@ RUNTIME ?= process
 
 .PHONY: run
 run: deps lab-tools ## Start the lab (management + guest clusters on 127.0.0.1) until Ctrl-C; RUNTIME=containerd for real containers, RUNTIME=capi for a guest made by Cluster API.
-	$(if $(filter containerd capi,$(RUNTIME)),hack/phase.sh tools hack/build-tools.sh containerd $(if $(filter capi,$(RUNTIME)),cluster-api registry coredns))
+	$(if $(filter containerd capi,$(RUNTIME)),hack/phase.sh tools hack/build-tools.sh containerd prometheus $(if $(filter capi,$(RUNTIME)),cluster-api registry coredns))
 	go build -o bin/lab ./e2e/cmd/lab
 	bin/lab --runtime=$(RUNTIME)
 
@@ -117,7 +119,7 @@ sanity: deps test-tools ## Run the csi-sanity binary against both drivers as the
 ##@ Development
 
 .PHONY: generate
-generate: $(CONTROLLER_GEN) $(KUBECTL) ## Generate deepcopy code, CRDs and the tenants RBAC, copy the snapshot CRDs, render the guest install, the clusterctl provider files and the Grafana dashboard.
+generate: $(CONTROLLER_GEN) $(KUBECTL) ## Generate deepcopy code, CRDs and the tenants RBAC, copy the snapshot CRDs, render the guest install, the clusterctl provider files, the Grafana dashboard and the Helm charts.
 	cd pkg && $(CONTROLLER_GEN) object:headerFile=../hack/boilerplate.go.txt paths=./apis/...
 	cd pkg && $(CONTROLLER_GEN) crd paths=./apis/vm/... paths=./apis/pmem/... output:crd:artifacts:config=../manifests/crd/bases
 	cd pkg && $(CONTROLLER_GEN) crd paths=./apis/infrastructure/... output:crd:artifacts:config=../manifests/crd/infrastructure
@@ -127,9 +129,10 @@ generate: $(CONTROLLER_GEN) $(KUBECTL) ## Generate deepcopy code, CRDs and the t
 	hack/render-guest-install.sh
 	hack/render-capi-provider.sh
 	go run ./e2e/cmd/dashboard > manifests/components/monitoring/dashboard.json
+	go run ./e2e/cmd/charts -kubectl $(KUBECTL)
 
 .PHONY: verify
-verify: $(CONTROLLER_GEN) $(KUBECTL) ## Fail if generated files, formatting or go.mod files drift.
+verify: $(CONTROLLER_GEN) $(KUBECTL) $(HELM) ## Fail if generated files, formatting or go.mod files drift, or a Helm chart does not make its overlay's objects.
 	hack/phase.sh verify hack/verify.sh
 
 .PHONY: lint
@@ -164,6 +167,9 @@ $(GOLANGCI_LINT):
 
 $(KUBECTL):
 	hack/build-tools.sh kubernetes
+
+$(HELM):
+	hack/build-tools.sh helm
 
 .PHONY: deps
 deps: ## Install the system packages the lab needs (Debian).

@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # Builds the pinned third-party binaries (Kubernetes, etcd, CSI sidecars, csi-sanity, code
 # generators, linters, Cluster API, the registry and CoreDNS of the lab's guests, Prometheus and
-# promtool) from the Go module proxy, once, into a cache outside the repository:
+# promtool, helm) from the Go module proxy, once, into a cache outside the repository:
 #
 #   $PVBRIDGE_CACHE/<component>-<version>/<binary>    the build
 #   $PVBRIDGE_CACHE/bin/<binary>                      a symlink to the pinned build
 #
 # A tool module under hack/tools/<module> pins each component's version (and its replace
 # directives, which is why `go install` cannot build most of them). The Kubernetes binaries, etcd,
-# containerd, the CSI sidecars, csi-sanity, Cluster API and CoreDNS share one module
+# containerd, the CSI sidecars, csi-sanity, Cluster API, CoreDNS, Prometheus and helm share one module
 # (hack/tools/kubernetes) and one set of build tags, and pvbridge's modules require the same
 # versions of the libraries they have in common with it:
 # with one version of each library they share, the Go build cache compiles client-go, apiserver,
@@ -42,9 +42,9 @@ capi_ldflags() {
 
 # The tags of every binary of hack/tools/kubernetes: a tag that selects other files of a shared
 # package (grpcnotrace selects grpc's) would otherwise compile that package and all above it twice.
-# remove_all_sd leaves Prometheus' service discovery plugins out (the lab's scrape configuration
-# is static).
-k8s_tags=selinux,notest,grpcnotrace,no_btrfs,remove_all_sd
+# remove_all_sd leaves Prometheus' service discovery plugins out but Kubernetes' (the lab's
+# Prometheus discovers the metrics Services of both clusters as the ServiceMonitor does).
+k8s_tags=selinux,notest,grpcnotrace,no_btrfs,remove_all_sd,enable_kubernetes_sd
 
 # component | module | version | tags | extra ldflags | binary=package ...
 components() {
@@ -60,8 +60,8 @@ kubernetes-e2e|kubernetes|$k8s_version|$k8s_tags|$(k8s_ldflags $k8s_version)|e2e
 csi-sanity|kubernetes|v5.6.0|$k8s_tags||csi-sanity=github.com/kubernetes-csi/csi-test/v5/cmd/csi-sanity
 ginkgo|kubernetes|v2.33.0|$k8s_tags||ginkgo=github.com/onsi/ginkgo/v2/ginkgo
 registry|registry|v3.1.2|| -X github.com/distribution/distribution/v3/version.version=v3.1.2|registry=./registry
-promtool|kubernetes|v0.316.0|$k8s_tags| -X github.com/prometheus/common/version.Version=3.16.0 -X github.com/prometheus/common/version.Branch=HEAD|promtool=github.com/prometheus/prometheus/cmd/promtool
-prometheus|kubernetes|v0.316.0|$k8s_tags| -X github.com/prometheus/common/version.Version=3.16.0 -X github.com/prometheus/common/version.Branch=HEAD|prometheus=github.com/prometheus/prometheus/cmd/prometheus
+prometheus|kubernetes|v0.316.0|$k8s_tags| -X github.com/prometheus/common/version.Version=3.16.0 -X github.com/prometheus/common/version.Branch=HEAD|prometheus=github.com/prometheus/prometheus/cmd/prometheus promtool=github.com/prometheus/prometheus/cmd/promtool
+helm|kubernetes|v4.3.1|$k8s_tags| -X helm.sh/helm/v4/internal/version.version=v4.3.1|helm=helm.sh/helm/v4/cmd/helm
 coredns|kubernetes|v1.14.6|$k8s_tags| -X github.com/coredns/coredns/coremain.GitCommit=v1.14.6|coredns=./coredns
 cluster-api|kubernetes|$capi_version|$k8s_tags|$(capi_ldflags $capi_version)|capi-manager=sigs.k8s.io/cluster-api/core capi-kubeadm-bootstrap-manager=sigs.k8s.io/cluster-api/bootstrap/kubeadm capi-kubeadm-control-plane-manager=sigs.k8s.io/cluster-api/controlplane/kubeadm
 clusterctl|kubernetes|$capi_version|$k8s_tags|$(capi_ldflags $capi_version)|clusterctl=sigs.k8s.io/cluster-api/cmd/clusterctl
@@ -71,9 +71,8 @@ EOF
 }
 
 # Built only when named: clusterctl, which neither the lab nor the tests run (they apply the
-# cluster template themselves), and the Prometheus server, which nothing runs yet, so that
-# `make tools` (and CI) do not pay for them.
-on_request=" clusterctl prometheus "
+# cluster template themselves), so that `make tools` (and CI) do not pay for it.
+on_request=" clusterctl "
 
 want=("$@")
 selected() {

@@ -11,13 +11,18 @@ tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 git ls-files -co --exclude-standard -z | xargs -0 cp --parents -t "$tmp"
 make -s -C "$tmp" generate >/dev/null
-for d in manifests/crd manifests/base/tenants/rbac manifests/base/capi-provider/rbac manifests/clusterctl manifests/components/monitoring pkg/apis guest-csi/internal/tenants/guest; do
+for d in manifests/crd manifests/base/tenants/rbac manifests/base/capi-provider/rbac manifests/clusterctl manifests/components/monitoring charts pkg/apis guest-csi/internal/tenants/guest; do
 	if ! diff -r "$d" "$tmp/$d" >/dev/null; then
 		echo "verify: $d is out of date; run 'make generate':"
 		diff -ru "$d" "$tmp/$d" | head -40 || true
 		fail=1
 	fi
 done
+
+# Each Helm chart renders (helm template, default values) the objects of its overlay.
+if ! go run ./e2e/cmd/charts -check; then
+	fail=1
+fi
 
 unformatted=$(git ls-files -co --exclude-standard '*.go' | xargs gofmt -l)
 if [ -n "$unformatted" ]; then

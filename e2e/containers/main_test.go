@@ -1,6 +1,7 @@
-// Package containers_test proves pvbridge as an admin installs it: the shipped overlays, with
-// the images `make images` builds, applied with kubectl on lab clusters whose nodes run real
-// containers (containerd and runc). Every test shares one such lab (deploy.Install): two
+// Package containers_test proves pvbridge as an admin installs it, with the images `make images`
+// builds, on lab clusters whose nodes run real containers (containerd and runc): the management
+// side from its Helm chart (helm install; e2e/capi and make run apply its overlay), the guest
+// side from its overlay (kubectl apply -k). Every test shares one such lab (deploy.Install): two
 // management hosts, and guest cluster alpha with vm-1 and vm-3 on host-a and vm-2 on host-b.
 package containers_test
 
@@ -92,7 +93,7 @@ func install(ctx context.Context, root string) error {
 		return err
 	}
 	in, err = deploy.Install(ctx, lab, deploy.InstalledOptions{
-		Hosts: []string{"host-a", "host-b"}, PmemSize: 64 << 30, Images: archives,
+		Hosts: []string{"host-a", "host-b"}, PmemSize: 64 << 30, Images: archives, Helm: true,
 		Guest: deploy.GuestOptions{Name: "alpha", Namespace: "tenant-a", VMs: map[string]string{"vm-1": "host-a", "vm-2": "host-b", "vm-3": "host-a"}},
 	})
 	return err

@@ -2,12 +2,14 @@ package deploy
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
 	"maps"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"slices"
+	"strconv"
 	"strings"
 	"time"
 
@@ -54,6 +56,8 @@ const (
 	guestInstallAnnotation = "pvbridge.io/guest-install"
 	// installNamespace is the namespace of both overlays.
 	installNamespace = "pvbridge-system"
+	// capiProviderNamespace is the namespace of the Cluster API provider's overlay.
+	capiProviderNamespace = "pvbridge-capi-system"
 )
 
 // InstalledOptions describe an installed lab.
@@ -70,9 +74,13 @@ type InstalledOptions struct {
 	// their bootstrap data (Guest.VMs is not used).
 	ClusterAPI bool
 	Workers    int
+	// Helm installs the management side from its Helm chart (charts/pvbridge-management)
+	// rather than from its overlay.
+	Helm bool
 }
 
-// Installed is a lab whose pvbridge runs in containers, installed from the overlays.
+// Installed is a lab whose pvbridge runs in containers, installed from the overlays (or the
+// management chart).
 type Installed struct {
 	Mgmt  *cluster.ControlPlane
 	Guest *cluster.ControlPlane
@@ -113,7 +121,12 @@ func Install(ctx context.Context, lab *cluster.Lab, opts InstalledOptions) (*Ins
 	if err != nil {
 		return nil, err
 	}
-	if err := in.apply(ctx, lab, in.Mgmt, "management", in.managementKustomization()); err != nil {
+	if opts.Helm {
+		err = in.helmInstall(ctx, lab)
+	} else {
+		err = in.apply(ctx, lab, in.Mgmt, "management", in.managementKustomization())
+	}
+	if err != nil {
 		return nil, err
 	}
 
@@ -194,59 +207,67 @@ func emulatePmem(ctx context.Context, host *cluster.Node, size int64) error {
 	return nil
 }
 
+// labArgs are the arguments the lab adds to the main container of management workloads (a
+// flag given again overrides the shipped value): PMEM emulated in a file; VMs of the local
+// hypervisor. A lab whose VMs boot (Cluster API) gives the host agents the process lab's
+// UnplugTimeout: a lab VM's guest keeps its disks mounted until the VMM stops it, which it does
+// once the VM is off, so a VM powered off with volumes (its Cluster deleted) is forced off after
+// the timeout, 5 minutes by default.
+func (in *Installed) labArgs() map[string][]string {
+	agent := []string{"--hypervisor=local", "--vm-root=" + VMRoot, "--vm-slots=" + fmt.Sprint(VMSlots)}
+	if in.Options.ClusterAPI {
+		agent = append(agent, "--unplug-timeout="+UnplugTimeout.String())
+	}
+	return map[string][]string{
+		"mgmt-csi-node":          {"--pmem-mode=file", "--pmem-dir=" + PmemDir},
+		"vm-operator-host-agent": agent,
+	}
+}
+
 // managementKustomization is the management overlay as the installed lab applies it.
 func (in *Installed) managementKustomization() string {
-	return `configMapGenerator:
+	k := `configMapGenerator:
   - name: pvbridge-tenants
     namespace: pvbridge-system
     behavior: merge
     literals:
-      - mgmt-server=https://` + in.Mgmt.ServiceIP + `:443
+      - mgmt-server=` + in.mgmtServer() + `
 patches:
-  - target:
-      kind: DaemonSet
-      name: mgmt-csi-node
-    patch: |-
-      - op: test
-        path: /spec/template/spec/containers/0/args/5
-        value: --pmem-mode=ndctl
-      - op: replace
-        path: /spec/template/spec/containers/0/args/5
-        value: --pmem-mode=file
-      - op: add
-        path: /spec/template/spec/containers/0/args/6
-        value: --pmem-dir=` + PmemDir + `
-  - target:
-      kind: DaemonSet
-      name: vm-operator-host-agent
-    patch: |-
-      - op: test
-        path: /spec/template/spec/containers/0/args/2
-        value: --hypervisor=qemu
-      - op: replace
-        path: /spec/template/spec/containers/0/args/2
-        value: --hypervisor=local
-      - op: replace
-        path: /spec/template/spec/containers/0/args/3
-        value: --vm-root=` + VMRoot + `
-      - op: add
-        path: /spec/template/spec/containers/0/args/-
-        value: --vm-slots=` + fmt.Sprint(VMSlots) + `
-` + in.unplugTimeoutPatch()
+`
+	args := in.labArgs()
+	for _, workload := range slices.Sorted(maps.Keys(args)) {
+		k += "  - target:\n      kind: DaemonSet\n      name: " + workload + "\n    patch: |-\n"
+		for _, arg := range args[workload] {
+			k += "      - {op: add, path: /spec/template/spec/containers/0/args/-, value: " + strconv.Quote(arg) + "}\n"
+		}
+	}
+	return k
 }
 
-// unplugTimeoutPatch gives the host agents of a lab whose VMs boot (Cluster API) the process
-// lab's UnplugTimeout (the last --unplug-timeout wins): a lab VM's guest keeps its disks mounted
-// until the VMM stops it, which it does once the VM is off, so a VM powered off with volumes
-// (its Cluster deleted) is forced off after the timeout, 5 minutes by default.
-func (in *Installed) unplugTimeoutPatch() string {
-	if !in.Options.ClusterAPI {
-		return ""
+// mgmtServer is the management apiserver's URL as the tenants controller's pod reaches it.
+func (in *Installed) mgmtServer() string { return "https://" + in.Mgmt.ServiceIP + ":443" }
+
+// helmInstall installs the management chart (charts/pvbridge-management) as an admin would,
+// with the lab's settings as values, and waits until every workload of pvbridge-system is ready.
+func (in *Installed) helmInstall(ctx context.Context, lab *cluster.Lab) error {
+	helm, err := lab.Binaries().Tool("helm")
+	if err != nil {
+		return err
 	}
-	return `      - op: add
-        path: /spec/template/spec/containers/0/args/-
-        value: --unplug-timeout=` + UnplugTimeout.String() + `
-`
+	extraArgs, err := json.Marshal(in.labArgs())
+	if err != nil {
+		return err
+	}
+	cmd := exec.CommandContext(ctx, helm, "install", "pvbridge", filepath.Join(lab.Binaries().Repo, "charts", "pvbridge-management"),
+		"--kubeconfig", in.Mgmt.Kubeconfig, "--namespace", installNamespace, "--create-namespace",
+		"--set", "mgmtServer="+in.mgmtServer(), "--set-json", "extraArgs="+string(extraArgs))
+	// helm keeps its cache and configuration below $HOME unless told otherwise.
+	cmd.Env = append(os.Environ(), "HELM_CACHE_HOME="+filepath.Join(lab.Root, "helm", "cache"),
+		"HELM_CONFIG_HOME="+filepath.Join(lab.Root, "helm", "config"), "HELM_DATA_HOME="+filepath.Join(lab.Root, "helm", "data"))
+	if out, err := cmd.CombinedOutput(); err != nil {
+		return fmt.Errorf("%s: helm install: %w\n%s", in.Mgmt.Name, err, out)
+	}
+	return WaitWorkloadsReady(ctx, in.Mgmt.Client(), installNamespace)
 }
 
 // guestKustomization is the guest overlay as the installed lab applies it.

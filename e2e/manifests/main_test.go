@@ -1,7 +1,8 @@
 // Package manifests proves the kustomize overlays of manifests/ against a real kube-apiserver:
 // every overlay builds and each of its objects passes a server-side dry run, and the tenancy
 // admission policy, applied for real, refuses every cross-tenant write of a guest identity with
-// its reason while the same writes within the guest's own rights pass.
+// its reason while the same writes within the guest's own rights pass. With the pinned tools it
+// also checks the monitoring component (promtool) and the Helm charts' values (helm).
 package manifests
 
 import (

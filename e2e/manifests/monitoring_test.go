@@ -7,7 +7,6 @@ import (
 	"os/exec"
 	"path/filepath"
 	"slices"
-	"strings"
 	"testing"
 
 	. "github.com/onsi/gomega"
@@ -195,7 +194,7 @@ func TestDashboardQueriesParse(t *testing.T) {
 	var rules []rule
 	for i, p := range monitoring.Panels {
 		for j, q := range p.Queries {
-			rules = append(rules, rule{Record: fmt.Sprintf("pvbridge:panel_%d_%d", i, j), Expr: strings.ReplaceAll(q.Expr, "$__rate_interval", "5m")})
+			rules = append(rules, rule{Record: fmt.Sprintf("pvbridge:panel_%d_%d", i, j), Expr: q.PromQL("5m")})
 		}
 	}
 	file := filepath.Join(t.TempDir(), "dashboard-rules.yaml")

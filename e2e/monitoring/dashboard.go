@@ -1,9 +1,12 @@
 // Package monitoring is pvbridge's Grafana dashboard, written as code with the Grafana
-// Foundation SDK: `make generate` renders it into manifests/components/monitoring, and
-// e2e/manifests checks each query of Panels with promtool.
+// Foundation SDK: `make generate` renders it into manifests/components/monitoring;
+// e2e/manifests checks each query of Panels with promtool, and e2e/containers runs each against
+// the lab's Prometheus and wants data.
 package monitoring
 
 import (
+	"strings"
+
 	"github.com/grafana/grafana-foundation-sdk/go/cog"
 	"github.com/grafana/grafana-foundation-sdk/go/common"
 	"github.com/grafana/grafana-foundation-sdk/go/dashboard"
@@ -24,6 +27,12 @@ type Panel struct {
 // Query is a panel's PromQL expression and its legend format.
 type Query struct {
 	Expr, Legend string
+}
+
+// PromQL is the query as Prometheus runs it outside Grafana: with Grafana's $__rate_interval as
+// window (Grafana makes it at least four scrape intervals).
+func (q Query) PromQL(window string) string {
+	return strings.ReplaceAll(q.Expr, "$__rate_interval", window)
 }
 
 // The sidecars' calls whose latency the dashboard shows.

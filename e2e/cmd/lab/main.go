@@ -105,6 +105,13 @@ func run(dir, runtime string) error {
 	if err != nil {
 		return err
 	}
+	var prom *deploy.Prometheus
+	if d.containers {
+		fmt.Println("starting Prometheus: the metrics Services of both clusters, the alerts of manifests/components/monitoring ...")
+		if prom, err = deploy.StartPrometheus(ctx, lab, map[string]*cluster.ControlPlane{"management": d.mgmt, "guest": d.guest}); err != nil {
+			return err
+		}
+	}
 	fmt.Printf("\nthe lab is up (%.1fs). Logs and state: %s\n", time.Since(start).Seconds(), dir)
 
 	kubectl, err := bin.Tool("kubectl")
@@ -118,6 +125,14 @@ func run(dir, runtime string) error {
 	fmt.Printf("\nguest cluster %s:\n  export KUBECONFIG=%s\n  %s get nodes,pvc,pv,volumeattachments -A\n", guest.Name, d.guest.Kubeconfig, kubectl)
 	if d.registry != "" {
 		fmt.Printf("\nthe guest's image registry (plain HTTP): push an image to %[1]s/<name>:<tag>, run it as image: %[1]s/<name>:<tag>\n", d.registry)
+	}
+	if prom != nil {
+		promtool, err := bin.Tool("promtool")
+		if err != nil {
+			return err
+		}
+		// Built from the module proxy, Prometheus has no web UI (its assets are built with npm).
+		fmt.Printf("\nPrometheus at http://%[1]s (its HTTP API; every pvbridge component of both clusters, label cluster):\n  %[2]s query instant http://%[1]s 'pvbridge_pmem_free_bytes'\n  curl -s http://%[1]s/api/v1/alerts\n", prom.Address, promtool)
 	}
 	fmt.Println("\nPress Ctrl-C to stop.")
 	<-ctx.Done()

@@ -4,9 +4,10 @@
 // runc shim and ctr, which imports images), Kubernetes' end-to-end test binary
 // (e2e.test, whose test files import every e2e test package, listed here so that go.sum covers
 // them), the agnhost test image, the kubernetes-csi sidecars, csi-sanity, Cluster API's managers
-// and clusterctl, CoreDNS (./coredns, a main of its own), and Prometheus and promtool (the lab's
-// monitoring and the alert rules' unit tests). One module builds them all: the
-// libraries they share (client-go, apiserver, controller-runtime, grpc, ...) are compiled once.
+// and clusterctl, CoreDNS (./coredns, a main of its own), Prometheus and promtool (the lab's
+// monitoring and the alert rules' unit tests), and helm (which renders the charts). One module
+// builds them all: the libraries they share (client-go, apiserver, controller-runtime, grpc, ...)
+// are compiled once.
 package tools
 
 import (
@@ -25,6 +26,7 @@ import (
 	_ "github.com/prometheus/prometheus/cmd/promtool"
 	_ "go.etcd.io/etcd/server/v3"
 	_ "go.yaml.in/yaml/v2"
+	_ "helm.sh/helm/v4/cmd/helm"
 	_ "k8s.io/component-base/version"
 	_ "k8s.io/klog/v2"
 	_ "k8s.io/kubernetes/cmd/kube-apiserver"

@@ -1,0 +1,361 @@
+// Package charts makes pvbridge's Helm charts from its kustomize overlays, and checks that a
+// chart renders the objects its overlay builds. The overlays stay the source: a chart is the
+// overlay's output (kubectl kustomize), its CRDs in crds/ and every other object in templates/
+// (one file per kind), with the values an admin sets templated in (values.yaml):
+//   - images: each image by name; imageRegistry, when set, replaces the registry of every one
+//     (a mirror that keeps the paths);
+//   - extraArgs: more arguments for the main container of a workload, by workload name (a
+//     repeated flag's last value wins, so they also override the shipped ones);
+//   - the overlay's own settings: the management apiserver URL (mgmtServer) of the management
+//     chart; the guest cluster's name and UID (clusterName, clusterUID) of the guest chart.
+//
+// The overlay's generated ConfigMap name (kustomize's hash of its data) becomes a hash of the
+// value in the chart, so that a changed value rolls the pods that read it, as with kustomize.
+package charts
+
+import (
+	"bytes"
+	"fmt"
+	"maps"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"reflect"
+	"regexp"
+	"slices"
+	"strings"
+
+	"sigs.k8s.io/yaml"
+)
+
+// Chart is one chart and the overlay it is made from.
+type Chart struct {
+	// Name is the chart's name and directory under charts/; Overlay the overlay's under
+	// manifests/overlays/.
+	Name, Overlay, Description string
+	// Settings are the overlay's ConfigMap literals templated as values: the literal's line
+	// in the overlay's output, and the value's name.
+	Settings []Setting
+	// HashedConfigMap is the name (without kustomize's suffix) of a ConfigMap whose name
+	// kustomize hashes; HashOf the values its name is made from in the chart.
+	HashedConfigMap string
+	HashOf          []string
+}
+
+// Setting is a ConfigMap literal as a value.
+type Setting struct {
+	Key, Value, Doc string
+}
+
+// Charts are the charts of the two installs.
+var Charts = []Chart{
+	{
+		Name: "pvbridge-management", Overlay: "management",
+		Description: "pvbridge in the management cluster: mgmt-csi, vm-operator, the tenants controller, the tenancy admission policy and the CSI snapshot controller",
+		Settings: []Setting{{Key: "mgmt-server", Value: "mgmtServer",
+			Doc: "Required: the management apiserver's https:// URL as guest clusters reach it, written into every guest's kubeconfig."}},
+		HashedConfigMap: "pvbridge-tenants", HashOf: []string{"mgmtServer"},
+	},
+	{
+		Name: "pvbridge-guest", Overlay: "guest",
+		Description: "pvbridge in a guest cluster: guest-csi and the CSI snapshot controller",
+		Settings: []Setting{
+			{Key: "cluster-name", Value: "clusterName", Doc: "The guest cluster's name: its Cluster's in the management cluster."},
+			{Key: "cluster-uid", Value: "clusterUID", Doc: "The UID of the guest cluster's Cluster in the management cluster: its identity."},
+		},
+	},
+}
+
+// Namespace is the namespace of both overlays, and so of the releases.
+const Namespace = "pvbridge-system"
+
+// Version is the charts' version and appVersion: pvbridge's release.
+const Version = "0.1.0"
+
+// Files are a chart's files by path relative to its directory.
+type Files map[string][]byte
+
+// Make makes chart c from what kubectl kustomize builds of its overlay below root.
+func (c Chart) Make(kubectl, root string) (Files, error) {
+	out, err := kustomize(kubectl, root, c.Overlay)
+	if err != nil {
+		return nil, err
+	}
+	files := Files{}
+	templates := map[string][]string{}
+	images := map[string]string{}
+	settings := map[string]string{}
+	for _, doc := range documents(out) {
+		var meta struct {
+			Kind     string `json:"kind"`
+			Metadata struct {
+				Name string `json:"name"`
+			} `json:"metadata"`
+		}
+		if err := yaml.Unmarshal([]byte(doc), &meta); err != nil {
+			return nil, err
+		}
+		switch meta.Kind {
+		case "CustomResourceDefinition":
+			files["crds/"+meta.Metadata.Name+".yaml"] = []byte(doc + "\n")
+			continue
+		case "Namespace":
+			// The release's: helm install --namespace pvbridge-system --create-namespace.
+			files["templates/namespace.yaml"] = []byte(fmt.Sprintf(namespaceCheck, meta.Metadata.Name))
+			continue
+		}
+		doc, err = c.template(doc, meta.Kind, meta.Metadata.Name, images, settings)
+		if err != nil {
+			return nil, fmt.Errorf("%s %s: %w", meta.Kind, meta.Metadata.Name, err)
+		}
+		file := "templates/" + strings.ToLower(meta.Kind) + ".yaml"
+		templates[file] = append(templates[file], doc)
+	}
+	for file, docs := range templates {
+		files[file] = []byte(strings.Join(docs, "\n---\n") + "\n")
+	}
+	for _, s := range c.Settings {
+		if _, ok := settings[s.Value]; !ok {
+			return nil, fmt.Errorf("the overlay's output has no %s", s.Key)
+		}
+	}
+	files["Chart.yaml"] = []byte(fmt.Sprintf(`# Generated from manifests/overlays/%s by make generate (e2e/charts); DO NOT EDIT.
+apiVersion: v2
+name: %s
+description: %q
+type: application
+version: %s
+appVersion: v%s
+`, c.Overlay, c.Name, c.Description, Version, Version))
+	files["values.yaml"] = c.values(images, settings)
+	files["templates/_helpers.tpl"] = []byte(helpers)
+	return files, nil
+}
+
+// namespaceCheck fails an install into another namespace than the overlay's (%s): its objects
+// name it (RBAC subjects, flags), so they would not be where the release is.
+const namespaceCheck = `{{- if ne .Release.Namespace %[1]q }}
+{{- fail "install pvbridge into namespace %[1]s: helm install --namespace %[1]s --create-namespace" }}
+{{- end }}
+`
+
+// helpers are the chart's named templates.
+const helpers = `{{/* The image .name of .Values.images, from .Values.imageRegistry when it is set. */}}
+{{- define "pvbridge.image" -}}
+{{- $image := index .root.Values.images .name -}}
+{{- if .root.Values.imageRegistry -}}
+{{- regexReplaceAll "^[^/]+" $image .root.Values.imageRegistry -}}
+{{- else -}}
+{{- $image -}}
+{{- end -}}
+{{- end -}}
+`
+
+var (
+	imageLine = regexp.MustCompile(`(?m)^(\s*(?:- )?image: )(\S+)$`)
+	argsLine  = regexp.MustCompile(`(?m)^(\s*)- args:$`)
+)
+
+// template templates the values into doc, the text of one object of the overlay's output, and
+// records the images and settings it found.
+func (c Chart) template(doc, kind, name string, images, settings map[string]string) (string, error) {
+	doc = imageLine.ReplaceAllStringFunc(doc, func(line string) string {
+		m := imageLine.FindStringSubmatch(line)
+		key := imageKey(m[2])
+		images[key] = m[2]
+		return m[1] + fmt.Sprintf(`{{ include "pvbridge.image" (dict "root" $ "name" %q) }}`, key)
+	})
+	if kind == "Deployment" || kind == "DaemonSet" {
+		var err error
+		if doc, err = extraArgs(doc, name); err != nil {
+			return "", err
+		}
+	}
+	if kind == "ConfigMap" {
+		for _, s := range c.Settings {
+			prefix := "  " + s.Key + ": "
+			i := strings.Index(doc, "\n"+prefix)
+			if i < 0 {
+				continue
+			}
+			line, _, _ := strings.Cut(doc[i+1:], "\n")
+			settings[s.Value] = strings.TrimPrefix(line, prefix)
+			doc = strings.Replace(doc, line, prefix+fmt.Sprintf("{{ .Values.%s | quote }}", s.Value), 1)
+		}
+	}
+	return c.replaceHashedName(doc, c.hashTemplate()), nil
+}
+
+// replaceHashedName replaces the suffix of the hashed ConfigMap's name in text with suffix.
+func (c Chart) replaceHashedName(text, suffix string) string {
+	if c.HashedConfigMap == "" {
+		return text
+	}
+	hashed := regexp.MustCompile(regexp.QuoteMeta(c.HashedConfigMap) + `-[a-z0-9]{10}\b`)
+	return hashed.ReplaceAllLiteralString(text, c.HashedConfigMap+"-"+suffix)
+}
+
+// hashTemplate is the chart's suffix of the hashed ConfigMap's name.
+func (c Chart) hashTemplate() string {
+	var values []string
+	for _, v := range c.HashOf {
+		values = append(values, ".Values."+v)
+	}
+	return fmt.Sprintf("{{ list %s | toJson | sha256sum | trunc 10 }}", strings.Join(values, " "))
+}
+
+// imageKey names an image in values.yaml: the last element of its path.
+func imageKey(image string) string {
+	name, _, _ := strings.Cut(image, ":")
+	return name[strings.LastIndexByte(name, '/')+1:]
+}
+
+// extraArgs appends the workload's extraArgs value to the arguments of its first container.
+func extraArgs(doc, workload string) (string, error) {
+	loc := argsLine.FindStringSubmatchIndex(doc)
+	if loc == nil {
+		return "", fmt.Errorf("no container with args")
+	}
+	indent := doc[loc[2]:loc[3]] + "  "
+	end := loc[1] + 1 // the first line of the list
+	for end < len(doc) && strings.HasPrefix(doc[end:], indent+"- ") {
+		end += strings.IndexByte(doc[end:], '\n') + 1
+	}
+	with := fmt.Sprintf("{{- with index .Values.extraArgs %q }}\n{{ toYaml . | indent %d }}\n{{- end }}\n", workload, len(indent))
+	return doc[:end] + with + doc[end:], nil
+}
+
+// values is the chart's values.yaml.
+func (c Chart) values(images, settings map[string]string) []byte {
+	var b bytes.Buffer
+	fmt.Fprintf(&b, "# Generated from manifests/overlays/%s by make generate (e2e/charts); DO NOT EDIT.\n", c.Overlay)
+	for _, s := range c.Settings {
+		fmt.Fprintf(&b, "\n# %s\n%s: %s\n", s.Doc, s.Value, settings[s.Value])
+	}
+	b.WriteString("\n# Replaces the registry of every image below when set: a mirror that keeps the images' paths\n# (mirror.example.com/pvbridge/mgmt-csi for ghcr.io/pvbridge/mgmt-csi).\nimageRegistry: \"\"\n")
+	b.WriteString("\n# The images, by name.\nimages:\n")
+	for _, k := range slices.Sorted(maps.Keys(images)) {
+		fmt.Fprintf(&b, "  %s: %s\n", k, images[k])
+	}
+	b.WriteString("\n# More arguments of the main container of a workload, by workload name; a flag given again\n# overrides the shipped value (e.g. mgmt-csi-node: [--pmem-mode=lvm]).\nextraArgs: {}\n")
+	return b.Bytes()
+}
+
+// kustomize is kubectl kustomize of the overlay.
+func kustomize(kubectl, root, overlay string) (string, error) {
+	out, err := output(kubectl, "kustomize", filepath.Join(root, "manifests", "overlays", overlay))
+	return string(out), err
+}
+
+// documents splits a stream of YAML documents.
+func documents(stream string) []string {
+	var docs []string
+	for _, d := range strings.Split("\n"+stream, "\n---\n") {
+		if d = strings.TrimLeft(d, "\n"); strings.TrimSpace(d) != "" {
+			docs = append(docs, d)
+		}
+	}
+	return docs
+}
+
+// output runs a command and returns its standard output, or an error with its standard error.
+func output(name string, args ...string) ([]byte, error) {
+	var stderr bytes.Buffer
+	cmd := exec.Command(name, args...)
+	cmd.Stderr = &stderr
+	out, err := cmd.Output()
+	if err != nil {
+		return nil, fmt.Errorf("%s %s: %w: %s", filepath.Base(name), strings.Join(args, " "), err, stderr.Bytes())
+	}
+	return out, nil
+}
+
+// Check renders the chart in dir with helm (its default values and CRDs) and fails unless it
+// makes the objects of its overlay, the hashed ConfigMap's name aside, and helm lint passes it.
+func (c Chart) Check(helm, kubectl, root, dir string) error {
+	if out, err := exec.Command(helm, "lint", "--strict", "--namespace", Namespace, dir).CombinedOutput(); err != nil {
+		return fmt.Errorf("helm lint %s: %w\n%s", dir, err, out)
+	}
+	rendered, err := output(helm, "template", "pvbridge", dir, "--include-crds", "--namespace", Namespace)
+	if err != nil {
+		return err
+	}
+	built, err := kustomize(kubectl, root, c.Overlay)
+	if err != nil {
+		return err
+	}
+	want, err := c.objects(built)
+	if err != nil {
+		return fmt.Errorf("the overlay %s: %w", c.Overlay, err)
+	}
+	got, err := c.objects(string(rendered))
+	if err != nil {
+		return fmt.Errorf("chart %s: %w", c.Name, err)
+	}
+	var diffs []string
+	for _, k := range slices.Sorted(maps.Keys(want)) {
+		switch g, ok := got[k]; {
+		case !ok && strings.Contains(k, " Namespace /"+Namespace):
+			// helm install --create-namespace makes it.
+		case !ok:
+			diffs = append(diffs, k+": missing from the chart")
+		case !reflect.DeepEqual(g, want[k]):
+			diffs = append(diffs, k+": differs")
+		}
+	}
+	for k := range got {
+		if _, ok := want[k]; !ok {
+			diffs = append(diffs, k+": not in the overlay")
+		}
+	}
+	if len(diffs) > 0 {
+		slices.Sort(diffs)
+		return fmt.Errorf("chart %s does not make the objects of overlay %s:\n  %s", c.Name, c.Overlay, strings.Join(diffs, "\n  "))
+	}
+	return nil
+}
+
+// objects are the objects of a stream by kind, namespace and name, with the hashed ConfigMap's
+// name suffix replaced by "hash".
+func (c Chart) objects(stream string) (map[string]any, error) {
+	objects := map[string]any{}
+	for _, doc := range documents(c.replaceHashedName(stream, "hash")) {
+		var o struct {
+			APIVersion string `json:"apiVersion"`
+			Kind       string `json:"kind"`
+			Metadata   struct {
+				Namespace string `json:"namespace"`
+				Name      string `json:"name"`
+			} `json:"metadata"`
+		}
+		var all any
+		if err := yaml.Unmarshal([]byte(doc), &o); err != nil {
+			return nil, err
+		}
+		if err := yaml.Unmarshal([]byte(doc), &all); err != nil {
+			return nil, err
+		}
+		if o.Kind == "" {
+			continue // only comments
+		}
+		objects[fmt.Sprintf("%s %s %s/%s", o.APIVersion, o.Kind, o.Metadata.Namespace, o.Metadata.Name)] = all
+	}
+	return objects, nil
+}
+
+// Write replaces dir with files.
+func (f Files) Write(dir string) error {
+	if err := os.RemoveAll(dir); err != nil {
+		return err
+	}
+	for name, data := range f {
+		path := filepath.Join(dir, name)
+		if err := os.MkdirAll(filepath.Dir(path), 0o755); err != nil {
+			return err
+		}
+		if err := os.WriteFile(path, data, 0o644); err != nil {
+			return err
+		}
+	}
+	return nil
+}
