@@ -31,6 +31,7 @@ func TestClusterAPIGuest(t *testing.T) {
 		run  func(*testing.T)
 	}{
 		{"StatefulSetKeepsItsData", statefulSetKeepsItsData},
+		{"StorageOnTheGuest", storageOnTheGuest},
 		{"ScaleDownMovesVolumes", scaleDownMovesVolumes},
 		{"RollingReplacementMovesVolumes", rollingReplacementMovesVolumes},
 		{"WorkerDeletedWhileAPodWrites", workerDeletedWhileAPodWrites},

@@ -2,7 +2,8 @@
 // Cluster API's own controllers make (core, kubeadm bootstrap and control plane providers, and
 // pvbridge's infrastructure provider) from the shipped cluster template, whose Machines are
 // VirtualMachines that boot kubeadm in the lab, with pvbridge installed in real containers from
-// the overlays in both clusters. One test runs its steps in order on one such lab
+// the overlays in both clusters: the Machine lifecycle with volumes attached, and the storage
+// features e2e/suite proves on the process lab. One test runs its steps in order on one such lab
 // (deploy.Install with ClusterAPI): two management hosts, guest cluster alpha of one control
 // plane machine and two workers, to which the Machine lifecycle steps add a pool of workers on
 // host-b.

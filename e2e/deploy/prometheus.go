@@ -17,12 +17,13 @@ import (
 // Prometheus is the lab's Prometheus server (hack/build-tools.sh prometheus), a process of the
 // lab on 127.0.0.1. It scrapes what the monitoring component's ServiceMonitor selects in every
 // cluster it is given (the Services labelled pvbridge.io/metrics, their metrics and sidecar
-// ports, with the labels the Prometheus Operator gives such targets and the cluster's name as
-// label cluster) through Kubernetes service discovery with the cluster's kubeconfig, and
+// ports, with the labels the Prometheus Operator gives such targets, honouring the metrics' own,
+// and the cluster's name as label cluster) through Kubernetes service discovery with the cluster's kubeconfig, and
 // evaluates the component's PrometheusRule. Pods are reached at their addresses on the lab's
 // bridges, as a Prometheus in the cluster reaches them.
 type Prometheus struct {
-	// Address is the server's host:port: its UI and API.
+	// Address is the server's host:port: its HTTP API (built from the module proxy, it has no
+	// web UI, whose assets are built with npm).
 	Address string
 	// API queries it.
 	API promv1.API
