@@ -266,29 +266,15 @@ func managementClaim(t *testing.T, g Gomega, name, host, sharedWith string) *cor
 func importVolume(t *testing.T, g Gomega, ns, claim, handle, host string) {
 	ctx := t.Context()
 	c := in.Guest.Client()
-	pv := &corev1.PersistentVolume{
-		ObjectMeta: metav1.ObjectMeta{Name: ns + "-" + claim},
-		Spec: corev1.PersistentVolumeSpec{
-			Capacity:                      corev1.ResourceList{corev1.ResourceStorage: resource.MustParse("256Mi")},
-			AccessModes:                   []corev1.PersistentVolumeAccessMode{corev1.ReadWriteOnce},
-			PersistentVolumeReclaimPolicy: corev1.PersistentVolumeReclaimDelete,
-			ClaimRef:                      &corev1.ObjectReference{Namespace: ns, Name: claim},
-			PersistentVolumeSource: corev1.PersistentVolumeSource{CSI: &corev1.CSIPersistentVolumeSource{
-				Driver: names.GuestDriver, VolumeHandle: handle, FSType: "ext4",
-			}},
-			NodeAffinity: &corev1.VolumeNodeAffinity{Required: &corev1.NodeSelector{NodeSelectorTerms: []corev1.NodeSelectorTerm{{
-				MatchExpressions: []corev1.NodeSelectorRequirement{{Key: names.GuestTopologyKey, Operator: corev1.NodeSelectorOpIn, Values: []string{host}}},
-			}}}},
-		},
-	}
+	pvc := deploy.PVC(ns, claim, "", "256Mi", false)
+	pvc.Spec.StorageClassName, pvc.Spec.VolumeName = ptr.To(""), ns+"-"+claim
+	pv := deploy.ImportedPV(pvc.Spec.VolumeName, handle, host, pvc)
 	_, err := c.CoreV1().PersistentVolumes().Create(ctx, pv, metav1.CreateOptions{})
 	g.Expect(err).NotTo(HaveOccurred())
 	t.Cleanup(func() {
 		err := c.CoreV1().PersistentVolumes().Delete(context.Background(), pv.Name, metav1.DeleteOptions{})
 		g.Expect(client.IgnoreNotFound(err)).To(Succeed())
 	})
-	pvc := deploy.PVC(ns, claim, "", "256Mi", false)
-	pvc.Spec.StorageClassName, pvc.Spec.VolumeName = ptr.To(""), pv.Name
 	_, err = c.CoreV1().PersistentVolumeClaims(ns).Create(ctx, pvc, metav1.CreateOptions{})
 	g.Expect(err).NotTo(HaveOccurred())
 }

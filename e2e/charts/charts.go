@@ -25,6 +25,7 @@ import (
 	"slices"
 	"strings"
 
+	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"sigs.k8s.io/yaml"
 )
 
@@ -320,25 +321,14 @@ func (c Chart) Check(helm, kubectl, root, dir string) error {
 func (c Chart) objects(stream string) (map[string]any, error) {
 	objects := map[string]any{}
 	for _, doc := range documents(c.replaceHashedName(stream, "hash")) {
-		var o struct {
-			APIVersion string `json:"apiVersion"`
-			Kind       string `json:"kind"`
-			Metadata   struct {
-				Namespace string `json:"namespace"`
-				Name      string `json:"name"`
-			} `json:"metadata"`
-		}
-		var all any
-		if err := yaml.Unmarshal([]byte(doc), &o); err != nil {
+		var o unstructured.Unstructured
+		if err := yaml.Unmarshal([]byte(doc), &o.Object); err != nil {
 			return nil, err
 		}
-		if err := yaml.Unmarshal([]byte(doc), &all); err != nil {
-			return nil, err
-		}
-		if o.Kind == "" {
+		if o.GetKind() == "" {
 			continue // only comments
 		}
-		objects[fmt.Sprintf("%s %s %s/%s", o.APIVersion, o.Kind, o.Metadata.Namespace, o.Metadata.Name)] = all
+		objects[fmt.Sprintf("%s %s %s/%s", o.GetAPIVersion(), o.GetKind(), o.GetNamespace(), o.GetName())] = o.Object
 	}
 	return objects, nil
 }

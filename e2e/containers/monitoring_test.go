@@ -102,25 +102,15 @@ func TestPrometheusScrapesAlertsAndDashboard(t *testing.T) {
 	}
 
 	t.Log("a refused attach: a static volume whose management claim does not exist")
-	missing := &corev1.PersistentVolume{
-		ObjectMeta: metav1.ObjectMeta{Name: ns + "-missing"},
-		Spec: corev1.PersistentVolumeSpec{
-			AccessModes:                   []corev1.PersistentVolumeAccessMode{corev1.ReadWriteOnce},
-			Capacity:                      corev1.ResourceList{corev1.ResourceStorage: resource.MustParse("64Mi")},
-			PersistentVolumeReclaimPolicy: corev1.PersistentVolumeReclaimRetain,
-			ClaimRef:                      &corev1.ObjectReference{Namespace: ns, Name: "missing"},
-			PersistentVolumeSource: corev1.PersistentVolumeSource{CSI: &corev1.CSIPersistentVolumeSource{
-				Driver: names.GuestDriver, VolumeHandle: "no-such-volume", FSType: "ext4",
-			}},
-		},
-	}
+	claim := deploy.PVC(ns, "missing", "", "64Mi", false)
+	claim.Spec.StorageClassName, claim.Spec.VolumeName = ptr.To(""), ns+"-missing"
+	missing := deploy.ImportedPV(claim.Spec.VolumeName, "no-such-volume", "", claim)
+	missing.Spec.PersistentVolumeReclaimPolicy = corev1.PersistentVolumeReclaimRetain
 	_, err = gc.CoreV1().PersistentVolumes().Create(ctx, missing, metav1.CreateOptions{})
 	g.Expect(err).NotTo(HaveOccurred())
 	cleanup(func(ctx context.Context) error {
 		return gc.CoreV1().PersistentVolumes().Delete(ctx, missing.Name, metav1.DeleteOptions{})
 	})
-	claim := deploy.PVC(ns, "missing", "", "64Mi", false)
-	claim.Spec.StorageClassName, claim.Spec.VolumeName = ptr.To(""), missing.Name
 	_, err = gc.CoreV1().PersistentVolumeClaims(ns).Create(ctx, claim, metav1.CreateOptions{})
 	g.Expect(err).NotTo(HaveOccurred())
 	_, err = gc.CoreV1().Pods(ns).Create(ctx, deploy.Pod(ns, "missing", "missing", "", false), metav1.CreateOptions{})

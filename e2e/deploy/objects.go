@@ -14,6 +14,7 @@ import (
 	"k8s.io/utils/ptr"
 
 	"pvbridge.io/e2e/cluster"
+	"pvbridge.io/pkg/names"
 )
 
 // PVC returns a claim of size in namespace ns. block makes it a raw block volume.
@@ -32,6 +33,32 @@ func PVC(ns, name, storageClass, size string, block bool) *corev1.PersistentVolu
 		pvc.Spec.VolumeMode = ptr.To(corev1.PersistentVolumeBlock)
 	}
 	return pvc
+}
+
+// ImportedPV returns a guest PV named name for management PVC handle, as an operator imports a
+// volume (static provisioning): pre-bound to claim, of its size and class, ext4, reclaim policy
+// Delete (which only releases the management PVC), on the VMs of host when host is set. The
+// caller names the PV in claim.Spec.VolumeName.
+func ImportedPV(name, handle, host string, claim *corev1.PersistentVolumeClaim) *corev1.PersistentVolume {
+	pv := &corev1.PersistentVolume{
+		ObjectMeta: metav1.ObjectMeta{Name: name},
+		Spec: corev1.PersistentVolumeSpec{
+			Capacity:                      corev1.ResourceList{corev1.ResourceStorage: claim.Spec.Resources.Requests[corev1.ResourceStorage]},
+			AccessModes:                   []corev1.PersistentVolumeAccessMode{corev1.ReadWriteOnce},
+			PersistentVolumeReclaimPolicy: corev1.PersistentVolumeReclaimDelete,
+			StorageClassName:              ptr.Deref(claim.Spec.StorageClassName, ""),
+			ClaimRef:                      &corev1.ObjectReference{Namespace: claim.Namespace, Name: claim.Name},
+			PersistentVolumeSource: corev1.PersistentVolumeSource{CSI: &corev1.CSIPersistentVolumeSource{
+				Driver: names.GuestDriver, VolumeHandle: handle, FSType: "ext4",
+			}},
+		},
+	}
+	if host != "" {
+		pv.Spec.NodeAffinity = &corev1.VolumeNodeAffinity{Required: &corev1.NodeSelector{NodeSelectorTerms: []corev1.NodeSelectorTerm{{
+			MatchExpressions: []corev1.NodeSelectorRequirement{{Key: names.GuestTopologyKey, Operator: corev1.NodeSelectorOpIn, Values: []string{host}}},
+		}}}}
+	}
+	return pv
 }
 
 // Pod returns a pod that uses claim, mounted at /data (or as the device /dev/data for a block

@@ -18,7 +18,6 @@ import (
 	"google.golang.org/grpc/status"
 	corev1 "k8s.io/api/core/v1"
 	storagev1 "k8s.io/api/storage/v1"
-	"k8s.io/apimachinery/pkg/api/resource"
 	"k8s.io/utils/ptr"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
@@ -204,28 +203,13 @@ func staticClaim(ctx context.Context, ns, name, sharedWith string) *corev1.Persi
 // PV is deleted when the spec ends.
 func staticVolume(ctx context.Context, g *guestCluster, ns, pv, class, handle string) {
 	GinkgoHelper()
-	obj := &corev1.PersistentVolume{
-		ObjectMeta: metaName("", pv),
-		Spec: corev1.PersistentVolumeSpec{
-			Capacity:                      corev1.ResourceList{corev1.ResourceStorage: resource.MustParse("256Mi")},
-			AccessModes:                   []corev1.PersistentVolumeAccessMode{corev1.ReadWriteOnce},
-			PersistentVolumeReclaimPolicy: corev1.PersistentVolumeReclaimDelete,
-			StorageClassName:              class,
-			ClaimRef:                      &corev1.ObjectReference{Namespace: ns, Name: "data"},
-			PersistentVolumeSource: corev1.PersistentVolumeSource{CSI: &corev1.CSIPersistentVolumeSource{
-				Driver: names.GuestDriver, VolumeHandle: handle, FSType: "ext4",
-			}},
-			NodeAffinity: &corev1.VolumeNodeAffinity{Required: &corev1.NodeSelector{NodeSelectorTerms: []corev1.NodeSelectorTerm{{
-				MatchExpressions: []corev1.NodeSelectorRequirement{{Key: names.GuestTopologyKey, Operator: corev1.NodeSelectorOpIn, Values: []string{"host-a"}}},
-			}}}},
-		},
-	}
-	g.create(ctx, obj)
-	// The namespace's cleanup, which runs next, waits until it is gone.
-	DeferCleanup(func(ctx SpecContext) { Expect(client.IgnoreNotFound(g.c.Delete(ctx, obj))).To(Succeed()) })
 	pvc := deploy.PVC(ns, "data", "", "256Mi", false)
 	pvc.Spec.StorageClassName = ptr.To(class)
 	pvc.Spec.VolumeName = pv
+	obj := deploy.ImportedPV(pv, handle, "host-a", pvc)
+	g.create(ctx, obj)
+	// The namespace's cleanup, which runs next, waits until it is gone.
+	DeferCleanup(func(ctx SpecContext) { Expect(client.IgnoreNotFound(g.c.Delete(ctx, obj))).To(Succeed()) })
 	g.create(ctx, pvc)
 }
 
