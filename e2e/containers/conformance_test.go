@@ -32,10 +32,12 @@ var (
 )
 
 // subset is what CI runs of each driver: provisioning (empty, from a snapshot, from a clone,
-// with mount options), the data tests of one filesystem volume and ReadWriteOncePod's
-// enforcement, not the [Slow] ones.
+// with mount options), the data tests of one filesystem volume, ReadWriteOncePod's
+// enforcement, a class given to a volume in use (VolumeAttributesClass) and the nodes' volume
+// limits, not the [Slow] ones.
 const (
-	subset     = `\[Testpattern: Dynamic PV \(default fs\)\] (provisioning|volumes|read-write-once-pod)`
+	subset = `(\[Testpattern: Dynamic PV \(default fs\)\] (provisioning|volumes|read-write-once-pod|volume-modify should modify volume with no VAC)` +
+		`|\[Testpattern: Dynamic PV \(filesystem volmode\)\] volumeLimits should verify that all csinodes have volume limits)`
 	subsetSkip = `\[Slow\]`
 )
 
@@ -70,6 +72,8 @@ func TestExternalStorage(t *testing.T) {
 			vmsOfHostA = append(vmsOfHostA, vm)
 		}
 	}
+	// guest-csi's test class names this management class, which its cluster may use.
+	allowAttributesClasses(t, map[string]string{"pvbridge-conformance": "1Gi"})
 	for _, d := range []struct {
 		driver, definition string
 		cp                 *cluster.ControlPlane
@@ -105,7 +109,7 @@ func TestExternalStorage(t *testing.T) {
 			report := filepath.Join(lab.Root, d.driver+".json")
 			ginkgoArgs := []string{"focus=" + focus, "skip=" + strings.Join(skips, "|"), "json-report=" + report, "no-color", "v"}
 			args := []string{
-				"--kubeconfig=" + d.cp.Kubeconfig, "--storage.testdriver=" + definition,
+				"--kubeconfig=" + d.cp.Kubeconfig, "--storage.testdriver=" + definition, "--repo-root=" + lab.Binaries().Repo,
 				"--non-blocking-taints=node-role.kubernetes.io/control-plane," + confinement,
 				"--report-dir=" + filepath.Join(lab.Root, "reports-"+d.driver),
 			}

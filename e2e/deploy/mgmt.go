@@ -23,6 +23,7 @@ import (
 
 	"pvbridge.io/e2e/cluster"
 	"pvbridge.io/pkg/names"
+	"pvbridge.io/pkg/qos"
 )
 
 const (
@@ -30,6 +31,8 @@ const (
 	StorageClassPmem = "pmem"
 	// StorageClassPmemImmediate binds at once, on the host with the most room.
 	StorageClassPmemImmediate = "pmem-immediate"
+	// AttributesClassPmem is the lab's management VolumeAttributesClass: I/O limits of 1 GiB/s.
+	AttributesClassPmem = "pmem-limited"
 	// StorageClassPmemXFS formats xfs, which, unlike ext4, grows while mounted without
 	// CAP_SYS_RESOURCE.
 	StorageClassPmemXFS = "pmem-xfs"
@@ -129,6 +132,14 @@ func (m *Management) installObjects(ctx context.Context) error {
 		if _, err := c.StorageV1().StorageClasses().Create(ctx, sc, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
 			return err
 		}
+	}
+	// A class of I/O limits high enough not to slow the lab, which its guests may use.
+	vac := &storagev1.VolumeAttributesClass{
+		ObjectMeta: metav1.ObjectMeta{Name: AttributesClassPmem}, DriverName: names.PmemDriver,
+		Parameters: map[string]string{qos.MaxBytesPerSecondParam: "1Gi"},
+	}
+	if _, err := c.StorageV1().VolumeAttributesClasses().Create(ctx, vac, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
+		return err
 	}
 	return createSnapshotClass(ctx, m.CP, SnapshotClassPmem, names.PmemDriver, nil)
 }

@@ -40,6 +40,9 @@ const (
 
 	classAllowed = "pmem"
 	classPremium = "pmem-premium"
+	// VolumeAttributesClasses: a1 may name attrsAllowed, a2 both, b1 none.
+	attrsAllowed = "iops-1000"
+	attrsPremium = "iops-unlimited"
 
 	// Objects of tenant-a, created by the admin: a1's and a2's claim and snapshot, and a claim
 	// and a snapshot the admin shares with a1.
@@ -54,6 +57,9 @@ const (
 	// staleClaim was shared with a1 and attached to its VM, then unshared.
 	staleClaim = "stale-data"
 	hostA1     = "host-a"
+	// tunedClaim is a1's claim of a VolumeAttributesClass a1's allow-list does not have (any
+	// more): an admin's change, or an earlier list.
+	tunedClaim = uidA1 + "-tuned"
 )
 
 const (
@@ -109,6 +115,12 @@ func claim(ns, name string, labels map[string]string, class string, source *core
 	return pvc
 }
 
+// withAttributesClass sets the VolumeAttributesClass of pvc.
+func withAttributesClass(pvc *corev1.PersistentVolumeClaim, class string) *corev1.PersistentVolumeClaim {
+	pvc.Spec.VolumeAttributesClassName = ptr.To(class)
+	return pvc
+}
+
 // annotated sets an annotation of pvc.
 func annotated(pvc *corev1.PersistentVolumeClaim, key, value string) *corev1.PersistentVolumeClaim {
 	metav1.SetMetaDataAnnotation(&pvc.ObjectMeta, key, value)
@@ -154,13 +166,15 @@ func setUpTenants(ctx context.Context, g Gomega) {
 		&corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: nsPlain}},
 		&corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: nsBare, Labels: enforced}},
 		&corev1.ConfigMap{ObjectMeta: metav1.ObjectMeta{Namespace: nsA, Name: "pvbridge-tenancy"}, Data: map[string]string{
-			"a1.uid": uidA1, "a1.account": accountUID("a1"), "a1.storageClasses": classAllowed, "a1.hosts": hostA1,
-			"a1.sharedClaims": sharedClaim, "a1.sharedSnapshots": sharedSnap,
+			"a1.uid": uidA1, "a1.account": accountUID("a1"), "a1.storageClasses": classAllowed, "a1.attributesClasses": attrsAllowed,
+			"a1.hosts": hostA1, "a1.sharedClaims": sharedClaim, "a1.sharedSnapshots": sharedSnap,
 			"a2.uid": uidA2, "a2.account": accountUID("a2"), "a2.storageClasses": classAllowed + "," + classPremium,
+			"a2.attributesClasses": attrsAllowed + "," + attrsPremium,
 			// a3's identity is not recorded yet.
 			"a3.uid": uidA3, "a3.storageClasses": classAllowed,
 		}},
 		&corev1.ConfigMap{ObjectMeta: metav1.ObjectMeta{Namespace: nsB, Name: "pvbridge-tenancy"}, Data: map[string]string{
+			// b1 may name no VolumeAttributesClass: no key, as without the annotation.
 			"b1.uid": uidB1, "b1.account": accountUID("b1"), "b1.storageClasses": classAllowed,
 		}},
 	}
@@ -168,6 +182,12 @@ func setUpTenants(ctx context.Context, g Gomega) {
 		objs = append(objs, &storagev1.StorageClass{
 			ObjectMeta: metav1.ObjectMeta{Name: name}, Provisioner: "pmem.csi.pvbridge.io",
 			AllowVolumeExpansion: ptr.To(true),
+		})
+	}
+	for name, iops := range map[string]string{attrsAllowed: "1000", attrsPremium: "0"} {
+		objs = append(objs, &storagev1.VolumeAttributesClass{
+			ObjectMeta: metav1.ObjectMeta{Name: name}, DriverName: "pmem.csi.pvbridge.io",
+			Parameters: map[string]string{"maxIOPS": iops},
 		})
 	}
 	// Identities, each bound to the guest Role. b1 is also bound in tenant-a: RBAC would let it
@@ -197,6 +217,7 @@ func setUpTenants(ctx context.Context, g Gomega) {
 		claim(nsA, ownClaim, labelsFor("a1", uidA1), classAllowed, nil),
 		claim(nsA, otherClaim, labelsFor("a2", uidA2), classAllowed, nil),
 		sharedClaimObj,
+		withAttributesClass(claim(nsA, tunedClaim, labelsFor("a1", uidA1), classAllowed, nil), attrsPremium),
 	}
 	for _, c := range claims {
 		objs = append(objs, c)
@@ -342,6 +363,35 @@ func TestGuestTenancyPolicy(t *testing.T) {
 			want: tenancyPolicy + what("PersistentVolumeClaim", newClaim) + " names no StorageClass, which guest cluster a1 may not use: it may use pmem"},
 		{name: "create a claim of a class in the allow-list of the cluster that asks", as: "tenant-a/a2",
 			do: create(claim(nsA, uidA2+"-new", labelsFor("a2", uidA2), classPremium, nil))},
+
+		// VolumeAttributesClasses: set on create or changed only to a class of the list.
+		{name: "create a claim of an allowed VolumeAttributesClass", as: "tenant-a/a1",
+			do: create(withAttributesClass(claim(nsA, newClaim, labelsFor("a1", uidA1), classAllowed, nil), attrsAllowed))},
+		{name: "create a claim of a VolumeAttributesClass outside the cluster's allow-list", as: "tenant-a/a1",
+			do: create(withAttributesClass(claim(nsA, newClaim, labelsFor("a1", uidA1), classAllowed, nil), attrsPremium)),
+			want: tenancyPolicy + what("PersistentVolumeClaim", newClaim) + " names VolumeAttributesClass " + attrsPremium +
+				", which guest cluster a1 may not use: it may use " + attrsAllowed},
+		{name: "create a claim of a VolumeAttributesClass in the allow-list of the cluster that asks", as: "tenant-a/a2",
+			do: create(withAttributesClass(claim(nsA, uidA2+"-new", labelsFor("a2", uidA2), classAllowed, nil), attrsPremium))},
+		{name: "create a claim of a VolumeAttributesClass without an allow-list", as: "tenant-b/b1",
+			do: create(withAttributesClass(claim(nsB, uidB1+"-new", labelsFor("b1", uidB1), classAllowed, nil), attrsAllowed)),
+			want: tenancyPolicy + "PersistentVolumeClaim " + nsB + "/" + uidB1 + "-new names VolumeAttributesClass " + attrsAllowed +
+				", which guest cluster b1 may not use: it may use none (annotation pvbridge.io/attributes-classes on its Cluster or Namespace)"},
+		{name: "create a claim of no VolumeAttributesClass without an allow-list", as: "tenant-b/b1",
+			do: create(claim(nsB, uidB1+"-new", labelsFor("b1", uidB1), classAllowed, nil))},
+		{name: "create a claim of an empty VolumeAttributesClass name", as: "tenant-b/b1",
+			do: create(withAttributesClass(claim(nsB, uidB1+"-new", labelsFor("b1", uidB1), classAllowed, nil), ""))},
+		{name: "change its claim to an allowed VolumeAttributesClass", as: "tenant-a/a1",
+			do: patch(claimKey(ownClaim), func(pvc *corev1.PersistentVolumeClaim) { withAttributesClass(pvc, attrsAllowed) })},
+		{name: "change its claim to a VolumeAttributesClass outside the cluster's allow-list", as: "tenant-a/a1",
+			do: patch(claimKey(ownClaim), func(pvc *corev1.PersistentVolumeClaim) { withAttributesClass(pvc, attrsPremium) }),
+			want: tenancyPolicy + what("PersistentVolumeClaim", ownClaim) + " names VolumeAttributesClass " + attrsPremium +
+				", which guest cluster a1 may not use: it may use " + attrsAllowed},
+		{name: "change its claim from a class outside the allow-list to an allowed one", as: "tenant-a/a1",
+			do: patch(claimKey(tunedClaim), func(pvc *corev1.PersistentVolumeClaim) { withAttributesClass(pvc, attrsAllowed) })},
+		{name: "expand its claim that keeps a VolumeAttributesClass no longer in its allow-list", as: "tenant-a/a1",
+			do: patch(claimKey(tunedClaim), expand)},
+
 		{name: "bind a claim to a volume of its choosing", as: "tenant-a/a1",
 			do: create(func() *corev1.PersistentVolumeClaim {
 				pvc := claim(nsA, newClaim, labelsFor("a1", uidA1), classAllowed, nil)

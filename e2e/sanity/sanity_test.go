@@ -29,6 +29,7 @@ import (
 	"pvbridge.io/e2e/cluster"
 	"pvbridge.io/e2e/deploy"
 	"pvbridge.io/pkg/names"
+	"pvbridge.io/pkg/qos"
 )
 
 const (
@@ -50,6 +51,8 @@ const (
 // parameters ("" for none).
 type driver struct {
 	name, node, controller, params string
+	// mutableParams is a YAML file of a VolumeAttributesClass's parameters.
+	mutableParams string
 }
 
 var (
@@ -84,13 +87,23 @@ func TestMain(m *testing.M) {
 			return err
 		}
 		// Volumes without topology bind at once, on the one host.
-		guestParams := filepath.Join(lab.Root, "guest-parameters.yaml")
-		if err := os.WriteFile(guestParams, []byte(names.MgmtStorageClassParam+": "+deploy.StorageClassPmemImmediate+"\n"), 0o644); err != nil {
-			return err
+		// Volumes without topology bind at once, on the one host. The mutable parameters are a
+		// VolumeAttributesClass's, for the ModifyVolume specs.
+		files := map[string]string{
+			"guest-parameters.yaml":         names.MgmtStorageClassParam + ": " + deploy.StorageClassPmemImmediate,
+			"guest-mutable-parameters.yaml": names.MgmtVolumeAttributesClassParam + ": " + deploy.AttributesClassPmem,
+			"mgmt-mutable-parameters.yaml":  qos.MaxIOPSParam + ": \"100000\"",
+		}
+		for name, content := range files {
+			if err := os.WriteFile(filepath.Join(lab.Root, name), []byte(content+"\n"), 0o644); err != nil {
+				return err
+			}
 		}
 		drivers = []driver{
-			{"mgmt-csi", filepath.Join(mgmt.Hosts[0].Node.PluginDir(names.PmemDriver), "csi.sock"), filepath.Join(cp.Dir, "mgmt-csi", "csi.sock"), ""},
-			{"guest-csi", filepath.Join(g.Nodes["vm-1"].PluginDir(names.GuestDriver), "csi.sock"), g.ControllerSocket(), guestParams},
+			{"mgmt-csi", filepath.Join(mgmt.Hosts[0].Node.PluginDir(names.PmemDriver), "csi.sock"), filepath.Join(cp.Dir, "mgmt-csi", "csi.sock"), "",
+				filepath.Join(lab.Root, "mgmt-mutable-parameters.yaml")},
+			{"guest-csi", filepath.Join(g.Nodes["vm-1"].PluginDir(names.GuestDriver), "csi.sock"), g.ControllerSocket(), filepath.Join(lab.Root, "guest-parameters.yaml"),
+				filepath.Join(lab.Root, "guest-mutable-parameters.yaml")},
 		}
 		return nil
 	}))
@@ -126,6 +139,7 @@ func TestCSISanity(t *testing.T) {
 				if d.params != "" {
 					args = append(args, "--csi.testvolumeparameters="+d.params)
 				}
+				args = append(args, "--csi.testvolumemutableparameters="+d.mutableParams)
 				out, runErr := exec.CommandContext(t.Context(), csiSanity, args...).CombinedOutput()
 				logFile := base + ".log"
 				if err := os.WriteFile(logFile, out, 0o644); err != nil {

@@ -18,4 +18,8 @@ const (
 	// MgmtStorageClassParam is the guest StorageClass parameter that names the management
 	// StorageClass of a guest volume's management PVC.
 	MgmtStorageClassParam = "mgmtStorageClass"
+
+	// MgmtVolumeAttributesClassParam is the guest VolumeAttributesClass parameter that names
+	// the management VolumeAttributesClass of a guest volume's management PVC.
+	MgmtVolumeAttributesClassParam = "mgmtVolumeAttributesClass"
 )

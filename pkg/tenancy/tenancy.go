@@ -44,6 +44,10 @@ const (
 	// StorageClassesAnnotation lists the management StorageClasses a guest cluster may name
 	// (comma-separated), on its Cluster or else on its Namespace. Absent on both: none.
 	StorageClassesAnnotation = "pvbridge.io/storage-classes"
+	// AttributesClassesAnnotation lists the management VolumeAttributesClasses a guest cluster
+	// may name in a claim's spec.volumeAttributesClassName (comma-separated), on its Cluster or
+	// else on its Namespace. Absent on both: none.
+	AttributesClassesAnnotation = "pvbridge.io/attributes-classes"
 	// GuestInstallAnnotation "false" on a Cluster keeps the tenants controller from installing
 	// the guest side into the guest cluster.
 	GuestInstallAnnotation = "pvbridge.io/guest-install"
@@ -90,6 +94,8 @@ const (
 	ParamAccount = ".account"
 	// ParamStorageClasses lists the StorageClasses it may name.
 	ParamStorageClasses = ".storageClasses"
+	// ParamAttributesClasses lists the VolumeAttributesClasses it may name.
+	ParamAttributesClasses = ".attributesClasses"
 	// ParamHosts lists the hosts of its VirtualMachines: its volumes go only there.
 	ParamHosts = ".hosts"
 	// ParamSharedClaims and ParamSharedSnapshots list what is shared with it.

@@ -124,6 +124,7 @@ func (s *controllerServer) ControllerGetCapabilities(context.Context, *csi.Contr
 		csi.ControllerServiceCapability_RPC_EXPAND_VOLUME,
 		csi.ControllerServiceCapability_RPC_GET_VOLUME_HEALTH,
 		csi.ControllerServiceCapability_RPC_SINGLE_NODE_MULTI_WRITER,
+		csi.ControllerServiceCapability_RPC_MODIFY_VOLUME,
 	), nil
 }
 
@@ -138,6 +139,9 @@ func (s *controllerServer) CreateVolume(ctx context.Context, req *csi.CreateVolu
 	}
 	params, err := parseVolumeParameters(req.GetParameters(), s.cfg.storageClass)
 	if err != nil {
+		return nil, err
+	}
+	if params.attributesClass, err = parseMutableParameters(req.GetMutableParameters()); err != nil {
 		return nil, err
 	}
 	size, err := csiserver.RequestedSize(req.GetCapacityRange())
@@ -222,6 +226,9 @@ func (s *controllerServer) newClaim(ctx context.Context, c tenancy.Cluster, name
 	}
 	if p.class != "" {
 		pvc.Spec.StorageClassName = ptr.To(p.class)
+	}
+	if p.attributesClass != "" {
+		pvc.Spec.VolumeAttributesClassName = ptr.To(p.attributesClass)
 	}
 	if host != "" {
 		pvc.Annotations[selectedNodeAnnotation] = host

@@ -546,6 +546,52 @@ func TestExpandVolume(t *testing.T) {
 	g.Expect(resp.GetNodeExpansionRequired()).To(BeFalse(), "a raw block volume needs nothing on the node")
 }
 
+func TestModifyVolume(t *testing.T) {
+	g := NewWithT(t)
+	e := newGuestEnv(t, envOptions{})
+	id := e.createVolume(t, "qos")
+	_, err := retried(t, e.ctrl.ControllerPublishVolume, e.publishReq(id, "vm-1"))
+	g.Expect(err).NotTo(HaveOccurred())
+	modify := func(params map[string]string) *csi.ControllerModifyVolumeRequest {
+		return &csi.ControllerModifyVolumeRequest{VolumeId: id, MutableParameters: params}
+	}
+
+	_, err = retried(t, e.ctrl.ControllerModifyVolume, modify(map[string]string{ParamMgmtAttributesClass: "gold"}))
+	g.Expect(err).NotTo(HaveOccurred())
+	pvc := e.claimOf(t, id)
+	g.Expect(pvc.Spec.VolumeAttributesClassName).To(HaveValue(Equal("gold")))
+	g.Expect(pvc.Status.CurrentVolumeAttributesClassName).To(HaveValue(Equal("gold")))
+	vm := &vmv1.VirtualMachine{}
+	g.Expect(e.admin.Get(t.Context(), client.ObjectKey{Namespace: e.ns, Name: "vm-1"}, vm)).To(Succeed())
+	g.Expect(volumeStatus(vm, id)).To(HaveField("VolumeAttributesClassName", "gold"), "answered once the VM's disk has the class")
+	_, err = call(t, e.ctrl.ControllerModifyVolume, modify(map[string]string{ParamMgmtAttributesClass: "gold"}))
+	g.Expect(err).NotTo(HaveOccurred(), "the class it has")
+
+	_, err = retried(t, e.ctrl.ControllerModifyVolume, modify(map[string]string{ParamMgmtAttributesClass: nextAttachAttributesClass}))
+	g.Expect(err).NotTo(HaveOccurred(), "accepted by a hypervisor that applies it at the next attach")
+
+	_, err = retried(t, e.ctrl.ControllerModifyVolume, modify(map[string]string{ParamMgmtAttributesClass: infeasibleAttributesClass}))
+	expectCodeIn(g, err, codes.InvalidArgument, "cannot give management PVC "+e.ns+"/"+id+" VolumeAttributesClass infeasible: ModifyVolume failed")
+	_, err = call(t, e.ctrl.ControllerModifyVolume, modify(map[string]string{"maxIOPS": "100"}))
+	expectCodeIn(g, err, codes.InvalidArgument, `mutable parameter "maxIOPS" is not supported`)
+	_, err = call(t, e.ctrl.ControllerModifyVolume, modify(nil))
+	expectCodeIn(g, err, codes.InvalidArgument, "must name a management VolumeAttributesClass")
+	_, err = call(t, e.ctrl.ControllerModifyVolume, modify(map[string]string{ParamMgmtAttributesClass: "Gold!"}))
+	expectCodeIn(g, err, codes.InvalidArgument, "is no VolumeAttributesClass name")
+	_, err = call(t, e.ctrl.ControllerModifyVolume, &csi.ControllerModifyVolumeRequest{VolumeId: e.cluster.UID + "-missing", MutableParameters: map[string]string{ParamMgmtAttributesClass: "gold"}})
+	expectCodeIn(g, err, codes.NotFound, "missing")
+
+	shared := e.importClaim(t, "shared", map[string]string{tenancy.SharedWithAnnotation: e.cluster.Name})
+	_, err = call(t, e.ctrl.ControllerModifyVolume, &csi.ControllerModifyVolumeRequest{VolumeId: shared, MutableParameters: map[string]string{ParamMgmtAttributesClass: "gold"}})
+	expectCodeIn(g, err, codes.FailedPrecondition, "only the management cluster's admin can change its class")
+
+	req := createReq("with-class", envHost, envMountSize)
+	req.MutableParameters = map[string]string{ParamMgmtAttributesClass: "silver"}
+	created, err := retried(t, e.ctrl.CreateVolume, req)
+	g.Expect(err).NotTo(HaveOccurred())
+	g.Expect(e.claimOf(t, created.GetVolume().GetVolumeId()).Spec.VolumeAttributesClassName).To(HaveValue(Equal("silver")))
+}
+
 func TestSnapshots(t *testing.T) {
 	g := NewWithT(t)
 	e := newGuestEnv(t, envOptions{})

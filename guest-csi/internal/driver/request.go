@@ -26,6 +26,9 @@ const (
 	// ParamMgmtSnapshotClass names the management VolumeSnapshotClass of the management
 	// VolumeSnapshot.
 	ParamMgmtSnapshotClass = "mgmtSnapshotClass"
+	// ParamMgmtAttributesClass, the only parameter of a guest VolumeAttributesClass, names the
+	// management VolumeAttributesClass of the management PVC.
+	ParamMgmtAttributesClass = names.MgmtVolumeAttributesClassParam
 
 	// The keys csi-provisioner and csi-snapshotter add with --extra-create-metadata.
 	paramPVCName       = "csi.storage.k8s.io/pvc/name"
@@ -39,9 +42,11 @@ const (
 // volumeParams are the parameters of a CreateVolume call.
 type volumeParams struct {
 	// class is the management StorageClass, "" for the management cluster's default.
-	class    string
-	guestPVC types.NamespacedName
-	guestPV  string
+	class string
+	// attributesClass is the management VolumeAttributesClass, "" for none.
+	attributesClass string
+	guestPVC        types.NamespacedName
+	guestPV         string
 }
 
 // snapshotParams are the parameters of a CreateSnapshot call.
@@ -76,6 +81,25 @@ func parseVolumeParameters(params map[string]string, defaultClass string) (volum
 		}
 	}
 	return p, nil
+}
+
+// parseMutableParameters validates the parameters of a guest VolumeAttributesClass (CreateVolume's
+// and ControllerModifyVolume's mutable_parameters) and returns the management class they name:
+// "" when there are none.
+func parseMutableParameters(params map[string]string) (string, error) {
+	class := ""
+	for k, v := range params {
+		if k != ParamMgmtAttributesClass {
+			return "", status.Errorf(codes.InvalidArgument, "mutable parameter %q is not supported (only %s)", k, ParamMgmtAttributesClass)
+		}
+		class = v
+	}
+	if len(params) > 0 {
+		if msgs := validation.IsDNS1123Subdomain(class); len(msgs) > 0 {
+			return "", status.Errorf(codes.InvalidArgument, "mutable parameter %s %q is no VolumeAttributesClass name: %s", ParamMgmtAttributesClass, class, strings.Join(msgs, "; "))
+		}
+	}
+	return class, nil
 }
 
 // parseSnapshotParameters validates CreateSnapshot's parameters.

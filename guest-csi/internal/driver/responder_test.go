@@ -34,6 +34,12 @@ import (
 const (
 	// neverClass is a management StorageClass the responder never provisions.
 	neverClass = "never"
+	// infeasibleAttributesClass is a management VolumeAttributesClass the responder refuses,
+	// as csi-resizer does one its driver answers InvalidArgument to.
+	infeasibleAttributesClass = "infeasible"
+	// nextAttachAttributesClass is a class whose limits the responder's "hypervisor" applies
+	// only at the next attach (vmv1.LimitsAtNextAttach).
+	nextAttachAttributesClass = "next-attach"
 	// responderDriver is the driver of the responder's PVs.
 	responderDriver = "pmem.csi.pvbridge.io"
 )
@@ -43,7 +49,9 @@ const (
 // of their size (except on full hosts, where it drops the selected host as csi-provisioner
 // does, and for neverClass), grows them, makes VolumeSnapshots ready, and attaches each volume
 // in a VM's spec.volumes as a real loop device under that VM's device root, reporting the disk
-// serial in status.volumes.
+// serial in status.volumes. A bound claim's new VolumeAttributesClass becomes its current one
+// (csi-resizer's part, refused for infeasibleAttributesClass) and is reported applied in the
+// status entry of each VM that has the claim attached (the host agent's).
 type responder struct {
 	c client.Client
 	// live reads around the cache: a claim bound a moment ago is not reported unbound, as
@@ -146,7 +154,7 @@ func (r *responder) claim(ctx context.Context, req reconcile.Request) (reconcile
 			pvc.Status.Capacity[corev1.ResourceStorage] = want
 			return reconcile.Result{}, r.c.Status().Update(ctx, pvc)
 		}
-		return reconcile.Result{}, nil
+		return reconcile.Result{}, r.modify(ctx, pvc)
 	case ptr.Deref(pvc.Spec.StorageClassName, "") == neverClass:
 		return reconcile.Result{}, r.warn(ctx, pvc, "ProvisioningFailed", "storageclass.storage.k8s.io \""+neverClass+"\" not found")
 	case r.full[pvc.Annotations[selectedNodeAnnotation]]:
@@ -184,6 +192,42 @@ func (r *responder) claim(ctx context.Context, req reconcile.Request) (reconcile
 	pvc.Status.AccessModes = pvc.Spec.AccessModes
 	pvc.Status.Capacity = corev1.ResourceList{corev1.ResourceStorage: want}
 	return reconcile.Result{}, r.c.Status().Update(ctx, pvc)
+}
+
+// modify makes a bound claim's VolumeAttributesClass its current one, and the one of its disks.
+func (r *responder) modify(ctx context.Context, pvc *corev1.PersistentVolumeClaim) error {
+	class := ptr.Deref(pvc.Spec.VolumeAttributesClassName, "")
+	switch {
+	case class == ptr.Deref(pvc.Status.CurrentVolumeAttributesClassName, ""):
+		return nil
+	case class == infeasibleAttributesClass:
+		pvc.Status.ModifyVolumeStatus = &corev1.ModifyVolumeStatus{TargetVolumeAttributesClassName: class, Status: corev1.PersistentVolumeClaimModifyVolumeInfeasible}
+		pvc.Status.Conditions = []corev1.PersistentVolumeClaimCondition{{
+			Type: corev1.PersistentVolumeClaimVolumeModifyVolumeError, Status: corev1.ConditionTrue,
+			Message: "ModifyVolume failed with error. Waiting for retry: rpc error: code = InvalidArgument desc = invalid I/O limits",
+		}}
+		return r.c.Status().Update(ctx, pvc)
+	}
+	vms := &vmv1.VirtualMachineList{}
+	if err := r.c.List(ctx, vms, client.InNamespace(pvc.Namespace)); err != nil {
+		return err
+	}
+	for i := range vms.Items {
+		vm := &vms.Items[i]
+		if e := volumeStatus(vm, pvc.Name); e != nil && e.Attached && e.VolumeAttributesClassName != class {
+			if class == nextAttachAttributesClass {
+				e.Error = vmv1.LimitsAtNextAttach(class) + ": the disk's I/O limits cannot change while it is attached"
+			} else {
+				e.VolumeAttributesClassName = class
+			}
+			if err := r.c.Status().Update(ctx, vm); err != nil {
+				return err
+			}
+		}
+	}
+	pvc.Status.CurrentVolumeAttributesClassName = ptr.To(class)
+	pvc.Status.ModifyVolumeStatus = nil
+	return r.c.Status().Update(ctx, pvc)
 }
 
 // warn records a Warning Event about obj, as the management side's controllers do.

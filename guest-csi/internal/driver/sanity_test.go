@@ -56,6 +56,7 @@ func TestSanity(t *testing.T) {
 		cfg.TestVolumeSize = envMountSize
 		cfg.TestVolumeExpandSize = 2 * envMountSize
 		cfg.IdempotentCount = 5
+		cfg.TestVolumeMutableParameters = map[string]string{ParamMgmtAttributesClass: "sanity"}
 		ginkgo.Describe(accessType+" volumes", func() { sanity.GinkgoTest(&cfg) })
 	}
 	suiteConfig, reporterConfig := ginkgo.GinkgoConfiguration()

@@ -138,9 +138,8 @@ func (r *ParamsReconciler) Reconcile(ctx context.Context, req ctrl.Request) (ctr
 		if !optedIn(c) {
 			continue
 		}
-		classes, ok := c.Annotations[tenancy.StorageClassesAnnotation]
 		tenants = append(tenants, paramsCluster{name: c.Name, uid: string(c.UID), account: identityUID(c, accounts.Items),
-			storageClasses: classes, hasStorageClasses: ok})
+			annotations: c.Annotations})
 	}
 	if len(tenants) == 0 && !enforced(namespace) {
 		return ctrl.Result{}, r.deleteParams(ctx, key)
@@ -158,7 +157,7 @@ func (r *ParamsReconciler) Reconcile(ctx context.Context, req ctrl.Request) (ctr
 	if err := r.Client.List(ctx, &vms, client.InNamespace(ns)); err != nil {
 		return ctrl.Result{}, fmt.Errorf("list VirtualMachines: %w", err)
 	}
-	data := paramsData(tenants, namespace.Annotations[tenancy.StorageClassesAnnotation], claims, snapshots, vms.Items)
+	data := paramsData(tenants, namespace.Annotations, claims, snapshots, vms.Items)
 	if err := r.applyParams(ctx, key, data, true); err != nil {
 		return ctrl.Result{}, err
 	}
@@ -239,23 +238,20 @@ type paramsCluster struct {
 	name, uid string
 	// account is the UID of its guest identity's ServiceAccount, empty until there is one.
 	account string
-	// storageClasses is the Cluster's tenancy.StorageClassesAnnotation, if hasStorageClasses.
-	storageClasses    string
-	hasStorageClasses bool
+	// annotations are the Cluster's: its allow-lists (tenancy.StorageClassesAnnotation,
+	// tenancy.AttributesClassesAnnotation) override the Namespace's.
+	annotations map[string]string
 }
 
 // paramsData is the content of a namespace's parameters ConfigMap (docs/tenants.md): per
-// Cluster its UID, the UID of its guest identity's ServiceAccount, its storage classes (its own annotation, else the namespace's), the hosts of
-// its VirtualMachines (the only ones its claims may select), and the names of the claims and
-// snapshots whose SharedWithAnnotation names it. Lists are sorted, without duplicates or blanks,
+// Cluster its UID, the UID of its guest identity's ServiceAccount, the StorageClasses and
+// VolumeAttributesClasses it may name (see allowList), the hosts of its VirtualMachines (the
+// only ones its claims may select), and the names of the claims and snapshots whose
+// SharedWithAnnotation names it. Lists are sorted, without duplicates or blanks,
 // comma-separated.
-func paramsData(clusters []paramsCluster, namespaceClasses string, claims, snapshots []metav1.PartialObjectMetadata, vms []vmv1.VirtualMachine) map[string]string {
-	data := make(map[string]string, 6*len(clusters))
+func paramsData(clusters []paramsCluster, namespaceAnnotations map[string]string, claims, snapshots []metav1.PartialObjectMetadata, vms []vmv1.VirtualMachine) map[string]string {
+	data := make(map[string]string, 7*len(clusters))
 	for _, c := range clusters {
-		classes := namespaceClasses
-		if c.hasStorageClasses {
-			classes = c.storageClasses
-		}
 		var hosts []string
 		for i := range vms {
 			if vms[i].Labels[tenancy.CAPIClusterNameLabel] == c.name {
@@ -264,12 +260,23 @@ func paramsData(clusters []paramsCluster, namespaceClasses string, claims, snaps
 		}
 		data[c.name+tenancy.ParamUID] = c.uid
 		data[c.name+tenancy.ParamAccount] = c.account
-		data[c.name+tenancy.ParamStorageClasses] = normalizeList(strings.Split(classes, ","))
+		data[c.name+tenancy.ParamStorageClasses] = allowList(c.annotations, namespaceAnnotations, tenancy.StorageClassesAnnotation)
+		data[c.name+tenancy.ParamAttributesClasses] = allowList(c.annotations, namespaceAnnotations, tenancy.AttributesClassesAnnotation)
 		data[c.name+tenancy.ParamHosts] = normalizeList(hosts)
 		data[c.name+tenancy.ParamSharedClaims] = normalizeList(sharedWith(claims, c.name))
 		data[c.name+tenancy.ParamSharedSnapshots] = normalizeList(sharedWith(snapshots, c.name))
 	}
 	return data
+}
+
+// allowList is the allow-list annotation key of the Cluster, else of its Namespace, normalized:
+// present on the Cluster, even empty, it wins.
+func allowList(cluster, namespace map[string]string, key string) string {
+	list, ok := cluster[key]
+	if !ok {
+		list = namespace[key]
+	}
+	return normalizeList(strings.Split(list, ","))
 }
 
 // sharedWith returns the names of the objects whose SharedWithAnnotation names cluster.

@@ -28,39 +28,63 @@ func TestParamsData(t *testing.T) {
 		return m
 	}
 	for _, tc := range []struct {
-		name             string
-		clusters         []paramsCluster
-		namespaceClasses string
-		claims, snaps    []metav1.PartialObjectMetadata
-		vms              []vmv1.VirtualMachine
-		want             map[string]string
+		name          string
+		clusters      []paramsCluster
+		namespace     map[string]string // the Namespace's annotations
+		claims, snaps []metav1.PartialObjectMetadata
+		vms           []vmv1.VirtualMachine
+		want          map[string]string
 	}{
 		{
 			name:     "no classes anywhere: none allowed",
 			clusters: []paramsCluster{{name: "a", uid: "u-a"}},
-			want:     map[string]string{"a.uid": "u-a", "a.account": "", "a.storageClasses": "", "a.hosts": "", "a.sharedClaims": "", "a.sharedSnapshots": ""},
+			want: map[string]string{"a.uid": "u-a", "a.account": "", "a.storageClasses": "", "a.attributesClasses": "",
+				"a.hosts": "", "a.sharedClaims": "", "a.sharedSnapshots": ""},
 		},
 		{
 			name:     "the UID of the cluster's identity",
 			clusters: []paramsCluster{{name: "a", uid: "u-a", account: "sa-a"}},
-			want:     map[string]string{"a.uid": "u-a", "a.account": "sa-a", "a.storageClasses": "", "a.hosts": "", "a.sharedClaims": "", "a.sharedSnapshots": ""},
+			want: map[string]string{"a.uid": "u-a", "a.account": "sa-a", "a.storageClasses": "", "a.attributesClasses": "",
+				"a.hosts": "", "a.sharedClaims": "", "a.sharedSnapshots": ""},
 		},
 		{
-			name:             "namespace classes, normalized",
-			clusters:         []paramsCluster{{name: "a", uid: "u-a"}},
-			namespaceClasses: " silver,gold,, silver ",
-			want:             map[string]string{"a.uid": "u-a", "a.account": "", "a.storageClasses": "gold,silver", "a.hosts": "", "a.sharedClaims": "", "a.sharedSnapshots": ""},
+			name:     "namespace classes, normalized",
+			clusters: []paramsCluster{{name: "a", uid: "u-a"}},
+			namespace: map[string]string{
+				tenancy.StorageClassesAnnotation:    " silver,gold,, silver ",
+				tenancy.AttributesClassesAnnotation: "iops-high, , fast,fast ",
+			},
+			want: map[string]string{"a.uid": "u-a", "a.account": "", "a.storageClasses": "gold,silver", "a.attributesClasses": "fast,iops-high",
+				"a.hosts": "", "a.sharedClaims": "", "a.sharedSnapshots": ""},
 		},
 		{
 			name: "the Cluster's classes win, even empty",
 			clusters: []paramsCluster{
-				{name: "a", uid: "u-a", storageClasses: "bronze", hasStorageClasses: true},
-				{name: "b", uid: "u-b", storageClasses: "", hasStorageClasses: true},
+				{name: "a", uid: "u-a", annotations: map[string]string{
+					tenancy.StorageClassesAnnotation: "bronze", tenancy.AttributesClassesAnnotation: "slow"}},
+				{name: "b", uid: "u-b", annotations: map[string]string{
+					tenancy.StorageClassesAnnotation: "", tenancy.AttributesClassesAnnotation: ""}},
 			},
-			namespaceClasses: "gold",
+			namespace: map[string]string{tenancy.StorageClassesAnnotation: "gold", tenancy.AttributesClassesAnnotation: "fast"},
 			want: map[string]string{
-				"a.uid": "u-a", "a.account": "", "a.storageClasses": "bronze", "a.hosts": "", "a.sharedClaims": "", "a.sharedSnapshots": "",
-				"b.uid": "u-b", "b.account": "", "b.storageClasses": "", "b.hosts": "", "b.sharedClaims": "", "b.sharedSnapshots": "",
+				"a.uid": "u-a", "a.account": "", "a.storageClasses": "bronze", "a.attributesClasses": "slow",
+				"a.hosts": "", "a.sharedClaims": "", "a.sharedSnapshots": "",
+				"b.uid": "u-b", "b.account": "", "b.storageClasses": "", "b.attributesClasses": "",
+				"b.hosts": "", "b.sharedClaims": "", "b.sharedSnapshots": "",
+			},
+		},
+		{
+			name: "each allow-list falls back to the Namespace's on its own",
+			clusters: []paramsCluster{
+				{name: "a", uid: "u-a", annotations: map[string]string{tenancy.StorageClassesAnnotation: "bronze"}},
+				{name: "b", uid: "u-b", annotations: map[string]string{tenancy.AttributesClassesAnnotation: "slow"}},
+			},
+			namespace: map[string]string{tenancy.StorageClassesAnnotation: "gold", tenancy.AttributesClassesAnnotation: "fast"},
+			want: map[string]string{
+				"a.uid": "u-a", "a.account": "", "a.storageClasses": "bronze", "a.attributesClasses": "fast",
+				"a.hosts": "", "a.sharedClaims": "", "a.sharedSnapshots": "",
+				"b.uid": "u-b", "b.account": "", "b.storageClasses": "gold", "b.attributesClasses": "slow",
+				"b.hosts": "", "b.sharedClaims": "", "b.sharedSnapshots": "",
 			},
 		},
 		{
@@ -69,8 +93,10 @@ func TestParamsData(t *testing.T) {
 			claims:   []metav1.PartialObjectMetadata{shared("p2", "a, b"), shared("p1", "a"), shared("p3", ""), shared("p4", "ab,c")},
 			snaps:    []metav1.PartialObjectMetadata{shared("s1", "b")},
 			want: map[string]string{
-				"a.uid": "u-a", "a.account": "", "a.storageClasses": "", "a.hosts": "", "a.sharedClaims": "p1,p2", "a.sharedSnapshots": "",
-				"b.uid": "u-b", "b.account": "", "b.storageClasses": "", "b.hosts": "", "b.sharedClaims": "p2", "b.sharedSnapshots": "s1",
+				"a.uid": "u-a", "a.account": "", "a.storageClasses": "", "a.attributesClasses": "",
+				"a.hosts": "", "a.sharedClaims": "p1,p2", "a.sharedSnapshots": "",
+				"b.uid": "u-b", "b.account": "", "b.storageClasses": "", "b.attributesClasses": "",
+				"b.hosts": "", "b.sharedClaims": "p2", "b.sharedSnapshots": "s1",
 			},
 		},
 		{
@@ -81,27 +107,29 @@ func TestParamsData(t *testing.T) {
 				vmOn("a-4", "a", ""), vmOn("b-1", "b", "host-c"), vmOn("x-1", "", "host-d"),
 			},
 			want: map[string]string{
-				"a.uid": "u-a", "a.account": "", "a.storageClasses": "", "a.hosts": "host-a,host-b", "a.sharedClaims": "", "a.sharedSnapshots": "",
-				"b.uid": "u-b", "b.account": "", "b.storageClasses": "", "b.hosts": "host-c", "b.sharedClaims": "", "b.sharedSnapshots": "",
+				"a.uid": "u-a", "a.account": "", "a.storageClasses": "", "a.attributesClasses": "",
+				"a.hosts": "host-a,host-b", "a.sharedClaims": "", "a.sharedSnapshots": "",
+				"b.uid": "u-b", "b.account": "", "b.storageClasses": "", "b.attributesClasses": "",
+				"b.hosts": "host-c", "b.sharedClaims": "", "b.sharedSnapshots": "",
 			},
 		},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			NewWithT(t).Expect(paramsData(tc.clusters, tc.namespaceClasses, tc.claims, tc.snaps, tc.vms)).To(Equal(tc.want))
+			NewWithT(t).Expect(paramsData(tc.clusters, tc.namespace, tc.claims, tc.snaps, tc.vms)).To(Equal(tc.want))
 		})
 	}
 }
 
 // TestParamsFollowAnnotations: the ConfigMap pvbridge-tenancy follows the Clusters' opt-in
-// labels and annotations, the Namespace's annotation and the shared-with annotations of the
+// labels and annotations, the Namespace's annotations and the shared-with annotations of the
 // namespace's PVCs and VolumeSnapshots, and goes when no Cluster opts in any more.
 func TestParamsFollowAnnotations(t *testing.T) {
 	g := NewWithT(t)
 	ctx := t.Context()
-	e := newTenantEnv(t, map[string]string{tenancy.StorageClassesAnnotation: "gold,silver"})
+	e := newTenantEnv(t, map[string]string{tenancy.StorageClassesAnnotation: "gold,silver", tenancy.AttributesClassesAnnotation: "slow, fast"})
 	e.startManager(t, e.config())
 	a := e.createCluster(t, "a", true, nil)
-	b := e.createCluster(t, "b", true, map[string]string{tenancy.StorageClassesAnnotation: "bronze"})
+	b := e.createCluster(t, "b", true, map[string]string{tenancy.StorageClassesAnnotation: "bronze", tenancy.AttributesClassesAnnotation: ""})
 	x := e.createCluster(t, "x", false, nil)
 	p1, p2 := e.pvc("p1", nil, "a"), e.pvc("p2", nil, "a,b")
 	s1 := e.snapshot("s1", nil, "b")
@@ -113,8 +141,10 @@ func TestParamsFollowAnnotations(t *testing.T) {
 		return cm.Data, err
 	}
 	eventually(g, params).WithContext(ctx).Should(Equal(map[string]string{
-		"a.uid": string(a.UID), "a.account": e.accountUID(t, "a"), "a.storageClasses": "gold,silver", "a.hosts": "", "a.sharedClaims": "p1,p2", "a.sharedSnapshots": "",
-		"b.uid": string(b.UID), "b.account": e.accountUID(t, "b"), "b.storageClasses": "bronze", "b.hosts": "", "b.sharedClaims": "p2", "b.sharedSnapshots": "s1",
+		"a.uid": string(a.UID), "a.account": e.accountUID(t, "a"), "a.storageClasses": "gold,silver", "a.attributesClasses": "fast,slow",
+		"a.hosts": "", "a.sharedClaims": "p1,p2", "a.sharedSnapshots": "",
+		"b.uid": string(b.UID), "b.account": e.accountUID(t, "b"), "b.storageClasses": "bronze", "b.attributesClasses": "",
+		"b.hosts": "", "b.sharedClaims": "p2", "b.sharedSnapshots": "s1",
 	}))
 
 	annotate := func(obj client.Object, key string, value *string) {
@@ -138,9 +168,12 @@ func TestParamsFollowAnnotations(t *testing.T) {
 	annotate(p1, tenancy.SharedWithAnnotation, str("b"))
 	annotate(s1, tenancy.SharedWithAnnotation, nil)
 	annotate(a, tenancy.StorageClassesAnnotation, str("platinum"))
+	annotate(a, tenancy.AttributesClassesAnnotation, str("turbo"))
+	annotate(b, tenancy.AttributesClassesAnnotation, nil)
 	ns := &corev1.Namespace{}
 	g.Expect(mgmtClient.Get(ctx, client.ObjectKey{Name: e.ns}, ns)).To(Succeed())
 	annotate(ns, tenancy.StorageClassesAnnotation, str("iron"))
+	annotate(ns, tenancy.AttributesClassesAnnotation, str("steady"))
 	g.Expect(mgmtClient.Delete(ctx, p2)).To(Succeed())
 	xPatch := client.MergeFrom(x.DeepCopy())
 	x.Labels = map[string]string{tenancy.EnabledLabel: "true"}
@@ -150,9 +183,12 @@ func TestParamsFollowAnnotations(t *testing.T) {
 	liftFinalizers(t, p2)
 
 	eventually(g, params).WithContext(ctx).Should(Equal(map[string]string{
-		"a.uid": string(a.UID), "a.account": e.accountUID(t, "a"), "a.storageClasses": "platinum", "a.hosts": "", "a.sharedClaims": "", "a.sharedSnapshots": "",
-		"b.uid": string(b.UID), "b.account": e.accountUID(t, "b"), "b.storageClasses": "bronze", "b.hosts": "", "b.sharedClaims": "p1", "b.sharedSnapshots": "",
-		"x.uid": string(x.UID), "x.account": e.accountUID(t, "x"), "x.storageClasses": "iron", "x.hosts": "", "x.sharedClaims": "", "x.sharedSnapshots": "",
+		"a.uid": string(a.UID), "a.account": e.accountUID(t, "a"), "a.storageClasses": "platinum", "a.attributesClasses": "turbo",
+		"a.hosts": "", "a.sharedClaims": "", "a.sharedSnapshots": "",
+		"b.uid": string(b.UID), "b.account": e.accountUID(t, "b"), "b.storageClasses": "bronze", "b.attributesClasses": "steady",
+		"b.hosts": "", "b.sharedClaims": "p1", "b.sharedSnapshots": "",
+		"x.uid": string(x.UID), "x.account": e.accountUID(t, "x"), "x.storageClasses": "iron", "x.attributesClasses": "steady",
+		"x.hosts": "", "x.sharedClaims": "", "x.sharedSnapshots": "",
 	}))
 
 	// Tampering is repaired.
@@ -210,7 +246,8 @@ func TestParamsOfEnforcedNamespace(t *testing.T) {
 	vm.Status.Host = "host-a"
 	g.Expect(mgmtClient.Status().Update(ctx, vm)).To(Succeed())
 	eventually(g, params).WithContext(ctx).Should(HaveField("Data", Equal(map[string]string{
-		"a.uid": string(a.UID), "a.account": e.accountUID(t, "a"), "a.storageClasses": "", "a.hosts": "host-a", "a.sharedClaims": "", "a.sharedSnapshots": "",
+		"a.uid": string(a.UID), "a.account": e.accountUID(t, "a"), "a.storageClasses": "", "a.attributesClasses": "",
+		"a.hosts": "host-a", "a.sharedClaims": "", "a.sharedSnapshots": "",
 	})))
 
 	cm, err := params(ctx)

@@ -67,6 +67,7 @@ func (s *controllerServer) ControllerGetCapabilities(context.Context, *csi.Contr
 		csi.ControllerServiceCapability_RPC_CLONE_VOLUME,
 		csi.ControllerServiceCapability_RPC_EXPAND_VOLUME,
 		csi.ControllerServiceCapability_RPC_SINGLE_NODE_MULTI_WRITER,
+		csi.ControllerServiceCapability_RPC_MODIFY_VOLUME,
 	), nil
 }
 
@@ -78,6 +79,9 @@ func (s *controllerServer) CreateVolume(ctx context.Context, req *csi.CreateVolu
 		return nil, err
 	}
 	if err := validateParameters(req.GetParameters()); err != nil {
+		return nil, err
+	}
+	if err := validateMutableParameters(req.GetMutableParameters()); err != nil {
 		return nil, err
 	}
 	size, err := csiserver.RequestedSize(req.GetCapacityRange())
@@ -499,6 +503,24 @@ func (s *controllerServer) ControllerExpandVolume(ctx context.Context, req *csi.
 		CapacityBytes:         allocated(vol),
 		NodeExpansionRequired: !block,
 	}, nil
+}
+
+// ControllerModifyVolume accepts a VolumeAttributesClass's parameters, the I/O limits of the
+// volume's disk in a VM (pkg/qos). The PMEM volume itself has nothing to change: csi-resizer
+// then names the class on the PV, and the host agent of a VM that has the volume attached
+// gives its disk the limits, live (the VM's status.volumes names the class once it has).
+func (s *controllerServer) ControllerModifyVolume(ctx context.Context, req *csi.ControllerModifyVolumeRequest) (*csi.ControllerModifyVolumeResponse, error) {
+	id := req.GetVolumeId()
+	if id == "" {
+		return nil, status.Error(codes.InvalidArgument, "volume_id is required")
+	}
+	if err := validateMutableParameters(req.GetMutableParameters()); err != nil {
+		return nil, err
+	}
+	if err := s.getOrNotFound(ctx, id, &pmemv1.PmemVolume{}, "volume"); err != nil {
+		return nil, err
+	}
+	return &csi.ControllerModifyVolumeResponse{}, nil
 }
 
 func (s *controllerServer) CreateSnapshot(ctx context.Context, req *csi.CreateSnapshotRequest) (*csi.CreateSnapshotResponse, error) {

@@ -96,6 +96,8 @@ func TestCreateVolumeRefusesWithoutSideEffects(t *testing.T) {
 		}}}, codes.InvalidArgument},
 		{"unknown parameter", &csi.CreateVolumeRequest{Name: "pvc-1", VolumeCapabilities: []*csi.VolumeCapability{mountCap},
 			Parameters: map[string]string{"tier": "gold"}}, codes.InvalidArgument},
+		{"invalid mutable parameter", &csi.CreateVolumeRequest{Name: "pvc-1", VolumeCapabilities: []*csi.VolumeCapability{mountCap},
+			MutableParameters: map[string]string{"maxIOPS": "fast"}}, codes.InvalidArgument},
 		{"required above limit", &csi.CreateVolumeRequest{Name: "pvc-1", VolumeCapabilities: []*csi.VolumeCapability{mountCap},
 			CapacityRange: &csi.CapacityRange{RequiredBytes: 2 * gi, LimitBytes: gi}}, codes.InvalidArgument},
 		{"no node with room", &csi.CreateVolumeRequest{Name: "pvc-1", VolumeCapabilities: []*csi.VolumeCapability{mountCap},
@@ -258,6 +260,31 @@ func TestControllerPublishVolume(t *testing.T) {
 			s := newTestController(t, pmemNode("a", gi, gi, true), pmemNode("b", gi, gi, true), pmemVolume("pvc-1", "a", gi))
 			_, err := s.ControllerPublishVolume(t.Context(), tt.req)
 			g.Expect(status.Code(err)).To(Equal(tt.code), "%v", err)
+		})
+	}
+}
+
+func TestControllerModifyVolume(t *testing.T) {
+	tests := []struct {
+		name string
+		req  *csi.ControllerModifyVolumeRequest
+		code codes.Code
+		msg  string
+	}{
+		{"limits", &csi.ControllerModifyVolumeRequest{VolumeId: "pvc-1", MutableParameters: map[string]string{"maxIOPS": "100", "maxBytesPerSecond": "8Mi"}}, codes.OK, ""},
+		{"no limits", &csi.ControllerModifyVolumeRequest{VolumeId: "pvc-1"}, codes.OK, ""},
+		{"a misspelt limit", &csi.ControllerModifyVolumeRequest{VolumeId: "pvc-1", MutableParameters: map[string]string{"maxIops": "100"}}, codes.InvalidArgument, `maxIops "100": unknown parameter`},
+		{"a bad value", &csi.ControllerModifyVolumeRequest{VolumeId: "pvc-1", MutableParameters: map[string]string{"maxBytesPerSecond": "-1"}}, codes.InvalidArgument, "negative"},
+		{"unknown volume", &csi.ControllerModifyVolumeRequest{VolumeId: "pvc-x"}, codes.NotFound, "pvc-x"},
+		{"no volume ID", &csi.ControllerModifyVolumeRequest{}, codes.InvalidArgument, "volume_id"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			g := NewWithT(t)
+			s := newTestController(t, pmemVolume("pvc-1", "a", gi))
+			_, err := s.ControllerModifyVolume(t.Context(), tt.req)
+			g.Expect(status.Code(err)).To(Equal(tt.code), "%v", err)
+			g.Expect(status.Convert(err).Message()).To(ContainSubstring(tt.msg))
 		})
 	}
 }

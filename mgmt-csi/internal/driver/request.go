@@ -7,6 +7,8 @@ import (
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
+
+	"pvbridge.io/pkg/qos"
 )
 
 // supportedFsTypes are the filesystems NodeStageVolume makes; "" means ext4.
@@ -70,4 +72,13 @@ func topologyNodes(req *csi.TopologyRequirement) []string {
 func topologyAllows(req *csi.TopologyRequirement, node string) bool {
 	nodes := topologyNodes(req)
 	return len(nodes) == 0 || slices.Contains(nodes, node)
+}
+
+// validateMutableParameters checks a VolumeAttributesClass's parameters: the I/O limits a
+// hypervisor enforces on the volume's disk (pkg/qos).
+func validateMutableParameters(params map[string]string) error {
+	if _, err := qos.Parse(params); err != nil {
+		return status.Errorf(codes.InvalidArgument, "mutable parameters: %v", err)
+	}
+	return nil
 }

@@ -82,6 +82,7 @@ func TestSanity(t *testing.T) {
 		cfg.TestVolumeSize = sanityVolumeSize
 		cfg.TestVolumeExpandSize = sanityExpandSize
 		cfg.IdempotentCount = 10
+		cfg.TestVolumeMutableParameters = map[string]string{"maxIOPS": "100000"}
 		ginkgo.Describe(accessType+" volumes", func() { sanity.GinkgoTest(&cfg) })
 	}
 	suiteConfig, reporterConfig := ginkgo.GinkgoConfiguration()

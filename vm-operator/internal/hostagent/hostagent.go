@@ -42,6 +42,7 @@ import (
 
 	infrav1 "pvbridge.io/pkg/apis/infrastructure/v1alpha1"
 	vmv1 "pvbridge.io/pkg/apis/vm/v1alpha1"
+	"pvbridge.io/pkg/qos"
 	"pvbridge.io/vm-operator/internal/hypervisor"
 	"pvbridge.io/vm-operator/internal/vmstatus"
 )
@@ -141,7 +142,29 @@ func (r *Reconciler) SetupWithManager(mgr ctrl.Manager) error {
 		// VMs are independent; the hypervisor serializes what concerns one VM.
 		WithOptions(controller.Options{MaxConcurrentReconciles: 4}).
 		Watches(&storagev1.VolumeAttachment{}, handler.EnqueueRequestsFromMapFunc(r.vmsOfAttachment)).
+		// A volume's VolumeAttributesClass changes on its PV (csi-resizer writes it once the
+		// driver accepted the class): its disk's I/O limits follow.
+		Watches(&corev1.PersistentVolume{}, handler.EnqueueRequestsFromMapFunc(r.vmsOfVolume)).
 		Complete(r)
+}
+
+// vmsOfVolume maps a PersistentVolume to the VMs on this host that have its claim in spec.
+func (r *Reconciler) vmsOfVolume(ctx context.Context, obj client.Object) []reconcile.Request {
+	claim := obj.(*corev1.PersistentVolume).Spec.ClaimRef
+	if claim == nil {
+		return nil
+	}
+	vms := &vmv1.VirtualMachineList{}
+	if err := r.Client.List(ctx, vms, client.InNamespace(claim.Namespace)); err != nil {
+		return nil
+	}
+	var reqs []reconcile.Request
+	for i := range vms.Items {
+		if slices.ContainsFunc(vms.Items[i].Spec.Volumes, func(v vmv1.VirtualMachineVolume) bool { return v.PersistentVolumeClaim.ClaimName == claim.Name }) {
+			reqs = append(reqs, reconcile.Request{NamespacedName: client.ObjectKeyFromObject(&vms.Items[i])})
+		}
+	}
+	return reqs
 }
 
 // vmsOfAttachment maps a VolumeAttachment to the VMs on this host whose labels it carries.
@@ -437,25 +460,91 @@ func (r *Reconciler) attach(ctx context.Context, vm *vmv1.VirtualMachine, ref hy
 
 	serial := SerialFor(pv.Name)
 	dir := filepath.Join(r.StateDir, vaName)
-	recorded := vmv1.VirtualMachineVolumeStatus{Name: name, Attached: true, DiskSerial: serial}
-	if slices.Contains(plugged, hypervisor.Disk{Serial: serial, Device: filepath.Join(dir, "device")}) {
-		return &recorded, true
+	limits, class, limitsErr := r.limits(ctx, pv)
+	if i := slices.IndexFunc(plugged, func(d hypervisor.Disk) bool {
+		return d.Serial == serial && d.Device == filepath.Join(dir, "device")
+	}); i >= 0 {
+		return r.settle(ctx, vm, ref, name, plugged[i], limits, class, limitsErr)
+	}
+	if limitsErr != nil {
+		return failed(name, limitsErr), false
 	}
 	device, err := r.publish(ctx, dir, pv.Spec.CSI.VolumeHandle, serial, va.Status.AttachmentMetadata)
 	if err != nil {
 		log.Error(err, "Cannot publish the volume on the host")
 		return failed(name, err), false
 	}
-	if err := r.Hypervisor.Attach(ctx, ref, hypervisor.Disk{Serial: serial, Device: device}); err != nil {
+	if err := r.Hypervisor.Attach(ctx, ref, hypervisor.Disk{Serial: serial, Device: device, Limits: limits}); err != nil {
 		log.Error(err, "Cannot hot-plug the volume")
 		r.event(vm, corev1.EventTypeWarning, "HotPlugFailed", "Hot-plug of volume %s failed: %v", name, err)
 		return failed(name, fmt.Errorf("hot-plug: %w", err)), false
 	}
 	if e := vm.Status.Volumes; !slices.ContainsFunc(e, func(s vmv1.VirtualMachineVolumeStatus) bool { return s.Name == name && s.Attached }) {
-		log.Info("Hot-plugged volume", "diskSerial", serial, "device", device)
-		r.event(vm, corev1.EventTypeNormal, "Attached", "Volume %s attached as disk %s", name, serial)
+		log.Info("Hot-plugged volume", "diskSerial", serial, "device", device, "volumeAttributesClass", class)
+		msg := fmt.Sprintf("Volume %s attached as disk %s", name, serial)
+		if limits != nil {
+			msg += fmt.Sprintf(" with the I/O limits of VolumeAttributesClass %s (%s)", class, *limits)
+		}
+		r.event(vm, corev1.EventTypeNormal, "Attached", "%s", msg)
 	}
-	return &recorded, true
+	return &vmv1.VirtualMachineVolumeStatus{Name: name, Attached: true, DiskSerial: serial, VolumeAttributesClassName: class}, true
+}
+
+// limits returns the I/O limits of a volume's VolumeAttributesClass and the class's name: nil
+// and "" for a volume without a class. Its PV names the class the driver accepted last
+// (csi-provisioner and csi-resizer write it), not one the claim asks for and the driver may
+// still refuse.
+func (r *Reconciler) limits(ctx context.Context, pv *corev1.PersistentVolume) (*hypervisor.Limits, string, error) {
+	class := ptr.Deref(pv.Spec.VolumeAttributesClassName, "")
+	if class == "" {
+		return nil, "", nil
+	}
+	vac := &storagev1.VolumeAttributesClass{}
+	if err := r.Client.Get(ctx, client.ObjectKey{Name: class}, vac); err != nil {
+		return nil, class, fmt.Errorf("VolumeAttributesClass %s of persistent volume %s: %w", class, pv.Name, err)
+	}
+	l, err := qos.Parse(vac.Parameters)
+	if err != nil {
+		return nil, class, fmt.Errorf("VolumeAttributesClass %s of persistent volume %s: %w", class, pv.Name, err)
+	}
+	return &l, class, nil
+}
+
+// settle returns the status entry of a volume whose disk is plugged, first giving the disk the
+// limits of the volume's class if it has others: live, or, where the hypervisor cannot, with
+// the entry saying that they apply at the next attach. The entry names the class whose
+// limits the disk has; it keeps the one it had while the new class is not applied.
+func (r *Reconciler) settle(ctx context.Context, vm *vmv1.VirtualMachine, ref hypervisor.VM, name string, disk hypervisor.Disk, want *hypervisor.Limits, class string, limitsErr error) (*vmv1.VirtualMachineVolumeStatus, bool) {
+	entry := vmv1.VirtualMachineVolumeStatus{Name: name, Attached: true, DiskSerial: disk.Serial}
+	if i := slices.IndexFunc(vm.Status.Volumes, func(e vmv1.VirtualMachineVolumeStatus) bool { return e.Name == name }); i >= 0 {
+		entry.VolumeAttributesClassName = vm.Status.Volumes[i].VolumeAttributesClassName
+	}
+	if limitsErr != nil {
+		entry.Error = limitsErr.Error()
+		return &entry, false
+	}
+	if ptr.Deref(disk.Limits, hypervisor.Limits{}) == ptr.Deref(want, hypervisor.Limits{}) {
+		entry.VolumeAttributesClassName = class
+		return &entry, true
+	}
+	l := ptr.Deref(want, hypervisor.Limits{})
+	err := r.Hypervisor.SetLimits(ctx, ref, disk.Serial, l)
+	switch {
+	case errors.Is(err, hypervisor.ErrNotLive):
+		entry.Error = fmt.Sprintf("%s (%s): %v", vmv1.LimitsAtNextAttach(class), l, err)
+		if i := slices.IndexFunc(vm.Status.Volumes, func(e vmv1.VirtualMachineVolumeStatus) bool { return e.Name == name }); i < 0 || vm.Status.Volumes[i].Error != entry.Error {
+			r.event(vm, corev1.EventTypeWarning, "IOLimitsNotApplied", "Volume %s: %s", name, entry.Error)
+		}
+		return &entry, true
+	case err != nil:
+		entry.Error = fmt.Sprintf("set the I/O limits of VolumeAttributesClass %s: %v", class, err)
+		r.event(vm, corev1.EventTypeWarning, "IOLimitsNotApplied", "Volume %s: %s", name, entry.Error)
+		return &entry, false
+	}
+	ctrl.LoggerFrom(ctx).Info("Changed the disk's I/O limits", "volume", name, "volumeAttributesClass", class, "iops", l.IOPS, "bytesPerSecond", l.BytesPerSecond)
+	r.event(vm, corev1.EventTypeNormal, "IOLimitsChanged", "Volume %s now has the I/O limits of VolumeAttributesClass %s (%s), applied live", name, class, l)
+	entry.VolumeAttributesClassName = class
+	return &entry, true
 }
 
 // publish stages and publishes the volume as a raw block device file <dir>/device, to be

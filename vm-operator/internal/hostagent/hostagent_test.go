@@ -3,6 +3,7 @@ package hostagent
 import (
 	"context"
 	"errors"
+	"fmt"
 	"path/filepath"
 	"sync"
 	"testing"
@@ -18,6 +19,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
 	clientgoscheme "k8s.io/client-go/kubernetes/scheme"
+	"k8s.io/client-go/tools/events"
 	"k8s.io/utils/ptr"
 	ctrl "sigs.k8s.io/controller-runtime"
 	"sigs.k8s.io/controller-runtime/pkg/client"
@@ -73,10 +75,14 @@ type fakeHypervisor struct {
 	slotsErr error
 	// bootstraps records the bootstrap data each VM was powered on with.
 	bootstraps map[string]*hypervisor.Bootstrap
+	// limits are the I/O limits of the disks attached with some, by serial; notLive makes
+	// SetLimits refuse a disk attached without (as the local driver does).
+	limits  map[string]hypervisor.Limits
+	notLive bool
 }
 
 func newFakeHypervisor() *fakeHypervisor {
-	return &fakeHypervisor{on: map[string]bool{}, disks: map[string]map[string]string{}}
+	return &fakeHypervisor{on: map[string]bool{}, disks: map[string]map[string]string{}, limits: map[string]hypervisor.Limits{}}
 }
 
 func (h *fakeHypervisor) Name() string { return "fake" }
@@ -129,6 +135,23 @@ func (h *fakeHypervisor) Attach(_ context.Context, vm hypervisor.VM, d hyperviso
 		h.disks[vm.Name] = map[string]string{}
 	}
 	h.disks[vm.Name][d.Serial] = d.Device
+	if d.Limits != nil {
+		h.limits[d.Serial] = *d.Limits
+	}
+	return nil
+}
+
+func (h *fakeHypervisor) SetLimits(_ context.Context, vm hypervisor.VM, serial string, l hypervisor.Limits) error {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	_, limited := h.limits[serial]
+	switch {
+	case h.disks[vm.Name][serial] == "":
+		return fmt.Errorf("no disk %s", serial)
+	case h.notLive && !limited:
+		return hypervisor.ErrNotLive
+	}
+	h.limits[serial] = l
 	return nil
 }
 
@@ -161,7 +184,11 @@ func (h *fakeHypervisor) Disks(_ context.Context, vm hypervisor.VM) ([]hyperviso
 	defer h.mu.Unlock()
 	var out []hypervisor.Disk
 	for s, d := range h.disks[vm.Name] {
-		out = append(out, hypervisor.Disk{Serial: s, Device: d})
+		disk := hypervisor.Disk{Serial: s, Device: d}
+		if l, ok := h.limits[s]; ok {
+			disk.Limits = &l
+		}
+		out = append(out, disk)
 	}
 	return out, nil
 }
@@ -321,6 +348,106 @@ func TestReconcile(t *testing.T) {
 			g.Expect(got.Status.Volumes).To(Equal(tt.wantStatus))
 			g.Expect(fc.calls).To(Equal(tt.wantCalls))
 			g.Expect(h.disks["vm-1"]).To(HaveLen(tt.wantDisks))
+		})
+	}
+}
+
+func TestReconcileGivesTheDiskItsClassLimits(t *testing.T) {
+	serial := SerialFor(pvName)
+	gold := hypervisor.Limits{IOPS: 100, BytesPerSecond: 4 << 20}
+	goldEntry := vmv1.VirtualMachineVolumeStatus{Name: "data", Attached: true, DiskSerial: serial, VolumeAttributesClassName: "gold"}
+	tests := []struct {
+		name string
+		// status is the VM's status.volumes before; plugged plugs the disk, with limits if set.
+		status      []vmv1.VirtualMachineVolumeStatus
+		plugged     bool
+		limits      *hypervisor.Limits
+		notLive     bool
+		noClass     bool
+		wantStatus  []vmv1.VirtualMachineVolumeStatus
+		wantLimits  *hypervisor.Limits
+		wantEvent   string
+		wantRequeue bool
+	}{
+		{
+			name: "a volume is plugged with the limits of its class", wantStatus: []vmv1.VirtualMachineVolumeStatus{goldEntry},
+			wantLimits: &gold, wantEvent: "Normal Attached Volume data attached as disk " + serial + " with the I/O limits of VolumeAttributesClass gold (100 IOPS, 4194304 bytes/s)",
+		},
+		{
+			name: "a plugged disk gets its new class's limits live", plugged: true, limits: &hypervisor.Limits{IOPS: 5},
+			status:     []vmv1.VirtualMachineVolumeStatus{{Name: "data", Attached: true, DiskSerial: serial, VolumeAttributesClassName: "bronze"}},
+			wantStatus: []vmv1.VirtualMachineVolumeStatus{goldEntry}, wantLimits: &gold,
+			wantEvent: "Normal IOLimitsChanged Volume data now has the I/O limits of VolumeAttributesClass gold (100 IOPS, 4194304 bytes/s), applied live",
+		},
+		{
+			name: "a plugged disk with its class's limits costs no call", plugged: true, limits: &gold,
+			status: []vmv1.VirtualMachineVolumeStatus{goldEntry}, wantStatus: []vmv1.VirtualMachineVolumeStatus{goldEntry}, wantLimits: &gold,
+		},
+		{
+			name: "limits a hypervisor cannot add live are reported for the next attach", plugged: true, notLive: true,
+			status: []vmv1.VirtualMachineVolumeStatus{{Name: "data", Attached: true, DiskSerial: serial}},
+			wantStatus: []vmv1.VirtualMachineVolumeStatus{{Name: "data", Attached: true, DiskSerial: serial,
+				Error: vmv1.LimitsAtNextAttach("gold") + " (100 IOPS, 4194304 bytes/s): " + hypervisor.ErrNotLive.Error()}},
+			wantEvent: "Warning IOLimitsNotApplied Volume data: the I/O limits of VolumeAttributesClass gold",
+		},
+		{
+			name: "a volume whose class cannot be read is not plugged", noClass: true,
+			wantStatus: []vmv1.VirtualMachineVolumeStatus{{Name: "data",
+				Error: `VolumeAttributesClass gold of persistent volume pvc-1: volumeattributesclasses.storage.k8s.io "gold" not found`}},
+			wantRequeue: true,
+		},
+		{
+			name: "a plugged disk whose class cannot be read stays attached, with the reason", noClass: true, plugged: true,
+			status: []vmv1.VirtualMachineVolumeStatus{goldEntry},
+			wantStatus: []vmv1.VirtualMachineVolumeStatus{{Name: "data", Attached: true, DiskSerial: serial, VolumeAttributesClassName: "gold",
+				Error: `VolumeAttributesClass gold of persistent volume pvc-1: volumeattributesclasses.storage.k8s.io "gold" not found`}},
+			wantRequeue: true,
+		},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			g := NewWithT(t)
+			vm := virtualMachine([]string{"data"}, tt.status)
+			c := newClient(g, vm, true)
+			pv := &corev1.PersistentVolume{}
+			g.Expect(c.Get(t.Context(), client.ObjectKey{Name: pvName}, pv)).To(Succeed())
+			pv.Spec.VolumeAttributesClassName = ptr.To("gold")
+			g.Expect(c.Update(t.Context(), pv)).To(Succeed())
+			if !tt.noClass {
+				g.Expect(c.Create(t.Context(), &storagev1.VolumeAttributesClass{
+					ObjectMeta: metav1.ObjectMeta{Name: "gold"}, DriverName: "pmem.csi.pvbridge.io",
+					Parameters: map[string]string{"maxIOPS": "100", "maxBytesPerSecond": "4Mi"},
+				})).To(Succeed())
+			}
+			h, fc := newFakeHypervisor(), &fakeCSI{}
+			h.notLive = tt.notLive
+			rec := events.NewFakeRecorder(10)
+			r := &Reconciler{Client: c, Node: "host-a", Hypervisor: h, CSI: fc, StateDir: t.TempDir(), Recorder: rec}
+			if tt.plugged {
+				h.disks["vm-1"] = map[string]string{serial: filepath.Join(r.StateDir, vmv1.AttachmentName("tenant", "vm-1", "data"), "device")}
+				if tt.limits != nil {
+					h.limits[serial] = *tt.limits
+				}
+			}
+
+			res, err := r.Reconcile(t.Context(), ctrl.Request{NamespacedName: client.ObjectKeyFromObject(vm)})
+			g.Expect(err).NotTo(HaveOccurred())
+			if tt.wantRequeue {
+				g.Expect(res.RequeueAfter).To(BeNumerically(">", 0))
+			} else {
+				g.Expect(res.RequeueAfter).To(BeZero())
+			}
+			got := &vmv1.VirtualMachine{}
+			g.Expect(c.Get(t.Context(), client.ObjectKeyFromObject(vm), got)).To(Succeed())
+			g.Expect(got.Status.Volumes).To(Equal(tt.wantStatus))
+			if tt.wantLimits != nil {
+				g.Expect(h.limits).To(HaveKeyWithValue(serial, *tt.wantLimits))
+			}
+			if tt.wantEvent != "" {
+				g.Expect(rec.Events).To(Receive(HavePrefix(tt.wantEvent)))
+			} else {
+				g.Expect(rec.Events).NotTo(Receive())
+			}
 		})
 	}
 }

@@ -15,6 +15,7 @@ import (
 	"errors"
 
 	vmv1 "pvbridge.io/pkg/apis/vm/v1alpha1"
+	"pvbridge.io/pkg/qos"
 )
 
 // Errors a Driver returns, wrapped with details.
@@ -26,6 +27,9 @@ var (
 	ErrBusy = errors.New("disk still held by the virtual machine")
 	// ErrConflict: the serial is attached with another device, or the device under another serial.
 	ErrConflict = errors.New("conflicting disk")
+	// ErrNotLive: the driver cannot change the I/O limits of this attached disk without
+	// detaching it (local: a disk attached without limits); they apply at its next Attach.
+	ErrNotLive = errors.New("the disk's I/O limits cannot change while it is attached")
 	// ErrNoSlot: every hot-plug slot of the VM holds a disk; detach one first.
 	// Its text is the API's vmv1.NoFreeSlotError, which reaches the guest in status.volumes.
 	ErrNoSlot = errors.New(vmv1.NoFreeSlotError)
@@ -69,7 +73,16 @@ type Disk struct {
 	Serial string
 	// Device is the host block device that backs it, e.g. /dev/loop3.
 	Device string
+	// Limits, when set, are the I/O limits the hypervisor enforces on the disk (a volume with a
+	// VolumeAttributesClass); SetLimits changes them while the VM runs. Nil: the disk is
+	// attached without limits, and a driver may pass the device straight through (local),
+	// so that limits set later apply only at its next Attach.
+	Limits *Limits
 }
+
+// Limits are a disk's I/O limits (IOPS, BytesPerSecond), enforced by the hypervisor's block
+// layer over all of the guest's reads and writes together. Zero is no limit.
+type Limits = qos.Limits
 
 // Driver acts on the VMs of this host. Implementations are safe for concurrent use.
 type Driver interface {
@@ -97,11 +110,18 @@ type Driver interface {
 	// longer holds its device: ErrBusy while the guest has not let go yet. A disk that is not
 	// attached, or a VM that does not run, is success.
 	Detach(ctx context.Context, vm VM, serial string) error
+	// SetLimits changes the I/O limits of the disk with serial attached to the running vm, at
+	// once and without detaching it; setting the limits it has is success. ErrNotLive when the
+	// disk was attached without limits and the driver cannot add them live (the caller
+	// reports that they apply at the next attach); ErrVMNotFound or an error naming the serial
+	// when vm does not run or the disk is not attached.
+	SetLimits(ctx context.Context, vm VM, serial string, limits Limits) error
 	// Slots reports how many disks the running vm can hold hot-plugged at once (qemu: the
 	// hot-plug ports it was started with; local: vm.Slots or the driver's default); 0 when vm
 	// does not run. An Attach of one more disk than that fails with ErrNoSlot.
 	Slots(ctx context.Context, vm VM) (int, error)
-	// Disks lists the disks attached to vm, those its guest sees (empty when it does not run).
+	// Disks lists the disks attached to vm, those its guest sees (empty when it does not run),
+	// each with the limits the hypervisor enforces on it (nil for a disk attached without).
 	// A disk whose Attach was interrupted is not listed until Attach is repeated: the host
 	// agent takes a listed disk for done and reports it attached without a second hot-plug.
 	Disks(ctx context.Context, vm VM) ([]Disk, error)

@@ -61,14 +61,16 @@ func trimPersistentVolumeClaim(pvc *corev1.PersistentVolumeClaim) *corev1.Persis
 }
 
 // trimPersistentVolume keeps what the roles read of a volume: its claim, its CSI driver and
-// handle, its volume mode and its node affinity (the host it lives on).
+// handle, its volume mode, its node affinity (the host it lives on) and its
+// VolumeAttributesClass (the I/O limits of its disk).
 func trimPersistentVolume(pv *corev1.PersistentVolume) *corev1.PersistentVolume {
 	out := &corev1.PersistentVolume{
 		TypeMeta:   pv.TypeMeta,
 		ObjectMeta: cachedMeta(pv.ObjectMeta),
 		Spec: corev1.PersistentVolumeSpec{
-			VolumeMode:   pv.Spec.VolumeMode,
-			NodeAffinity: pv.Spec.NodeAffinity,
+			VolumeMode:                pv.Spec.VolumeMode,
+			NodeAffinity:              pv.Spec.NodeAffinity,
+			VolumeAttributesClassName: pv.Spec.VolumeAttributesClassName,
 		},
 	}
 	if c := pv.Spec.ClaimRef; c != nil {

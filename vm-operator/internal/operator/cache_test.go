@@ -48,10 +48,11 @@ func TestCacheTrimsClaimsAndVolumes(t *testing.T) {
 		in: &corev1.PersistentVolume{
 			ObjectMeta: meta,
 			Spec: corev1.PersistentVolumeSpec{
-				Capacity:     corev1.ResourceList{corev1.ResourceStorage: resource.MustParse("1Gi")},
-				VolumeMode:   ptr.To(corev1.PersistentVolumeBlock),
-				NodeAffinity: affinity,
-				ClaimRef:     &corev1.ObjectReference{Kind: "PersistentVolumeClaim", Namespace: "tenant-a", Name: "data", UID: "uid-2", ResourceVersion: "7"},
+				Capacity:                  corev1.ResourceList{corev1.ResourceStorage: resource.MustParse("1Gi")},
+				VolumeMode:                ptr.To(corev1.PersistentVolumeBlock),
+				NodeAffinity:              affinity,
+				VolumeAttributesClassName: ptr.To("gold"),
+				ClaimRef:                  &corev1.ObjectReference{Kind: "PersistentVolumeClaim", Namespace: "tenant-a", Name: "data", UID: "uid-2", ResourceVersion: "7"},
 				PersistentVolumeSource: corev1.PersistentVolumeSource{CSI: &corev1.CSIPersistentVolumeSource{
 					Driver: "pmem.csi.pvbridge.io", VolumeHandle: "vol-1", VolumeAttributes: map[string]string{"storage.kubernetes.io/csiProvisionerIdentity": "x"},
 				}},
@@ -61,10 +62,11 @@ func TestCacheTrimsClaimsAndVolumes(t *testing.T) {
 		want: &corev1.PersistentVolume{
 			ObjectMeta: kept,
 			Spec: corev1.PersistentVolumeSpec{
-				VolumeMode:             ptr.To(corev1.PersistentVolumeBlock),
-				NodeAffinity:           affinity,
-				ClaimRef:               &corev1.ObjectReference{Namespace: "tenant-a", Name: "data", UID: "uid-2"},
-				PersistentVolumeSource: corev1.PersistentVolumeSource{CSI: &corev1.CSIPersistentVolumeSource{Driver: "pmem.csi.pvbridge.io", VolumeHandle: "vol-1"}},
+				VolumeMode:                ptr.To(corev1.PersistentVolumeBlock),
+				NodeAffinity:              affinity,
+				VolumeAttributesClassName: ptr.To("gold"),
+				ClaimRef:                  &corev1.ObjectReference{Namespace: "tenant-a", Name: "data", UID: "uid-2"},
+				PersistentVolumeSource:    corev1.PersistentVolumeSource{CSI: &corev1.CSIPersistentVolumeSource{Driver: "pmem.csi.pvbridge.io", VolumeHandle: "vol-1"}},
 			},
 		},
 	}, {

@@ -234,6 +234,14 @@ type VirtualMachineVolumeStatus struct {
 	// +kubebuilder:validation:Pattern=`^[A-Za-z0-9_-]+$`
 	DiskSerial string `json:"diskSerial,omitempty"`
 
+	// volumeAttributesClassName is the VolumeAttributesClass whose I/O limits the hypervisor
+	// enforces on the attached disk: the class of the volume's PersistentVolume once the host
+	// agent applied it. Empty for a disk without limits, or while the limits of a new class
+	// are not applied yet (the error says why).
+	// +optional
+	// +kubebuilder:validation:MaxLength=253
+	VolumeAttributesClassName string `json:"volumeAttributesClassName,omitempty"`
+
 	// error is the last attach or detach error, empty when there is none.
 	// +optional
 	// +kubebuilder:validation:MaxLength=1024

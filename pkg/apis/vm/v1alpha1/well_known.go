@@ -29,3 +29,12 @@ const (
 // (status.maxVolumes): a guest answers such an attach with ResourceExhausted, which makes its
 // kubelet read the node's volume limit again.
 const NoFreeSlotError = "no free hot-plug slot"
+
+// LimitsAtNextAttach is the error of a status.volumes entry whose disk keeps the I/O limits it
+// was attached with because its hypervisor cannot change them live (the local hypervisor's
+// disk attached without a class): the limits of VolumeAttributesClass class apply when the
+// volume is next attached. A guest takes the class as accepted, as a cloud takes a volume
+// modification that is still optimizing; the entry and an Event say what holds meanwhile.
+func LimitsAtNextAttach(class string) string {
+	return "the I/O limits of VolumeAttributesClass " + class + " apply when the volume is next attached"
+}

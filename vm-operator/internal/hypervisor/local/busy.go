@@ -2,6 +2,7 @@ package local
 
 import (
 	"bytes"
+	"context"
 	"errors"
 	"fmt"
 	"io/fs"
@@ -22,8 +23,12 @@ import (
 // exclusive claim on the device.
 const mountInfo = "/proc/self/mountinfo"
 
-// users describes what still holds the device of rec; none when it is free to go.
+// users describes what still holds the device the guest sees of rec (guestDev); none when it
+// is free to go.
 func (d *Driver) users(r *os.Root, rec record) ([]string, error) {
+	if rec.guestDev() == 0 {
+		return nil, nil // a throttled disk whose loop device was never recorded: no node either
+	}
 	mounts, binds, err := mountsOf(r, rec)
 	if err != nil {
 		return nil, err
@@ -48,9 +53,9 @@ func (d *Driver) users(r *os.Root, rec record) ([]string, error) {
 	return users, nil
 }
 
-// mountsOf lists the mount points of the device of rec, and those of bind mounts of the VM's
-// node of it (a raw block volume published in the guest), which show with the number of the
-// filesystem that holds the node, not of the device.
+// mountsOf lists the mount points of the guest's device of rec, and those of bind mounts of the
+// VM's node of it (a raw block volume published in the guest), which show with the number of
+// the filesystem that holds the node, not of the device.
 func mountsOf(r *os.Root, rec record) (mounts, binds []string, err error) {
 	data, err := os.ReadFile(mountInfo)
 	if err != nil {
@@ -68,20 +73,20 @@ func mountsOf(r *os.Root, rec record) (mounts, binds []string, err error) {
 	}
 	for _, m := range table {
 		switch {
-		case m.dev == rec.dev():
+		case m.dev == rec.guestDev():
 			mounts = append(mounts, m.mountPoint)
-		case vmfs != 0 && m.dev == vmfs && isDeviceFile(m.mountPoint, rec.dev()):
+		case vmfs != 0 && m.dev == vmfs && isDeviceFile(m.mountPoint, rec.guestDev()):
 			binds = append(binds, m.mountPoint)
 		}
 	}
 	return mounts, binds, nil
 }
 
-// holders lists the devices stacked on the device of rec.
+// holders lists the devices stacked on the guest's device of rec.
 func (d *Driver) holders(rec record) ([]string, error) {
-	entries, err := os.ReadDir(filepath.Join(d.sysfs, "dev", "block", rec.number(), "holders"))
+	entries, err := os.ReadDir(filepath.Join(d.sysfs, "dev", "block", rec.guestNumber(), "holders"))
 	if err != nil && !errors.Is(err, fs.ErrNotExist) {
-		return nil, fmt.Errorf("list holders of device %s: %w", rec.number(), err)
+		return nil, fmt.Errorf("list holders of device %s: %w", rec.guestNumber(), err)
 	}
 	names := make([]string, len(entries))
 	for i, e := range entries {
@@ -92,7 +97,7 @@ func (d *Driver) holders(rec record) ([]string, error) {
 
 // pullDisk takes the disk of rec from a VM that is being forced off: the guest's mounts of it
 // are detached lazily, the deepest first, and the disk is unplugged.
-func (d *Driver) pullDisk(r *os.Root, rec record) error {
+func (d *Driver) pullDisk(ctx context.Context, r *os.Root, vm hypervisor.VM, rec record) error {
 	holders, err := d.holders(rec)
 	if err != nil {
 		return err
@@ -111,7 +116,7 @@ func (d *Driver) pullDisk(r *os.Root, rec record) error {
 			return fmt.Errorf("unmount %s: %w", m, err)
 		}
 	}
-	return unplug(r, rec)
+	return d.unplug(ctx, r, vm, rec)
 }
 
 // isDeviceFile reports whether path is a block device node with number dev.
@@ -120,13 +125,14 @@ func isDeviceFile(path string, dev uint64) bool {
 	return unix.Stat(path, &st) == nil && st.Mode&unix.S_IFMT == unix.S_IFBLK && st.Rdev == dev
 }
 
-// claimed reports whether the device of rec is claimed exclusively, by a mount or a stacked
-// device the other checks cannot see: the kernel then refuses an exclusive open with EBUSY.
+// claimed reports whether the guest's device of rec is claimed exclusively, by a mount or a
+// stacked device the other checks cannot see: the kernel then refuses an exclusive open with
+// EBUSY.
 // Any other outcome (no node left, a filesystem mounted nodev) counts as not claimed, the
 // other checks having found nothing.
 func claimed(r *os.Root, rec record) bool {
 	fi, err := r.Lstat(rec.node())
-	if err != nil || !isBlockDevice(fi, rec.dev()) {
+	if err != nil || !isBlockDevice(fi, rec.guestDev()) {
 		return false
 	}
 	f, err := r.OpenFile(rec.node(), os.O_RDONLY|unix.O_EXCL|unix.O_NONBLOCK, 0)

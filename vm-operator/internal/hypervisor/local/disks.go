@@ -13,6 +13,7 @@ import (
 
 	"golang.org/x/sys/unix"
 	"k8s.io/klog/v2"
+	"k8s.io/utils/ptr"
 
 	"pvbridge.io/vm-operator/internal/hypervisor"
 )
@@ -21,6 +22,12 @@ import (
 // completes an interrupted attach and refreshes the size. The same device under the same serial
 // is the same disk whatever path names it (the record then keeps the latest path); ErrConflict
 // when the serial is attached with another device, or the device under another serial.
+//
+// A disk attached with limits (disk.Limits set) is throttled: the guest sees it through a
+// qemu-storage-daemon (see throttle.go), whose daemon and loop device a repeated Attach
+// restarts or remakes if they are gone, and whose limits it sets to disk.Limits (nil: none).
+// A disk attached without limits keeps its direct path for as long as it is attached, whatever
+// the limits of a repeated Attach: the guest may hold it, and SetLimits says ErrNotLive.
 func (d *Driver) Attach(ctx context.Context, vm hypervisor.VM, disk hypervisor.Disk) error {
 	if err := validateSerial(disk.Serial); err != nil {
 		return err
@@ -52,15 +59,23 @@ func (d *Driver) Attach(ctx context.Context, vm hypervisor.VM, disk hypervisor.D
 	if err != nil {
 		return wrap(err)
 	}
-	sectors, err := d.sectors(rec)
+	if rec.Throttle != nil {
+		if rec, err = d.throttle(ctx, r, vm, rec, ptr.Deref(disk.Limits, hypervisor.Limits{})); err != nil {
+			return wrap(err)
+		}
+	}
+	sectors, err := d.sectors(rec.guestNumber())
 	if err != nil {
 		return wrap(err)
 	}
 	if err := plug(r, rec, sectors); err != nil {
 		return wrap(err)
 	}
-	klog.FromContext(ctx).V(2).Info("Attached disk", "vm", klog.KRef(vm.Namespace, vm.Name),
-		"serial", rec.Serial, "device", rec.Device, "disk", rec.Name)
+	kv := []any{"vm", klog.KRef(vm.Namespace, vm.Name), "serial", rec.Serial, "device", rec.Device, "disk", rec.Name}
+	if l := rec.limits(); l != nil {
+		kv = append(kv, "limits", l.String(), "guestDevice", rec.guestNumber())
+	}
+	klog.FromContext(ctx).V(2).Info("Attached disk", kv...)
 	return nil
 }
 
@@ -93,10 +108,10 @@ func (d *Driver) openRunning(vm hypervisor.VM) (_ *os.Root, err error) {
 }
 
 // recordFor returns the record of disk, dev being the number of disk.Device: the existing one,
-// updated to the path disk names, or a new one with the lowest free name. It stores what it
-// returns; ErrConflict if the serial or the device is attached with another, ErrNoSlot when a
-// new disk would be one more than slots. Every record counts, complete or not: each holds its
-// device, as a disk in the middle of a hot-plug holds its slot.
+// updated to the path disk names, or a new one with the lowest free name, throttled if disk has
+// limits. It stores what it returns; ErrConflict if the serial or the device is attached with
+// another, ErrNoSlot when a new disk would be one more than slots. Every record counts,
+// complete or not: each holds its device, as a disk in the middle of a hot-plug holds its slot.
 func recordFor(r *os.Root, disk hypervisor.Disk, dev uint64, slots int) (record, error) {
 	records, err := readRecords(r)
 	if err != nil {
@@ -130,6 +145,9 @@ func recordFor(r *os.Root, disk hypervisor.Disk, dev uint64, slots int) (record,
 			return record{}, err
 		}
 		rec = newRecord(disk.Serial, name, disk.Device, dev)
+		if l := disk.Limits; l != nil {
+			rec.Throttle = &throttle{IOPS: l.IOPS, BytesPerSecond: l.BytesPerSecond}
+		}
 	}
 	if err := writeRecord(r, rec); err != nil {
 		return record{}, err
@@ -138,7 +156,8 @@ func recordFor(r *os.Root, disk hypervisor.Disk, dev uint64, slots int) (record,
 }
 
 // plug makes what the guest sees of rec, repairing what is missing or wrong: the device node,
-// then the sys/block directory, whose serial makes the disk visible, then the by-id link.
+// then the sys/block directory, whose serial makes the disk visible, then the by-id link. Both
+// carry the number of the device the guest sees (guestDev).
 func plug(r *os.Root, rec record, sectors uint64) error {
 	if err := makeNode(r, rec); err != nil {
 		return err
@@ -149,11 +168,12 @@ func plug(r *os.Root, rec record, sectors uint64) error {
 	return makeLink(r, rec)
 }
 
-// makeNode makes dev/vdX a block device node with the number of rec, replacing anything else.
+// makeNode makes dev/vdX a block device node with the guest's number of rec, replacing anything
+// else.
 func makeNode(r *os.Root, rec record) error {
 	fi, err := r.Lstat(rec.node())
 	switch {
-	case err == nil && isBlockDevice(fi, rec.dev()):
+	case err == nil && isBlockDevice(fi, rec.guestDev()):
 		return nil
 	case err == nil:
 		if err := r.Remove(rec.node()); err != nil {
@@ -169,7 +189,7 @@ func makeNode(r *os.Root, rec record) error {
 	defer dir.Close()
 	// Mknodat relative to a directory opened through the Root stays inside the VM. The kernel's
 	// device numbers have 12+20 bits, which their 64-bit encoding keeps far below 2^63.
-	if err := unix.Mknodat(int(dir.Fd()), rec.Name, unix.S_IFBLK|0o660, int(rec.dev())); err != nil { //nolint:gosec // see above
+	if err := unix.Mknodat(int(dir.Fd()), rec.Name, unix.S_IFBLK|0o660, int(rec.guestDev())); err != nil { //nolint:gosec // see above
 		return fmt.Errorf("mknod %s: %w", rec.node(), err)
 	}
 	return nil
@@ -196,7 +216,7 @@ func makeSysDir(r *os.Root, rec record, sectors uint64) error {
 		return err
 	}
 	files := []struct{ name, content string }{
-		{"dev", rec.number()},
+		{"dev", rec.guestNumber()},
 		{"size", strconv.FormatUint(sectors, 10)},
 		{"serial", rec.Serial},
 	}
@@ -211,11 +231,11 @@ func makeSysDir(r *os.Root, rec record, sectors uint64) error {
 	return r.Rename(tmp, rec.sysDir())
 }
 
-// hasSysDir reports whether sys/block/vdX of rec has its serial and number.
+// hasSysDir reports whether sys/block/vdX of rec has its serial and the guest's number.
 func hasSysDir(r *os.Root, rec record) bool {
 	serial, errSerial := r.ReadFile(filepath.Join(rec.sysDir(), "serial"))
 	number, errNumber := r.ReadFile(filepath.Join(rec.sysDir(), "dev"))
-	return errSerial == nil && errNumber == nil && string(serial) == rec.Serial+"\n" && string(number) == rec.number()+"\n"
+	return errSerial == nil && errNumber == nil && string(serial) == rec.Serial+"\n" && string(number) == rec.guestNumber()+"\n"
 }
 
 // writeSize updates the size in sys/block/vdX if it changed.
@@ -252,24 +272,27 @@ func hasLink(r *os.Root, rec record) bool {
 	return err == nil && cur == linkTarget(rec)
 }
 
-// sectors returns the current size of the device of rec in 512-byte sectors, from sysfs.
-func (d *Driver) sectors(rec record) (uint64, error) {
-	data, err := os.ReadFile(filepath.Join(d.sysfs, "dev", "block", rec.number(), "size"))
+// sectors returns the current size of the device with number ("major:minor") in 512-byte
+// sectors, from sysfs.
+func (d *Driver) sectors(number string) (uint64, error) {
+	data, err := os.ReadFile(filepath.Join(d.sysfs, "dev", "block", number, "size"))
 	if err != nil {
-		return 0, fmt.Errorf("read size of device %s: %w", rec.number(), err)
+		return 0, fmt.Errorf("read size of device %s: %w", number, err)
 	}
 	n, err := strconv.ParseUint(strings.TrimSpace(string(data)), 10, 64)
 	if err != nil {
-		return 0, fmt.Errorf("parse size of device %s: %w", rec.number(), err)
+		return 0, fmt.Errorf("parse size of device %s: %w", number, err)
 	}
 	return n, nil
 }
 
-// Detach removes the disk with serial from the VM once nothing holds its device: ErrBusy,
-// naming the holders, while it is mounted (anywhere, through any path), its node in the VM is
-// bind-mounted (a raw block volume published by the guest), a kernel device is stacked on it,
-// or something claims it exclusively (a mount in another mount namespace). A disk that is not
-// attached, or a VM that does not exist, is success.
+// Detach removes the disk with serial from the VM once nothing holds the device the guest sees
+// (for a throttled disk, the loop device over its daemon's export): ErrBusy, naming the
+// holders, while it is mounted (anywhere, through any path), its node in the VM is bind-mounted
+// (a raw block volume published by the guest), a kernel device is stacked on it, or something
+// claims it exclusively (a mount in another mount namespace). A disk that is not attached, or a
+// VM that does not exist, is success. A throttled disk's loop device and daemon go before its
+// record, so that a Detach interrupted anywhere is completed by the next.
 //
 // The check and the removal are not atomic against a guest that mounts the disk in between; the
 // guest-csi node plugin does not, since kubelet unstages a volume before it is unpublished.
@@ -304,7 +327,7 @@ func (d *Driver) Detach(ctx context.Context, vm hypervisor.VM, serial string) er
 	if len(users) > 0 {
 		return fmt.Errorf("detach disk %s from %s: %w: %s", serial, vmKey(vm), hypervisor.ErrBusy, strings.Join(users, ", "))
 	}
-	if err := unplug(r, rec); err != nil {
+	if err := d.unplug(ctx, r, vm, rec); err != nil {
 		return fmt.Errorf("detach disk %s from %s: %w", serial, vmKey(vm), err)
 	}
 	klog.FromContext(ctx).V(2).Info("Detached disk", "vm", klog.KRef(vm.Namespace, vm.Name),
@@ -312,9 +335,10 @@ func (d *Driver) Detach(ctx context.Context, vm hypervisor.VM, serial string) er
 	return nil
 }
 
-// unplug removes the guest's view of rec, then the record: the by-id link, the node, the
-// sys/block directory, each of which may already be gone.
-func unplug(r *os.Root, rec record) error {
+// unplug removes the guest's view of rec (the by-id link, the node, the sys/block directory),
+// then what a throttled disk holds on the host (stopThrottle), then the record; each may
+// already be gone.
+func (d *Driver) unplug(ctx context.Context, r *os.Root, vm hypervisor.VM, rec record) error {
 	for _, name := range []string{rec.link(), rec.node()} {
 		if err := removeIfExists(r, name); err != nil {
 			return err
@@ -323,15 +347,22 @@ func unplug(r *os.Root, rec record) error {
 	if err := r.RemoveAll(rec.sysDir()); err != nil {
 		return err
 	}
+	if rec.Throttle != nil {
+		if err := d.stopThrottle(ctx, d.daemonDir(vm, rec.Serial)); err != nil {
+			return err
+		}
+	}
 	return removeIfExists(r, rec.recFile())
 }
 
-// Disks lists the disks the guest sees, in the order of their names, and refreshes the size
+// Disks lists the disks the guest sees, in the order of their names, each with Device as
+// Attach was given it and its limits (nil for a disk attached without), and refreshes the size
 // of each. A disk whose attach or detach was interrupted is not listed, as QEMU lists no device
 // whose device_add did not happen: the guest does not see it, and a caller that took it for
-// attached would report a disk the guest never finds. Attach completes it, Detach removes it;
-// until then it holds its device (PowerOff refuses). A VM that is not running has no disks,
-// since PowerOff refuses while it has some.
+// attached would report a disk the guest never finds; nor is a throttled disk whose daemon or
+// loop device is gone, which the guest can no longer use. Attach completes or repairs it,
+// Detach removes it; until then it holds its device (PowerOff refuses). A VM that is not
+// running has no disks, since PowerOff refuses while it has some.
 func (d *Driver) Disks(ctx context.Context, vm hypervisor.VM) ([]hypervisor.Disk, error) {
 	unlock, err := d.lock(ctx, vm)
 	if err != nil {
@@ -355,10 +386,22 @@ func (d *Driver) Disks(ctx context.Context, vm hypervisor.VM) ([]hypervisor.Disk
 		if !plugged(r, rec) {
 			continue
 		}
+		if rec.Throttle != nil {
+			loop, ok, err := d.throttled(vm, rec)
+			if err != nil {
+				return nil, fmt.Errorf("list disks of %s: %w", vmKey(vm), err)
+			}
+			if !ok {
+				continue
+			}
+			if err := d.followSize(ctx, nil, d.daemonDir(vm, rec.Serial), rec, loop); err != nil {
+				return nil, fmt.Errorf("list disks of %s: disk %s: %w", vmKey(vm), rec.Serial, err)
+			}
+		}
 		if err := d.refreshSize(r, rec); err != nil {
 			return nil, fmt.Errorf("list disks of %s: %w", vmKey(vm), err)
 		}
-		disks = append(disks, hypervisor.Disk{Serial: rec.Serial, Device: rec.Device})
+		disks = append(disks, hypervisor.Disk{Serial: rec.Serial, Device: rec.Device, Limits: rec.limits()})
 	}
 	return disks, nil
 }
@@ -367,13 +410,13 @@ func (d *Driver) Disks(ctx context.Context, vm hypervisor.VM) ([]hypervisor.Disk
 // node, the sys/block directory with the serial and the number, the by-id link.
 func plugged(r *os.Root, rec record) bool {
 	fi, err := r.Lstat(rec.node())
-	return err == nil && isBlockDevice(fi, rec.dev()) && hasSysDir(r, rec) && hasLink(r, rec)
+	return err == nil && isBlockDevice(fi, rec.guestDev()) && hasSysDir(r, rec) && hasLink(r, rec)
 }
 
-// refreshSize updates the size the guest sees of a disk to that of its device. A device that
-// no longer exists keeps its last size.
+// refreshSize updates the size the guest sees of a disk to that of the device it sees. A device
+// that no longer exists keeps its last size.
 func (d *Driver) refreshSize(r *os.Root, rec record) error {
-	sectors, err := d.sectors(rec)
+	sectors, err := d.sectors(rec.guestNumber())
 	if errors.Is(err, fs.ErrNotExist) {
 		return nil
 	}

@@ -1,6 +1,7 @@
 package local
 
 import (
+	"context"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -19,14 +20,16 @@ import (
 const mib = int64(1) << 20
 
 // env is one test's sandbox: a temporary directory holding the VM root, the backing files of
-// loop devices and mount points, and a Driver on that root. Its cleanup fails the test if a
-// mount under the directory or a loop device on one of its files is left behind, after taking
-// them away so that later tests start clean.
+// loop devices and mount points, a short run directory for the daemons of throttled disks, and
+// a Driver on that root. Its cleanup fails the test if a daemon, a mount under either
+// directory or a loop device on one of its files is left behind, after taking them away so
+// that later tests start clean.
 type env struct {
-	dir   string
-	root  string
-	d     *Driver
-	files []string
+	dir    string
+	root   string
+	runDir string
+	d      *Driver
+	files  []string
 }
 
 func newEnv(t *testing.T) *env {
@@ -35,10 +38,28 @@ func newEnv(t *testing.T) *env {
 		t.Fatal("these tests make device nodes and mount real loop devices: they must run as root")
 	}
 	dir := t.TempDir()
-	e := &env{dir: dir, root: filepath.Join(dir, "vms")}
+	// Not under dir, whose name follows the test's: the daemons' sockets need a short path.
+	runDir, err := os.MkdirTemp("", "qsd-")
+	if err != nil {
+		t.Fatal(err)
+	}
+	e := &env{dir: dir, root: filepath.Join(dir, "vms"), runDir: runDir}
 	e.d = e.driver(t, Options{})
 	t.Cleanup(func() {
-		mounts := mountsUnder(t, dir)
+		// The daemons first: they hold loop devices of the test's files.
+		entries, err := os.ReadDir(runDir)
+		if err != nil {
+			t.Error(err)
+		}
+		for _, entry := range entries {
+			t.Errorf("qemu-storage-daemon directory left behind: %s", entry.Name())
+			dd := daemonDir(filepath.Join(runDir, entry.Name()))
+			if err := (&Driver{sysfs: "/sys"}).stopThrottle(context.Background(), dd); err != nil {
+				t.Error(err)
+			}
+		}
+		_ = os.RemoveAll(runDir)
+		mounts := append(mountsUnder(t, runDir), mountsUnder(t, dir)...)
 		for _, mp := range slices.Backward(mounts) {
 			t.Errorf("mount left behind at %s", mp)
 			_ = unix.Unmount(mp, unix.MNT_DETACH)
@@ -54,6 +75,9 @@ func newEnv(t *testing.T) *env {
 func (e *env) driver(t *testing.T, opts Options) *Driver {
 	t.Helper()
 	opts.Root = e.root
+	if opts.RunDir == "" {
+		opts.RunDir = e.runDir
+	}
 	d, err := New(opts)
 	if err != nil {
 		t.Fatal(err)

@@ -51,17 +51,56 @@ type record struct {
 	// Major and Minor are the number of Device when it was attached.
 	Major uint32 `json:"major"`
 	Minor uint32 `json:"minor"`
+	// Throttle is set for a disk attached with I/O limits, which the guest sees through a
+	// qemu-storage-daemon (throttle.go); nil for a disk whose device the guest sees directly.
+	Throttle *throttle `json:"throttle,omitempty"`
+}
+
+// throttle is what the record of a throttled disk adds. The daemon's files are not named here
+// but found by the VM and the serial (daemonDir): the driver never acts on a host object
+// that a file in the VM directory names.
+type throttle struct {
+	// IOPS and BytesPerSecond are the limits the daemon enforces; zero is no limit.
+	IOPS           int64 `json:"iops"`
+	BytesPerSecond int64 `json:"bytesPerSecond"`
+	// LoopMajor and LoopMinor are the number of the loop device over the daemon's export, the
+	// disk the guest sees; 0:0 until Attach made it.
+	LoopMajor uint32 `json:"loopMajor"`
+	LoopMinor uint32 `json:"loopMinor"`
 }
 
 func newRecord(serial, name, device string, dev uint64) record {
 	return record{Serial: serial, Name: name, Device: device, Major: unix.Major(dev), Minor: unix.Minor(dev)}
 }
 
-// dev returns the device number.
+// dev returns the number of the host device.
 func (rec record) dev() uint64 { return unix.Mkdev(rec.Major, rec.Minor) }
 
-// number returns the device number as sysfs writes it, "major:minor".
-func (rec record) number() string { return fmt.Sprintf("%d:%d", rec.Major, rec.Minor) }
+// number returns the number of the host device as sysfs writes it, "major:minor".
+func (rec record) number() string { return formatDev(rec.dev()) }
+
+// guestDev returns the number of the device the guest sees: the host device's, or for a
+// throttled disk that of the loop device over its daemon's export.
+func (rec record) guestDev() uint64 {
+	if rec.Throttle != nil {
+		return unix.Mkdev(rec.Throttle.LoopMajor, rec.Throttle.LoopMinor)
+	}
+	return rec.dev()
+}
+
+// guestNumber returns guestDev as sysfs writes it.
+func (rec record) guestNumber() string { return formatDev(rec.guestDev()) }
+
+// limits returns the disk's limits; nil for a disk attached without.
+func (rec record) limits() *hypervisor.Limits {
+	if rec.Throttle == nil {
+		return nil
+	}
+	return &hypervisor.Limits{IOPS: rec.Throttle.IOPS, BytesPerSecond: rec.Throttle.BytesPerSecond}
+}
+
+// formatDev writes a device number as sysfs does, "major:minor".
+func formatDev(dev uint64) string { return fmt.Sprintf("%d:%d", unix.Major(dev), unix.Minor(dev)) }
 
 func (rec record) node() string    { return filepath.Join(devDir, rec.Name) }
 func (rec record) sysDir() string  { return filepath.Join(sysBlockDir, rec.Name) }

@@ -14,8 +14,20 @@
 //	.hypervisor/running              the power-state marker; it holds the VM's UID
 //	var/lib/cloud/seed/nocloud/      user-data and meta-data of a VM started with bootstrap
 //	                                 data (mode 0600), where cloud-init's NoCloud looks
-//	.hypervisor/disks/<serial>.json  the record of a disk: its name vdX, host device and number
+//	.hypervisor/disks/<serial>.json  the record of a disk: its name vdX, host device and number,
+//	                                 and for a throttled disk its limits and loop device
 //	.hypervisor/tmp/                 files being written, renamed into place when complete
+//
+// A disk attached with I/O limits is throttled (throttle.go): the guest sees it through a
+// qemu-storage-daemon of its own, a loop device over the daemon's FUSE export, whose number
+// dev/vdX and sys/block/vdX/dev then carry. The daemon's files are in
+// <RunDir>/<serial>-<hash of the root and the VM>/:
+//
+//	qmp.sock   its QMP socket, over which SetLimits changes the limits live
+//	qsd.pid    its pid file, which it keeps locked while it runs
+//	disk       the regular file over which it mounts its FUSE export: the throttled disk
+//
+// The daemon needs /dev/fuse, and the loop devices /dev/loop-control and /dev/loopN.
 //
 // Disk names are allocated lowest-free first (vda … vdz, vdaa …) as the kernel does. The UID is
 // recorded for people reading the directory; the VM is its namespace and name.
@@ -29,9 +41,11 @@
 // .hypervisor/tmp and renamed into place), and the steps are ordered so that a crash leaves
 // nothing unaccounted for: Attach writes the record first, then the device node, then the
 // sys/block directory (whose serial is what makes the disk visible), then the by-id link;
-// Detach removes them in the opposite order and the record last. A disk with a record is
-// attached as far as Disks is concerned, complete or not: repeating Attach completes it, and
-// Detach removes it.
+// Detach removes them in the opposite order and the record last. A throttled disk's daemon and
+// loop device come after the record and before the device node (the record then gets the loop
+// device's number), and go after the sys/block directory and before the record. A disk with a
+// record is attached as far as PowerOff is concerned, complete or not: repeating Attach
+// completes it (restarting a daemon that died, reusing one that runs), and Detach removes it.
 //
 // Writes are not synced to stable storage: the loop devices of the lab do not survive a reboot
 // of the machine either.
@@ -64,16 +78,24 @@ type Options struct {
 	// Slots is how many disks a VM holds at once when its VirtualMachine does not say
 	// (hypervisor.VM.Slots). Default hypervisor.MaxSlots.
 	Slots int
+	// RunDir holds a directory per disk attached with limits, with the QMP socket, pid file
+	// and FUSE export of the disk's qemu-storage-daemon. It must be absolute and at most 64
+	// bytes long, so that the sockets' paths stay within the 107 bytes of a unix socket
+	// address, and must not change across restarts of the agent, which finds the daemons
+	// there. A tmpfs suits: the daemons do not survive a reboot. It is created when first
+	// needed. Default /run/pvbridge/local.
+	RunDir string
 }
 
 // Driver is the local hypervisor. It is safe for concurrent use; the operations on one VM are
 // serialized, those on different VMs run in parallel. Only one Driver may act on a root at a
 // time (one agent per host): two would not serialize against each other.
 type Driver struct {
-	root  string
-	sysfs string
-	slots int
-	locks vmLocks
+	root   string
+	sysfs  string
+	slots  int
+	runDir string
+	locks  vmLocks
 }
 
 var _ hypervisor.Driver = (*Driver)(nil)
@@ -92,6 +114,12 @@ func New(opts Options) (*Driver, error) {
 	if opts.Slots < 0 || opts.Slots > hypervisor.MaxSlots {
 		return nil, fmt.Errorf("slots %d: want 1 to %d", opts.Slots, hypervisor.MaxSlots)
 	}
+	if opts.RunDir == "" {
+		opts.RunDir = "/run/pvbridge/local"
+	}
+	if !filepath.IsAbs(opts.RunDir) || len(filepath.Clean(opts.RunDir)) > maxRunDirLen {
+		return nil, fmt.Errorf("run directory %q must be an absolute path of at most %d bytes", opts.RunDir, maxRunDirLen)
+	}
 	if err := os.MkdirAll(opts.Root, 0o755); err != nil {
 		return nil, fmt.Errorf("create root: %w", err)
 	}
@@ -102,7 +130,7 @@ func New(opts Options) (*Driver, error) {
 	if st.Flags&unix.ST_NODEV != 0 {
 		return nil, fmt.Errorf("root %s is on a filesystem mounted nodev: guests could not open their disks", opts.Root)
 	}
-	return &Driver{root: filepath.Clean(opts.Root), sysfs: opts.Sysfs, slots: opts.Slots}, nil
+	return &Driver{root: filepath.Clean(opts.Root), sysfs: opts.Sysfs, slots: opts.Slots, runDir: filepath.Clean(opts.RunDir)}, nil
 }
 
 // Slots reports the VM's slots, vm.Slots or the driver's default, while it runs; 0 otherwise.
@@ -164,8 +192,9 @@ func (d *Driver) PowerOff(ctx context.Context, vm hypervisor.VM) error {
 
 // ForceOff stops the VM as pulling its power would: the guest's mounts of its disks (which in
 // the lab live in the host's mount table) are detached lazily, as a dead guest's would vanish,
-// then the disks are unplugged and the VM marked stopped. A device that something stacked on it
-// still holds (a device-mapper or loop device of the guest) cannot be dropped: ErrBusy.
+// then the disks are unplugged (a throttled disk's daemon stopped) and the VM marked stopped. A
+// device that something stacked on it still holds (a device-mapper or loop device of the
+// guest) cannot be dropped: ErrBusy.
 func (d *Driver) ForceOff(ctx context.Context, vm hypervisor.VM) error {
 	return d.powerOff(ctx, vm, true)
 }
@@ -196,7 +225,7 @@ func (d *Driver) powerOff(ctx context.Context, vm hypervisor.VM, force bool) err
 		return fmt.Errorf("power off %s: %w: disks %q are attached; detach them first", vmKey(vm), hypervisor.ErrBusy, serials)
 	}
 	for _, rec := range records {
-		if err := d.pullDisk(r, rec); err != nil {
+		if err := d.pullDisk(ctx, r, vm, rec); err != nil {
 			return fmt.Errorf("force off %s: disk %s: %w", vmKey(vm), rec.Serial, err)
 		}
 	}

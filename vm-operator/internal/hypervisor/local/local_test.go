@@ -4,6 +4,7 @@ import (
 	"context"
 	"os"
 	"path/filepath"
+	"strings"
 	"testing"
 	"time"
 
@@ -18,6 +19,7 @@ func TestNew(t *testing.T) {
 		// root returns the root to pass, given a fresh directory.
 		root    func(t *testing.T, dir string) string
 		slots   int
+		runDir  string
 		wantErr string
 	}{
 		{
@@ -31,6 +33,18 @@ func TestNew(t *testing.T) {
 			root:    func(_ *testing.T, dir string) string { return dir },
 			slots:   -1,
 			wantErr: "slots -1",
+		},
+		{
+			name:    "refuses a relative run directory",
+			root:    func(_ *testing.T, dir string) string { return dir },
+			runDir:  "run/pvbridge",
+			wantErr: "run directory",
+		},
+		{
+			name:    "refuses a run directory too long for the daemons' sockets",
+			root:    func(_ *testing.T, dir string) string { return dir },
+			runDir:  "/run/" + strings.Repeat("x", 60),
+			wantErr: "at most 64 bytes",
 		},
 		{
 			name: "creates a missing root",
@@ -61,7 +75,7 @@ func TestNew(t *testing.T) {
 			g := NewWithT(t)
 			root := tt.root(t, t.TempDir())
 
-			d, err := New(Options{Root: root, Slots: tt.slots})
+			d, err := New(Options{Root: root, Slots: tt.slots, RunDir: tt.runDir})
 
 			if tt.wantErr != "" {
 				g.Expect(err).To(MatchError(ContainSubstring(tt.wantErr)))

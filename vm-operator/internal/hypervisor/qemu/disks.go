@@ -57,6 +57,7 @@ type attachment struct {
 	serial string // "" when it has none
 	node   string // the block node it uses
 	file   string // the host file or device behind the node
+	limits hypervisor.Limits
 }
 
 // attachments lists the block devices of the VM behind mon, with their serials and host devices.
@@ -67,6 +68,8 @@ func attachments(ctx context.Context, mon *Monitor) ([]attachment, error) {
 		Inserted *struct {
 			NodeName string `json:"node-name"`
 			File     string `json:"file"`
+			BPS      int64  `json:"bps"`
+			IOPS     int64  `json:"iops"`
 		} `json:"inserted"`
 	}
 	if err := mon.Execute(ctx, "query-block", nil, &blocks); err != nil {
@@ -78,9 +81,10 @@ func attachments(ctx context.Context, mon *Monitor) ([]attachment, error) {
 			continue // a -drive without a device, or an empty drive
 		}
 		a := attachment{
-			path: strings.TrimSuffix(b.QDev, "/virtio-backend"),
-			node: b.Inserted.NodeName,
-			file: b.Inserted.File,
+			path:   strings.TrimSuffix(b.QDev, "/virtio-backend"),
+			node:   b.Inserted.NodeName,
+			file:   b.Inserted.File,
+			limits: hypervisor.Limits{IOPS: b.Inserted.IOPS, BytesPerSecond: b.Inserted.BPS},
 		}
 		if id, ok := strings.CutPrefix(a.path, peripheral); ok && !strings.Contains(id, "/") {
 			a.id = id
@@ -97,7 +101,8 @@ func attachments(ctx context.Context, mon *Monitor) ([]attachment, error) {
 
 // Disks implements hypervisor.Driver. It lists the disks this driver attached (other block
 // devices of the VM, such as its boot disk, are not its business), as QEMU reports them; a
-// disk whose unplug is in progress is still listed.
+// disk whose unplug is in progress is still listed. QEMU changes any disk's limits live, so a
+// disk without limits is listed with nil ones.
 func (d *Driver) Disks(ctx context.Context, vm hypervisor.VM) ([]hypervisor.Disk, error) {
 	v, err := d.state(vm)
 	if err != nil {
@@ -117,7 +122,11 @@ func (d *Driver) Disks(ctx context.Context, vm hypervisor.VM) ([]hypervisor.Disk
 	var disks []hypervisor.Disk
 	for _, a := range atts {
 		if strings.HasPrefix(a.id, devicePrefix) {
-			disks = append(disks, hypervisor.Disk{Serial: a.serial, Device: a.file})
+			disk := hypervisor.Disk{Serial: a.serial, Device: a.file}
+			if a.limits != (hypervisor.Limits{}) {
+				disk.Limits = &a.limits
+			}
+			disks = append(disks, disk)
 		}
 	}
 	slices.SortFunc(disks, func(a, b hypervisor.Disk) int { return strings.Compare(a.Serial, b.Serial) })
@@ -211,6 +220,55 @@ func (d *Driver) Attach(ctx context.Context, vm hypervisor.VM, disk hypervisor.D
 		return fmt.Errorf("VM %s: add disk %s with serial %q: %w", v.name, disk.Device, disk.Serial, err)
 	}
 	klog.FromContext(ctx).V(2).Info("Attached disk", "vm", v.name, "serial", disk.Serial, "device", disk.Device, "port", port)
+	if disk.Limits != nil && *disk.Limits != (hypervisor.Limits{}) {
+		// Interrupted before this, the disk is attached without its limits: the caller sees
+		// that in Disks and sets them.
+		return setThrottle(ctx, mon, v.name, id, *disk.Limits)
+	}
+	return nil
+}
+
+// SetLimits implements hypervisor.Driver: block_set_io_throttle on the disk's device, which
+// QEMU applies to the requests that follow, whatever the disk was attached with.
+func (d *Driver) SetLimits(ctx context.Context, vm hypervisor.VM, serial string, limits hypervisor.Limits) error {
+	if err := validateSerial(serial); err != nil {
+		return err
+	}
+	v, err := d.state(vm)
+	if err != nil {
+		return err
+	}
+	v.mu.Lock()
+	defer v.mu.Unlock()
+	mon, err := v.monitor(ctx)
+	if err != nil {
+		return err
+	}
+	atts, err := attachments(ctx, mon)
+	if err != nil {
+		return fmt.Errorf("VM %s: %w", v.name, err)
+	}
+	id, _ := names(serial)
+	i := slices.IndexFunc(atts, func(a attachment) bool { return a.id == id && a.serial == serial })
+	switch {
+	case i < 0:
+		return fmt.Errorf("VM %s has no disk with serial %q", v.name, serial)
+	case atts[i].limits == limits:
+		return nil
+	}
+	return setThrottle(ctx, mon, v.name, id, limits)
+}
+
+// setThrottle sets the total limits of device id; zero lifts one. The block backend of a
+// virtio-blk-pci device is its virtio-backend child's.
+func setThrottle(ctx context.Context, mon *Monitor, vmName, id string, l hypervisor.Limits) error {
+	err := mon.Execute(ctx, "block_set_io_throttle", map[string]any{
+		"id": peripheral + id + "/virtio-backend", "bps": l.BytesPerSecond, "bps_rd": 0, "bps_wr": 0, "iops": l.IOPS, "iops_rd": 0, "iops_wr": 0,
+	}, nil)
+	if err != nil {
+		return fmt.Errorf("VM %s: set I/O limits of %s: %w", vmName, id, err)
+	}
+	klog.FromContext(ctx).V(2).Info("Set disk I/O limits", "vm", vmName, "device", id, "iops", l.IOPS, "bytesPerSecond", l.BytesPerSecond)
 	return nil
 }
 

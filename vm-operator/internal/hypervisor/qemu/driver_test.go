@@ -241,6 +241,32 @@ func TestAttachAndDetach(t *testing.T) {
 	g.Expect(d.Disks(ctx, testVM)).To(Equal([]hypervisor.Disk{disk}))
 }
 
+func TestLimitsAreSetAtAttachAndChangedLive(t *testing.T) {
+	g := NewWithT(t)
+	ctx := t.Context()
+	d := newDriver(t, Options{})
+	loop, _ := newLoop(t)
+	startVM(t, d, testVM)
+	limits := hypervisor.Limits{IOPS: 200, BytesPerSecond: 4 << 20}
+	disk := hypervisor.Disk{Serial: "PVB-LIMITS", Device: loop, Limits: &limits}
+
+	g.Expect(d.Attach(ctx, testVM, disk)).To(Succeed())
+	g.Expect(d.Disks(ctx, testVM)).To(Equal([]hypervisor.Disk{disk}), "QEMU reports the limits it enforces")
+	g.Expect(d.Attach(ctx, testVM, disk)).To(Succeed(), "attaching again is success")
+
+	faster := hypervisor.Limits{BytesPerSecond: 64 << 20}
+	g.Expect(d.SetLimits(ctx, testVM, disk.Serial, faster)).To(Succeed())
+	g.Expect(d.SetLimits(ctx, testVM, disk.Serial, faster)).To(Succeed(), "setting the limits a disk has is success")
+	g.Expect(d.Disks(ctx, testVM)).To(Equal([]hypervisor.Disk{{Serial: disk.Serial, Device: loop, Limits: &faster}}))
+
+	g.Expect(d.SetLimits(ctx, testVM, disk.Serial, hypervisor.Limits{})).To(Succeed(), "zero lifts the limits")
+	g.Expect(d.Disks(ctx, testVM)).To(Equal([]hypervisor.Disk{{Serial: disk.Serial, Device: loop}}))
+
+	g.Expect(d.SetLimits(ctx, testVM, "PVB-OTHER", faster)).To(MatchError(ContainSubstring(`no disk with serial "PVB-OTHER"`)))
+	g.Expect(d.Detach(ctx, testVM, disk.Serial)).To(Succeed())
+	g.Expect(d.SetLimits(ctx, hypervisor.VM{Namespace: "ns", Name: "off"}, disk.Serial, faster)).To(MatchError(hypervisor.ErrVMNotFound))
+}
+
 func TestAttachIsIdempotentAndRefusesConflicts(t *testing.T) {
 	d := newDriver(t, Options{})
 	loopA, _ := newLoop(t)
