@@ -15,7 +15,9 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	storagev1 "k8s.io/api/storage/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/runtime/schema"
 	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/dynamic"
 	"k8s.io/client-go/kubernetes/scheme"
 	"k8s.io/client-go/tools/remotecommand"
 	"k8s.io/utils/ptr"
@@ -158,7 +160,7 @@ func TestVolumeAttributesClassLimitsIOLive(t *testing.T) {
 
 // allowAttributesClasses creates management VolumeAttributesClasses, each limiting a disk to
 // its bytes per second, and allows the guest cluster to use them (the platform admin's
-// annotation on its namespace), until the test ends.
+// annotation on its Cluster), until the test ends.
 func allowAttributesClasses(t *testing.T, classes map[string]string) {
 	g := NewWithT(t)
 	ctx := t.Context()
@@ -173,16 +175,21 @@ func allowAttributesClasses(t *testing.T, classes map[string]string) {
 		list = append(list, name)
 	}
 	slices.Sort(list)
+	dc, err := dynamic.NewForConfig(in.Mgmt.RESTConfig())
+	g.Expect(err).NotTo(HaveOccurred())
+	clusters := dc.Resource(schema.GroupVersionResource{Group: "cluster.x-k8s.io", Version: "v1beta2", Resource: "clusters"}).Namespace(ns)
+	c, err := clusters.Get(ctx, in.Options.Guest.Name, metav1.GetOptions{})
+	g.Expect(err).NotTo(HaveOccurred())
 	annotate := func(ctx context.Context, value string) error {
-		patch := fmt.Appendf(nil, `{"metadata":{"annotations":{%q:%s}}}`, tenancy.AttributesClassesAnnotation, value)
-		_, err := mc.CoreV1().Namespaces().Patch(ctx, ns, types.MergePatchType, patch, metav1.PatchOptions{})
+		patch := fmt.Appendf(nil, `{"metadata":{"annotations":{%q:%q}}}`, tenancy.AttributesClassesAnnotation, value)
+		_, err := clusters.Patch(ctx, in.Options.Guest.Name, types.MergePatchType, patch, metav1.PatchOptions{})
 		return err
 	}
-	g.Expect(annotate(ctx, strconv.Quote(strings.Join(list, ",")))).To(Succeed())
+	g.Expect(annotate(ctx, strings.Join(list, ","))).To(Succeed())
 	t.Cleanup(func() {
 		ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 		defer cancel()
-		g.Expect(annotate(ctx, "null")).To(Succeed())
+		g.Expect(annotate(ctx, c.GetAnnotations()[tenancy.AttributesClassesAnnotation])).To(Succeed())
 		for name := range classes {
 			// Deleted once no claim uses it (kube-controller-manager's vac-protection).
 			g.Expect(mc.StorageV1().VolumeAttributesClasses().Delete(ctx, name, metav1.DeleteOptions{})).To(Succeed())
