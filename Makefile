@@ -108,9 +108,9 @@ e2e: deps lab-tools ## Run the end-to-end suite; LABELS picks a subset (e.g. LAB
 	cd e2e && $(E2E_GO_TEST) -count=1 -timeout $(TEST_TIMEOUT) ./suite -args -ginkgo.v $(if $(LABELS),-ginkgo.label-filter='$(LABELS)')
 
 .PHONY: conformance
-conformance: deps test-tools ## Run Kubernetes' External Storage tests (e2e.test) against both drivers, all of them, in PROCS parallel processes (default 3); make test runs a subset.
+conformance: deps test-tools ## Run Kubernetes' External Storage tests (e2e.test) against both drivers, all of them, in PROCS parallel processes (default 3), keeping the JUnit reports in REPORTS (default docs/conformance); make test runs a subset.
 	hack/build-tools.sh ginkgo
-	cd e2e && $(E2E_GO_TEST) -count=1 -v -timeout 4h -run TestExternalStorage ./containers -args -conformance.full -conformance.procs=$(or $(PROCS),3) $(if $(FOCUS),-conformance.focus='$(FOCUS)')
+	cd e2e && $(E2E_GO_TEST) -count=1 -v -timeout 4h -run TestExternalStorage ./containers -args -conformance.full -conformance.procs=$(or $(PROCS),3) $(if $(FOCUS),-conformance.focus='$(FOCUS)') -conformance.reports=$(CURDIR)/$(or $(REPORTS),docs/conformance)
 
 .PHONY: sanity
 sanity: deps test-tools ## Run the csi-sanity binary against both drivers as the lab runs them and print each summary.

@@ -29,6 +29,7 @@ var (
 	full  = flag.Bool("conformance.full", false, "run every External Storage test but the skipped ones (make conformance), not the CI subset")
 	only  = flag.String("conformance.focus", "", "a regular expression of the tests to run instead (after the driver's name)")
 	procs = flag.Int("conformance.procs", 1, "parallel processes of e2e.test, run by the ginkgo CLI when more than 1")
+	keep  = flag.String("conformance.reports", "", "a directory to copy each driver's JUnit and Ginkgo JSON reports into (<dir>/<driver>/), to keep them after the lab is removed")
 )
 
 // subset is what CI runs of each driver: provisioning (empty, from a snapshot, from a clone,
@@ -130,6 +131,9 @@ func TestExternalStorage(t *testing.T) {
 			cmd.Stdout, cmd.Stderr = out, out
 			t.Logf("e2e.test against %s, output in %s", d.driver, logFile)
 			runErr := cmd.Run()
+			if *keep != "" {
+				keepReports(t, filepath.Join(*keep, d.driver), report, filepath.Join(lab.Root, "reports-"+d.driver))
+			}
 			passed, failed, skipped := summarize(t, report)
 			t.Logf("%s: %d passed, %d failed, %d skipped:\n  %s", d.driver, len(passed), len(failed), len(skipped), strings.Join(skipped, "\n  "))
 			if runErr != nil || len(failed) > 0 {
@@ -138,6 +142,22 @@ func TestExternalStorage(t *testing.T) {
 			g.Expect(passed).NotTo(BeEmpty(), "no test ran")
 		})
 	}
+}
+
+// keepReports copies the Ginkgo JSON report and the JUnit files of a run into dir, replacing what
+// an earlier run left there.
+func keepReports(t *testing.T, dir, report, junitDir string) {
+	g := NewWithT(t)
+	g.Expect(os.RemoveAll(dir)).To(Succeed())
+	g.Expect(os.MkdirAll(dir, 0o755)).To(Succeed())
+	junit, err := filepath.Glob(filepath.Join(junitDir, "junit_*.xml"))
+	g.Expect(err).NotTo(HaveOccurred())
+	for _, f := range append(junit, report) {
+		data, err := os.ReadFile(f)
+		g.Expect(err).NotTo(HaveOccurred())
+		g.Expect(os.WriteFile(filepath.Join(dir, filepath.Base(f)), data, 0o644)).To(Succeed())
+	}
+	t.Logf("reports of %s kept in %s", filepath.Base(dir), dir)
 }
 
 // prefixed returns each of args with prefix before it.
