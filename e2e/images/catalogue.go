@@ -90,17 +90,19 @@ func LabImages() ([]Image, error) {
 
 // notApplets are the programs a busybox image takes from Debian instead of busybox's applets:
 // the storage tests write block volumes with `dd oflag=nocache`, which busybox's dd lacks, and
-// sh is dash, because Debian's busybox sh runs its own applets before looking at PATH.
+// sh is bash, because Debian's busybox sh runs its own applets before looking at PATH. Not
+// dash: the tests' scripts use `let` (volumeIO's init container counts with it), which dash
+// lacks, and a loop that never counts up fills the volume until the test times out.
 var notApplets = []string{"dd", "sh"}
 
 // busybox is an image of Debian's busybox-static with every applet but notApplets, which come
-// from coreutils and dash, run as root with sh.
+// from coreutils and bash, run as root with sh.
 func busybox(name, tag string) (Image, error) {
 	out, err := exec.Command("busybox", "--list-full").Output()
 	if err != nil {
 		return Image{}, fmt.Errorf("busybox --list-full (Debian package busybox-static): %w", err)
 	}
-	applets := []Entry{Symlink("/usr/bin/sh", "/usr/bin/dash")}
+	applets := []Entry{Symlink("/usr/bin/sh", "/usr/bin/bash")}
 	for _, a := range strings.Fields(string(out)) {
 		p := "/usr/" + strings.TrimPrefix(a, "usr/")
 		if p != "/usr/bin/busybox" && !slices.Contains(notApplets, path.Base(p)) {
@@ -108,7 +110,7 @@ func busybox(name, tag string) (Image, error) {
 		}
 	}
 	return Image{
-		Name: name, Tag: tag, User: "0", Programs: []string{"busybox", "dash", "dd"}, Extra: applets,
+		Name: name, Tag: tag, User: "0", Programs: []string{"busybox", "bash", "dd"}, Extra: applets,
 		Cmd: []string{"sh"}, Source: "https://packages.debian.org/bookworm/busybox-static",
 	}, nil
 }

@@ -215,9 +215,10 @@ func installed(t *testing.T, root, pkg, file, content string) {
 	write(t, info+".md5sums", hex.EncodeToString(s[:])+"  "+strings.TrimPrefix(file, "/")+"\n")
 }
 
-// TestBusyboxRunsDebiansShellAndDD checks the busybox images of the storage tests: sh is dash
-// and dd is coreutils' (busybox's sh runs its own applets before PATH, and its dd lacks
-// oflag=nocache), every other applet links to busybox, and no path is in the image twice.
+// TestBusyboxRunsDebiansShellAndDD checks the busybox images of the storage tests: sh is bash
+// and dd is coreutils' (busybox's sh runs its own applets before PATH, its dd lacks
+// oflag=nocache, and dash lacks the tests' `let`), every other applet links to busybox, and no
+// path is in the image twice.
 func TestBusyboxRunsDebiansShellAndDD(t *testing.T) {
 	g := NewWithT(t)
 	img, err := busybox("registry.k8s.io/e2e-test-images/busybox", "1.37.0-2")
@@ -229,8 +230,8 @@ func TestBusyboxRunsDebiansShellAndDD(t *testing.T) {
 		g.Expect(byPath).NotTo(HaveKey(e.Path), "twice in the image")
 		byPath[e.Path] = e
 	}
-	g.Expect(byPath["/usr/bin/sh"].Link).To(Equal("/usr/bin/dash"))
-	g.Expect(byPath["/usr/bin/dash"].Source).To(Equal("/usr/bin/dash"))
+	g.Expect(byPath["/usr/bin/sh"].Link).To(Equal("/usr/bin/bash"))
+	g.Expect(byPath["/usr/bin/bash"].Source).To(Equal("/usr/bin/bash"))
 	g.Expect(byPath["/usr/bin/dd"].Source).To(Equal("/usr/bin/dd"))
 	g.Expect(byPath["/usr/bin/cat"].Link).To(Equal("/usr/bin/busybox"))
 }
