@@ -100,6 +100,7 @@ func (l *Lab) Stop() error {
 	l.mu.Unlock()
 	l.cancel()
 
+	throttled := throttledLoops(l.Root)
 	var errs []error
 	for _, p := range slices.Backward(procs) {
 		_ = p.Stop() // an exit status on SIGTERM is expected
@@ -111,6 +112,12 @@ func (l *Lab) Stop() error {
 	}
 	// Loop devices hold files of filesystems that are themselves mounted from loop devices (the
 	// PMEM emulation): detach, unmount, and detach what the unmounts released.
+	// The loop devices over the throttled disks' exports, whose daemons ended with their nodes.
+	for _, dev := range throttled {
+		if err := detachLoop(dev); err != nil {
+			errs = append(errs, fmt.Errorf("detach %s: %w", dev, err))
+		}
+	}
 	if err := detachLoopsBelow(l.Root); err != nil {
 		errs = append(errs, err)
 	}

@@ -54,6 +54,38 @@ func LoopsBelow(dir string) ([]string, error) {
 	return loops, nil
 }
 
+// throttledRunDir is where the local hypervisor's qemu-storage-daemons keep their FUSE exports
+// (one directory per throttled disk), as a node's namespace has it.
+const throttledRunDir = "/run/pvbridge/local/"
+
+// throttledLoops lists the loop devices over the FUSE exports of the qemu-storage-daemons that
+// the lab's nodes run (the local hypervisor's disks of volumes with a VolumeAttributesClass):
+// their backing file is <throttledRunDir><disk>/disk in a node's namespace, whose directory
+// the lab has below root (a node's /run/pvbridge is a directory of the lab). They must be
+// listed while the daemons run: a daemon gone, its export is unmounted and the loop device
+// names no file.
+func throttledLoops(root string) []string {
+	files, _ := filepath.Glob("/sys/block/loop*/loop/backing_file")
+	var loops []string
+	for _, f := range files {
+		data, err := os.ReadFile(f)
+		if err != nil {
+			continue
+		}
+		disk, ok := strings.CutPrefix(strings.TrimSpace(string(data)), throttledRunDir)
+		if !ok || strings.Contains(filepath.Dir(disk), "/") {
+			continue
+		}
+		for _, pattern := range []string{"/*", "/*/*", "/*/*/*"} {
+			if m, _ := filepath.Glob(root + pattern + "/root" + throttledRunDir + filepath.Dir(disk)); len(m) > 0 {
+				loops = append(loops, "/dev/"+filepath.Base(filepath.Dir(filepath.Dir(f))))
+				break
+			}
+		}
+	}
+	return loops
+}
+
 // backingDevice returns the device of the filesystem that holds loop device l's backing file.
 func backingDevice(l string) (uint64, bool) {
 	f, err := os.Open(l)
