@@ -65,13 +65,7 @@ func TestPrometheusScrapesAlertsAndDashboard(t *testing.T) {
 	g.Expect(err).NotTo(HaveOccurred())
 	// What the test makes is removed whether it passes or not (the tests after it share the
 	// lab), last made first.
-	cleanup := func(f func(ctx context.Context) error) {
-		t.Cleanup(func() {
-			ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
-			defer cancel()
-			g.Expect(f(ctx)).To(Succeed())
-		})
-	}
+	cleanup := func(f func(ctx context.Context) error) { cleanupAfter(t, f) }
 	loops, err := cluster.LoopsBelow(lab.Root)
 	g.Expect(err).NotTo(HaveOccurred())
 	cleanup(func(ctx context.Context) error {
@@ -180,6 +174,18 @@ func TestPrometheusScrapesAlertsAndDashboard(t *testing.T) {
 }
 
 // fillSize is a claim of 90 % of a lab host's PMEM: past the alert's 85 % on the host it lands on.
+// cleanupAfter runs f when the test ends, whether it passed or not (the tests after it share the
+// lab), with a context of its own.
+func cleanupAfter(t *testing.T, f func(ctx context.Context) error) {
+	t.Cleanup(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+		defer cancel()
+		if err := f(ctx); err != nil {
+			t.Error(err)
+		}
+	})
+}
+
 func fillSize() string {
 	return resource.NewQuantity(in.Options.PmemSize/10*9, resource.BinarySI).String()
 }

@@ -17,6 +17,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime/schema"
 	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/apimachinery/pkg/util/wait"
 	"k8s.io/client-go/dynamic"
 	"k8s.io/client-go/kubernetes/scheme"
 	"k8s.io/client-go/tools/remotecommand"
@@ -45,18 +46,12 @@ func TestVolumeAttributesClassLimitsIOLive(t *testing.T) {
 	mgmtNS := in.Options.Guest.Namespace
 	const slow, fast = 4 << 20, 64 << 20
 
-	cleanup := func(f func(ctx context.Context) error) {
-		t.Cleanup(func() {
-			ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
-			defer cancel()
-			g.Expect(f(ctx)).To(Succeed())
-		})
-	}
+	cleanup := func(f func(ctx context.Context) error) { cleanupAfter(t, f) }
 	loops, err := cluster.LoopsBelow(lab.Root)
 	g.Expect(err).NotTo(HaveOccurred())
 	cleanup(func(ctx context.Context) error {
 		// The volume's loop devices, its own and the one over its throttled export, go with it.
-		return waitFor(ctx, func() (bool, error) {
+		return wait.PollUntilContextCancel(ctx, 500*time.Millisecond, true, func(context.Context) (bool, error) {
 			now, err := cluster.LoopsBelow(lab.Root)
 			return len(now) == len(loops), err
 		})
@@ -231,19 +226,4 @@ func execIn(ctx context.Context, g Gomega, ns, pod string, command ...string) st
 	var out bytes.Buffer
 	g.Expect(exe.StreamWithContext(ctx, remotecommand.StreamOptions{Stdout: &out, Stderr: &out})).To(Succeed(), out.String())
 	return out.String()
-}
-
-// waitFor polls done every half second until it reports true, fails, or ctx ends.
-func waitFor(ctx context.Context, done func() (bool, error)) error {
-	for {
-		ok, err := done()
-		if ok || err != nil {
-			return err
-		}
-		select {
-		case <-ctx.Done():
-			return ctx.Err()
-		case <-time.After(500 * time.Millisecond):
-		}
-	}
 }

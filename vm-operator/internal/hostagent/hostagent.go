@@ -515,10 +515,11 @@ func (r *Reconciler) limits(ctx context.Context, pv *corev1.PersistentVolume) (*
 // the entry saying that they apply at the next attach. The entry names the class whose
 // limits the disk has; it keeps the one it had while the new class is not applied.
 func (r *Reconciler) settle(ctx context.Context, vm *vmv1.VirtualMachine, ref hypervisor.VM, name string, disk hypervisor.Disk, want *hypervisor.Limits, class string, limitsErr error) (*vmv1.VirtualMachineVolumeStatus, bool) {
-	entry := vmv1.VirtualMachineVolumeStatus{Name: name, Attached: true, DiskSerial: disk.Serial}
+	var prev vmv1.VirtualMachineVolumeStatus
 	if i := slices.IndexFunc(vm.Status.Volumes, func(e vmv1.VirtualMachineVolumeStatus) bool { return e.Name == name }); i >= 0 {
-		entry.VolumeAttributesClassName = vm.Status.Volumes[i].VolumeAttributesClassName
+		prev = vm.Status.Volumes[i]
 	}
+	entry := vmv1.VirtualMachineVolumeStatus{Name: name, Attached: true, DiskSerial: disk.Serial, VolumeAttributesClassName: prev.VolumeAttributesClassName}
 	if limitsErr != nil {
 		entry.Error = limitsErr.Error()
 		return &entry, false
@@ -532,7 +533,7 @@ func (r *Reconciler) settle(ctx context.Context, vm *vmv1.VirtualMachine, ref hy
 	switch {
 	case errors.Is(err, hypervisor.ErrNotLive):
 		entry.Error = fmt.Sprintf("%s (%s): %v", vmv1.LimitsAtNextAttach(class), l, err)
-		if i := slices.IndexFunc(vm.Status.Volumes, func(e vmv1.VirtualMachineVolumeStatus) bool { return e.Name == name }); i < 0 || vm.Status.Volumes[i].Error != entry.Error {
+		if prev.Error != entry.Error {
 			r.event(vm, corev1.EventTypeWarning, "IOLimitsNotApplied", "Volume %s: %s", name, entry.Error)
 		}
 		return &entry, true
