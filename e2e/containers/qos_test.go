@@ -132,9 +132,11 @@ func TestVolumeAttributesClassLimitsIOLive(t *testing.T) {
 
 	t.Log("the management side reports it: the VM's disk has the class, and its Event says so")
 	g.Expect(diskClass(ctx, g, vms, mgmtNS, "vm-1", mgmtClaim)).To(Equal("pvbridge-fast"))
-	events, err := mc.CoreV1().Events(mgmtNS).List(ctx, metav1.ListOptions{FieldSelector: "involvedObject.name=vm-1,reason=IOLimitsChanged"})
-	g.Expect(err).NotTo(HaveOccurred())
-	g.Expect(events.Items).To(ContainElement(HaveField("Message", ContainSubstring("VolumeAttributesClass pvbridge-fast (67108864 bytes/s), applied live"))))
+	g.Eventually(func(g Gomega) {
+		events, err := mc.CoreV1().Events(mgmtNS).List(ctx, metav1.ListOptions{FieldSelector: "involvedObject.name=vm-1,reason=IOLimitsChanged"})
+		g.Expect(err).NotTo(HaveOccurred())
+		g.Expect(events.Items).To(ContainElement(HaveField("Message", ContainSubstring("VolumeAttributesClass pvbridge-fast (67108864 bytes/s), applied live"))))
+	}).WithContext(ctx).WithTimeout(time.Minute).Should(Succeed())
 
 	t.Log("a class the platform admin did not allow the cluster is refused, and the volume keeps its class")
 	_, err = gc.CoreV1().PersistentVolumeClaims(ns).Patch(ctx, "data", types.MergePatchType, []byte(`{"spec":{"volumeAttributesClassName":"gold"}}`), metav1.PatchOptions{})
@@ -145,9 +147,12 @@ func TestVolumeAttributesClassLimitsIOLive(t *testing.T) {
 		g.Expect(pvc.Status.ModifyVolumeStatus).To(HaveValue(HaveField("Status", corev1.PersistentVolumeClaimModifyVolumeInfeasible)))
 		g.Expect(pvc.Status.CurrentVolumeAttributesClassName).To(HaveValue(Equal("fast")))
 	}).WithContext(ctx).WithTimeout(2 * time.Minute).Should(Succeed())
-	events, err = gc.CoreV1().Events(ns).List(ctx, metav1.ListOptions{FieldSelector: "involvedObject.name=data,reason=VolumeModifyFailed"})
-	g.Expect(err).NotTo(HaveOccurred())
-	g.Expect(events.Items).To(ContainElement(HaveField("Message", ContainSubstring("which guest cluster "+in.Options.Guest.Name+" may not use"))))
+	// Events are recorded after the status they explain, asynchronously.
+	g.Eventually(func(g Gomega) {
+		events, err := gc.CoreV1().Events(ns).List(ctx, metav1.ListOptions{FieldSelector: "involvedObject.name=data,reason=VolumeModifyFailed"})
+		g.Expect(err).NotTo(HaveOccurred())
+		g.Expect(events.Items).To(ContainElement(HaveField("Message", ContainSubstring("which guest cluster "+in.Options.Guest.Name+" may not use"))))
+	}).WithContext(ctx).WithTimeout(time.Minute).Should(Succeed())
 	mgmtPVC, err := mc.CoreV1().PersistentVolumeClaims(mgmtNS).Get(ctx, mgmtClaim, metav1.GetOptions{})
 	g.Expect(err).NotTo(HaveOccurred())
 	g.Expect(mgmtPVC.Spec.VolumeAttributesClassName).To(HaveValue(Equal("pvbridge-fast")))
