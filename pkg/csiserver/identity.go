@@ -8,7 +8,8 @@ import (
 )
 
 // Identity is the CSI Identity service of a pvbridge driver. Both drivers have a controller
-// service and topology, so their capabilities are the same.
+// service, a group controller service (group snapshots) and topology, so their capabilities
+// are the same.
 type Identity struct {
 	csi.UnimplementedIdentityServer
 	Name    string
@@ -26,6 +27,7 @@ func (i *Identity) GetPluginCapabilities(context.Context, *csi.GetPluginCapabili
 	return &csi.GetPluginCapabilitiesResponse{
 		Capabilities: []*csi.PluginCapability{
 			serviceCapability(csi.PluginCapability_Service_CONTROLLER_SERVICE),
+			serviceCapability(csi.PluginCapability_Service_GROUP_CONTROLLER_SERVICE),
 			serviceCapability(csi.PluginCapability_Service_VOLUME_ACCESSIBILITY_CONSTRAINTS),
 		},
 	}, nil
@@ -48,6 +50,17 @@ func ControllerCapabilities(types ...csi.ControllerServiceCapability_RPC_Type) *
 	for _, t := range types {
 		resp.Capabilities = append(resp.Capabilities, &csi.ControllerServiceCapability{
 			Type: &csi.ControllerServiceCapability_Rpc{Rpc: &csi.ControllerServiceCapability_RPC{Type: t}},
+		})
+	}
+	return resp
+}
+
+// GroupControllerCapabilities is a GroupControllerGetCapabilities answer listing types.
+func GroupControllerCapabilities(types ...csi.GroupControllerServiceCapability_RPC_Type) *csi.GroupControllerGetCapabilitiesResponse {
+	resp := &csi.GroupControllerGetCapabilitiesResponse{}
+	for _, t := range types {
+		resp.Capabilities = append(resp.Capabilities, &csi.GroupControllerServiceCapability{
+			Type: &csi.GroupControllerServiceCapability_Rpc{Rpc: &csi.GroupControllerServiceCapability_RPC{Type: t}},
 		})
 	}
 	return resp

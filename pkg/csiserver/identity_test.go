@@ -24,7 +24,7 @@ func TestIdentity(t *testing.T) {
 			},
 		},
 		{
-			name: "GetPluginCapabilities advertises the controller service and topology",
+			name: "GetPluginCapabilities advertises the controller and group controller services and topology",
 			call: func() (any, error) {
 				return id.GetPluginCapabilities(t.Context(), &csi.GetPluginCapabilitiesRequest{})
 			},
@@ -35,6 +35,7 @@ func TestIdentity(t *testing.T) {
 				}
 				g.Expect(services).To(ConsistOf(
 					csi.PluginCapability_Service_CONTROLLER_SERVICE,
+					csi.PluginCapability_Service_GROUP_CONTROLLER_SERVICE,
 					csi.PluginCapability_Service_VOLUME_ACCESSIBILITY_CONSTRAINTS,
 				))
 			},
