@@ -43,10 +43,10 @@ func SocketBeside(csiSocket string) string {
 	return filepath.Join(filepath.Dir(csiSocket), SocketName)
 }
 
-// ErrNoHolder: nothing serves the socket (no holder on this host, or it is not running).
+// ErrNoHolder is returned when nothing serves the socket (no holder on this host, or it is not running).
 var ErrNoHolder = errors.New("no holder serves the hold socket")
 
-// ErrExpired: the server let go before the release, after its longest hold.
+// ErrExpired is returned when the server let go before the release, after its longest hold.
 var ErrExpired = errors.New("the hold expired before its release")
 
 // Holder holds the writers of volumes.
