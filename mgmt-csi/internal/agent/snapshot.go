@@ -3,6 +3,7 @@ package agent
 import (
 	"context"
 	"fmt"
+	"sync"
 	"time"
 
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
@@ -24,6 +25,11 @@ type SnapshotReconciler struct {
 	Backend  pmem.Backend
 	Node     string
 	Capacity *NodeReporter
+	// HoldSocket is where the host's holder serves leases on the writers of its volumes
+	// (pkg/hold), which a group snapshot's cut takes.
+	HoldSocket string
+
+	groupMu sync.Mutex // one group cut at a time: the holder holds one lease at a time too
 }
 
 // SetupWithManager registers the reconciler; the cache holds only this node's snapshots.
@@ -57,6 +63,9 @@ func (r *SnapshotReconciler) Reconcile(ctx context.Context, req ctrl.Request) (c
 	}
 	if meta.IsStatusConditionTrue(snap.Status.Conditions, pmemv1.ReadyCondition) {
 		return ctrl.Result{}, nil // cut once; a snapshot never changes
+	}
+	if snap.Spec.Group != nil {
+		return r.cutGroup(ctx, snap)
 	}
 	got, err := r.Backend.CreateSnapshot(ctx, snap.Name, snap.Spec.SourceVolumeID)
 	if err != nil {

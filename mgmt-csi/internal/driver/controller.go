@@ -564,15 +564,7 @@ func (s *controllerServer) CreateSnapshot(ctx context.Context, req *csi.CreateSn
 		return nil, status.Errorf(codes.AlreadyExists, "snapshot %s exists for volume %s", id, snap.Spec.SourceVolumeID)
 	}
 
-	var failure error
-	err = csiserver.Await(ctx, s.hub, await.Key{Kind: kindSnapshot, Name: id}, "snapshot "+id, nil, func(ctx context.Context) (bool, error) {
-		if err := s.reader.Get(ctx, client.ObjectKey{Name: id}, snap); err != nil {
-			return false, client.IgnoreNotFound(err)
-		}
-		var ready bool
-		ready, failure = readiness(snap.Status.Conditions, snap.Generation, snap.Spec.Node)
-		return ready || failure != nil, nil
-	})
+	failure, err := s.awaitSnapshot(ctx, snap)
 	if err != nil {
 		return nil, err
 	}
@@ -583,6 +575,21 @@ func (s *controllerServer) CreateSnapshot(ctx context.Context, req *csi.CreateSn
 		return nil, failure
 	}
 	return &csi.CreateSnapshotResponse{Snapshot: csiSnapshot(snap)}, nil
+}
+
+// awaitSnapshot waits until the node agent has cut snap (updating it) or failed to for good
+// (failure, with the CSI code of its reason).
+func (s *controllerServer) awaitSnapshot(ctx context.Context, snap *pmemv1.PmemSnapshot) (failure, err error) {
+	id := snap.Name
+	err = csiserver.Await(ctx, s.hub, await.Key{Kind: kindSnapshot, Name: id}, "snapshot "+id, nil, func(ctx context.Context) (bool, error) {
+		if err := s.reader.Get(ctx, client.ObjectKey{Name: id}, snap); err != nil {
+			return false, client.IgnoreNotFound(err)
+		}
+		var ready bool
+		ready, failure = readiness(snap.Status.Conditions, snap.Generation, snap.Spec.Node)
+		return ready || failure != nil, nil
+	})
+	return failure, err
 }
 
 func (s *controllerServer) DeleteSnapshot(ctx context.Context, req *csi.DeleteSnapshotRequest) (*csi.DeleteSnapshotResponse, error) {

@@ -19,6 +19,7 @@ import (
 	"pvbridge.io/mgmt-csi/internal/pmem"
 	pmemv1 "pvbridge.io/pkg/apis/pmem/v1alpha1"
 	"pvbridge.io/pkg/csiserver"
+	"pvbridge.io/pkg/hold"
 	"pvbridge.io/pkg/mounter"
 	"pvbridge.io/pkg/names"
 	"pvbridge.io/pkg/registration"
@@ -171,13 +172,14 @@ func (d *Driver) Run(ctx context.Context) error {
 			return err
 		}
 		csi.RegisterControllerServer(server, cs)
+		csi.RegisterGroupControllerServer(server, &groupControllerServer{controllerServer: cs})
 	case ModeNode:
 		if d.backend == nil {
 			if d.backend, err = pmem.New(ctx, d.opts.PmemMode, d.opts.Pmem); err != nil {
 				return err
 			}
 		}
-		if err := setupAgent(mgr, d.backend, d.opts.NodeID); err != nil {
+		if err := setupAgent(mgr, d.backend, d.opts.NodeID, hold.SocketBeside(d.opts.Endpoint)); err != nil {
 			return err
 		}
 		csi.RegisterNodeServer(server, newNodeServer(d.opts.NodeID, d.opts.MaxVolumesPerNode, BackendDevices{Backend: d.backend}, mounter.New()))

@@ -83,8 +83,9 @@ func setupController(ctx context.Context, mgr ctrl.Manager) (*controllerServer, 
 	return newControllerServer(mgr.GetClient(), mgr.GetCache(), mgr.GetAPIReader(), hub), nil
 }
 
-// setupAgent registers the node agent's reconcilers and capacity reporter.
-func setupAgent(mgr ctrl.Manager, backend pmem.Backend, node string) error {
+// setupAgent registers the node agent's reconcilers and capacity reporter. A group snapshot's
+// cut takes a lease on the host's writers at holdSocket.
+func setupAgent(mgr ctrl.Manager, backend pmem.Backend, node, holdSocket string) error {
 	reporter := &agent.NodeReporter{
 		Client: mgr.GetClient(), Backend: backend, Node: node, Interval: capacityInterval,
 		WaitForSync: mgr.GetCache().WaitForCacheSync,
@@ -95,5 +96,5 @@ func setupAgent(mgr ctrl.Manager, backend pmem.Backend, node string) error {
 	if err := (&agent.VolumeReconciler{Client: mgr.GetClient(), Backend: backend, Node: node, Capacity: reporter}).SetupWithManager(mgr); err != nil {
 		return err
 	}
-	return (&agent.SnapshotReconciler{Client: mgr.GetClient(), Backend: backend, Node: node, Capacity: reporter}).SetupWithManager(mgr)
+	return (&agent.SnapshotReconciler{Client: mgr.GetClient(), Backend: backend, Node: node, Capacity: reporter, HoldSocket: holdSocket}).SetupWithManager(mgr)
 }

@@ -28,6 +28,30 @@ type PmemSnapshotSpec struct {
 	// +kubebuilder:validation:MinLength=1
 	// +kubebuilder:validation:MaxLength=63
 	SourceVolumeID string `json:"sourceVolumeID"`
+
+	// group, when set, makes the snapshot a member of a CSI group snapshot: the node agent
+	// cuts all of the group's members at once, while the writers of their volumes are held,
+	// so that they show one instant.
+	// +optional
+	Group *PmemSnapshotGroup `json:"group,omitempty"`
+}
+
+// PmemSnapshotGroup names the group snapshot a PmemSnapshot is a member of. Every member
+// carries it, and the label GroupLabel with the group's ID.
+type PmemSnapshotGroup struct {
+	// id is the CSI group snapshot ID.
+	// +required
+	// +kubebuilder:validation:MinLength=1
+	// +kubebuilder:validation:MaxLength=63
+	// +kubebuilder:validation:Pattern=`^[a-z0-9]([-a-z0-9]*[a-z0-9])?$`
+	ID string `json:"id"`
+
+	// size is how many members the group has: the node agent cuts none of them before it
+	// sees them all.
+	// +required
+	// +kubebuilder:validation:Minimum=1
+	// +kubebuilder:validation:Maximum=1024
+	Size int32 `json:"size"`
 }
 
 // PmemSnapshotStatus is what the node agent realized.
@@ -58,9 +82,11 @@ type PmemSnapshotStatus struct {
 // +kubebuilder:subresource:status
 // +kubebuilder:resource:scope=Cluster,shortName=pms,categories=pvbridge
 // +kubebuilder:validation:XValidation:rule="self.metadata.name == self.spec.snapshotID",message="metadata.name must equal spec.snapshotID"
+// +kubebuilder:validation:XValidation:rule="has(self.spec.group) == has(oldSelf.spec.group) && (!has(self.spec.group) || self.spec.group == oldSelf.spec.group)",message="spec.group is immutable"
 // +kubebuilder:selectablefield:JSONPath=`.spec.node`
 // +kubebuilder:printcolumn:name="Node",type=string,JSONPath=`.spec.node`
 // +kubebuilder:printcolumn:name="Source",type=string,JSONPath=`.spec.sourceVolumeID`
+// +kubebuilder:printcolumn:name="Group",type=string,JSONPath=`.spec.group.id`,priority=1
 // +kubebuilder:printcolumn:name="Size",type=string,JSONPath=`.status.size`
 // +kubebuilder:printcolumn:name="Ready",type=string,JSONPath=`.status.conditions[?(@.type=="Ready")].status`
 // +kubebuilder:printcolumn:name="Age",type=date,JSONPath=`.metadata.creationTimestamp`

@@ -5,6 +5,8 @@ package v1alpha1
 const (
 	// NodeLabel carries spec.node on PmemVolumes and PmemSnapshots.
 	NodeLabel = "pmem.pvbridge.io/node"
+	// GroupLabel carries spec.group.id on the PmemSnapshots of a group snapshot.
+	GroupLabel = "pmem.pvbridge.io/group-snapshot"
 	// NameAnnotation records the CSI name a PmemVolume or PmemSnapshot was created for (for a
 	// volume csi-provisioner provisions, the name of its PV).
 	NameAnnotation = "pmem.pvbridge.io/csi-name"

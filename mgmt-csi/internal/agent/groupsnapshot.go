@@ -1,0 +1,140 @@
+package agent
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"slices"
+	"time"
+
+	"k8s.io/apimachinery/pkg/api/meta"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	ctrl "sigs.k8s.io/controller-runtime"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+
+	pmemv1 "pvbridge.io/pkg/apis/pmem/v1alpha1"
+	"pvbridge.io/pkg/hold"
+)
+
+// WritersNotHeldReason is the Ready condition's reason while a group snapshot waits for its
+// writers to be held (no holder answers on this host, or it failed); retried.
+const WritersNotHeldReason = "WritersNotHeld"
+
+// groupWait is how long a member waits for the others of its group to appear in the cache.
+const groupWait = time.Second
+
+// cutGroup cuts the members of snap's group, all of them at once: it asks the host's holder
+// (the vm-operator host agent) to hold the writers of their volumes, cuts each member, and lets
+// the writers go. The members then show one instant, as a crash would leave the volumes. A
+// group is cut whole or not at all: a member that fails, or a hold that ends before the last
+// member is cut, removes what was cut, and the next attempt cuts every member anew.
+//
+// The statuses are written after the release. A group some of whose members are Ready was cut
+// whole and stopped while writing them: the others' data is of the same instant, and the back
+// end returns it as it is (CreateSnapshot is idempotent) without a second hold.
+func (r *SnapshotReconciler) cutGroup(ctx context.Context, snap *pmemv1.PmemSnapshot) (ctrl.Result, error) {
+	g := snap.Spec.Group
+	log := ctrl.LoggerFrom(ctx).WithValues("groupSnapshotID", g.ID)
+	r.groupMu.Lock()
+	defer r.groupMu.Unlock()
+
+	list := &pmemv1.PmemSnapshotList{}
+	if err := r.Client.List(ctx, list, client.MatchingLabels{pmemv1.GroupLabel: g.ID}); err != nil {
+		return ctrl.Result{}, fmt.Errorf("list the members of group snapshot %s: %w", g.ID, err)
+	}
+	var members, todo []*pmemv1.PmemSnapshot
+	for i := range list.Items {
+		m := &list.Items[i]
+		if m.Spec.Group == nil || m.Spec.Group.ID != g.ID || m.Spec.Node != r.Node || !m.DeletionTimestamp.IsZero() {
+			continue
+		}
+		members = append(members, m)
+		if !meta.IsStatusConditionTrue(m.Status.Conditions, pmemv1.ReadyCondition) {
+			todo = append(todo, m)
+		}
+	}
+	switch {
+	case len(todo) == 0:
+		return ctrl.Result{}, nil
+	case len(members) < int(g.Size):
+		log.V(4).Info("Waiting for the other members of the group", "members", len(members), "size", g.Size)
+		return ctrl.Result{RequeueAfter: groupWait}, nil
+	case len(todo) < len(members):
+		return ctrl.Result{}, r.finishGroup(ctx, todo, nil, 0)
+	}
+
+	// Nothing is Ready: whatever the back end has of these members is a leftover of a cut
+	// that was interrupted, perhaps of another instant.
+	for _, m := range todo {
+		if err := r.Backend.DeleteSnapshot(ctx, m.Name); err != nil {
+			return ctrl.Result{}, err
+		}
+	}
+	sources := make([]string, len(todo))
+	for i, m := range todo {
+		sources[i] = m.Spec.SourceVolumeID
+	}
+	lease, err := hold.Acquire(ctx, r.HoldSocket, sources)
+	if err != nil {
+		for _, m := range todo {
+			if serr := r.setStatus(ctx, m, nil, metav1.ConditionFalse, WritersNotHeldReason, err.Error()); serr != nil {
+				return ctrl.Result{}, serr
+			}
+		}
+		return ctrl.Result{}, err
+	}
+	var cutErr error
+	var cut []string
+	for _, m := range todo {
+		if _, cutErr = r.Backend.CreateSnapshot(ctx, m.Name, m.Spec.SourceVolumeID); cutErr != nil {
+			cutErr = fmt.Errorf("member %s of volume %s: %w", m.Name, m.Spec.SourceVolumeID, cutErr)
+			break
+		}
+		cut = append(cut, m.Name)
+	}
+	heldFor, relErr := lease.Release(ctx)
+	if cutErr == nil {
+		cutErr = relErr
+	}
+	if cutErr != nil {
+		for _, id := range cut {
+			if err := r.Backend.DeleteSnapshot(ctx, id); err != nil {
+				cutErr = errors.Join(cutErr, err)
+			}
+		}
+		reason, retry := failureReason(cutErr)
+		for _, m := range todo {
+			if serr := r.setStatus(ctx, m, nil, metav1.ConditionFalse, reason, cutErr.Error()); serr != nil {
+				return ctrl.Result{}, serr
+			}
+		}
+		if retry {
+			return ctrl.Result{}, cutErr
+		}
+		return ctrl.Result{}, nil
+	}
+	log.Info("Cut group snapshot", "members", cut, "heldVolumeIDs", lease.Held, "heldFor", heldFor)
+	r.Capacity.Refresh(ctx)
+	return ctrl.Result{}, r.finishGroup(ctx, todo, lease.Held, heldFor)
+}
+
+// finishGroup marks the members of a group that was cut whole Ready.
+func (r *SnapshotReconciler) finishGroup(ctx context.Context, todo []*pmemv1.PmemSnapshot, held []string, heldFor time.Duration) error {
+	for _, m := range todo {
+		got, err := r.Backend.CreateSnapshot(ctx, m.Name, m.Spec.SourceVolumeID)
+		if err != nil {
+			return err
+		}
+		msg := fmt.Sprintf("cut with the %d members of group snapshot %s", m.Spec.Group.Size, m.Spec.Group.ID)
+		switch {
+		case slices.Contains(held, m.Spec.SourceVolumeID):
+			msg += fmt.Sprintf(" while the writers of its volume were held for %s", heldFor.Round(time.Millisecond))
+		case held != nil:
+			msg += "; its volume had no writer to hold"
+		}
+		if err := r.setStatus(ctx, m, &got, metav1.ConditionTrue, pmemv1.CreatedReason, msg); err != nil {
+			return err
+		}
+	}
+	return nil
+}

@@ -1,0 +1,204 @@
+package agent
+
+import (
+	"context"
+	"path/filepath"
+	"sync"
+	"testing"
+
+	. "github.com/onsi/gomega"
+	"k8s.io/apimachinery/pkg/api/meta"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/runtime"
+	ctrl "sigs.k8s.io/controller-runtime"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+	clientfake "sigs.k8s.io/controller-runtime/pkg/client/fake"
+
+	"pvbridge.io/mgmt-csi/internal/pmem/fake"
+	pmemv1 "pvbridge.io/pkg/apis/pmem/v1alpha1"
+	"pvbridge.io/pkg/hold"
+)
+
+func member(name, volumeID string, size int32) *pmemv1.PmemSnapshot {
+	return &pmemv1.PmemSnapshot{
+		ObjectMeta: metav1.ObjectMeta{Name: name, Finalizers: []string{Finalizer}, Generation: 1,
+			Labels: map[string]string{pmemv1.GroupLabel: "groupsnapshot-1"}},
+		Spec: pmemv1.PmemSnapshotSpec{Node: "host-a", SnapshotID: name, SourceVolumeID: volumeID,
+			Group: &pmemv1.PmemSnapshotGroup{ID: "groupsnapshot-1", Size: size}},
+	}
+}
+
+// holder is the host's holder: it records, when it holds and when it lets go, which snapshots
+// the back end has, so that a test sees the members cut inside the hold.
+type holder struct {
+	backend *fake.Fake
+
+	mu                sync.Mutex
+	asked             []string
+	atHold, atRelease []string
+	holds, releases   int
+}
+
+func (h *holder) snapshots() []string {
+	snaps, _ := h.backend.ListSnapshots(context.Background())
+	var ids []string
+	for _, s := range snaps {
+		ids = append(ids, s.ID)
+	}
+	return ids
+}
+
+func (h *holder) Hold(_ context.Context, ids []string) ([]string, func(context.Context) error, error) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	h.holds++
+	h.asked, h.atHold = ids, h.snapshots()
+	return ids[:1], func(context.Context) error {
+		h.mu.Lock()
+		defer h.mu.Unlock()
+		h.releases++
+		h.atRelease = h.snapshots()
+		return nil
+	}, nil
+}
+
+// serveHolder serves h on a socket of a test directory and returns its path.
+func serveHolder(t *testing.T, h *holder) string {
+	t.Helper()
+	path := filepath.Join(t.TempDir(), hold.SocketName)
+	l, err := hold.Listen(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		_ = (&hold.Server{Holder: h}).Serve(ctx, l)
+	}()
+	t.Cleanup(func() { cancel(); <-done })
+	return path
+}
+
+func TestSnapshotReconcilerCutsAGroupWhileItsWritersAreHeld(t *testing.T) {
+	tests := []struct {
+		name    string
+		members []*pmemv1.PmemSnapshot
+		// noHolder leaves the hold socket unserved.
+		noHolder bool
+		// prepare sets the back end up before the reconcile (volumes v1 and v2 exist).
+		prepare     func(ctx context.Context, g Gomega, b *fake.Fake)
+		wantReason  string // of every member; "" when none is written
+		wantRequeue bool
+		wantErr     bool
+		wantCut     []string // the back end's snapshots afterwards
+		check       func(g Gomega, h *holder)
+	}{
+		{
+			name:       "the members are cut inside one hold",
+			members:    []*pmemv1.PmemSnapshot{member("snap-1", "v1", 2), member("snap-2", "v2", 2)},
+			wantReason: pmemv1.CreatedReason, wantCut: []string{"snap-1", "snap-2"},
+			check: func(g Gomega, h *holder) {
+				g.Expect(h.asked).To(ConsistOf("v1", "v2"))
+				g.Expect(h.atHold).To(BeEmpty())
+				g.Expect(h.atRelease).To(ConsistOf("snap-1", "snap-2"))
+				g.Expect(h.holds).To(Equal(1))
+				g.Expect(h.releases).To(Equal(1))
+			},
+		},
+		{
+			name:        "no member is cut before the group is complete",
+			members:     []*pmemv1.PmemSnapshot{member("snap-1", "v1", 2)},
+			wantRequeue: true,
+			check:       func(g Gomega, h *holder) { g.Expect(h.holds).To(BeZero()) },
+		},
+		{
+			name:     "without a holder nothing is cut, and it is retried",
+			members:  []*pmemv1.PmemSnapshot{member("snap-1", "v1", 2), member("snap-2", "v2", 2)},
+			noHolder: true, wantReason: WritersNotHeldReason, wantErr: true,
+		},
+		{
+			name:       "a member that fails undoes the cut of the others",
+			members:    []*pmemv1.PmemSnapshot{member("snap-1", "v1", 2), member("snap-2", "v9", 2)},
+			wantReason: pmemv1.SourceNotFoundReason,
+			check: func(g Gomega, h *holder) {
+				g.Expect(h.atRelease).To(ConsistOf("snap-1"), "snap-1 was cut in the hold, then removed")
+				g.Expect(h.releases).To(Equal(1))
+			},
+		},
+		{
+			name:    "the leftover of an interrupted cut is cut again with the others",
+			members: []*pmemv1.PmemSnapshot{member("snap-1", "v1", 2), member("snap-2", "v2", 2)},
+			prepare: func(ctx context.Context, g Gomega, b *fake.Fake) {
+				_, err := b.CreateSnapshot(ctx, "snap-1", "v1")
+				g.Expect(err).NotTo(HaveOccurred())
+			},
+			wantReason: pmemv1.CreatedReason, wantCut: []string{"snap-1", "snap-2"},
+			check: func(g Gomega, h *holder) {
+				g.Expect(h.atHold).To(BeEmpty(), "removed before the hold")
+			},
+		},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			g := NewWithT(t)
+			ctx := t.Context()
+			scheme := runtime.NewScheme()
+			g.Expect(pmemv1.AddToScheme(scheme)).To(Succeed())
+			objs := make([]client.Object, len(tt.members))
+			for i, m := range tt.members {
+				objs[i] = m
+			}
+			c := clientfake.NewClientBuilder().WithScheme(scheme).WithObjects(objs...).
+				WithStatusSubresource(&pmemv1.PmemSnapshot{}).Build()
+			b := fake.New(fake.Options{Capacity: 100 * mi})
+			for _, v := range []string{"v1", "v2"} {
+				_, err := b.CreateVolume(ctx, v, mi, nil)
+				g.Expect(err).NotTo(HaveOccurred())
+			}
+			if tt.prepare != nil {
+				tt.prepare(ctx, g, b)
+			}
+			h := &holder{backend: b}
+			socket := filepath.Join(t.TempDir(), hold.SocketName)
+			if !tt.noHolder {
+				socket = serveHolder(t, h)
+			}
+			r := &SnapshotReconciler{Client: c, Backend: b, Node: "host-a", Capacity: &NodeReporter{}, HoldSocket: socket}
+
+			res, err := r.Reconcile(ctx, ctrl.Request{NamespacedName: client.ObjectKeyFromObject(tt.members[0])})
+			g.Expect(err != nil).To(Equal(tt.wantErr), "error: %v", err)
+			if tt.wantRequeue {
+				g.Expect(res.RequeueAfter).To(BeNumerically(">", 0))
+			} else {
+				g.Expect(res.RequeueAfter).To(BeZero())
+			}
+			g.Expect(h.snapshots()).To(ConsistOf(tt.wantCut))
+			for _, m := range tt.members {
+				got := &pmemv1.PmemSnapshot{}
+				g.Expect(c.Get(ctx, client.ObjectKeyFromObject(m), got)).To(Succeed())
+				ready := meta.FindStatusCondition(got.Status.Conditions, pmemv1.ReadyCondition)
+				if tt.wantReason == "" {
+					g.Expect(ready).To(BeNil())
+					continue
+				}
+				g.Expect(ready).NotTo(BeNil())
+				g.Expect(ready.Reason).To(Equal(tt.wantReason), ready.Message)
+			}
+			if tt.wantReason == pmemv1.CreatedReason {
+				got := &pmemv1.PmemSnapshot{}
+				g.Expect(c.Get(ctx, client.ObjectKey{Name: "snap-1"}, got)).To(Succeed())
+				g.Expect(meta.FindStatusCondition(got.Status.Conditions, pmemv1.ReadyCondition).Message).
+					To(MatchRegexp(`cut with the 2 members of group snapshot groupsnapshot-1 while the writers of its volume were held for \d`))
+				g.Expect(c.Get(ctx, client.ObjectKey{Name: "snap-2"}, got)).To(Succeed())
+				g.Expect(meta.FindStatusCondition(got.Status.Conditions, pmemv1.ReadyCondition).Message).
+					To(ContainSubstring("its volume had no writer to hold"))
+			}
+			if tt.check != nil {
+				h.mu.Lock()
+				defer h.mu.Unlock()
+				tt.check(g, h)
+			}
+		})
+	}
+}

@@ -1,0 +1,155 @@
+package driver
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+	. "github.com/onsi/gomega"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+	"k8s.io/apimachinery/pkg/api/meta"
+	"k8s.io/apimachinery/pkg/api/resource"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+
+	pmemv1 "pvbridge.io/pkg/apis/pmem/v1alpha1"
+)
+
+func newTestGroupController(t *testing.T) *groupControllerServer {
+	t.Helper()
+	return &groupControllerServer{controllerServer: newTestController(t,
+		pmemVolume("pvc-a", "host-1", gi), pmemVolume("pvc-b", "host-1", gi), pmemVolume("pvc-c", "host-2", gi))}
+}
+
+// members lists the group's PmemSnapshots as the node agent sees them.
+func members(t *testing.T, s *groupControllerServer, id string) []*pmemv1.PmemSnapshot {
+	t.Helper()
+	m, err := s.groupMembers(t.Context(), id)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return m
+}
+
+// cut does what the node agent does once it has cut the group: every member Ready.
+func cut(t *testing.T, s *groupControllerServer, id string) {
+	t.Helper()
+	for _, m := range members(t, s, id) {
+		now := metav1.Now()
+		m.Status.Size = resource.NewQuantity(gi, resource.BinarySI)
+		m.Status.CreationTime = &now
+		meta.SetStatusCondition(&m.Status.Conditions, metav1.Condition{
+			Type: pmemv1.ReadyCondition, Status: metav1.ConditionTrue, Reason: pmemv1.CreatedReason, ObservedGeneration: m.Generation,
+		})
+		if err := s.client.Status().Update(t.Context(), m); err != nil {
+			t.Fatal(err)
+		}
+	}
+}
+
+func TestCreateVolumeGroupSnapshotRefuses(t *testing.T) {
+	tests := []struct {
+		name string
+		req  *csi.CreateVolumeGroupSnapshotRequest
+		code codes.Code
+	}{
+		{"no name", &csi.CreateVolumeGroupSnapshotRequest{SourceVolumeIds: []string{"pvc-a"}}, codes.InvalidArgument},
+		{"no volumes", &csi.CreateVolumeGroupSnapshotRequest{Name: "groupsnapshot-1"}, codes.InvalidArgument},
+		{"an empty volume ID", &csi.CreateVolumeGroupSnapshotRequest{Name: "groupsnapshot-1", SourceVolumeIds: []string{"pvc-a", ""}}, codes.InvalidArgument},
+		{"a volume twice", &csi.CreateVolumeGroupSnapshotRequest{Name: "groupsnapshot-1", SourceVolumeIds: []string{"pvc-a", "pvc-a"}}, codes.InvalidArgument},
+		{"an unknown volume", &csi.CreateVolumeGroupSnapshotRequest{Name: "groupsnapshot-1", SourceVolumeIds: []string{"pvc-a", "pvc-x"}}, codes.NotFound},
+		{"volumes on two hosts", &csi.CreateVolumeGroupSnapshotRequest{Name: "groupsnapshot-1", SourceVolumeIds: []string{"pvc-a", "pvc-c"}}, codes.FailedPrecondition},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			g := NewWithT(t)
+			s := newTestGroupController(t)
+			_, err := s.CreateVolumeGroupSnapshot(t.Context(), tt.req)
+			g.Expect(status.Code(err)).To(Equal(tt.code), "%v", err)
+			g.Expect(members(t, s, "groupsnapshot-1")).To(BeEmpty(), "nothing recorded")
+		})
+	}
+}
+
+func TestCreateVolumeGroupSnapshot(t *testing.T) {
+	g := NewWithT(t)
+	s := newTestGroupController(t)
+	req := &csi.CreateVolumeGroupSnapshotRequest{Name: "groupsnapshot-1", SourceVolumeIds: []string{"pvc-b", "pvc-a"}}
+
+	ctx, cancel := context.WithTimeout(t.Context(), 100*time.Millisecond)
+	defer cancel()
+	_, err := s.CreateVolumeGroupSnapshot(ctx, req)
+	g.Expect(status.Code(err)).To(Equal(codes.DeadlineExceeded), "%v", err)
+	got := members(t, s, "groupsnapshot-1")
+	g.Expect(got).To(HaveLen(2), "one member per volume, left for the retry")
+	for _, m := range got {
+		g.Expect(m.Spec.Node).To(Equal("host-1"))
+		g.Expect(m.Spec.Group).To(Equal(&pmemv1.PmemSnapshotGroup{ID: "groupsnapshot-1", Size: 2}))
+		g.Expect(m.Labels).To(HaveKeyWithValue(pmemv1.GroupLabel, "groupsnapshot-1"))
+	}
+
+	_, err = s.CreateVolumeGroupSnapshot(t.Context(), &csi.CreateVolumeGroupSnapshotRequest{Name: "groupsnapshot-1", SourceVolumeIds: []string{"pvc-a"}})
+	g.Expect(status.Code(err)).To(Equal(codes.AlreadyExists), "the name is taken by a group of other volumes: %v", err)
+
+	cut(t, s, "groupsnapshot-1")
+	resp, err := s.CreateVolumeGroupSnapshot(t.Context(), req)
+	g.Expect(err).NotTo(HaveOccurred())
+	group := resp.GetGroupSnapshot()
+	g.Expect(group.GetGroupSnapshotId()).To(Equal("groupsnapshot-1"))
+	g.Expect(group.GetReadyToUse()).To(BeTrue())
+	g.Expect(group.GetCreationTime()).NotTo(BeNil())
+	g.Expect(group.GetSnapshots()).To(HaveLen(2))
+	var sources []string
+	for _, snap := range group.GetSnapshots() {
+		g.Expect(snap.GetGroupSnapshotId()).To(Equal("groupsnapshot-1"))
+		g.Expect(snap.GetReadyToUse()).To(BeTrue())
+		g.Expect(snap.GetSizeBytes()).To(Equal(gi))
+		sources = append(sources, snap.GetSourceVolumeId())
+	}
+	g.Expect(sources).To(ConsistOf("pvc-a", "pvc-b"))
+
+	again, err := s.CreateVolumeGroupSnapshot(t.Context(), req)
+	g.Expect(err).NotTo(HaveOccurred())
+	g.Expect(again.GetGroupSnapshot().GetSnapshots()).To(Equal(group.GetSnapshots()), "idempotent")
+
+	get, err := s.GetVolumeGroupSnapshot(t.Context(), &csi.GetVolumeGroupSnapshotRequest{GroupSnapshotId: "groupsnapshot-1"})
+	g.Expect(err).NotTo(HaveOccurred())
+	g.Expect(get.GetGroupSnapshot().GetSnapshots()).To(Equal(group.GetSnapshots()))
+	_, err = s.GetVolumeGroupSnapshot(t.Context(), &csi.GetVolumeGroupSnapshotRequest{GroupSnapshotId: "groupsnapshot-2"})
+	g.Expect(status.Code(err)).To(Equal(codes.NotFound))
+
+	// Deletion waits for the node agent; without one the members are left being deleted.
+	ctx, cancel = context.WithTimeout(t.Context(), 100*time.Millisecond)
+	defer cancel()
+	_, err = s.DeleteVolumeGroupSnapshot(ctx, &csi.DeleteVolumeGroupSnapshotRequest{GroupSnapshotId: "groupsnapshot-1"})
+	g.Expect(status.Code(err)).To(Equal(codes.DeadlineExceeded), "%v", err)
+	for _, m := range members(t, s, "groupsnapshot-1") {
+		g.Expect(m.DeletionTimestamp).NotTo(BeNil(), "member %s is being deleted", m.Name)
+	}
+	_, err = s.DeleteVolumeGroupSnapshot(t.Context(), &csi.DeleteVolumeGroupSnapshotRequest{GroupSnapshotId: "groupsnapshot-9"})
+	g.Expect(err).NotTo(HaveOccurred(), "a missing group is deleted")
+}
+
+func TestCreateVolumeGroupSnapshotRemovesAFailedGroup(t *testing.T) {
+	g := NewWithT(t)
+	s := newTestGroupController(t)
+	req := &csi.CreateVolumeGroupSnapshotRequest{Name: "groupsnapshot-1", SourceVolumeIds: []string{"pvc-a", "pvc-b"}}
+	ctx, cancel := context.WithTimeout(t.Context(), 100*time.Millisecond)
+	defer cancel()
+	_, err := s.CreateVolumeGroupSnapshot(ctx, req)
+	g.Expect(status.Code(err)).To(Equal(codes.DeadlineExceeded))
+
+	m := members(t, s, "groupsnapshot-1")[0]
+	meta.SetStatusCondition(&m.Status.Conditions, metav1.Condition{
+		Type: pmemv1.ReadyCondition, Status: metav1.ConditionFalse, Reason: pmemv1.InsufficientCapacityReason,
+		Message: "no room for the snapshot", ObservedGeneration: m.Generation,
+	})
+	g.Expect(s.client.Status().Update(t.Context(), m)).To(Succeed())
+	_, err = s.CreateVolumeGroupSnapshot(t.Context(), req)
+	g.Expect(status.Code(err)).To(Equal(codes.ResourceExhausted), "%v", err)
+	g.Expect(err.Error()).To(ContainSubstring("no room for the snapshot"))
+	for _, m := range members(t, s, "groupsnapshot-1") {
+		g.Expect(m.DeletionTimestamp).NotTo(BeNil(), "the whole group goes, so that a retry cuts it anew")
+	}
+}
