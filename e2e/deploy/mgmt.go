@@ -141,7 +141,10 @@ func (m *Management) installObjects(ctx context.Context) error {
 	if _, err := c.StorageV1().VolumeAttributesClasses().Create(ctx, vac, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
 		return err
 	}
-	return createSnapshotClass(ctx, m.CP, SnapshotClassPmem, names.PmemDriver, nil)
+	if err := createSnapshotClass(ctx, m.CP, SnapshotClassPmem, names.PmemDriver, nil); err != nil {
+		return err
+	}
+	return createGroupSnapshotClass(ctx, m.CP, SnapshotClassPmem, names.PmemDriver, nil)
 }
 
 // createCSIDriver creates the CSIDriver object of driver: persistent volumes with storage
@@ -165,22 +168,40 @@ func createCSIDriver(ctx context.Context, cp *cluster.ControlPlane, driver strin
 
 // createSnapshotClass creates a VolumeSnapshotClass of driver with parameters.
 func createSnapshotClass(ctx context.Context, cp *cluster.ControlPlane, name, driver string, parameters map[string]any) error {
+	gvr := schema.GroupVersionResource{Group: "snapshot.storage.k8s.io", Version: "v1", Resource: "volumesnapshotclasses"}
+	return createClass(ctx, cp, gvr, "VolumeSnapshotClass", name, driver, parameters)
+}
+
+// createGroupSnapshotClass creates the default VolumeGroupSnapshotClass of driver with
+// parameters.
+func createGroupSnapshotClass(ctx context.Context, cp *cluster.ControlPlane, name, driver string, parameters map[string]any) error {
+	gvr := schema.GroupVersionResource{Group: "groupsnapshot.storage.k8s.io", Version: "v1", Resource: "volumegroupsnapshotclasses"}
+	return createClass(ctx, cp, gvr, "VolumeGroupSnapshotClass", name, driver, parameters,
+		"groupsnapshot.storage.kubernetes.io/is-default-class")
+}
+
+// createClass creates a snapshot class of driver with parameters, deleting what it snapshots
+// with it, annotated with each of defaults set to "true".
+func createClass(ctx context.Context, cp *cluster.ControlPlane, gvr schema.GroupVersionResource, kind, name, driver string, parameters map[string]any, defaults ...string) error {
 	dyn, err := dynamic.NewForConfig(cp.RESTConfig())
 	if err != nil {
 		return err
 	}
-	vsc := &unstructured.Unstructured{Object: map[string]any{
-		"apiVersion":     "snapshot.storage.k8s.io/v1",
-		"kind":           "VolumeSnapshotClass",
-		"metadata":       map[string]any{"name": name},
+	annotations := map[string]any{}
+	for _, a := range defaults {
+		annotations[a] = "true"
+	}
+	obj := &unstructured.Unstructured{Object: map[string]any{
+		"apiVersion":     gvr.GroupVersion().String(),
+		"kind":           kind,
+		"metadata":       map[string]any{"name": name, "annotations": annotations},
 		"driver":         driver,
 		"deletionPolicy": "Delete",
 	}}
 	if parameters != nil {
-		vsc.Object["parameters"] = parameters
+		obj.Object["parameters"] = parameters
 	}
-	gvr := schema.GroupVersionResource{Group: "snapshot.storage.k8s.io", Version: "v1", Resource: "volumesnapshotclasses"}
-	if _, err := dyn.Resource(gvr).Create(ctx, vsc, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
+	if _, err := dyn.Resource(gvr).Create(ctx, obj, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
 		return err
 	}
 	return nil

@@ -119,7 +119,8 @@ func isGuestStorageClass(u *unstructured.Unstructured) bool {
 
 var (
 	storageClassKind        = schema.GroupKind{Group: "storage.k8s.io", Kind: "StorageClass"}
-	volumeSnapshotClassKind = schema.GroupKind{Group: "snapshot.storage.k8s.io", Kind: "VolumeSnapshotClass"}
+	volumeSnapshotClassKind      = schema.GroupKind{Group: "snapshot.storage.k8s.io", Kind: "VolumeSnapshotClass"}
+	volumeGroupSnapshotClassKind = schema.GroupKind{Group: "groupsnapshot.storage.k8s.io", Kind: "VolumeGroupSnapshotClass"}
 )
 
 // renderInstall is the install for cluster: the ConfigMap pvbridge-cluster with its name and
@@ -363,8 +364,8 @@ func (r *InstallReconciler) Reconcile(ctx context.Context, req ctrl.Request) (ct
 	for _, obj := range objs {
 		name := objectName(obj)
 		err := r.apply(ctx, guest, obj)
-		if obj.GroupVersionKind().GroupKind() == volumeSnapshotClassKind && meta.IsNoMatchError(err) {
-			skips = append(skips, name+": the guest cluster does not serve VolumeSnapshotClasses (install the CSI snapshot CRDs and snapshot-controller there)")
+		if gk := obj.GroupVersionKind().GroupKind(); (gk == volumeSnapshotClassKind || gk == volumeGroupSnapshotClassKind) && meta.IsNoMatchError(err) {
+			skips = append(skips, name+": the guest cluster does not serve "+gk.Kind+"es (install the CSI snapshot CRDs and snapshot-controller there)")
 			continue
 		}
 		if err != nil && ctx.Err() != nil {
