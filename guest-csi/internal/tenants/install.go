@@ -118,7 +118,7 @@ func isGuestStorageClass(u *unstructured.Unstructured) bool {
 }
 
 var (
-	storageClassKind        = schema.GroupKind{Group: "storage.k8s.io", Kind: "StorageClass"}
+	storageClassKind             = schema.GroupKind{Group: "storage.k8s.io", Kind: "StorageClass"}
 	volumeSnapshotClassKind      = schema.GroupKind{Group: "snapshot.storage.k8s.io", Kind: "VolumeSnapshotClass"}
 	volumeGroupSnapshotClassKind = schema.GroupKind{Group: "groupsnapshot.storage.k8s.io", Kind: "VolumeGroupSnapshotClass"}
 )
