@@ -14,6 +14,7 @@ import (
 	ctrl "sigs.k8s.io/controller-runtime"
 
 	"pvbridge.io/pkg/command"
+	"pvbridge.io/pkg/hold"
 	"pvbridge.io/vm-operator/internal/capi"
 	"pvbridge.io/vm-operator/internal/operator"
 )
@@ -47,6 +48,8 @@ func main() {
 		"Host agent: where VM volumes are staged and published before they are hot-plugged.")
 	fs.DurationVar(&opts.UnplugTimeout, "unplug-timeout", 5*time.Minute,
 		"Host agent: how long the guest of a VM that must stop (powered off or deleted) has to release its disks before the VM is forced off; 0 waits for ever.")
+	fs.DurationVar(&opts.HoldMax, "hold-max", hold.DefaultMaxHold,
+		"Host agent: the longest it holds the writes of VirtualMachines (pauses them, or freezes their guests' filesystems) while mgmt-csi cuts a group snapshot of their volumes; a hold that is not released by then is let go, and the cut reported inconsistent.")
 	fs.DurationVar(&opts.VolumeDetachTimeout, "volume-detach-timeout", capi.DefaultVolumeDetachTimeout,
 		"Infrastructure provider: how long a deleted Machine's VirtualMachine may keep volumes before it is powered off and deleted anyway (Cluster API waited for them to detach already); 0 waits for ever.")
 	fs.StringVar(&opts.MetricsAddress, "metrics-bind-address", "0",

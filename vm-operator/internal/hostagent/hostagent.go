@@ -4,7 +4,8 @@
 // block device through the host's mgmt-csi node plugin, hot-plugs it into the VM with its disk
 // serial, and reports it in status.volumes; for a volume that left spec.volumes it unplugs,
 // unpublishes and unstages, then drops the status entry (which lets the controller delete the
-// VolumeAttachment). It also drives the VMs' power state.
+// VolumeAttachment). It also drives the VMs' power state, and holds the VMs' writes while
+// mgmt-csi cuts a group snapshot of their volumes (hold.go).
 //
 // Every step is idempotent and the agent keeps no state beyond a small file per volume, so an
 // agent killed at any step converges by reconciling again.
@@ -88,6 +89,10 @@ type Reconciler struct {
 	// busy counts, per running VM, the passes in a row whose unplug its guest refused.
 	busyMu sync.Mutex
 	busy   map[types.UID]int
+	// holding is the set of volume IDs of the active hold of the host's writers (hold.go), nil
+	// when there is none. holdGate guards it; a hot-plug holds its read lock (see plug).
+	holdGate sync.RWMutex
+	holding  map[string]bool
 }
 
 func (r *Reconciler) clock() time.Time {
@@ -212,7 +217,7 @@ func (r *Reconciler) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Resu
 	if err := r.current(ctx, vm); err != nil {
 		return ctrl.Result{}, client.IgnoreNotFound(err)
 	}
-	ref := hypervisor.VM{Namespace: vm.Namespace, Name: vm.Name, UID: vm.Status.UniqueID, Slots: int(ptr.Deref(vm.Spec.MaxVolumes, 0))}
+	ref := vmRef(vm)
 	// A VM being deleted or powered off keeps no disk.
 	wantOn := vm.DeletionTimestamp.IsZero() && vm.Spec.PowerState != vmv1.PowerStateOff
 	d := &decisions{set: map[string]vmv1.VirtualMachineVolumeStatus{}}
@@ -469,15 +474,27 @@ func (r *Reconciler) attach(ctx context.Context, vm *vmv1.VirtualMachine, ref hy
 	if limitsErr != nil {
 		return failed(name, limitsErr), false
 	}
-	device, err := r.publish(ctx, dir, pv.Spec.CSI.VolumeHandle, serial, va.Status.AttachmentMetadata)
+	// A volume whose writers are held for a group snapshot gets no new writer until the
+	// release: the entry stays as it is, and the volume is tried again.
+	volumeID := pv.Spec.CSI.VolumeHandle
+	if r.isHeld(volumeID) {
+		log.V(1).Info("Waiting for the release of the volume's writers to hot-plug it")
+		return nil, false
+	}
+	device, err := r.publish(ctx, dir, volumeID, serial, va.Status.AttachmentMetadata)
 	if err != nil {
 		log.Error(err, "Cannot publish the volume on the host")
 		return failed(name, err), false
 	}
-	if err := r.Hypervisor.Attach(ctx, ref, hypervisor.Disk{Serial: serial, Device: device, Limits: limits}); err != nil {
+	done, err := r.plug(ctx, ref, volumeID, hypervisor.Disk{Serial: serial, Device: device, Limits: limits})
+	if err != nil {
 		log.Error(err, "Cannot hot-plug the volume")
 		r.event(vm, corev1.EventTypeWarning, "HotPlugFailed", "Hot-plug of volume %s failed: %v", name, err)
 		return failed(name, fmt.Errorf("hot-plug: %w", err)), false
+	}
+	if !done {
+		log.V(1).Info("Waiting for the release of the volume's writers to hot-plug it")
+		return nil, false
 	}
 	if e := vm.Status.Volumes; !slices.ContainsFunc(e, func(s vmv1.VirtualMachineVolumeStatus) bool { return s.Name == name && s.Attached }) {
 		log.Info("Hot-plugged volume", "diskSerial", serial, "device", device, "volumeAttributesClass", class)

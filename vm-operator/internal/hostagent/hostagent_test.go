@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"maps"
 	"path/filepath"
 	"sync"
 	"testing"
@@ -79,6 +80,11 @@ type fakeHypervisor struct {
 	// SetLimits refuse a disk attached without (as the local driver does).
 	limits  map[string]hypervisor.Limits
 	notLive bool
+	// holds records the Freeze and Thaw calls ("freeze vm-1 [serial]", "thaw vm-1");
+	// frozen, which VMs are frozen; freezeErr fails the Freeze of the VMs it names.
+	holds     []string
+	frozen    map[string]bool
+	freezeErr map[string]error
 }
 
 func newFakeHypervisor() *fakeHypervisor {
@@ -177,6 +183,44 @@ func (h *fakeHypervisor) Slots(_ context.Context, vm hypervisor.VM) (int, error)
 		return vm.Slots, nil
 	}
 	return h.slots, nil
+}
+
+func (h *fakeHypervisor) Freeze(_ context.Context, vm hypervisor.VM, serials []string) error {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	h.holds = append(h.holds, fmt.Sprintf("freeze %s %v", vm.Name, serials))
+	if err := h.freezeErr[vm.Name]; err != nil {
+		return err
+	}
+	if h.frozen == nil {
+		h.frozen = map[string]bool{}
+	}
+	h.frozen[vm.Name] = true
+	return nil
+}
+
+func (h *fakeHypervisor) Thaw(_ context.Context, vm hypervisor.VM) error {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	h.holds = append(h.holds, "thaw "+vm.Name)
+	delete(h.frozen, vm.Name)
+	return nil
+}
+
+// frozenVMs returns the names of the frozen VMs.
+func (h *fakeHypervisor) frozenVMs() map[string]bool {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	return maps.Clone(h.frozen)
+}
+
+// holdCalls returns the Freeze and Thaw calls so far, and forgets them.
+func (h *fakeHypervisor) holdCalls() []string {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	calls := h.holds
+	h.holds = nil
+	return calls
 }
 
 func (h *fakeHypervisor) Disks(_ context.Context, vm hypervisor.VM) ([]hypervisor.Disk, error) {

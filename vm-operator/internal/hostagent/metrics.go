@@ -19,8 +19,16 @@ var forcedOff = prometheus.NewCounterVec(prometheus.CounterOpts{
 	Help: "VirtualMachines forced off because their guest did not release its disks within the unplug timeout.",
 }, []string{"namespace", "vm"})
 
+// writesHeld is how long the host agent held the writes of VMs while a group snapshot cut
+// their volumes (hold.go): the guests' I/O stalls that long.
+var writesHeld = prometheus.NewHistogram(prometheus.HistogramOpts{
+	Name:    "pvbridge_vm_writes_held_seconds",
+	Help:    "How long the host agent held the writes of VirtualMachines while a group snapshot cut their volumes.",
+	Buckets: prometheus.ExponentialBuckets(0.001, 4, 8), // 1 ms to 16 s
+})
+
 func init() {
-	metrics.Registry.MustRegister(forcedOff)
+	metrics.Registry.MustRegister(forcedOff, writesHeld)
 }
 
 var volumesDesc = prometheus.NewDesc("pvbridge_vm_volumes",

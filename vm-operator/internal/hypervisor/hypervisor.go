@@ -125,4 +125,15 @@ type Driver interface {
 	// A disk whose Attach was interrupted is not listed until Attach is repeated: the host
 	// agent takes a listed disk for done and reports it attached without a second hot-plug.
 	Disks(ctx context.Context, vm VM) ([]Disk, error)
+
+	// Freeze holds the guest's writes to the disks of vm with serials until Thaw (a group
+	// snapshot cuts them meanwhile): when it returns, every write the guest completed before
+	// is on the host device, and no new write reaches it. A driver may hold more than asked
+	// (qemu pauses the whole VM). A serial that is not attached, or a VM that does not run,
+	// has no writes to hold. Freezing what is frozen is success. When the driver cannot hold
+	// a disk the guest uses, it returns an error naming its serial and why, and holds nothing.
+	Freeze(ctx context.Context, vm VM, serials []string) error
+	// Thaw lets every disk Freeze held of vm go, also after a restart of the agent (the driver
+	// remembers what it froze). A VM that is not frozen, or does not run, is success.
+	Thaw(ctx context.Context, vm VM) error
 }

@@ -32,6 +32,7 @@ import (
 	pmemv1alpha1 "pvbridge.io/pkg/apis/pmem/v1alpha1"
 	vmv1alpha1 "pvbridge.io/pkg/apis/vm/v1alpha1"
 	"pvbridge.io/pkg/csiserver"
+	"pvbridge.io/pkg/hold"
 	"pvbridge.io/vm-operator/internal/capi"
 	"pvbridge.io/vm-operator/internal/controller"
 	"pvbridge.io/vm-operator/internal/hostagent"
@@ -81,6 +82,9 @@ type Options struct {
 	// UnplugTimeout is how long the host agent waits for the guest of a VM that must stop to
 	// release its disks before it forces the VM off; zero waits for ever.
 	UnplugTimeout time.Duration
+	// HoldMax bounds how long the host agent holds the writes of VMs for a group snapshot
+	// (the hold socket beside the mgmt-csi node socket); zero means hold.DefaultMaxHold.
+	HoldMax time.Duration
 	// VolumeDetachTimeout is how long the infrastructure provider waits for the volumes of a
 	// deleted machine's VirtualMachine to detach before it powers the VM off anyway; zero
 	// waits for ever.
@@ -115,6 +119,9 @@ func (o *Options) Validate() error {
 		}
 		if o.UnplugTimeout < 0 {
 			errs = append(errs, fmt.Errorf("unplug timeout %s is negative", o.UnplugTimeout))
+		}
+		if o.HoldMax < 0 {
+			errs = append(errs, fmt.Errorf("longest hold %s is negative", o.HoldMax))
 		}
 		if !filepath.IsAbs(o.StateDir) {
 			errs = append(errs, fmt.Errorf("state directory %q is not absolute", o.StateDir))
@@ -251,7 +258,7 @@ func setupHostAgent(mgr ctrl.Manager, opts Options) error {
 	if err != nil {
 		return fmt.Errorf("mgmt-csi node plugin at %s: %w", socket, err)
 	}
-	return (&hostagent.Reconciler{
+	agent := &hostagent.Reconciler{
 		Client:        mgr.GetClient(),
 		APIReader:     mgr.GetAPIReader(),
 		Node:          opts.NodeName,
@@ -260,7 +267,13 @@ func setupHostAgent(mgr ctrl.Manager, opts Options) error {
 		StateDir:      opts.StateDir,
 		UnplugTimeout: opts.UnplugTimeout,
 		Recorder:      mgr.GetEventRecorder("vm-operator-host-agent"),
-	}).SetupWithManager(mgr)
+	}
+	if err := agent.SetupWithManager(mgr); err != nil {
+		return err
+	}
+	// mgmt-csi's node agent asks for the writers of a group snapshot's volumes to be held on a
+	// socket beside its own, in the directory the host agent mounts already.
+	return mgr.Add(&hostagent.HoldServer{Agent: agent, Path: hold.SocketBeside(socket), MaxHold: opts.HoldMax})
 }
 
 func restConfig(kubeconfig string) (*rest.Config, error) {

@@ -56,6 +56,8 @@ func TestOptionsValidate(t *testing.T) {
 		{name: "relative VM root", opts: valid(RoleHostAgent, func(o *Options) { o.VMRoot = "vms" }), wantErr: []string{"absolute VM root"}},
 		{name: "host agent without CSI endpoint", opts: valid(RoleHostAgent, func(o *Options) { o.CSIEndpoint = "" }), wantErr: []string{"CSI endpoint"}},
 		{name: "relative state directory", opts: valid(RoleHostAgent, func(o *Options) { o.StateDir = "state" }), wantErr: []string{"state directory"}},
+		{name: "host agent with a longest hold", opts: valid(RoleHostAgent, func(o *Options) { o.HoldMax = 3 * time.Second })},
+		{name: "negative longest hold", opts: valid(RoleHostAgent, func(o *Options) { o.HoldMax = -time.Second }), wantErr: []string{"longest hold"}},
 		{name: "metrics address without port", opts: valid(RoleController, func(o *Options) { o.MetricsAddress = "localhost" }), wantErr: []string{"metrics address"}},
 		{name: "empty health address", opts: valid(RoleController, func(o *Options) { o.HealthAddress = "" }), wantErr: []string{"health address"}},
 		{

@@ -16,6 +16,7 @@
 //	                                 data (mode 0600), where cloud-init's NoCloud looks
 //	.hypervisor/disks/<serial>.json  the record of a disk: its name vdX, host device and number,
 //	                                 and for a throttled disk its limits and loop device
+//	.hypervisor/frozen               the guest filesystems Freeze froze (freeze.go), for Thaw
 //	.hypervisor/tmp/                 files being written, renamed into place when complete
 //
 // A disk attached with I/O limits is throttled (throttle.go): the guest sees it through a
@@ -223,6 +224,11 @@ func (d *Driver) powerOff(ctx context.Context, vm hypervisor.VM, force bool) err
 			serials[i] = rec.Serial
 		}
 		return fmt.Errorf("power off %s: %w: disks %q are attached; detach them first", vmKey(vm), hypervisor.ErrBusy, serials)
+	}
+	// A filesystem frozen by Freeze and then lazily unmounted would stay frozen with no mount
+	// to thaw it through: thaw first.
+	if err := d.thawFrozen(ctx, r, vm); err != nil {
+		return fmt.Errorf("force off %s: %w", vmKey(vm), err)
 	}
 	for _, rec := range records {
 		if err := d.pullDisk(ctx, r, vm, rec); err != nil {
