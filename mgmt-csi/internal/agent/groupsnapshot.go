@@ -7,6 +7,7 @@ import (
 	"slices"
 	"time"
 
+	"golang.org/x/sys/unix"
 	"k8s.io/apimachinery/pkg/api/meta"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	ctrl "sigs.k8s.io/controller-runtime"
@@ -83,15 +84,7 @@ func (r *SnapshotReconciler) cutGroup(ctx context.Context, snap *pmemv1.PmemSnap
 		}
 		return ctrl.Result{}, err
 	}
-	var cutErr error
-	var cut []string
-	for _, m := range todo {
-		if _, cutErr = r.Backend.CreateSnapshot(ctx, m.Name, m.Spec.SourceVolumeID); cutErr != nil {
-			cutErr = fmt.Errorf("member %s of volume %s: %w", m.Name, m.Spec.SourceVolumeID, cutErr)
-			break
-		}
-		cut = append(cut, m.Name)
-	}
+	cut, cutErr := r.cutMembers(ctx, todo, lease.Held)
 	heldFor, relErr := lease.Release(ctx)
 	if cutErr == nil {
 		cutErr = relErr
@@ -103,6 +96,9 @@ func (r *SnapshotReconciler) cutGroup(ctx context.Context, snap *pmemv1.PmemSnap
 			}
 		}
 		reason, retry := failureReason(cutErr)
+		if errors.Is(cutErr, errUnheld) {
+			reason, retry = WritersNotHeldReason, true
+		}
 		for _, m := range todo {
 			if serr := r.setStatus(ctx, m, nil, metav1.ConditionFalse, reason, cutErr.Error()); serr != nil {
 				return ctrl.Result{}, serr
@@ -116,6 +112,65 @@ func (r *SnapshotReconciler) cutGroup(ctx context.Context, snap *pmemv1.PmemSnap
 	log.Info("Cut group snapshot", "members", cut, "heldVolumeIDs", lease.Held, "heldFor", heldFor)
 	r.Capacity.Refresh(ctx)
 	return ctrl.Result{}, r.finishGroup(ctx, todo, lease.Held, heldFor)
+}
+
+// cutMembers cuts the members, in the hold of the volumes held, and returns those it cut.
+func (r *SnapshotReconciler) cutMembers(ctx context.Context, members []*pmemv1.PmemSnapshot, held []string) ([]string, error) {
+	if err := r.unheld(ctx, members, held); err != nil {
+		return nil, err
+	}
+	var cut []string
+	for _, m := range members {
+		if _, err := r.Backend.CreateSnapshot(ctx, m.Name, m.Spec.SourceVolumeID); err != nil {
+			return cut, fmt.Errorf("member %s of volume %s: %w", m.Name, m.Spec.SourceVolumeID, err)
+		}
+		cut = append(cut, m.Name)
+	}
+	return cut, nil
+}
+
+// errUnheld: a member's volume is in use by a writer that no holder held.
+var errUnheld = errors.New("in use on this host by a writer that no holder holds (not a VM's disk: a management pod?), so that the group could not be cut at one instant")
+
+// unheld checks, inside the hold, that every member whose volume the holder did not hold has
+// no writer: its device is not mounted or claimed (an exclusive open succeeds). A volume no VM
+// has attached may be a management pod's, whose writes nothing here can hold: such a group is
+// refused rather than cut torn.
+func (r *SnapshotReconciler) unheld(ctx context.Context, members []*pmemv1.PmemSnapshot, held []string) error {
+	inUse := r.InUse
+	if inUse == nil {
+		inUse = claimed
+	}
+	for _, m := range members {
+		if slices.Contains(held, m.Spec.SourceVolumeID) {
+			continue
+		}
+		vol, err := r.Backend.GetVolume(ctx, m.Spec.SourceVolumeID)
+		if err != nil {
+			return fmt.Errorf("volume %s of member %s: %w", m.Spec.SourceVolumeID, m.Name, err)
+		}
+		busy, err := inUse(vol.Device)
+		if err != nil {
+			return fmt.Errorf("volume %s of member %s: %w", m.Spec.SourceVolumeID, m.Name, err)
+		}
+		if busy {
+			return fmt.Errorf("volume %s (%s) of member %s is %w", m.Spec.SourceVolumeID, vol.Device, m.Name, errUnheld)
+		}
+	}
+	return nil
+}
+
+// claimed reports whether the block device is mounted or claimed exclusively: the kernel then
+// refuses an exclusive open with EBUSY.
+func claimed(device string) (bool, error) {
+	fd, err := unix.Open(device, unix.O_RDONLY|unix.O_EXCL|unix.O_CLOEXEC, 0)
+	if errors.Is(err, unix.EBUSY) {
+		return true, nil
+	}
+	if err != nil {
+		return false, fmt.Errorf("open %s exclusively: %w", device, err)
+	}
+	return false, unix.Close(fd)
 }
 
 // finishGroup marks the members of a group that was cut whole Ready.

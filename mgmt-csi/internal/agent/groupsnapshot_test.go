@@ -86,6 +86,10 @@ func TestSnapshotReconcilerCutsAGroupWhileItsWritersAreHeld(t *testing.T) {
 		members []*pmemv1.PmemSnapshot
 		// noHolder leaves the hold socket unserved.
 		noHolder bool
+		// capacity is the back end's; 0 means 100 MiB.
+		capacity int64
+		// inUse: the volumes the holder does not hold (all but the first) are in use.
+		inUse bool
 		// prepare sets the back end up before the reconcile (volumes v1 and v2 exist).
 		prepare     func(ctx context.Context, g Gomega, b *fake.Fake)
 		wantReason  string // of every member; "" when none is written
@@ -118,9 +122,19 @@ func TestSnapshotReconcilerCutsAGroupWhileItsWritersAreHeld(t *testing.T) {
 			noHolder: true, wantReason: WritersNotHeldReason, wantErr: true,
 		},
 		{
+			name:    "a volume in use that no holder holds refuses the group",
+			members: []*pmemv1.PmemSnapshot{member("snap-1", "v1", 2), member("snap-2", "v2", 2)},
+			inUse:   true, wantReason: WritersNotHeldReason, wantErr: true,
+			check: func(g Gomega, h *holder) {
+				g.Expect(h.atRelease).To(BeEmpty(), "nothing was cut")
+				g.Expect(h.releases).To(Equal(1))
+			},
+		},
+		{
 			name:       "a member that fails undoes the cut of the others",
-			members:    []*pmemv1.PmemSnapshot{member("snap-1", "v1", 2), member("snap-2", "v9", 2)},
-			wantReason: pmemv1.SourceNotFoundReason,
+			members:    []*pmemv1.PmemSnapshot{member("snap-1", "v1", 2), member("snap-2", "v2", 2)},
+			capacity:   3 * mi, // room for one snapshot beside the volumes
+			wantReason: pmemv1.InsufficientCapacityReason,
 			check: func(g Gomega, h *holder) {
 				g.Expect(h.atRelease).To(ConsistOf("snap-1"), "snap-1 was cut in the hold, then removed")
 				g.Expect(h.releases).To(Equal(1))
@@ -151,7 +165,11 @@ func TestSnapshotReconcilerCutsAGroupWhileItsWritersAreHeld(t *testing.T) {
 			}
 			c := clientfake.NewClientBuilder().WithScheme(scheme).WithObjects(objs...).
 				WithStatusSubresource(&pmemv1.PmemSnapshot{}).Build()
-			b := fake.New(fake.Options{Capacity: 100 * mi})
+			capacity := tt.capacity
+			if capacity == 0 {
+				capacity = 100 * mi
+			}
+			b := fake.New(fake.Options{Capacity: capacity})
 			for _, v := range []string{"v1", "v2"} {
 				_, err := b.CreateVolume(ctx, v, mi, nil)
 				g.Expect(err).NotTo(HaveOccurred())
@@ -164,7 +182,8 @@ func TestSnapshotReconcilerCutsAGroupWhileItsWritersAreHeld(t *testing.T) {
 			if !tt.noHolder {
 				socket = serveHolder(t, h)
 			}
-			r := &SnapshotReconciler{Client: c, Backend: b, Node: "host-a", Capacity: &NodeReporter{}, HoldSocket: socket}
+			r := &SnapshotReconciler{Client: c, Backend: b, Node: "host-a", Capacity: &NodeReporter{}, HoldSocket: socket,
+				InUse: func(string) (bool, error) { return tt.inUse, nil }}
 
 			res, err := r.Reconcile(ctx, ctrl.Request{NamespacedName: client.ObjectKeyFromObject(tt.members[0])})
 			g.Expect(err != nil).To(Equal(tt.wantErr), "error: %v", err)

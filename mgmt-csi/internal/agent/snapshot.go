@@ -28,6 +28,9 @@ type SnapshotReconciler struct {
 	// HoldSocket is where the host's holder serves leases on the writers of its volumes
 	// (pkg/hold), which a group snapshot's cut takes.
 	HoldSocket string
+	// InUse reports whether a volume's block device is in use (mounted or claimed); nil: an
+	// exclusive open tells. A group's member whose volume no holder held must not be.
+	InUse func(device string) (bool, error)
 
 	groupMu sync.Mutex // one group cut at a time: the holder holds one lease at a time too
 }
