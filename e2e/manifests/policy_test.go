@@ -15,6 +15,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/apimachinery/pkg/types"
 	clientgoscheme "k8s.io/client-go/kubernetes/scheme"
 	"k8s.io/client-go/rest"
 	"k8s.io/utils/ptr"
@@ -60,6 +61,15 @@ const (
 	// tunedClaim is a1's claim of a VolumeAttributesClass a1's allow-list does not have (any
 	// more): an admin's change, or an earlier list.
 	tunedClaim = uidA1 + "-tuned"
+	// groupedClaim is a1's claim labelled for a group snapshot that is being taken.
+	groupedClaim = uidA1 + "-grouped"
+	// a1's and a2's group snapshots, and a member snapshot of each (snapshot-controller names
+	// them snapshot-<hash>); a1's member is in a1.groupSnapshots.
+	ownGroup    = uidA1 + "-group"
+	otherGroup  = uidA2 + "-group"
+	ownMember   = "snapshot-0a1a1a1a"
+	otherMember = "snapshot-0a2a2a2a"
+	groupLabel  = "pvbridge.io/volume-group"
 )
 
 const (
@@ -121,6 +131,12 @@ func withAttributesClass(pvc *corev1.PersistentVolumeClaim, class string) *corev
 	return pvc
 }
 
+// withAnnotations sets the annotations of u.
+func withAnnotations(u *unstructured.Unstructured, annotations map[string]string) *unstructured.Unstructured {
+	u.SetAnnotations(annotations)
+	return u
+}
+
 // annotated sets an annotation of pvc.
 func annotated(pvc *corev1.PersistentVolumeClaim, key, value string) *corev1.PersistentVolumeClaim {
 	metav1.SetMetaDataAnnotation(&pvc.ObjectMeta, key, value)
@@ -133,6 +149,45 @@ func claimSource(name string) *corev1.TypedObjectReference {
 
 func snapshotSource(name string) *corev1.TypedObjectReference {
 	return &corev1.TypedObjectReference{APIGroup: ptr.To("snapshot.storage.k8s.io"), Kind: "VolumeSnapshot", Name: name}
+}
+
+// groupSnapshot is a VolumeGroupSnapshot of source (its spec.source).
+func groupSnapshot(ns, name string, labels map[string]string, source map[string]any) *unstructured.Unstructured {
+	u := &unstructured.Unstructured{Object: map[string]any{
+		"apiVersion": "groupsnapshot.storage.k8s.io/v1",
+		"kind":       "VolumeGroupSnapshot",
+		"metadata":   map[string]any{"namespace": ns, "name": name},
+		"spec":       map[string]any{"volumeGroupSnapshotClassName": "pmem", "source": source},
+	}}
+	u.SetLabels(labels)
+	return u
+}
+
+// selecting is a group snapshot's source that selects claims by labels, and by expressions.
+func selecting(labels map[string]string, expressions ...map[string]any) map[string]any {
+	matchLabels := map[string]any{}
+	for k, v := range labels {
+		matchLabels[k] = v
+	}
+	selector := map[string]any{"matchLabels": matchLabels}
+	if len(expressions) > 0 {
+		var list []any
+		for _, e := range expressions {
+			list = append(list, e)
+		}
+		selector["matchExpressions"] = list
+	}
+	return map[string]any{"selector": selector}
+}
+
+// member is a member snapshot of group, as snapshot-controller makes it: unlabelled, owned by
+// the group.
+func member(ns, name, group, sourceClaim string) *unstructured.Unstructured {
+	u := snapshot(ns, name, nil, sourceClaim)
+	u.SetOwnerReferences([]metav1.OwnerReference{{
+		APIVersion: "groupsnapshot.storage.k8s.io/v1", Kind: "VolumeGroupSnapshot", Name: group, UID: types.UID("uid-of-" + group),
+	}})
+	return u
 }
 
 func snapshot(ns, name string, labels map[string]string, sourceClaim string) *unstructured.Unstructured {
@@ -167,7 +222,7 @@ func setUpTenants(ctx context.Context, g Gomega) {
 		&corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: nsBare, Labels: enforced}},
 		&corev1.ConfigMap{ObjectMeta: metav1.ObjectMeta{Namespace: nsA, Name: "pvbridge-tenancy"}, Data: map[string]string{
 			"a1.uid": uidA1, "a1.account": accountUID("a1"), "a1.storageClasses": classAllowed, "a1.attributesClasses": attrsAllowed,
-			"a1.hosts": hostA1, "a1.sharedClaims": sharedClaim, "a1.sharedSnapshots": sharedSnap,
+			"a1.hosts": hostA1, "a1.sharedClaims": sharedClaim, "a1.sharedSnapshots": sharedSnap, "a1.groupSnapshots": ownMember,
 			"a2.uid": uidA2, "a2.account": accountUID("a2"), "a2.storageClasses": classAllowed + "," + classPremium,
 			"a2.attributesClasses": attrsAllowed + "," + attrsPremium,
 			// a3's identity is not recorded yet.
@@ -213,8 +268,11 @@ func setUpTenants(ctx context.Context, g Gomega) {
 	sharedClaimObj.Annotations = shared
 	sharedSnapObj := snapshot(nsA, sharedSnap, nil, sharedClaim)
 	sharedSnapObj.SetAnnotations(shared)
+	grouped := claim(nsA, groupedClaim, labelsFor("a1", uidA1), classAllowed, nil)
+	grouped.Labels[groupLabel] = "group-in-progress"
 	claims := []*corev1.PersistentVolumeClaim{
 		claim(nsA, ownClaim, labelsFor("a1", uidA1), classAllowed, nil),
+		grouped,
 		claim(nsA, otherClaim, labelsFor("a2", uidA2), classAllowed, nil),
 		sharedClaimObj,
 		withAttributesClass(claim(nsA, tunedClaim, labelsFor("a1", uidA1), classAllowed, nil), attrsPremium),
@@ -226,6 +284,10 @@ func setUpTenants(ctx context.Context, g Gomega) {
 		snapshot(nsA, ownSnap, labelsFor("a1", uidA1), ownClaim),
 		snapshot(nsA, otherSnap, labelsFor("a2", uidA2), otherClaim),
 		sharedSnapObj,
+		groupSnapshot(nsA, ownGroup, labelsFor("a1", uidA1), selecting(map[string]string{tenancy.ClusterUIDLabel: uidA1, groupLabel: "g"})),
+		groupSnapshot(nsA, otherGroup, labelsFor("a2", uidA2), selecting(map[string]string{tenancy.ClusterUIDLabel: uidA2, groupLabel: "g"})),
+		member(nsA, ownMember, ownGroup, ownClaim),
+		member(nsA, otherMember, otherGroup, otherClaim),
 		&vmv1.VirtualMachine{
 			ObjectMeta: metav1.ObjectMeta{Namespace: nsA, Name: ownVM, Labels: map[string]string{tenancy.CAPIClusterNameLabel: "a1"}},
 			Spec: vmv1.VirtualMachineSpec{PowerState: vmv1.PowerStateOn, Volumes: []vmv1.VirtualMachineVolume{
@@ -334,6 +396,10 @@ func TestGuestTenancyPolicy(t *testing.T) {
 	}
 	a2 := "cluster a2 (pvbridge.io/cluster-uid=" + uidA2 + ")"
 	neitherOwnedNorShared := " is neither owned by guest cluster a1 (named " + uidA1 + "-…) nor shared with it (annotation pvbridge.io/shared-with)"
+	ownGroupSelection := selecting(map[string]string{tenancy.ClusterUIDLabel: uidA1, groupLabel: "nightly"})
+	groupRefused := tenancyPolicy + what("VolumeGroupSnapshot", uidA1+"-new-group") + " must select its claims by exactly the labels pvbridge.io/cluster-uid=" +
+		uidA1 + " and pvbridge.io/volume-group (spec.source.selector.matchLabels, no matchExpressions): guest cluster a1 " +
+		"takes group snapshots only of its own claims, never of a pre-provisioned VolumeGroupSnapshotContent"
 	newClaim := uidA1 + "-new"
 
 	tests := []struct {
@@ -439,8 +505,35 @@ func TestGuestTenancyPolicy(t *testing.T) {
 			do:   patch(claimKey(otherClaim), func(pvc *corev1.PersistentVolumeClaim) { pvc.Labels = labelsFor("a1", uidA1) }),
 			want: notA1s("PersistentVolumeClaim", otherClaim, a2, "change")},
 		{name: "add a label to its own claim", as: "tenant-a/a1",
-			do:   patch(claimKey(ownClaim), func(pvc *corev1.PersistentVolumeClaim) { pvc.Labels["team"] = "x" }),
-			want: tenancyPolicy + "guest cluster a1 may not change the labels of " + what("PersistentVolumeClaim", ownClaim)},
+			do: patch(claimKey(ownClaim), func(pvc *corev1.PersistentVolumeClaim) { pvc.Labels["team"] = "x" }),
+			want: tenancyPolicy + "guest cluster a1 may not change the labels of " + what("PersistentVolumeClaim", ownClaim) +
+				" (team): it changes only pvbridge.io/volume-group, of its claims"},
+
+		// The label of a group snapshot's members: the one label a guest sets on its claims.
+		{name: "label its own claim for a group snapshot", as: "tenant-a/a1",
+			do: patch(claimKey(ownClaim), func(pvc *corev1.PersistentVolumeClaim) { pvc.Labels[groupLabel] = strings.Repeat("g", 63) })},
+		{name: "move its own claim to another group snapshot", as: "tenant-a/a1",
+			do: patch(claimKey(groupedClaim), func(pvc *corev1.PersistentVolumeClaim) { pvc.Labels[groupLabel] = "another-group" })},
+		{name: "take the group snapshot label from its own claim", as: "tenant-a/a1",
+			do: patch(claimKey(groupedClaim), func(pvc *corev1.PersistentVolumeClaim) { delete(pvc.Labels, groupLabel) })},
+		{name: "label its own claim for a group snapshot and with a label of its own", as: "tenant-a/a1",
+			do: patch(claimKey(ownClaim), func(pvc *corev1.PersistentVolumeClaim) {
+				pvc.Labels[groupLabel] = "g"
+				pvc.Labels["team"] = "x"
+			}),
+			want: tenancyPolicy + "guest cluster a1 may not change the labels of " + what("PersistentVolumeClaim", ownClaim) + " (team)"},
+		{name: "label a claim of another cluster for its group snapshot", as: "tenant-a/a1",
+			do:   patch(claimKey(otherClaim), func(pvc *corev1.PersistentVolumeClaim) { pvc.Labels = map[string]string{groupLabel: "g"} }),
+			want: notA1s("PersistentVolumeClaim", otherClaim, a2, "change")},
+		{name: "label a claim shared with it for its group snapshot", as: "tenant-a/a1",
+			do:   patch(claimKey(sharedClaim), func(pvc *corev1.PersistentVolumeClaim) { pvc.Labels = map[string]string{groupLabel: "g"} }),
+			want: notA1s("PersistentVolumeClaim", sharedClaim, "no guest cluster", "change")},
+		// RBAC: a guest changes no snapshot (and the policy would refuse the label).
+		{name: "label its own snapshot for a group snapshot", as: "tenant-a/a1",
+			do: patch(snapshotKey(ownSnap), func(snap *unstructured.Unstructured) {
+				snap.SetLabels(map[string]string{tenancy.ClusterNameLabel: "a1", tenancy.ClusterUIDLabel: uidA1, groupLabel: "g"})
+			}),
+			want: `volumesnapshots.snapshot.storage.k8s.io "` + ownSnap + `" is forbidden: User "system:serviceaccount:tenant-a:a1-pvbridge" cannot patch resource "volumesnapshots"`},
 
 		// Annotations: the class is the spec field only, sharing is an admin's act, a claim is
 		// provisioned on a host of the cluster's VMs.
@@ -565,6 +658,49 @@ func TestGuestTenancyPolicy(t *testing.T) {
 			do: remove(snapshotKey(otherSnap)), want: notA1s("VolumeSnapshot", otherSnap, a2, "delete")},
 		{name: "delete a snapshot shared with it", as: "tenant-a/a1",
 			do: remove(snapshotKey(sharedSnap)), want: notA1s("VolumeSnapshot", sharedSnap, "no guest cluster", "delete")},
+
+		// Group snapshots: of the cluster's own claims, selected by their labels.
+		{name: "take a group snapshot of its claims", as: "tenant-a/a1",
+			do: create(withAnnotations(groupSnapshot(nsA, uidA1+"-new-group", labelsFor("a1", uidA1), ownGroupSelection),
+				map[string]string{tenancy.CSINameAnnotation: "groupsnapshot-x", tenancy.GuestSnapshotAnnotation: "default/nightly"}))},
+		{name: "take a group snapshot of another cluster's claims", as: "tenant-a/a1",
+			do:   create(groupSnapshot(nsA, uidA1+"-new-group", labelsFor("a1", uidA1), selecting(map[string]string{tenancy.ClusterUIDLabel: uidA2, groupLabel: "g"}))),
+			want: groupRefused},
+		{name: "take a group snapshot that selects by its group label only", as: "tenant-a/a1",
+			do:   create(groupSnapshot(nsA, uidA1+"-new-group", labelsFor("a1", uidA1), selecting(map[string]string{groupLabel: "g"}))),
+			want: groupRefused},
+		{name: "take a group snapshot that selects by one more label", as: "tenant-a/a1",
+			do: create(groupSnapshot(nsA, uidA1+"-new-group", labelsFor("a1", uidA1),
+				selecting(map[string]string{tenancy.ClusterUIDLabel: uidA1, groupLabel: "g", "app": "db"}))),
+			want: groupRefused},
+		{name: "take a group snapshot that also selects by expressions", as: "tenant-a/a1",
+			do: create(groupSnapshot(nsA, uidA1+"-new-group", labelsFor("a1", uidA1), selecting(
+				map[string]string{tenancy.ClusterUIDLabel: uidA1, groupLabel: "g"},
+				map[string]any{"key": tenancy.ClusterUIDLabel, "operator": "In", "values": []any{uidA1, uidA2}}))),
+			want: groupRefused},
+		{name: "take a group snapshot of a pre-provisioned content", as: "tenant-a/a1",
+			do: create(groupSnapshot(nsA, uidA1+"-new-group", labelsFor("a1", uidA1),
+				map[string]any{"volumeGroupSnapshotContentName": "groupsnapcontent-of-another-tenant"})),
+			want: groupRefused},
+		{name: "create a group snapshot labelled for another cluster", as: "tenant-a/a1",
+			do:   create(groupSnapshot(nsA, uidA1+"-new-group", labelsFor("a2", uidA2), ownGroupSelection)),
+			want: a1Labels("VolumeGroupSnapshot", uidA1+"-new-group", "a2", uidA2)},
+		{name: "create a group snapshot named after another cluster", as: "tenant-a/a1",
+			do:   create(groupSnapshot(nsA, uidA2+"-new-group", labelsFor("a1", uidA1), ownGroupSelection)),
+			want: tenancyPolicy + "guest cluster a1 may create only objects named " + uidA1 + "-…, not " + what("VolumeGroupSnapshot", uidA2+"-new-group")},
+		{name: "create a group snapshot shared with another cluster", as: "tenant-a/a1",
+			do: create(withAnnotations(groupSnapshot(nsA, uidA1+"-new-group", labelsFor("a1", uidA1), ownGroupSelection),
+				map[string]string{tenancy.SharedWithAnnotation: "a2"})),
+			want: tenancyPolicy + "guest cluster a1 may not set, change or remove annotation pvbridge.io/shared-with of " + what("VolumeGroupSnapshot", uidA1+"-new-group")},
+		{name: "delete its own group snapshot", as: "tenant-a/a1", do: remove(groupSnapshot(nsA, ownGroup, nil, nil))},
+		{name: "delete a group snapshot of another cluster", as: "tenant-a/a1",
+			do: remove(groupSnapshot(nsA, otherGroup, nil, nil)), want: notA1s("VolumeGroupSnapshot", otherGroup, a2, "delete")},
+		{name: "restore a member of its group snapshot", as: "tenant-a/a1",
+			do: create(claim(nsA, newClaim, labelsFor("a1", uidA1), classAllowed, snapshotSource(ownMember)))},
+		{name: "restore a member of another cluster's group snapshot", as: "tenant-a/a1",
+			do: create(claim(nsA, newClaim, labelsFor("a1", uidA1), classAllowed, snapshotSource(otherMember))),
+			want: tenancyPolicy + what("PersistentVolumeClaim", newClaim) + ": its data source VolumeSnapshot " + nsA + "/" + otherMember +
+				neitherOwnedNorShared + " nor a member of its group snapshots"},
 
 		// VirtualMachines.
 		{name: "attach its own claim to its VM", as: "tenant-a/a1", do: patch(vmKey(ownVM), attach(uidA1+"-data2"))},

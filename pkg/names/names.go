@@ -22,4 +22,9 @@ const (
 	// MgmtVolumeAttributesClassParam is the guest VolumeAttributesClass parameter that names
 	// the management VolumeAttributesClass of a guest volume's management PVC.
 	MgmtVolumeAttributesClassParam = "mgmtVolumeAttributesClass"
+
+	// MgmtVolumeGroupSnapshotClassParam is the guest VolumeGroupSnapshotClass parameter that
+	// names the management VolumeGroupSnapshotClass of a guest group snapshot's management
+	// VolumeGroupSnapshot.
+	MgmtVolumeGroupSnapshotClassParam = "mgmtVolumeGroupSnapshotClass"
 )

@@ -18,6 +18,14 @@ const (
 	// from an earlier one of the same name.
 	ClusterUIDLabel = "pvbridge.io/cluster-uid"
 
+	// VolumeGroupLabel marks the management PVCs of a group snapshot while it is taken: the
+	// VolumeGroupSnapshot guest-csi creates selects its members by this label and
+	// ClusterUIDLabel. Its value is the name of that VolumeGroupSnapshot without the
+	// "<cluster UID>-" prefix (the UID of the guest's VolumeGroupSnapshot); the label is the
+	// only one a guest may add to, change on or remove from its claims, and guest-csi removes it
+	// once the group snapshot is ready.
+	VolumeGroupLabel = "pvbridge.io/volume-group"
+
 	// CAPIClusterNameLabel is Cluster API's label on the objects of a cluster, its
 	// VirtualMachines among them.
 	CAPIClusterNameLabel = "cluster.x-k8s.io/cluster-name"
@@ -36,7 +44,8 @@ const (
 	// GuestLabelsAnnotation holds the guest PVC's labels (see GuestPVCAnnotation).
 	GuestLabelsAnnotation = "pvbridge.io/guest-labels"
 	// GuestSnapshotAnnotation names the guest VolumeSnapshot (namespace/name) a management
-	// VolumeSnapshot was created for.
+	// VolumeSnapshot was created for, or the guest VolumeGroupSnapshot of a management
+	// VolumeGroupSnapshot.
 	GuestSnapshotAnnotation = "pvbridge.io/guest-snapshot"
 	// EnabledLabel opts a Cluster API Cluster in to the tenants controller (guest-csi-tenants):
 	// pvbridge.io/enabled=true.
@@ -102,6 +111,10 @@ const (
 	ParamSharedClaims = ".sharedClaims"
 	// ParamSharedSnapshots: see ParamSharedClaims.
 	ParamSharedSnapshots = ".sharedSnapshots"
+	// ParamGroupSnapshots lists the member VolumeSnapshots of its group snapshots (GroupMember):
+	// snapshot-controller makes them, unlabelled and named snapshot-<hash>, so only this list
+	// tells the policy that a claim may be restored from them.
+	ParamGroupSnapshots = ".groupSnapshots"
 )
 
 // HostsOfOwner finds, in a namespace's parameters, the cluster that owns the object of that
@@ -172,6 +185,28 @@ func AccessOf(obj metav1.Object, c Cluster) Access {
 	return Foreign
 }
 
+// GroupMember reports whether obj, a management VolumeSnapshot, is a member of a group snapshot
+// of cluster c: it is in c's namespace and owned by a VolumeGroupSnapshot named "<c's UID>-…".
+// snapshot-controller creates the members of a VolumeGroupSnapshot without labels, with that
+// ownerReference; a guest can set no ownerReference and create no VolumeGroupSnapshot named
+// after another cluster (the admission policy), and a VolumeGroupSnapshot of c selects only c's
+// claims. A member is the cluster's to restore, never to delete: it goes with its group.
+func GroupMember(obj metav1.Object, c Cluster) bool {
+	if obj.GetNamespace() != c.Namespace || c.UID == "" {
+		return false
+	}
+	for _, ref := range obj.GetOwnerReferences() {
+		group, _, _ := strings.Cut(ref.APIVersion, "/")
+		if group == groupSnapshotGroup && ref.Kind == "VolumeGroupSnapshot" && strings.HasPrefix(ref.Name, c.UID+"-") {
+			return true
+		}
+	}
+	return false
+}
+
+// groupSnapshotGroup is the API group of VolumeGroupSnapshots.
+const groupSnapshotGroup = "groupsnapshot.storage.k8s.io"
+
 // SharedWith reports whether a SharedWithAnnotation value names cluster.
 func SharedWith(value, cluster string) bool {
 	if cluster == "" {
@@ -192,6 +227,7 @@ func SharedWith(value, cluster string) bool {
 var GuestRules = []rbacv1.PolicyRule{
 	{APIGroups: []string{""}, Resources: []string{"persistentvolumeclaims"}, Verbs: []string{"get", "list", "watch", "create", "patch", "delete"}},
 	{APIGroups: []string{"snapshot.storage.k8s.io"}, Resources: []string{"volumesnapshots"}, Verbs: []string{"get", "list", "watch", "create", "delete"}},
+	{APIGroups: []string{groupSnapshotGroup}, Resources: []string{"volumegroupsnapshots"}, Verbs: []string{"get", "list", "watch", "create", "delete"}},
 	{APIGroups: []string{"vm.pvbridge.io"}, Resources: []string{"virtualmachines"}, Verbs: []string{"get", "list", "watch", "patch"}},
 	{APIGroups: []string{""}, Resources: []string{"events"}, Verbs: []string{"list"}},
 }

@@ -45,6 +45,39 @@ func TestAccessOfNeedsAnIdentity(t *testing.T) {
 	g.Expect(AccessOf(obj, anonymous)).To(Equal(Foreign))
 }
 
+// TestGroupMember: a member snapshot is the cluster's when a VolumeGroupSnapshot named after the
+// cluster's UID owns it, in the cluster's namespace.
+func TestGroupMember(t *testing.T) {
+	c := Cluster{Namespace: "tenant-a", Name: "alpha", UID: "uid-1"}
+	owned := func(ns string, refs ...metav1.OwnerReference) *metav1.PartialObjectMetadata {
+		return &metav1.PartialObjectMetadata{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "snapshot-0f", OwnerReferences: refs}}
+	}
+	group := func(apiVersion, kind, name string) metav1.OwnerReference {
+		return metav1.OwnerReference{APIVersion: apiVersion, Kind: kind, Name: name, UID: "g"}
+	}
+	for _, tc := range []struct {
+		name string
+		obj  *metav1.PartialObjectMetadata
+		want bool
+	}{
+		{"a member of the cluster's group", owned("tenant-a", group("groupsnapshot.storage.k8s.io/v1", "VolumeGroupSnapshot", "uid-1-g")), true},
+		{"of another version of the API", owned("tenant-a", group("groupsnapshot.storage.k8s.io/v1beta2", "VolumeGroupSnapshot", "uid-1-g")), true},
+		{"beside another owner", owned("tenant-a", group("v1", "ConfigMap", "x"), group("groupsnapshot.storage.k8s.io/v1", "VolumeGroupSnapshot", "uid-1-g")), true},
+		{"a member of another cluster's group", owned("tenant-a", group("groupsnapshot.storage.k8s.io/v1", "VolumeGroupSnapshot", "uid-2-g")), false},
+		{"a group of a cluster whose UID starts with this one's", owned("tenant-a", group("groupsnapshot.storage.k8s.io/v1", "VolumeGroupSnapshot", "uid-10-g")), false},
+		{"in another namespace", owned("tenant-b", group("groupsnapshot.storage.k8s.io/v1", "VolumeGroupSnapshot", "uid-1-g")), false},
+		{"owned by another kind of that name", owned("tenant-a", group("v1", "ConfigMap", "uid-1-g")), false},
+		{"owned by a kind of that name in another group", owned("tenant-a", group("example.com/v1", "VolumeGroupSnapshot", "uid-1-g")), false},
+		{"no owner", owned("tenant-a"), false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			NewWithT(t).Expect(GroupMember(tc.obj, c)).To(Equal(tc.want))
+		})
+	}
+	NewWithT(t).Expect(GroupMember(owned("tenant-a", group("groupsnapshot.storage.k8s.io/v1", "VolumeGroupSnapshot", "-g")), Cluster{Namespace: "tenant-a"})).
+		To(BeFalse(), "a cluster without a UID has no members")
+}
+
 func FuzzSharedWith(f *testing.F) {
 	f.Add("alpha,beta", "alpha")
 	f.Add(" , ,", "")

@@ -8,6 +8,7 @@ import (
 	"unicode/utf8"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
+	groupsnapshotv1 "github.com/kubernetes-csi/external-snapshotter/client/v8/apis/volumegroupsnapshot/v1"
 	snapshotv1 "github.com/kubernetes-csi/external-snapshotter/client/v8/apis/volumesnapshot/v1"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
@@ -36,9 +37,10 @@ const (
 	// which csi-provisioner follows and removes when the host has no room.
 	selectedNodeAnnotation = "volume.kubernetes.io/selected-node"
 
-	kindPVC      = "PersistentVolumeClaim"
-	kindSnapshot = "VolumeSnapshot"
-	kindVM       = "VirtualMachine"
+	kindPVC           = "PersistentVolumeClaim"
+	kindSnapshot      = "VolumeSnapshot"
+	kindGroupSnapshot = "VolumeGroupSnapshot"
+	kindVM            = "VirtualMachine"
 )
 
 // mgmtClient is the driver's view of the management cluster (mgmt.Conn): Get and List read
@@ -209,12 +211,7 @@ func (s *controllerServer) CreateVolume(ctx context.Context, req *csi.CreateVolu
 // newClaim is the management PVC of a new volume.
 func (s *controllerServer) newClaim(ctx context.Context, c tenancy.Cluster, name, csiName, host string, size int64, p volumeParams, source *corev1.TypedLocalObjectReference) *corev1.PersistentVolumeClaim {
 	pvc := &corev1.PersistentVolumeClaim{
-		ObjectMeta: metav1.ObjectMeta{
-			Namespace:   c.Namespace,
-			Name:        name,
-			Labels:      c.Labels(),
-			Annotations: map[string]string{tenancy.CSINameAnnotation: csiName},
-		},
+		ObjectMeta: mgmtObjectMeta(c, name, csiName),
 		Spec: corev1.PersistentVolumeClaimSpec{
 			AccessModes: []corev1.PersistentVolumeAccessMode{corev1.ReadWriteOnce},
 			VolumeMode:  ptr.To(corev1.PersistentVolumeBlock),
@@ -243,6 +240,17 @@ func (s *controllerServer) newClaim(ctx context.Context, c tenancy.Cluster, name
 		pvc.Annotations[tenancy.GuestPVAnnotation] = p.guestPV
 	}
 	return pvc
+}
+
+// mgmtObjectMeta is the metadata of a new management object of the cluster for a CSI name:
+// the cluster's labels and the name in tenancy.CSINameAnnotation.
+func mgmtObjectMeta(c tenancy.Cluster, name, csiName string) metav1.ObjectMeta {
+	return metav1.ObjectMeta{
+		Namespace:   c.Namespace,
+		Name:        name,
+		Labels:      c.Labels(),
+		Annotations: map[string]string{tenancy.CSINameAnnotation: csiName},
+	}
 }
 
 // guestLabels returns the guest PVC's labels as JSON, "" if there are none or they cannot be
@@ -320,13 +328,33 @@ func (s *controllerServer) dataSource(ctx context.Context, c tenancy.Cluster, sr
 	return nil, status.Error(codes.InvalidArgument, "volume_content_source has neither a snapshot nor a volume")
 }
 
-// accessible reads management object id of kind (PVC or VolumeSnapshot) and tells what the
-// cluster may do with it. The cache holds what the cluster owns; a shared object is read from
-// the apiserver. A missing object or an invalid ID is NotFound; a foreign one
-// FailedPrecondition, with the reason, on every call.
+// accessible reads management object id of kind (PVC, VolumeSnapshot or VolumeGroupSnapshot)
+// and tells what the cluster may do with it. A missing object or an invalid ID is NotFound
+// (lookup); a foreign one FailedPrecondition, with the reason, on every call. A member snapshot of
+// one of the cluster's group snapshots (tenancy.GroupMember) is Shared: restored like any of its
+// snapshots, deleted only with its group.
 func (s *controllerServer) accessible(ctx context.Context, c tenancy.Cluster, kind, id string) (client.Object, tenancy.Access, error) {
+	obj, err := s.lookup(ctx, c, kind, id)
+	if err != nil {
+		return nil, tenancy.Foreign, err
+	}
+	access := tenancy.AccessOf(obj, c)
+	if access == tenancy.Foreign && kind == kindSnapshot && tenancy.GroupMember(obj, c) {
+		access = tenancy.Shared
+	}
+	if access == tenancy.Foreign {
+		return obj, access, status.Errorf(codes.FailedPrecondition,
+			"management %s %s/%s was not created for cluster %s and is not shared with it (annotation %s)", kind, c.Namespace, id, c.Name, tenancy.SharedWithAnnotation)
+	}
+	return obj, access, nil
+}
+
+// lookup reads management object id of kind. The cache holds what the cluster owns; anything
+// else (a shared object, a group snapshot's member, an object the cache has not seen yet) is
+// read from the apiserver. A missing object or an invalid ID is NotFound.
+func (s *controllerServer) lookup(ctx context.Context, c tenancy.Cluster, kind, id string) (client.Object, error) {
 	if !validHandle(id) {
-		return nil, tenancy.Foreign, status.Errorf(codes.NotFound, "%q is not the name of a management %s", id, kind)
+		return nil, status.Errorf(codes.NotFound, "%q is not the name of a management %s", id, kind)
 	}
 	obj := newObject(kind)
 	key := client.ObjectKey{Namespace: c.Namespace, Name: id}
@@ -336,22 +364,19 @@ func (s *controllerServer) accessible(ctx context.Context, c tenancy.Cluster, ki
 	}
 	switch {
 	case apierrors.IsNotFound(err):
-		return nil, tenancy.Foreign, status.Errorf(codes.NotFound, "management %s %s/%s does not exist", kind, c.Namespace, id)
+		return nil, status.Errorf(codes.NotFound, "management %s %s/%s does not exist", kind, c.Namespace, id)
 	case err != nil:
-		return nil, tenancy.Foreign, csiserver.APIError(err, "get management %s %s/%s", kind, c.Namespace, id)
+		return nil, csiserver.APIError(err, "get management %s %s/%s", kind, c.Namespace, id)
 	}
-	access := tenancy.AccessOf(obj, c)
-	if access == tenancy.Foreign {
-		return obj, access, status.Errorf(codes.FailedPrecondition,
-			"management %s %s/%s was not created for cluster %s and is not shared with it (annotation %s)", kind, c.Namespace, id, c.Name, tenancy.SharedWithAnnotation)
-	}
-	return obj, access, nil
+	return obj, nil
 }
 
 func newObject(kind string) client.Object {
 	switch kind {
 	case kindSnapshot:
 		return &snapshotv1.VolumeSnapshot{}
+	case kindGroupSnapshot:
+		return &groupsnapshotv1.VolumeGroupSnapshot{}
 	case kindVM:
 		return &vmv1.VirtualMachine{}
 	}
@@ -395,6 +420,42 @@ func (s *controllerServer) waitBound(ctx context.Context, pvc *corev1.Persistent
 		return nil, status.Errorf(codes.ResourceExhausted, "host %s has no room for management PVC %s/%s%s", host, got.Namespace, got.Name, reason)
 	}
 	return got, nil
+}
+
+// deleteOwned deletes management object id of kind (a VolumeSnapshot or a VolumeGroupSnapshot)
+// if the cluster owns it and, with wait, waits until it is gone. A missing object, or an ID that
+// can name none, is success; one shared with the cluster (or a member of its group snapshots) is
+// released: left alone; a foreign one is refused (FailedPrecondition).
+func (s *controllerServer) deleteOwned(ctx context.Context, kind, id string, wait bool) error {
+	if !validHandle(id) {
+		return nil
+	}
+	c, err := s.cluster()
+	if err != nil {
+		return err
+	}
+	unlock, err := s.lock(id)
+	if err != nil {
+		return err
+	}
+	defer unlock()
+	obj, access, err := s.accessible(ctx, c, kind, id)
+	switch {
+	case status.Code(err) == codes.NotFound:
+		return nil
+	case err != nil:
+		return err
+	case access == tenancy.Shared:
+		klog.FromContext(ctx).Info("Released a management object shared with the cluster; it is not deleted", "kind", kind, "id", id)
+		return nil
+	}
+	if err := s.deleteIfOwned(ctx, obj); err != nil {
+		return err
+	}
+	if !wait {
+		return nil
+	}
+	return s.await(ctx, kind, id, newObject(kind), func(found bool) (bool, error) { return !found, nil })
 }
 
 // deleteIfOwned deletes obj if it is the object that was read (UID precondition: never a newer

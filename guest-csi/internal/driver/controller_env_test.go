@@ -45,6 +45,7 @@ type guestEnv struct {
 	cluster tenancy.Cluster
 	admin   client.Client
 	ctrl    csi.ControllerClient
+	groups  csi.GroupControllerClient
 	resp    *responder
 	roots   map[string]string // VM → device root
 	socket  string
@@ -102,7 +103,8 @@ func newGuestEnv(t *testing.T, opts envOptions) *guestEnv {
 		// A second, not the default 10 s: a test waits for the List that shows a new warning.
 		WarningsPeriod: time.Second,
 	})
-	e.ctrl = csi.NewControllerClient(csinodetest.Dial(t, e.socket))
+	conn := csinodetest.Dial(t, e.socket)
+	e.ctrl, e.groups = csi.NewControllerClient(conn), csi.NewGroupControllerClient(conn)
 	if opts.mgmt == nil {
 		e.waitConnected(t)
 	}
@@ -217,6 +219,21 @@ func createReq(name, host string, size int64) *csi.CreateVolumeRequest {
 		}
 	}
 	return req
+}
+
+// restoreReq asks for a volume like createReq, restored from snapshot.
+func restoreReq(name, snapshot string) *csi.CreateVolumeRequest {
+	req := createReq(name, envHost, envMountSize)
+	req.VolumeContentSource = &csi.VolumeContentSource{Type: &csi.VolumeContentSource_Snapshot{Snapshot: &csi.VolumeContentSource_SnapshotSource{SnapshotId: snapshot}}}
+	return req
+}
+
+// expectRestoredFrom checks that the management PVC of volume id is restored from snapshot.
+func (e *guestEnv) expectRestoredFrom(t *testing.T, id, snapshot string) {
+	t.Helper()
+	NewWithT(t).Expect(e.claimOf(t, id).Spec.DataSource).To(Equal(&corev1.TypedLocalObjectReference{
+		APIGroup: ptrTo("snapshot.storage.k8s.io"), Kind: "VolumeSnapshot", Name: snapshot,
+	}))
 }
 
 // claimOf reads the management PVC of a volume.

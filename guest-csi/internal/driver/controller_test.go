@@ -620,13 +620,9 @@ func TestSnapshots(t *testing.T) {
 	g.Expect(err).NotTo(HaveOccurred())
 	g.Expect(list.GetEntries()).To(HaveExactElements(HaveField("Snapshot.SnapshotId", snap.GetSnapshotId())))
 
-	restore := createReq("restored", envHost, envMountSize)
-	restore.VolumeContentSource = &csi.VolumeContentSource{Type: &csi.VolumeContentSource_Snapshot{Snapshot: &csi.VolumeContentSource_SnapshotSource{SnapshotId: snap.GetSnapshotId()}}}
-	restored, err := retried(t, e.ctrl.CreateVolume, restore)
+	restored, err := retried(t, e.ctrl.CreateVolume, restoreReq("restored", snap.GetSnapshotId()))
 	g.Expect(err).NotTo(HaveOccurred())
-	g.Expect(e.claimOf(t, restored.GetVolume().GetVolumeId()).Spec.DataSource).To(Equal(&corev1.TypedLocalObjectReference{
-		APIGroup: ptr.To("snapshot.storage.k8s.io"), Kind: "VolumeSnapshot", Name: snap.GetSnapshotId(),
-	}))
+	e.expectRestoredFrom(t, restored.GetVolume().GetVolumeId(), snap.GetSnapshotId())
 
 	_, err = call(t, e.ctrl.DeleteSnapshot, &csi.DeleteSnapshotRequest{SnapshotId: snap.GetSnapshotId()})
 	g.Expect(err).NotTo(HaveOccurred())

@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
+	groupsnapshotv1 "github.com/kubernetes-csi/external-snapshotter/client/v8/apis/volumegroupsnapshot/v1"
 	snapshotv1 "github.com/kubernetes-csi/external-snapshotter/client/v8/apis/volumesnapshot/v1"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
@@ -291,7 +292,7 @@ func (d *Driver) guestClient() (kubernetes.Interface, error) {
 // newScheme holds the management objects the controller reads and writes.
 func newScheme() (*runtime.Scheme, error) {
 	s := runtime.NewScheme()
-	for _, add := range []func(*runtime.Scheme) error{clientgoscheme.AddToScheme, vmv1.AddToScheme, snapshotv1.AddToScheme} {
+	for _, add := range []func(*runtime.Scheme) error{clientgoscheme.AddToScheme, vmv1.AddToScheme, snapshotv1.AddToScheme, groupsnapshotv1.AddToScheme} {
 		if err := add(s); err != nil {
 			return nil, err
 		}
@@ -300,8 +301,9 @@ func newScheme() (*runtime.Scheme, error) {
 }
 
 // setupController makes the management connection, whose cache holds only the guest's own
-// objects in its namespace (PVCs and VolumeSnapshots labelled with the cluster's UID, the
-// cluster's VirtualMachines), the controller service waiting on it, and the node labeller.
+// objects in its namespace (PVCs, VolumeSnapshots and VolumeGroupSnapshots labelled with the
+// cluster's UID, the cluster's VirtualMachines), the controller and group controller services
+// waiting on it, and the node labeller.
 func (d *Driver) setupController(server *csiserver.Server, guest kubernetes.Interface) (*mgmt.Conn, *topology.Labeller, error) {
 	scheme, err := newScheme()
 	if err != nil {
@@ -311,9 +313,10 @@ func (d *Driver) setupController(server *csiserver.Server, guest kubernetes.Inte
 	own := labels.SelectorFromSet(labels.Set{tenancy.ClusterUIDLabel: cluster.UID})
 	vms := labels.SelectorFromSet(labels.Set{tenancy.CAPIClusterNameLabel: cluster.Name})
 	watched := map[string]client.Object{
-		kindPVC:      &corev1.PersistentVolumeClaim{},
-		kindSnapshot: &snapshotv1.VolumeSnapshot{},
-		kindVM:       &vmv1.VirtualMachine{},
+		kindPVC:           &corev1.PersistentVolumeClaim{},
+		kindSnapshot:      &snapshotv1.VolumeSnapshot{},
+		kindGroupSnapshot: &groupsnapshotv1.VolumeGroupSnapshot{},
+		kindVM:            &vmv1.VirtualMachine{},
 	}
 	hub := await.NewHub()
 	var labeller *topology.Labeller
@@ -325,9 +328,10 @@ func (d *Driver) setupController(server *csiserver.Server, guest kubernetes.Inte
 				DefaultNamespaces: map[string]cache.Config{namespace: {}},
 				DefaultTransform:  cache.TransformStripManagedFields(),
 				ByObject: map[client.Object]cache.ByObject{
-					watched[kindPVC]:      {Label: own},
-					watched[kindSnapshot]: {Label: own},
-					watched[kindVM]:       {Label: vms},
+					watched[kindPVC]:           {Label: own},
+					watched[kindSnapshot]:      {Label: own},
+					watched[kindGroupSnapshot]: {Label: own},
+					watched[kindVM]:            {Label: vms},
 				},
 			}
 		},
@@ -370,6 +374,8 @@ func (d *Driver) setupController(server *csiserver.Server, guest kubernetes.Inte
 		capacityNamespace: d.opts.CapacityNamespace,
 		warningsPeriod:    d.opts.WarningsPeriod,
 	}
-	csi.RegisterControllerServer(server, newControllerServer(cfg, conn, guest, hub))
+	controller := newControllerServer(cfg, conn, guest, hub)
+	csi.RegisterControllerServer(server, controller)
+	csi.RegisterGroupControllerServer(server, &groupControllerServer{controllerServer: controller})
 	return conn, labeller, nil
 }

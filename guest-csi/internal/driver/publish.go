@@ -230,6 +230,11 @@ func volumesError(vm *vmv1.VirtualMachine, err error) error {
 // spec.volumes is never written blind, so no concurrent change is lost. change reports whether
 // it changed anything; obj starts as the caller read it.
 func (s *controllerServer) update(ctx context.Context, obj client.Object, change func() bool) error {
+	return s.tryUpdate(ctx, obj, func() (bool, error) { return change(), nil })
+}
+
+// tryUpdate is update with a change that may refuse: its error ends the update, as it is.
+func (s *controllerServer) tryUpdate(ctx context.Context, obj client.Object, change func() (bool, error)) error {
 	first := true
 	return retry.RetryOnConflict(retry.DefaultBackoff, func() error {
 		if !first {
@@ -239,8 +244,8 @@ func (s *controllerServer) update(ctx context.Context, obj client.Object, change
 		}
 		first = false
 		base := obj.DeepCopyObject().(client.Object)
-		if !change() {
-			return nil
+		if changed, err := change(); err != nil || !changed {
+			return err
 		}
 		return s.mgmt.Patch(ctx, obj, client.MergeFromWithOptions(base, client.MergeFromWithOptimisticLock{}))
 	})

@@ -94,15 +94,81 @@ func TestParseVolumeParameters(t *testing.T) {
 		{"class that is no name", map[string]string{ParamMgmtStorageClass: "../premium"}, volumeParams{}, "is no StorageClass name"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			g := NewWithT(t)
 			got, err := parseVolumeParameters(tc.params, "pmem")
-			if tc.wantErr != "" {
-				g.Expect(status.Code(err)).To(Equal(codes.InvalidArgument))
-				g.Expect(err.Error()).To(ContainSubstring(tc.wantErr))
-				return
+			expectParsed(t, got, err, tc.want, tc.wantErr)
+		})
+	}
+}
+
+// A snapshot's and a group snapshot's parameters: the class of their kind, the guest object's
+// name that csi-snapshotter adds, nothing else.
+func TestParseSnapshotParameters(t *testing.T) {
+	for _, tc := range []struct {
+		name    string
+		params  map[string]string
+		keys    snapshotKeys
+		want    snapshotParams
+		wantErr string
+	}{
+		{"snapshot defaults", nil, volumeSnapshotKeys, snapshotParams{class: "pmem"}, ""},
+		{"snapshot class and metadata", map[string]string{
+			ParamMgmtSnapshotClass: "pmem-snap", paramSnapName: "snap", paramSnapNamespace: "db",
+			"csi.storage.k8s.io/volumesnapshotcontent/name": "snapcontent-1",
+		}, volumeSnapshotKeys, snapshotParams{class: "pmem-snap", guestSnapshot: types.NamespacedName{Namespace: "db", Name: "snap"}}, ""},
+		{"group class and metadata", map[string]string{
+			ParamMgmtGroupSnapshotClass: "pmem-group", paramGroupName: "nightly", paramGroupNamespace: "db",
+			"csi.storage.k8s.io/volumegroupsnapshotcontent/name": "groupsnapcontent-1",
+		}, groupSnapshotKeys, snapshotParams{class: "pmem-group", guestSnapshot: types.NamespacedName{Namespace: "db", Name: "nightly"}}, ""},
+		{"a snapshot's class in a group's parameters", map[string]string{ParamMgmtSnapshotClass: "pmem"}, groupSnapshotKeys, snapshotParams{},
+			`parameter "mgmtSnapshotClass" is not supported (only mgmtVolumeGroupSnapshotClass)`},
+		{"a group class that is no name", map[string]string{ParamMgmtGroupSnapshotClass: "Group"}, groupSnapshotKeys, snapshotParams{},
+			`parameter mgmtVolumeGroupSnapshotClass "Group" is no VolumeGroupSnapshotClass name`},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			got, err := parseSnapshotParameters(tc.params, "pmem", tc.keys)
+			expectParsed(t, got, err, tc.want, tc.wantErr)
+		})
+	}
+}
+
+// expectParsed checks what parsing parameters gave: an InvalidArgument that says wantErr, or,
+// when wantErr is "", want.
+func expectParsed[T any](t *testing.T, got T, err error, want T, wantErr string) {
+	t.Helper()
+	g := NewWithT(t)
+	if wantErr != "" {
+		g.Expect(status.Code(err)).To(Equal(codes.InvalidArgument))
+		g.Expect(err.Error()).To(ContainSubstring(wantErr))
+		return
+	}
+	g.Expect(err).NotTo(HaveOccurred())
+	g.Expect(got).To(Equal(want))
+}
+
+// A group snapshot's management name is mgmtName's when its rest is a label value (the label of
+// its member claims), a hash otherwise.
+func TestGroupSnapshotName(t *testing.T) {
+	const uid = "8a5e6f1c-0d9b-4f5e-9a1e-2b7c3d4e5f60"
+	for _, tc := range []struct {
+		name, csiName string
+		want          string // "" for a hashed name
+	}{
+		{"csi-snapshotter's name", "groupsnapshot-" + uid, testUID + "-" + uid},
+		{"a rest of 63 characters", "groupsnapshot-" + strings.Repeat("a", 63), testUID + "-" + strings.Repeat("a", 63)},
+		{"a rest too long for a label value", "groupsnapshot-" + strings.Repeat("a", 64), ""},
+		{"a rest that starts with a dash", "groupsnapshot--a", ""},
+		{"another prefix", "group-" + uid, ""},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			g := NewWithT(t)
+			got := groupSnapshotName(testUID, tc.csiName)
+			if tc.want != "" {
+				g.Expect(got).To(Equal(tc.want))
+			} else {
+				g.Expect(got).To(MatchRegexp("^" + testUID + "-[0-9a-f]{40}$"))
 			}
-			g.Expect(err).NotTo(HaveOccurred())
-			g.Expect(got).To(Equal(tc.want))
+			g.Expect(validHandle(got)).To(BeTrue())
+			g.Expect(validation.IsValidLabelValue(groupLabel(testUID, got))).To(BeEmpty())
 		})
 	}
 }
@@ -112,15 +178,18 @@ func TestParseVolumeParameters(t *testing.T) {
 func FuzzParseParameters(f *testing.F) {
 	f.Add("mgmtStorageClass", "pmem")
 	f.Add("mgmtSnapshotClass", "a/b")
+	f.Add("mgmtVolumeGroupSnapshotClass", "Group")
 	f.Fuzz(func(t *testing.T, key, value string) {
 		if p, err := parseVolumeParameters(map[string]string{key: value}, ""); err == nil && p.class != "" {
 			if msgs := validation.IsDNS1123Subdomain(p.class); len(msgs) > 0 {
 				t.Fatalf("accepted class %q: %v", p.class, msgs)
 			}
 		}
-		if p, err := parseSnapshotParameters(map[string]string{key: value}, ""); err == nil && p.class != "" {
-			if msgs := validation.IsDNS1123Subdomain(p.class); len(msgs) > 0 {
-				t.Fatalf("accepted snapshot class %q: %v", p.class, msgs)
+		for _, keys := range []snapshotKeys{volumeSnapshotKeys, groupSnapshotKeys} {
+			if p, err := parseSnapshotParameters(map[string]string{key: value}, "", keys); err == nil && p.class != "" {
+				if msgs := validation.IsDNS1123Subdomain(p.class); len(msgs) > 0 {
+					t.Fatalf("accepted %s %q: %v", keys.classKind, p.class, msgs)
+				}
 			}
 		}
 	})

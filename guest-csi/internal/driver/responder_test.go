@@ -9,9 +9,11 @@ import (
 	"path/filepath"
 	"slices"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
+	groupsnapshotv1 "github.com/kubernetes-csi/external-snapshotter/client/v8/apis/volumegroupsnapshot/v1"
 	snapshotv1 "github.com/kubernetes-csi/external-snapshotter/client/v8/apis/volumesnapshot/v1"
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
@@ -47,7 +49,9 @@ const (
 // responder plays the management side of one guest namespace on the test apiserver, the part
 // that mgmt-csi, vm-operator and kube-controller-manager play in the lab: it binds PVCs to PVs
 // of their size (except on full hosts, where it drops the selected host as csi-provisioner
-// does, and for neverClass), grows them, makes VolumeSnapshots ready, and attaches each volume
+// does, and for neverClass), grows them, makes VolumeSnapshots ready, takes VolumeGroupSnapshots
+// as snapshot-controller does (a member VolumeSnapshot per selected claim, owned by the group,
+// then the group ready; members deleted with their group), and attaches each volume
 // in a VM's spec.volumes as a real loop device under that VM's device root, reporting the disk
 // serial in status.volumes. A bound claim's new VolumeAttributesClass becomes its current one
 // (csi-resizer's part, refused for infeasibleAttributesClass) and is reported applied in the
@@ -65,6 +69,9 @@ type responder struct {
 	mu    sync.Mutex
 	disks map[string]*testDisk // "<vm>/<volume>" → disk
 	next  int
+
+	// holdGroups, while set, keeps VolumeGroupSnapshots from being taken: they stay not ready.
+	holdGroups atomic.Bool
 }
 
 type testDisk struct {
@@ -97,9 +104,10 @@ func startResponder(t *testing.T, ns string, roots map[string]string, fullHosts 
 		r.full[h] = true
 	}
 	for obj, rec := range map[client.Object]reconcile.Func{
-		&corev1.PersistentVolumeClaim{}: r.claim,
-		&snapshotv1.VolumeSnapshot{}:    r.snapshot,
-		&vmv1.VirtualMachine{}:          r.vm,
+		&corev1.PersistentVolumeClaim{}:        r.claim,
+		&snapshotv1.VolumeSnapshot{}:           r.snapshot,
+		&groupsnapshotv1.VolumeGroupSnapshot{}: r.groupSnapshot,
+		&vmv1.VirtualMachine{}:                 r.vm,
 	} {
 		if err := ctrl.NewControllerManagedBy(mgr).For(obj).WithOptions(controllerOptions).Complete(rec); err != nil {
 			t.Fatal(err)
@@ -259,6 +267,71 @@ func (r *responder) snapshot(ctx context.Context, req reconcile.Request) (reconc
 		RestoreSize:                    &size,
 	}
 	return reconcile.Result{}, r.c.Status().Update(ctx, snap)
+}
+
+// groupSnapshot takes a VolumeGroupSnapshot as snapshot-controller does: the claims its
+// selector's matchLabels select (read from the apiserver) each get a member VolumeSnapshot named
+// snapshot-<sha256 of the group's UID and the claim>, owned by the group; once every member is
+// ready, so is the group. A deleted group's members go with it (deletionPolicy Delete).
+func (r *responder) groupSnapshot(ctx context.Context, req reconcile.Request) (reconcile.Result, error) {
+	vgs := &groupsnapshotv1.VolumeGroupSnapshot{}
+	if err := r.c.Get(ctx, req.NamespacedName, vgs); err != nil {
+		if apierrors.IsNotFound(err) {
+			return reconcile.Result{}, r.deleteMembers(ctx, req.Name)
+		}
+		return reconcile.Result{}, err
+	}
+	switch {
+	case groupReady(vgs) || vgs.Spec.Source.Selector == nil:
+		return reconcile.Result{}, nil
+	case r.holdGroups.Load():
+		return reconcile.Result{RequeueAfter: 100 * time.Millisecond}, nil
+	}
+	claims := &corev1.PersistentVolumeClaimList{}
+	if err := r.live.List(ctx, claims, client.InNamespace(vgs.Namespace), client.MatchingLabels(vgs.Spec.Source.Selector.MatchLabels)); err != nil {
+		return reconcile.Result{}, err
+	}
+	owner := metav1.OwnerReference{APIVersion: groupsnapshotv1.SchemeGroupVersion.String(), Kind: "VolumeGroupSnapshot", Name: vgs.Name, UID: vgs.UID}
+	for i := range claims.Items {
+		sum := sha256.Sum256([]byte(string(vgs.UID) + claims.Items[i].Name))
+		member := &snapshotv1.VolumeSnapshot{
+			ObjectMeta: metav1.ObjectMeta{Namespace: vgs.Namespace, Name: "snapshot-" + hex.EncodeToString(sum[:]), OwnerReferences: []metav1.OwnerReference{owner}},
+			Spec:       snapshotv1.VolumeSnapshotSpec{Source: snapshotv1.VolumeSnapshotSource{PersistentVolumeClaimName: ptr.To(claims.Items[i].Name)}},
+		}
+		if err := r.c.Create(ctx, member); err != nil && !apierrors.IsAlreadyExists(err) {
+			return reconcile.Result{}, err
+		}
+		if err := r.live.Get(ctx, client.ObjectKeyFromObject(member), member); err != nil {
+			return reconcile.Result{}, err
+		}
+		if !ready(member) {
+			return reconcile.Result{RequeueAfter: 100 * time.Millisecond}, nil
+		}
+	}
+	vgs.Status = &groupsnapshotv1.VolumeGroupSnapshotStatus{
+		BoundVolumeGroupSnapshotContentName: ptr.To("groupcontent-" + string(vgs.UID)),
+		CreationTime:                        ptr.To(metav1.Now()),
+		ReadyToUse:                          ptr.To(true),
+	}
+	return reconcile.Result{}, r.c.Status().Update(ctx, vgs)
+}
+
+// deleteMembers deletes the members of the deleted group snapshot name.
+func (r *responder) deleteMembers(ctx context.Context, name string) error {
+	snaps := &snapshotv1.VolumeSnapshotList{}
+	if err := r.c.List(ctx, snaps, client.InNamespace(r.ns)); err != nil {
+		return err
+	}
+	for i := range snaps.Items {
+		for _, ref := range snaps.Items[i].OwnerReferences {
+			if ref.Kind == "VolumeGroupSnapshot" && ref.Name == name {
+				if err := r.c.Delete(ctx, &snaps.Items[i]); client.IgnoreNotFound(err) != nil {
+					return err
+				}
+			}
+		}
+	}
+	return nil
 }
 
 func (r *responder) vm(ctx context.Context, req reconcile.Request) (reconcile.Result, error) {

@@ -2,16 +2,17 @@ package driver
 
 import (
 	"context"
+	"fmt"
 	"slices"
 	"strings"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
+	groupsnapshotv1 "github.com/kubernetes-csi/external-snapshotter/client/v8/apis/volumegroupsnapshot/v1"
 	snapshotv1 "github.com/kubernetes-csi/external-snapshotter/client/v8/apis/volumesnapshot/v1"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/types/known/timestamppb"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
-	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/klog/v2"
 	"k8s.io/utils/ptr"
 	"sigs.k8s.io/controller-runtime/pkg/client"
@@ -32,7 +33,7 @@ func (s *controllerServer) CreateSnapshot(ctx context.Context, req *csi.CreateSn
 	if req.GetSourceVolumeId() == "" {
 		return nil, status.Error(codes.InvalidArgument, "source_volume_id is required")
 	}
-	params, err := parseSnapshotParameters(req.GetParameters(), s.cfg.snapshotClass)
+	params, err := parseSnapshotParameters(req.GetParameters(), s.cfg.snapshotClass, volumeSnapshotKeys)
 	if err != nil {
 		return nil, err
 	}
@@ -55,13 +56,8 @@ func (s *controllerServer) CreateSnapshot(ctx context.Context, req *csi.CreateSn
 			return nil, err
 		}
 		snap = &snapshotv1.VolumeSnapshot{
-			ObjectMeta: metav1.ObjectMeta{
-				Namespace:   c.Namespace,
-				Name:        name,
-				Labels:      c.Labels(),
-				Annotations: map[string]string{tenancy.CSINameAnnotation: req.GetName()},
-			},
-			Spec: snapshotv1.VolumeSnapshotSpec{Source: snapshotv1.VolumeSnapshotSource{PersistentVolumeClaimName: ptr.To(source)}},
+			ObjectMeta: mgmtObjectMeta(c, name, req.GetName()),
+			Spec:       snapshotv1.VolumeSnapshotSpec{Source: snapshotv1.VolumeSnapshotSource{PersistentVolumeClaimName: ptr.To(source)}},
 		}
 		if params.class != "" {
 			snap.Spec.VolumeSnapshotClassName = ptr.To(params.class)
@@ -89,47 +85,40 @@ func (s *controllerServer) CreateSnapshot(ctx context.Context, req *csi.CreateSn
 		}
 		return ready(got), nil
 	}); err != nil {
-		if got.Status != nil && got.Status.Error != nil && got.Status.Error.Message != nil && status.Code(err) == codes.DeadlineExceeded {
-			return nil, status.Errorf(codes.DeadlineExceeded, "management VolumeSnapshot %s/%s is not ready yet: %s", c.Namespace, name, *got.Status.Error.Message)
-		}
-		return nil, err
+		return nil, withSnapshotError(err, fmt.Sprintf("management VolumeSnapshot %s/%s", c.Namespace, name), got)
 	}
 	return &csi.CreateSnapshotResponse{Snapshot: csiSnapshot(got)}, nil
 }
 
-// DeleteSnapshot deletes the management VolumeSnapshot of a snapshot the cluster created; one
-// shared with it is released, a foreign one refused.
+// withSnapshotError is err, a wait for a management VolumeSnapshot or VolumeGroupSnapshot (obj,
+// what) that ran out, with the error snapshot-controller records in obj's status, if any: the
+// guest sees why it waits.
+func withSnapshotError(err error, what string, obj client.Object) error {
+	var failure *snapshotv1.VolumeSnapshotError
+	switch o := obj.(type) {
+	case *snapshotv1.VolumeSnapshot:
+		if o.Status != nil {
+			failure = o.Status.Error
+		}
+	case *groupsnapshotv1.VolumeGroupSnapshot:
+		if o.Status != nil {
+			failure = o.Status.Error
+		}
+	}
+	if failure == nil || failure.Message == nil || status.Code(err) != codes.DeadlineExceeded {
+		return err
+	}
+	return status.Errorf(codes.DeadlineExceeded, "%s is not ready yet: %s", what, *failure.Message)
+}
+
+// DeleteSnapshot deletes the management VolumeSnapshot of a snapshot the cluster created and
+// waits until it is gone; one shared with it, or a member of one of its group snapshots, is
+// released, a foreign one refused.
 func (s *controllerServer) DeleteSnapshot(ctx context.Context, req *csi.DeleteSnapshotRequest) (*csi.DeleteSnapshotResponse, error) {
-	id := req.GetSnapshotId()
-	if id == "" {
+	if req.GetSnapshotId() == "" {
 		return nil, status.Error(codes.InvalidArgument, "snapshot_id is required")
 	}
-	if !validHandle(id) {
-		return &csi.DeleteSnapshotResponse{}, nil
-	}
-	c, err := s.cluster()
-	if err != nil {
-		return nil, err
-	}
-	unlock, err := s.lock(id)
-	if err != nil {
-		return nil, err
-	}
-	defer unlock()
-	obj, access, err := s.accessible(ctx, c, kindSnapshot, id)
-	switch {
-	case status.Code(err) == codes.NotFound:
-		return &csi.DeleteSnapshotResponse{}, nil
-	case err != nil:
-		return nil, err
-	case access == tenancy.Shared:
-		klog.FromContext(ctx).Info("Released a management VolumeSnapshot shared with the cluster; it is not deleted", "snapshotID", id)
-		return &csi.DeleteSnapshotResponse{}, nil
-	}
-	if err := s.deleteIfOwned(ctx, obj); err != nil {
-		return nil, err
-	}
-	if err := s.await(ctx, kindSnapshot, id, &snapshotv1.VolumeSnapshot{}, func(found bool) (bool, error) { return !found, nil }); err != nil {
+	if err := s.deleteOwned(ctx, kindSnapshot, req.GetSnapshotId(), true); err != nil {
 		return nil, err
 	}
 	return &csi.DeleteSnapshotResponse{}, nil
@@ -167,12 +156,15 @@ func ready(snap *snapshotv1.VolumeSnapshot) bool {
 	return snap.Status != nil && ptr.Deref(snap.Status.ReadyToUse, false)
 }
 
-// csiSnapshot describes a ready VolumeSnapshot.
+// csiSnapshot describes a VolumeSnapshot.
 func csiSnapshot(snap *snapshotv1.VolumeSnapshot) *csi.Snapshot {
 	out := &csi.Snapshot{
 		SnapshotId:     snap.Name,
 		SourceVolumeId: ptr.Deref(snap.Spec.Source.PersistentVolumeClaimName, ""),
-		ReadyToUse:     true,
+		ReadyToUse:     ready(snap),
+	}
+	if snap.Status == nil {
+		return out
 	}
 	if snap.Status.RestoreSize != nil {
 		out.SizeBytes = snap.Status.RestoreSize.Value()

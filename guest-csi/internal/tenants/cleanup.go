@@ -7,6 +7,7 @@ import (
 	"strings"
 	"time"
 
+	groupsnapshotv1 "github.com/kubernetes-csi/external-snapshotter/client/v8/apis/volumegroupsnapshot/v1"
 	snapshotv1 "github.com/kubernetes-csi/external-snapshotter/client/v8/apis/volumesnapshot/v1"
 	corev1 "k8s.io/api/core/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
@@ -30,9 +31,10 @@ import (
 
 // Kinds the cleanup reads by their metadata only.
 var (
-	pvcKind      = corev1.SchemeGroupVersion.WithKind("PersistentVolumeClaim")
-	snapshotKind = snapshotv1.SchemeGroupVersion.WithKind("VolumeSnapshot")
-	vmKind       = vmv1.GroupVersion.WithKind("VirtualMachine")
+	pvcKind           = corev1.SchemeGroupVersion.WithKind("PersistentVolumeClaim")
+	snapshotKind      = snapshotv1.SchemeGroupVersion.WithKind("VolumeSnapshot")
+	groupSnapshotKind = groupsnapshotv1.SchemeGroupVersion.WithKind("VolumeGroupSnapshot")
+	vmKind            = vmv1.GroupVersion.WithKind("VirtualMachine")
 )
 
 // Events of the cleanup controller, on the Cluster.
@@ -63,6 +65,7 @@ type CleanupReconciler struct {
 // +kubebuilder:rbac:groups=vm.pvbridge.io,resources=virtualmachines,verbs=get;list;watch
 // +kubebuilder:rbac:groups="",resources=persistentvolumeclaims,verbs=get;list;watch;patch;delete
 // +kubebuilder:rbac:groups=snapshot.storage.k8s.io,resources=volumesnapshots,verbs=get;list;watch;patch;delete
+// +kubebuilder:rbac:groups=groupsnapshot.storage.k8s.io,resources=volumegroupsnapshots,verbs=get;list;watch;patch;delete
 
 // SetupWithManager watches Clusters that opted in or still carry the finalizer, and the
 // deletions of the VirtualMachines and volumes a deleted Cluster waits for.
@@ -78,6 +81,8 @@ func (r *CleanupReconciler) SetupWithManager(mgr ctrl.Manager) error {
 		Watches(&corev1.PersistentVolumeClaim{}, handler.EnqueueRequestsFromMapFunc(clusterByLabel(tenancy.ClusterNameLabel)),
 			builder.OnlyMetadata, onlyDeletions).
 		Watches(&snapshotv1.VolumeSnapshot{}, handler.EnqueueRequestsFromMapFunc(clusterByLabel(tenancy.ClusterNameLabel)),
+			builder.OnlyMetadata, onlyDeletions).
+		Watches(&groupsnapshotv1.VolumeGroupSnapshot{}, handler.EnqueueRequestsFromMapFunc(clusterByLabel(tenancy.ClusterNameLabel)),
 			builder.OnlyMetadata, onlyDeletions).
 		Complete(r)
 }
@@ -132,7 +137,7 @@ func (r *CleanupReconciler) reconcileDelete(ctx context.Context, cluster *cluste
 	}
 
 	remaining := 0
-	for _, kind := range []schema.GroupVersionKind{pvcKind, snapshotKind} {
+	for _, kind := range []schema.GroupVersionKind{pvcKind, snapshotKind, groupSnapshotKind} {
 		n, err := r.cleanupKind(ctx, cluster, kind)
 		if err != nil {
 			return ctrl.Result{}, err
@@ -142,7 +147,7 @@ func (r *CleanupReconciler) reconcileDelete(ctx context.Context, cluster *cluste
 	if remaining > 0 {
 		log.Info("Waiting for the cluster's volumes to be deleted", "remaining", remaining)
 		r.Recorder.Eventf(cluster, nil, corev1.EventTypeNormal, eventWaitingVolumes, cleanupAction,
-			"%d PersistentVolumeClaims and VolumeSnapshots of the cluster are being deleted", remaining)
+			"%d PersistentVolumeClaims, VolumeSnapshots and VolumeGroupSnapshots of the cluster are being deleted", remaining)
 		return ctrl.Result{RequeueAfter: cleanupRetry}, nil
 	}
 
@@ -164,9 +169,10 @@ func (r *CleanupReconciler) reconcileDelete(ctx context.Context, cluster *cluste
 	return ctrl.Result{}, nil
 }
 
-// cleanupKind deletes the objects of kind (PVCs or VolumeSnapshots) that cluster owns and
-// releases those shared with it. It returns how many owned ones still exist. Objects of
-// another cluster or namespace are never deleted.
+// cleanupKind deletes the objects of kind (PVCs, VolumeSnapshots or VolumeGroupSnapshots) that
+// cluster owns and releases those shared with it. It returns how many owned ones still exist.
+// Objects of another cluster or namespace are never deleted; the members of a group snapshot go
+// with it.
 func (r *CleanupReconciler) cleanupKind(ctx context.Context, cluster *clusterv1.Cluster, kind schema.GroupVersionKind) (int, error) {
 	log := ctrl.LoggerFrom(ctx)
 	c := tenant(cluster)

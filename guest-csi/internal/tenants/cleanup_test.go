@@ -39,15 +39,15 @@ func TestCleanupAfterDeletedCluster(t *testing.T) {
 	}
 	earlierA := map[string]string{tenancy.ClusterNameLabel: "a", tenancy.ClusterUIDLabel: "uid-of-an-earlier-a"}
 	vmA, vmB := e.vm("a-0", "a"), e.vm("b-0", "b")
-	aOwned, aSnap := e.pvc("a-owned", ownedBy(a), ""), e.snapshot("a-snap", ownedBy(a), "")
+	aOwned, aSnap, aGroup := e.pvc("a-owned", ownedBy(a), ""), e.snapshot("a-snap", ownedBy(a), ""), e.groupSnapshot("a-group", ownedBy(a))
 	sharedAB, sharedA := e.pvc("shared-ab", nil, "a, b"), e.pvc("shared-a", nil, "a")
 	sharedSnap := e.snapshot("shared-snap", nil, "a")
 	// Untouched: the other cluster's volume and VM, a volume of an earlier cluster named a.
 	untouched := []client.Object{
-		vmB, e.pvc("b-owned", ownedBy(b), ""), e.snapshot("b-snap", ownedBy(b), ""),
+		vmB, e.pvc("b-owned", ownedBy(b), ""), e.snapshot("b-snap", ownedBy(b), ""), e.groupSnapshot("b-group", ownedBy(b)),
 		e.pvc("earlier-a", earlierA, ""), e.pvc("b-shared-with-b", ownedBy(b), "b"),
 	}
-	create(t, append([]client.Object{vmA, aOwned, aSnap, sharedAB, sharedA, sharedSnap}, untouched...)...)
+	create(t, append([]client.Object{vmA, aOwned, aSnap, aGroup, sharedAB, sharedA, sharedSnap}, untouched...)...)
 	versions := map[string]string{}
 	for _, obj := range untouched {
 		versions[obj.GetName()] = obj.GetResourceVersion()
@@ -64,7 +64,7 @@ func TestCleanupAfterDeletedCluster(t *testing.T) {
 	// Once the controller has deleted a's volumes, the finalizers envtest leaves on them (PVC
 	// protection) are lifted, as kube-controller-manager would.
 	eventually(g, func(ctx context.Context) bool {
-		for _, obj := range []client.Object{aOwned, aSnap} {
+		for _, obj := range []client.Object{aOwned, aSnap, aGroup} {
 			err := mgmtClient.Get(ctx, client.ObjectKeyFromObject(obj), obj)
 			if err == nil && obj.GetDeletionTimestamp() != nil {
 				liftFinalizers(t, obj)
@@ -73,7 +73,7 @@ func TestCleanupAfterDeletedCluster(t *testing.T) {
 		return apierrors.IsNotFound(mgmtClient.Get(ctx, client.ObjectKeyFromObject(a), a))
 	}).WithContext(ctx).Should(BeTrue(), "the Cluster goes once its cleanup is done")
 
-	for _, obj := range []client.Object{aOwned, aSnap} {
+	for _, obj := range []client.Object{aOwned, aSnap, aGroup} {
 		err := mgmtClient.Get(ctx, client.ObjectKeyFromObject(obj), obj)
 		g.Expect(apierrors.IsNotFound(err)).To(BeTrue(), "%s is deleted: %v", obj.GetName(), err)
 	}

@@ -10,6 +10,7 @@ import (
 	"testing"
 	"time"
 
+	groupsnapshotv1 "github.com/kubernetes-csi/external-snapshotter/client/v8/apis/volumegroupsnapshot/v1"
 	snapshotv1 "github.com/kubernetes-csi/external-snapshotter/client/v8/apis/volumesnapshot/v1"
 	. "github.com/onsi/gomega"
 	corev1 "k8s.io/api/core/v1"
@@ -229,6 +230,16 @@ func (e *tenantEnv) snapshot(name string, labels map[string]string, shared strin
 		s.Annotations = map[string]string{tenancy.SharedWithAnnotation: shared}
 	}
 	return s
+}
+
+// groupSnapshot is a management VolumeGroupSnapshot of the test namespace with labels.
+func (e *tenantEnv) groupSnapshot(name string, labels map[string]string) *groupsnapshotv1.VolumeGroupSnapshot {
+	return &groupsnapshotv1.VolumeGroupSnapshot{
+		ObjectMeta: metav1.ObjectMeta{Namespace: e.ns, Name: name, Labels: labels},
+		Spec: groupsnapshotv1.VolumeGroupSnapshotSpec{Source: groupsnapshotv1.VolumeGroupSnapshotSource{
+			Selector: &metav1.LabelSelector{MatchLabels: labels},
+		}},
+	}
 }
 
 // vm is a VirtualMachine of a guest cluster's, labelled by Cluster API.

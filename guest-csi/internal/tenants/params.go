@@ -29,7 +29,7 @@ import (
 
 const (
 	// ParamsFinalizer holds a namespace's parameters while the namespace is enforced or, once
-	// deleted, still has claims, snapshots or VirtualMachines: the admission policy denies
+	// deleted, still has claims, snapshots, group snapshots or VirtualMachines: the admission policy denies
 	// every write it matches, whoever sends it, when the parameters are missing.
 	ParamsFinalizer = "pvbridge.io/tenancy-params"
 	// drainRetry is how often a deleted namespace is looked at again until its objects are gone.
@@ -52,8 +52,8 @@ type ParamsReconciler struct {
 // +kubebuilder:rbac:groups="",resources=serviceaccounts,verbs=get;list;watch
 
 // SetupWithManager reconciles a namespace whenever it, one of its Clusters, the guest
-// identities, the hosts of its VirtualMachines, its shared PVCs or VolumeSnapshots, or its
-// parameters ConfigMap change.
+// identities, the hosts of its VirtualMachines, its shared PVCs or VolumeSnapshots, the members
+// of its group snapshots, or its parameters ConfigMap change.
 // PVCs and VolumeSnapshots are watched by their metadata only.
 func (r *ParamsReconciler) SetupWithManager(mgr ctrl.Manager) error {
 	return ctrl.NewControllerManagedBy(mgr).
@@ -70,7 +70,7 @@ func (r *ParamsReconciler) SetupWithManager(mgr ctrl.Manager) error {
 		Watches(&corev1.PersistentVolumeClaim{}, handler.EnqueueRequestsFromMapFunc(paramsOfNamespace),
 			builder.OnlyMetadata, builder.WithPredicates(sharedChanged)).
 		Watches(&snapshotv1.VolumeSnapshot{}, handler.EnqueueRequestsFromMapFunc(paramsOfNamespace),
-			builder.OnlyMetadata, builder.WithPredicates(sharedChanged)).
+			builder.OnlyMetadata, builder.WithPredicates(predicate.Or[client.Object](sharedChanged, groupMemberChanged))).
 		Watches(&corev1.ConfigMap{}, handler.EnqueueRequestsFromMapFunc(paramsOfNamespace),
 			builder.WithPredicates(predicate.NewPredicateFuncs(func(obj client.Object) bool { return obj.GetName() == tenancy.ParamsConfigMap }))).
 		Complete(r)
@@ -108,6 +108,19 @@ var sharedChanged = predicate.Funcs{
 func hasShared(obj client.Object) bool {
 	_, ok := obj.GetAnnotations()[tenancy.SharedWithAnnotation]
 	return ok
+}
+
+// groupMemberChanged passes VolumeSnapshots owned by a VolumeGroupSnapshot (group snapshot
+// members, of any cluster) that come or go, and those that gain or lose such an owner.
+var groupMemberChanged = predicate.Funcs{
+	CreateFunc:  func(e event.CreateEvent) bool { return groupOwned(e.Object) },
+	DeleteFunc:  func(e event.DeleteEvent) bool { return groupOwned(e.Object) },
+	UpdateFunc:  func(e event.UpdateEvent) bool { return groupOwned(e.ObjectOld) != groupOwned(e.ObjectNew) },
+	GenericFunc: func(e event.GenericEvent) bool { return groupOwned(e.Object) },
+}
+
+func groupOwned(obj client.Object) bool {
+	return slices.ContainsFunc(obj.GetOwnerReferences(), func(ref metav1.OwnerReference) bool { return ref.Kind == groupSnapshotKind.Kind })
 }
 
 // Reconcile writes the namespace's parameters while it is enforced or has opted-in Clusters,
@@ -157,7 +170,7 @@ func (r *ParamsReconciler) Reconcile(ctx context.Context, req ctrl.Request) (ctr
 	if err := r.Client.List(ctx, &vms, client.InNamespace(ns)); err != nil {
 		return ctrl.Result{}, fmt.Errorf("list VirtualMachines: %w", err)
 	}
-	data := paramsData(tenants, namespace.Annotations, claims, snapshots, vms.Items)
+	data := paramsData(ns, tenants, namespace.Annotations, claims, snapshots, vms.Items)
 	if err := r.applyParams(ctx, key, data, true); err != nil {
 		return ctrl.Result{}, err
 	}
@@ -176,7 +189,7 @@ func (r *ParamsReconciler) reconcileDeletedNamespace(ctx context.Context, key cl
 	if !controllerutil.ContainsFinalizer(cm, ParamsFinalizer) {
 		return ctrl.Result{}, nil
 	}
-	for _, kind := range []schema.GroupVersionKind{pvcKind, snapshotKind, vmKind} {
+	for _, kind := range []schema.GroupVersionKind{pvcKind, snapshotKind, groupSnapshotKind, vmKind} {
 		objs, err := listMetadata(ctx, r.Client, kind, client.InNamespace(key.Namespace), client.Limit(1))
 		if err != nil {
 			return ctrl.Result{}, err
@@ -243,14 +256,15 @@ type paramsCluster struct {
 	annotations map[string]string
 }
 
-// paramsData is the content of a namespace's parameters ConfigMap (docs/tenants.md): per
+// paramsData is the content of the parameters ConfigMap of namespace ns (docs/tenants.md): per
 // Cluster its UID, the UID of its guest identity's ServiceAccount, the StorageClasses and
 // VolumeAttributesClasses it may name (see allowList), the hosts of its VirtualMachines (the
-// only ones its claims may select), and the names of the claims and snapshots whose
-// SharedWithAnnotation names it. Lists are sorted, without duplicates or blanks,
-// comma-separated.
-func paramsData(clusters []paramsCluster, namespaceAnnotations map[string]string, claims, snapshots []metav1.PartialObjectMetadata, vms []vmv1.VirtualMachine) map[string]string {
-	data := make(map[string]string, 7*len(clusters))
+// only ones its claims may select), the names of the claims and snapshots whose
+// SharedWithAnnotation names it, and the names of the members of its group snapshots (only its
+// own: the ConfigMap's size stays bounded by each cluster's snapshots). Lists are sorted, without
+// duplicates or blanks, comma-separated.
+func paramsData(ns string, clusters []paramsCluster, namespaceAnnotations map[string]string, claims, snapshots []metav1.PartialObjectMetadata, vms []vmv1.VirtualMachine) map[string]string {
+	data := make(map[string]string, 8*len(clusters))
 	for _, c := range clusters {
 		var hosts []string
 		for i := range vms {
@@ -265,6 +279,7 @@ func paramsData(clusters []paramsCluster, namespaceAnnotations map[string]string
 		data[c.name+tenancy.ParamHosts] = normalizeList(hosts)
 		data[c.name+tenancy.ParamSharedClaims] = normalizeList(sharedWith(claims, c.name))
 		data[c.name+tenancy.ParamSharedSnapshots] = normalizeList(sharedWith(snapshots, c.name))
+		data[c.name+tenancy.ParamGroupSnapshots] = normalizeList(groupMembers(snapshots, tenancy.Cluster{Namespace: ns, Name: c.name, UID: c.uid}))
 	}
 	return data
 }
@@ -285,6 +300,17 @@ func sharedWith(objs []metav1.PartialObjectMetadata, cluster string) []string {
 	for i := range objs {
 		if tenancy.SharedWith(objs[i].Annotations[tenancy.SharedWithAnnotation], cluster) {
 			names = append(names, objs[i].Name)
+		}
+	}
+	return names
+}
+
+// groupMembers returns the names of the snapshots that are members of c's group snapshots.
+func groupMembers(snapshots []metav1.PartialObjectMetadata, c tenancy.Cluster) []string {
+	var names []string
+	for i := range snapshots {
+		if tenancy.GroupMember(&snapshots[i], c) {
+			names = append(names, snapshots[i].Name)
 		}
 	}
 	return names

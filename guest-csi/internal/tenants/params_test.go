@@ -27,6 +27,13 @@ func TestParamsData(t *testing.T) {
 		}
 		return m
 	}
+	// memberIn is a member snapshot in ns of the VolumeGroupSnapshot group.
+	memberIn := func(ns, name, group string) metav1.PartialObjectMetadata {
+		return metav1.PartialObjectMetadata{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: name, OwnerReferences: []metav1.OwnerReference{{
+			APIVersion: "groupsnapshot.storage.k8s.io/v1", Kind: "VolumeGroupSnapshot", Name: group, UID: "uid-of-" + types.UID(group),
+		}}}}
+	}
+	member := func(name, group string) metav1.PartialObjectMetadata { return memberIn("tenant-a", name, group) }
 	for _, tc := range []struct {
 		name          string
 		clusters      []paramsCluster
@@ -39,13 +46,13 @@ func TestParamsData(t *testing.T) {
 			name:     "no classes anywhere: none allowed",
 			clusters: []paramsCluster{{name: "a", uid: "u-a"}},
 			want: map[string]string{"a.uid": "u-a", "a.account": "", "a.storageClasses": "", "a.attributesClasses": "",
-				"a.hosts": "", "a.sharedClaims": "", "a.sharedSnapshots": ""},
+				"a.hosts": "", "a.sharedClaims": "", "a.sharedSnapshots": "", "a.groupSnapshots": ""},
 		},
 		{
 			name:     "the UID of the cluster's identity",
 			clusters: []paramsCluster{{name: "a", uid: "u-a", account: "sa-a"}},
 			want: map[string]string{"a.uid": "u-a", "a.account": "sa-a", "a.storageClasses": "", "a.attributesClasses": "",
-				"a.hosts": "", "a.sharedClaims": "", "a.sharedSnapshots": ""},
+				"a.hosts": "", "a.sharedClaims": "", "a.sharedSnapshots": "", "a.groupSnapshots": ""},
 		},
 		{
 			name:     "namespace classes, normalized",
@@ -55,7 +62,7 @@ func TestParamsData(t *testing.T) {
 				tenancy.AttributesClassesAnnotation: "iops-high, , fast,fast ",
 			},
 			want: map[string]string{"a.uid": "u-a", "a.account": "", "a.storageClasses": "gold,silver", "a.attributesClasses": "fast,iops-high",
-				"a.hosts": "", "a.sharedClaims": "", "a.sharedSnapshots": ""},
+				"a.hosts": "", "a.sharedClaims": "", "a.sharedSnapshots": "", "a.groupSnapshots": ""},
 		},
 		{
 			name: "the Cluster's classes win, even empty",
@@ -68,9 +75,9 @@ func TestParamsData(t *testing.T) {
 			namespace: map[string]string{tenancy.StorageClassesAnnotation: "gold", tenancy.AttributesClassesAnnotation: "fast"},
 			want: map[string]string{
 				"a.uid": "u-a", "a.account": "", "a.storageClasses": "bronze", "a.attributesClasses": "slow",
-				"a.hosts": "", "a.sharedClaims": "", "a.sharedSnapshots": "",
+				"a.hosts": "", "a.sharedClaims": "", "a.sharedSnapshots": "", "a.groupSnapshots": "",
 				"b.uid": "u-b", "b.account": "", "b.storageClasses": "", "b.attributesClasses": "",
-				"b.hosts": "", "b.sharedClaims": "", "b.sharedSnapshots": "",
+				"b.hosts": "", "b.sharedClaims": "", "b.sharedSnapshots": "", "b.groupSnapshots": "",
 			},
 		},
 		{
@@ -82,9 +89,9 @@ func TestParamsData(t *testing.T) {
 			namespace: map[string]string{tenancy.StorageClassesAnnotation: "gold", tenancy.AttributesClassesAnnotation: "fast"},
 			want: map[string]string{
 				"a.uid": "u-a", "a.account": "", "a.storageClasses": "bronze", "a.attributesClasses": "fast",
-				"a.hosts": "", "a.sharedClaims": "", "a.sharedSnapshots": "",
+				"a.hosts": "", "a.sharedClaims": "", "a.sharedSnapshots": "", "a.groupSnapshots": "",
 				"b.uid": "u-b", "b.account": "", "b.storageClasses": "gold", "b.attributesClasses": "slow",
-				"b.hosts": "", "b.sharedClaims": "", "b.sharedSnapshots": "",
+				"b.hosts": "", "b.sharedClaims": "", "b.sharedSnapshots": "", "b.groupSnapshots": "",
 			},
 		},
 		{
@@ -94,9 +101,9 @@ func TestParamsData(t *testing.T) {
 			snaps:    []metav1.PartialObjectMetadata{shared("s1", "b")},
 			want: map[string]string{
 				"a.uid": "u-a", "a.account": "", "a.storageClasses": "", "a.attributesClasses": "",
-				"a.hosts": "", "a.sharedClaims": "p1,p2", "a.sharedSnapshots": "",
+				"a.hosts": "", "a.sharedClaims": "p1,p2", "a.sharedSnapshots": "", "a.groupSnapshots": "",
 				"b.uid": "u-b", "b.account": "", "b.storageClasses": "", "b.attributesClasses": "",
-				"b.hosts": "", "b.sharedClaims": "p2", "b.sharedSnapshots": "s1",
+				"b.hosts": "", "b.sharedClaims": "p2", "b.sharedSnapshots": "s1", "b.groupSnapshots": "",
 			},
 		},
 		{
@@ -108,21 +115,37 @@ func TestParamsData(t *testing.T) {
 			},
 			want: map[string]string{
 				"a.uid": "u-a", "a.account": "", "a.storageClasses": "", "a.attributesClasses": "",
-				"a.hosts": "host-a,host-b", "a.sharedClaims": "", "a.sharedSnapshots": "",
+				"a.hosts": "host-a,host-b", "a.sharedClaims": "", "a.sharedSnapshots": "", "a.groupSnapshots": "",
 				"b.uid": "u-b", "b.account": "", "b.storageClasses": "", "b.attributesClasses": "",
-				"b.hosts": "host-c", "b.sharedClaims": "", "b.sharedSnapshots": "",
+				"b.hosts": "host-c", "b.sharedClaims": "", "b.sharedSnapshots": "", "b.groupSnapshots": "",
+			},
+		},
+		{
+			name:     "the members of each cluster's group snapshots, and only theirs",
+			clusters: []paramsCluster{{name: "a", uid: "u-a"}, {name: "b", uid: "u-b"}},
+			snaps: []metav1.PartialObjectMetadata{
+				member("snapshot-a2", "u-a-g1"), member("snapshot-a1", "u-a-g2"), member("snapshot-b1", "u-b-g1"),
+				member("snapshot-x1", "u-ab-g1"), member("snapshot-x2", "other-g1"), shared("s1", ""),
+				memberIn("tenant-b", "snapshot-x3", "u-a-g1"),
+			},
+			want: map[string]string{
+				"a.uid": "u-a", "a.account": "", "a.storageClasses": "", "a.attributesClasses": "",
+				"a.hosts": "", "a.sharedClaims": "", "a.sharedSnapshots": "", "a.groupSnapshots": "snapshot-a1,snapshot-a2",
+				"b.uid": "u-b", "b.account": "", "b.storageClasses": "", "b.attributesClasses": "",
+				"b.hosts": "", "b.sharedClaims": "", "b.sharedSnapshots": "", "b.groupSnapshots": "snapshot-b1",
 			},
 		},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			NewWithT(t).Expect(paramsData(tc.clusters, tc.namespace, tc.claims, tc.snaps, tc.vms)).To(Equal(tc.want))
+			NewWithT(t).Expect(paramsData("tenant-a", tc.clusters, tc.namespace, tc.claims, tc.snaps, tc.vms)).To(Equal(tc.want))
 		})
 	}
 }
 
 // TestParamsFollowAnnotations: the ConfigMap pvbridge-tenancy follows the Clusters' opt-in
-// labels and annotations, the Namespace's annotations and the shared-with annotations of the
-// namespace's PVCs and VolumeSnapshots, and goes when no Cluster opts in any more.
+// labels and annotations, the Namespace's annotations, the shared-with annotations of the
+// namespace's PVCs and VolumeSnapshots and the members of group snapshots, and goes when no
+// Cluster opts in any more.
 func TestParamsFollowAnnotations(t *testing.T) {
 	g := NewWithT(t)
 	ctx := t.Context()
@@ -133,7 +156,10 @@ func TestParamsFollowAnnotations(t *testing.T) {
 	x := e.createCluster(t, "x", false, nil)
 	p1, p2 := e.pvc("p1", nil, "a"), e.pvc("p2", nil, "a,b")
 	s1 := e.snapshot("s1", nil, "b")
-	create(t, p1, p2, e.pvc("p3", nil, ""), s1, e.snapshot("s2", nil, ""))
+	// A member of a group snapshot of a, as snapshot-controller makes them.
+	m1 := e.snapshot("snapshot-m1", nil, "")
+	m1.OwnerReferences = []metav1.OwnerReference{{APIVersion: "groupsnapshot.storage.k8s.io/v1", Kind: "VolumeGroupSnapshot", Name: string(a.UID) + "-g", UID: "g"}}
+	create(t, p1, p2, e.pvc("p3", nil, ""), s1, e.snapshot("s2", nil, ""), m1)
 
 	params := func(ctx context.Context) (map[string]string, error) {
 		cm := &corev1.ConfigMap{}
@@ -142,9 +168,9 @@ func TestParamsFollowAnnotations(t *testing.T) {
 	}
 	eventually(g, params).WithContext(ctx).Should(Equal(map[string]string{
 		"a.uid": string(a.UID), "a.account": e.accountUID(t, "a"), "a.storageClasses": "gold,silver", "a.attributesClasses": "fast,slow",
-		"a.hosts": "", "a.sharedClaims": "p1,p2", "a.sharedSnapshots": "",
+		"a.hosts": "", "a.sharedClaims": "p1,p2", "a.sharedSnapshots": "", "a.groupSnapshots": "snapshot-m1",
 		"b.uid": string(b.UID), "b.account": e.accountUID(t, "b"), "b.storageClasses": "bronze", "b.attributesClasses": "",
-		"b.hosts": "", "b.sharedClaims": "p2", "b.sharedSnapshots": "s1",
+		"b.hosts": "", "b.sharedClaims": "p2", "b.sharedSnapshots": "s1", "b.groupSnapshots": "",
 	}))
 
 	annotate := func(obj client.Object, key string, value *string) {
@@ -175,6 +201,7 @@ func TestParamsFollowAnnotations(t *testing.T) {
 	annotate(ns, tenancy.StorageClassesAnnotation, str("iron"))
 	annotate(ns, tenancy.AttributesClassesAnnotation, str("steady"))
 	g.Expect(mgmtClient.Delete(ctx, p2)).To(Succeed())
+	g.Expect(mgmtClient.Delete(ctx, m1)).To(Succeed())
 	xPatch := client.MergeFrom(x.DeepCopy())
 	x.Labels = map[string]string{tenancy.EnabledLabel: "true"}
 	g.Expect(mgmtClient.Patch(ctx, x, xPatch)).To(Succeed())
@@ -184,11 +211,11 @@ func TestParamsFollowAnnotations(t *testing.T) {
 
 	eventually(g, params).WithContext(ctx).Should(Equal(map[string]string{
 		"a.uid": string(a.UID), "a.account": e.accountUID(t, "a"), "a.storageClasses": "platinum", "a.attributesClasses": "turbo",
-		"a.hosts": "", "a.sharedClaims": "", "a.sharedSnapshots": "",
+		"a.hosts": "", "a.sharedClaims": "", "a.sharedSnapshots": "", "a.groupSnapshots": "",
 		"b.uid": string(b.UID), "b.account": e.accountUID(t, "b"), "b.storageClasses": "bronze", "b.attributesClasses": "steady",
-		"b.hosts": "", "b.sharedClaims": "p1", "b.sharedSnapshots": "",
+		"b.hosts": "", "b.sharedClaims": "p1", "b.sharedSnapshots": "", "b.groupSnapshots": "",
 		"x.uid": string(x.UID), "x.account": e.accountUID(t, "x"), "x.storageClasses": "iron", "x.attributesClasses": "steady",
-		"x.hosts": "", "x.sharedClaims": "", "x.sharedSnapshots": "",
+		"x.hosts": "", "x.sharedClaims": "", "x.sharedSnapshots": "", "x.groupSnapshots": "",
 	}))
 
 	// Tampering is repaired.
@@ -247,7 +274,7 @@ func TestParamsOfEnforcedNamespace(t *testing.T) {
 	g.Expect(mgmtClient.Status().Update(ctx, vm)).To(Succeed())
 	eventually(g, params).WithContext(ctx).Should(HaveField("Data", Equal(map[string]string{
 		"a.uid": string(a.UID), "a.account": e.accountUID(t, "a"), "a.storageClasses": "", "a.attributesClasses": "",
-		"a.hosts": "host-a", "a.sharedClaims": "", "a.sharedSnapshots": "",
+		"a.hosts": "host-a", "a.sharedClaims": "", "a.sharedSnapshots": "", "a.groupSnapshots": "",
 	})))
 
 	cm, err := params(ctx)

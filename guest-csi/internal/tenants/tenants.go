@@ -14,8 +14,9 @@
 //   - parameters (ParamsReconciler): the ConfigMap pvbridge-tenancy of each namespace, which the
 //     admission policy reads (the contract in docs/tenants.md);
 //   - cleanup (CleanupReconciler): the finalizer pvbridge.io/cleanup; when a Cluster is deleted,
-//     once its VirtualMachines are gone, the management PVCs and VolumeSnapshots it owns are
-//     deleted, those shared with it released, and its capacity-namespace RBAC removed;
+//     once its VirtualMachines are gone, the management PVCs, VolumeSnapshots and
+//     VolumeGroupSnapshots it owns are deleted, those shared with it released, and its
+//     capacity-namespace RBAC removed;
 //   - quota (QuotaReconciler): a count quota of VolumeSnapshots in every enforced namespace that
 //     has none;
 //   - quota usage (QuotaUsageReconciler): how much of each quota of an enforced namespace is
@@ -36,6 +37,7 @@ import (
 	"strings"
 	"time"
 
+	groupsnapshotv1 "github.com/kubernetes-csi/external-snapshotter/client/v8/apis/volumegroupsnapshot/v1"
 	snapshotv1 "github.com/kubernetes-csi/external-snapshotter/client/v8/apis/volumesnapshot/v1"
 	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/labels"
@@ -162,13 +164,14 @@ func (o *Options) Validate() error {
 }
 
 // NewScheme returns the types the controller reads and writes: the built-in kinds, Cluster
-// API's Cluster, VolumeSnapshots and pvbridge's VirtualMachines.
+// API's Cluster, VolumeSnapshots, VolumeGroupSnapshots and pvbridge's VirtualMachines.
 func NewScheme() (*runtime.Scheme, error) {
 	scheme := runtime.NewScheme()
 	for _, add := range []func(*runtime.Scheme) error{
 		clientgoscheme.AddToScheme,
 		clusterv1.AddToScheme,
 		snapshotv1.AddToScheme,
+		groupsnapshotv1.AddToScheme,
 		vmv1.AddToScheme,
 	} {
 		if err := add(scheme); err != nil {
