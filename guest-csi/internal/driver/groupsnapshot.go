@@ -317,8 +317,11 @@ func (s *groupControllerServer) csiGroupSnapshot(ctx context.Context, vgs *group
 	members := map[string]*snapshotv1.VolumeSnapshot{}
 	for i := range list.Items {
 		snap := &list.Items[i]
-		if slices.ContainsFunc(snap.OwnerReferences, func(ref metav1.OwnerReference) bool { return ref.UID == vgs.UID }) {
-			members[ptr.Deref(snap.Spec.Source.PersistentVolumeClaimName, "")] = snap
+		// A member without a claim is one whose volume snapshot-controller did not find: it
+		// maps to no source, which stays pending.
+		source := ptr.Deref(snap.Spec.Source.PersistentVolumeClaimName, "")
+		if source != "" && slices.ContainsFunc(snap.OwnerReferences, func(ref metav1.OwnerReference) bool { return ref.UID == vgs.UID }) {
+			members[source] = snap
 		}
 	}
 	if sources == nil {
