@@ -71,6 +71,7 @@ func TestGuestInstallContent(t *testing.T) {
 		"StorageClass pvbridge",
 		"StorageClass pvbridge-xfs",
 		"VolumeSnapshotClass pvbridge",
+		"VolumeGroupSnapshotClass pvbridge",
 	))
 	g.Expect(objs[0].GetKind()).To(Equal("Namespace"), "the namespace is applied before what lives in it")
 }
