@@ -1,0 +1,227 @@
+package suite_test
+
+import (
+	"context"
+	"encoding/binary"
+	"fmt"
+	"os"
+	"path/filepath"
+	"sync"
+	"sync/atomic"
+
+	groupsnapshotv1 "github.com/kubernetes-csi/external-snapshotter/client/v8/apis/volumegroupsnapshot/v1"
+	snapshotv1 "github.com/kubernetes-csi/external-snapshotter/client/v8/apis/volumesnapshot/v1"
+	. "github.com/onsi/ginkgo/v2"
+	. "github.com/onsi/gomega"
+	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/api/meta"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/utils/ptr"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+
+	"pvbridge.io/e2e/deploy"
+	pmemv1 "pvbridge.io/pkg/apis/pmem/v1alpha1"
+)
+
+// counter is an application that keeps one counter on two volumes, in order: it writes n to
+// volume a and makes it durable, then to volume b, then n+1 to a, and so on. Whatever instant a
+// crash leaves, b is never ahead of a, and a is at most one ahead of b.
+type counter struct {
+	files [2]*os.File
+	n     atomic.Uint64
+	stop  chan struct{}
+	done  sync.WaitGroup
+	once  sync.Once
+	err   error
+}
+
+// startCounter writes each volume's name ("a", "b") into it, then counts until stopped.
+func startCounter(dirs [2]string) *counter {
+	GinkgoHelper()
+	c := &counter{stop: make(chan struct{})}
+	for i, dir := range dirs {
+		Expect(writeSynced(filepath.Join(dir, "name"), []byte{"ab"[i]})).To(Succeed())
+		f, err := os.OpenFile(filepath.Join(dir, "counter"), os.O_CREATE|os.O_RDWR, 0o644)
+		Expect(err).NotTo(HaveOccurred())
+		c.files[i] = f
+	}
+	c.done.Add(1)
+	go func() {
+		defer c.done.Done()
+		buf := make([]byte, 8)
+		for n := uint64(1); ; n++ {
+			select {
+			case <-c.stop:
+				return
+			default:
+			}
+			binary.LittleEndian.PutUint64(buf, n)
+			for _, f := range c.files {
+				// One 8-byte write in one block, made durable before the other volume's.
+				if _, err := f.WriteAt(buf, 0); err != nil {
+					c.err = err
+					return
+				}
+				if err := f.Sync(); err != nil {
+					c.err = err
+					return
+				}
+			}
+			c.n.Store(n)
+		}
+	}()
+	return c
+}
+
+// advance waits until the counter has counted by more than n from now.
+func (c *counter) advance(ctx context.Context, n uint64) {
+	GinkgoHelper()
+	from := c.n.Load()
+	Eventually(c.n.Load).WithContext(ctx).WithTimeout(timeout).Should(BeNumerically(">", from+n))
+}
+
+// finish stops the counter (once) and returns its last complete count.
+func (c *counter) finish() uint64 {
+	GinkgoHelper()
+	c.once.Do(func() {
+		close(c.stop)
+		c.done.Wait()
+		for _, f := range c.files {
+			Expect(f.Close()).To(Succeed())
+		}
+	})
+	Expect(c.err).NotTo(HaveOccurred())
+	return c.n.Load()
+}
+
+// readCounter reads the volume's name and count in the pod's volume.
+func (g *guestCluster) readCounter(pod *corev1.Pod, pv string) (string, uint64) {
+	GinkgoHelper()
+	name, err := os.ReadFile(filepath.Join(g.volumePath(pod, pv), "name"))
+	Expect(err).NotTo(HaveOccurred())
+	data, err := os.ReadFile(filepath.Join(g.volumePath(pod, pv), "counter"))
+	Expect(err).NotTo(HaveOccurred())
+	Expect(data).To(HaveLen(8))
+	return string(name), binary.LittleEndian.Uint64(data)
+}
+
+// groupSnapshot creates VolumeGroupSnapshot name of the claims labelled app=<app> in guest g
+// (the guest's class), deleted when the spec ends, and waits until it is ready; it returns its
+// member VolumeSnapshots' names.
+func (g *guestCluster) groupSnapshot(ctx context.Context, ns, name, app string) []string {
+	GinkgoHelper()
+	vgs := &groupsnapshotv1.VolumeGroupSnapshot{
+		ObjectMeta: metaName(ns, name),
+		Spec: groupsnapshotv1.VolumeGroupSnapshotSpec{
+			Source:                       groupsnapshotv1.VolumeGroupSnapshotSource{Selector: &metav1.LabelSelector{MatchLabels: map[string]string{"app": app}}},
+			VolumeGroupSnapshotClassName: ptr.To(deploy.SnapshotClassGuest),
+		},
+	}
+	g.create(ctx, vgs)
+	DeferCleanup(func(ctx SpecContext) {
+		Expect(client.IgnoreNotFound(g.c.Delete(ctx, vgs))).To(Succeed())
+		gone(ctx, g.c, vgs)
+	})
+	var members []string
+	Eventually(func(g2 Gomega) {
+		g2.Expect(g.c.Get(ctx, client.ObjectKeyFromObject(vgs), vgs)).To(Succeed())
+		g2.Expect(vgs.Status).NotTo(BeNil())
+		g2.Expect(vgs.Status.ReadyToUse).To(HaveValue(BeTrue()))
+		snaps := &snapshotv1.VolumeSnapshotList{}
+		g2.Expect(g.c.List(ctx, snaps, client.InNamespace(ns))).To(Succeed())
+		members = nil
+		for _, s := range snaps.Items {
+			for _, ref := range s.OwnerReferences {
+				if ref.UID == vgs.UID {
+					members = append(members, s.Name)
+				}
+			}
+		}
+		g2.Expect(members).To(HaveLen(2))
+	}).WithContext(ctx).WithTimeout(timeout).Should(Succeed())
+	return members
+}
+
+var _ = Describe("Group snapshots", Label("snapshot", "groupsnapshot"), func() {
+	It("cut a writer's two volumes at one instant, which two snapshots do not", func(ctx SpecContext) {
+		ns := alpha.namespace(ctx)
+		var dirs [2]string
+		for i, claim := range []string{"a", "b"} {
+			pvc := deploy.PVC(ns, claim, "", "64Mi", false)
+			pvc.Labels = map[string]string{"app": "counter"}
+			alpha.create(ctx, pvc)
+			pod := alpha.runPod(ctx, ns, "count-"+claim, claim, "vm-1", false)
+			_, pv := alpha.bound(ctx, ns, claim)
+			dirs[i] = alpha.volumePath(pod, pv.Name)
+		}
+		w := startCounter(dirs)
+		DeferCleanup(func() { w.finish() })
+
+		By("taking three group snapshots while the counter runs")
+		sources := map[string]string{} // restored claim → the snapshot it restores
+		for i := range 3 {
+			w.advance(ctx, 10)
+			for j, member := range alpha.groupSnapshot(ctx, ns, fmt.Sprintf("group-%d", i), "counter") {
+				sources[fmt.Sprintf("group-%d-%d", i, j)] = member
+			}
+		}
+		By("and, as a control, a snapshot of a then one of b")
+		w.advance(ctx, 10)
+		alpha.readySnapshot(ctx, alpha.snapshot(ctx, ns, "only-a", "a"))
+		w.advance(ctx, 2) // so that b's is cut after a count a's does not have
+		alpha.readySnapshot(ctx, alpha.snapshot(ctx, ns, "only-b", "b"))
+		sources["only-a"], sources["only-b"] = "only-a", "only-b"
+		last := w.finish()
+
+		By("restoring every snapshot, on the host of its source")
+		for claim, snap := range sources {
+			pvc := deploy.PVC(ns, claim, "", "64Mi", false)
+			pvc.Spec.DataSource = &corev1.TypedLocalObjectReference{APIGroup: ptr.To(snapshotv1.GroupName), Kind: "VolumeSnapshot", Name: snap}
+			alpha.create(ctx, pvc)
+			alpha.create(ctx, deploy.Pod(ns, "read-"+claim, claim, "vm-3", false))
+		}
+		counts := map[string]map[string]uint64{} // group → volume name → count
+		for claim := range sources {
+			pod := alpha.running(ctx, ns, "read-"+claim)
+			_, pv := alpha.bound(ctx, ns, claim)
+			name, n := alpha.readCounter(pod, pv.Name)
+			group := claim[:len(claim)-2]
+			if group == "only" {
+				group = "separate"
+			}
+			if counts[group] == nil {
+				counts[group] = map[string]uint64{}
+			}
+			counts[group][name] = n
+		}
+		for group, c := range counts {
+			GinkgoWriter.Printf("%s: a=%d b=%d (the counter stopped at %d)\n", group, c["a"], c["b"], last)
+			Expect(c).To(HaveLen(2), "%s restores both volumes", group)
+			if group == "separate" {
+				Expect(c["b"]).To(BeNumerically(">", c["a"]), "two snapshots, one after the other, show b ahead of a: the check can fail")
+				continue
+			}
+			Expect(c["a"]).To(BeNumerically(">", 0), group)
+			Expect(c["b"]).To(BeNumerically("<=", c["a"]), "%s: b is never ahead of a", group)
+			Expect(c["a"]-c["b"]).To(BeNumerically("<=", 1), "%s: a is at most one ahead of b", group)
+		}
+
+		By("reporting how long the writers were held")
+		snaps := &pmemv1.PmemSnapshotList{}
+		Expect(mc.List(ctx, snaps)).To(Succeed())
+		held := 0
+		for _, s := range snaps.Items {
+			if s.Spec.Group == nil {
+				continue
+			}
+			ready := meta.FindStatusCondition(s.Status.Conditions, pmemv1.ReadyCondition)
+			Expect(ready).NotTo(BeNil())
+			GinkgoWriter.Printf("%s (%s): %s\n", s.Name, s.Spec.Group.ID, ready.Message)
+			if ready.Status == metav1.ConditionTrue && len(ready.Message) > 0 {
+				Expect(ready.Message).To(ContainSubstring("while the writers of its volume were held for"))
+				held++
+			}
+		}
+		Expect(held).To(BeNumerically(">=", 6), "every member of the three groups was cut with its writers held")
+	})
+})
