@@ -69,7 +69,7 @@ func TestCRDsAreAcceptedByTheAPIServer(t *testing.T) {
 		},
 		{
 			file: "pmem.pvbridge.io_pmemsnapshots.yaml", kind: "PmemSnapshot", scope: apiextensionsv1.ClusterScoped,
-			shortNames: []string{"pms"}, columns: []string{"Node", "Source", "Size", "Ready", "Age"},
+			shortNames: []string{"pms"}, columns: []string{"Node", "Source", "Group", "Size", "Ready", "Age"},
 			selectable: []string{".spec.node"},
 		},
 		{
