@@ -138,13 +138,15 @@ func (s *Server) serve(ctx context.Context, conn net.Conn) {
 	if maxHold <= 0 {
 		maxHold = DefaultMaxHold
 	}
+	// The writers stall from the moment the holder starts holding them (a filesystem freeze
+	// writes its dirty data back first): the lease's length counts from there.
+	start := time.Now()
 	held, release, err := s.Holder.Hold(ctx, req.VolumeIDs)
 	if err != nil {
 		log.Error(err, "Holding writers", "volumeIDs", req.VolumeIDs)
 		_ = writeLine(conn, holdResponse{Error: err.Error()})
 		return
 	}
-	start := time.Now()
 	log.V(2).Info("Holding writers", "volumeIDs", req.VolumeIDs, "held", held)
 	if err := writeLine(conn, holdResponse{Held: held}); err != nil {
 		log.Error(err, "Answering a hold")
@@ -157,7 +159,7 @@ func (s *Server) serve(ctx context.Context, conn net.Conn) {
 		close(done)
 	}()
 	expired := false
-	timer := time.NewTimer(maxHold)
+	timer := time.NewTimer(maxHold - time.Since(start))
 	defer timer.Stop()
 	select {
 	case <-done:
@@ -226,7 +228,8 @@ func Acquire(ctx context.Context, path string, volumeIDs []string) (*Lease, erro
 	return l, nil
 }
 
-// Release lets the writers go and returns how long they were held. ErrExpired when the server
+// Release lets the writers go and returns how long they were held, from the start of the
+// holding to the end of the letting go. ErrExpired when the server
 // had let go before (the lease outlived its longest hold).
 func (l *Lease) Release(ctx context.Context) (time.Duration, error) {
 	defer func() { _ = l.conn.Close() }()
