@@ -299,6 +299,24 @@ func (d *Driver) PowerOff(ctx context.Context, vm hypervisor.VM) error {
 	return d.powerOff(ctx, vm, d.opts.ShutdownGracePeriod)
 }
 
+// lockRunning locks vm's state and connects to its monitor, for a call that has nothing to do
+// when QEMU does not run: mon is nil then, and nothing is locked. Otherwise unlock unlocks.
+func (d *Driver) lockRunning(ctx context.Context, vm hypervisor.VM) (v *vmState, mon *Monitor, unlock func(), err error) {
+	if v, err = d.state(vm); err != nil {
+		return nil, nil, nil, err
+	}
+	v.mu.Lock()
+	mon, err = v.monitor(ctx)
+	if err != nil {
+		v.mu.Unlock()
+		if errors.Is(err, hypervisor.ErrVMNotFound) {
+			err = nil
+		}
+		return nil, nil, nil, err
+	}
+	return v, mon, v.mu.Unlock, nil
+}
+
 // ForceOff quits QEMU at once, without asking the guest to shut down: every disk goes with the
 // process.
 func (d *Driver) ForceOff(ctx context.Context, vm hypervisor.VM) error {
@@ -307,19 +325,11 @@ func (d *Driver) ForceOff(ctx context.Context, vm hypervisor.VM) error {
 
 // powerOff asks the guest to power down and gives it grace (none: 0) before it quits QEMU.
 func (d *Driver) powerOff(ctx context.Context, vm hypervisor.VM, grace time.Duration) error {
-	v, err := d.state(vm)
-	if err != nil {
+	v, mon, unlock, err := d.lockRunning(ctx, vm)
+	if err != nil || mon == nil {
 		return err
 	}
-	v.mu.Lock()
-	defer v.mu.Unlock()
-	mon, err := v.monitor(ctx)
-	if errors.Is(err, hypervisor.ErrVMNotFound) {
-		return nil
-	}
-	if err != nil {
-		return err
-	}
+	defer unlock()
 	pid := readPid(v.path(pidFile))
 
 	if grace > 0 {

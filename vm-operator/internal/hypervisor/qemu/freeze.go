@@ -2,7 +2,6 @@ package qemu
 
 import (
 	"context"
-	"errors"
 	"fmt"
 
 	"k8s.io/klog/v2"
@@ -29,19 +28,11 @@ func (d *Driver) Freeze(ctx context.Context, vm hypervisor.VM, serials []string)
 			return err
 		}
 	}
-	v, err := d.state(vm)
-	if err != nil {
+	v, mon, unlock, err := d.lockRunning(ctx, vm)
+	if err != nil || mon == nil {
 		return err
 	}
-	v.mu.Lock()
-	defer v.mu.Unlock()
-	mon, err := v.monitor(ctx)
-	if errors.Is(err, hypervisor.ErrVMNotFound) {
-		return nil
-	}
-	if err != nil {
-		return err
-	}
+	defer unlock()
 	if err := mon.Execute(ctx, "stop", nil, nil); err != nil {
 		return fmt.Errorf("VM %s: pause to hold the writes of disks %q: %w", v.name, serials, err)
 	}
@@ -53,19 +44,11 @@ func (d *Driver) Freeze(ctx context.Context, vm hypervisor.VM, serials []string)
 // state from QEMU, so it also resumes a VM that an agent paused before it restarted. A VM
 // that runs, or does not, is success.
 func (d *Driver) Thaw(ctx context.Context, vm hypervisor.VM) error {
-	v, err := d.state(vm)
-	if err != nil {
+	v, mon, unlock, err := d.lockRunning(ctx, vm)
+	if err != nil || mon == nil {
 		return err
 	}
-	v.mu.Lock()
-	defer v.mu.Unlock()
-	mon, err := v.monitor(ctx)
-	if errors.Is(err, hypervisor.ErrVMNotFound) {
-		return nil
-	}
-	if err != nil {
-		return err
-	}
+	defer unlock()
 	status, err := runState(ctx, mon)
 	if err != nil {
 		return fmt.Errorf("VM %s: %w", v.name, err)
