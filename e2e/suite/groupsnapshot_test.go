@@ -170,7 +170,7 @@ var _ = Describe("Group snapshots", Label("snapshot", "groupsnapshot"), func() {
 		alpha.readySnapshot(ctx, alpha.snapshot(ctx, ns, "only-a", "a"))
 		w.advance(ctx, 2) // so that b's is cut after a count a's does not have
 		alpha.readySnapshot(ctx, alpha.snapshot(ctx, ns, "only-b", "b"))
-		sources["only-a"], sources["only-b"] = "only-a", "only-b"
+		sources["separate-a"], sources["separate-b"] = "only-a", "only-b"
 		last := w.finish()
 
 		By("restoring every snapshot, on the host of its source")
@@ -185,10 +185,7 @@ var _ = Describe("Group snapshots", Label("snapshot", "groupsnapshot"), func() {
 			pod := alpha.running(ctx, ns, "read-"+claim)
 			_, pv := alpha.bound(ctx, ns, claim)
 			name, n := alpha.readCounter(pod, pv.Name)
-			group := claim[:len(claim)-2]
-			if group == "only" {
-				group = "separate"
-			}
+			group := claim[:len(claim)-2] // group-<i>, or separate
 			if counts[group] == nil {
 				counts[group] = map[string]uint64{}
 			}
