@@ -21,6 +21,11 @@ import (
 // writers to be held (no holder answers on this host, or it failed); retried.
 const WritersNotHeldReason = "WritersNotHeld"
 
+// CutReason is the Ready condition's reason of a member whose group was cut whole and that is
+// marked Ready next; its message says how the member was cut. Every member carries it before
+// any is marked Ready, so a member finished later (a status write failed) says the same.
+const CutReason = "Cut"
+
 // groupWait is how long a member waits for the others of its group to appear in the cache.
 const groupWait = time.Second
 
@@ -30,9 +35,11 @@ const groupWait = time.Second
 // group is cut whole or not at all: a member that fails, or a hold that ends before the last
 // member is cut, removes what was cut, and the next attempt cuts every member anew.
 //
-// The statuses are written after the release. A group some of whose members are Ready was cut
-// whole and stopped while writing them: the others' data is of the same instant, and the back
-// end returns it as it is (CreateSnapshot is idempotent) without a second hold.
+// The statuses are written after the release, in two rounds: every member's how it was cut
+// (CutReason), then each member Ready. A group some of whose members are Ready was cut whole
+// and stopped while writing them: the others' data is of the same instant, the back end returns
+// it as it is (CreateSnapshot is idempotent) without a second hold, and their own CutReason
+// message is what their Ready condition says.
 func (r *SnapshotReconciler) cutGroup(ctx context.Context, snap *pmemv1.PmemSnapshot) (ctrl.Result, error) {
 	g := snap.Spec.Group
 	log := ctrl.LoggerFrom(ctx).WithValues("groupSnapshotID", g.ID)
@@ -44,14 +51,19 @@ func (r *SnapshotReconciler) cutGroup(ctx context.Context, snap *pmemv1.PmemSnap
 		return ctrl.Result{}, fmt.Errorf("list the members of group snapshot %s: %w", g.ID, err)
 	}
 	var members, todo []*pmemv1.PmemSnapshot
+	uncut := 0 // members neither Ready nor cut whole (CutReason)
 	for i := range list.Items {
 		m := &list.Items[i]
 		if m.Spec.Group == nil || m.Spec.Group.ID != g.ID || m.Spec.Node != r.Node || !m.DeletionTimestamp.IsZero() {
 			continue
 		}
 		members = append(members, m)
-		if !meta.IsStatusConditionTrue(m.Status.Conditions, pmemv1.ReadyCondition) {
+		ready := meta.FindStatusCondition(m.Status.Conditions, pmemv1.ReadyCondition)
+		if ready == nil || ready.Status != metav1.ConditionTrue {
 			todo = append(todo, m)
+		}
+		if ready == nil || (ready.Status != metav1.ConditionTrue && ready.Reason != CutReason) {
+			uncut++
 		}
 	}
 	switch {
@@ -60,12 +72,14 @@ func (r *SnapshotReconciler) cutGroup(ctx context.Context, snap *pmemv1.PmemSnap
 	case len(members) < int(g.Size):
 		log.V(4).Info("Waiting for the other members of the group", "members", len(members), "size", g.Size)
 		return ctrl.Result{RequeueAfter: groupWait}, nil
-	case len(todo) < len(members):
-		return ctrl.Result{}, r.finishGroup(ctx, todo, nil, 0)
+	case uncut == 0 || len(todo) < len(members):
+		// Cut whole: every member says so, or some are Ready, which they are only once all
+		// say so.
+		return ctrl.Result{}, r.markReady(ctx, todo)
 	}
 
-	// Nothing is Ready: whatever the back end has of these members is a leftover of a cut
-	// that was interrupted, perhaps of another instant.
+	// Nothing is Ready, and not every member was cut whole: whatever the back end has of these
+	// members is a leftover of a cut that was interrupted, perhaps of another instant.
 	for _, m := range todo {
 		if err := r.Backend.DeleteSnapshot(ctx, m.Name); err != nil {
 			return ctrl.Result{}, err
@@ -111,7 +125,22 @@ func (r *SnapshotReconciler) cutGroup(ctx context.Context, snap *pmemv1.PmemSnap
 	}
 	log.Info("Cut group snapshot", "members", cut, "heldVolumeIDs", lease.Held, "heldFor", heldFor)
 	r.Capacity.Refresh(ctx)
-	return ctrl.Result{}, r.finishGroup(ctx, todo, lease.Held, heldFor)
+	for _, m := range todo {
+		if err := r.setStatus(ctx, m, nil, metav1.ConditionFalse, CutReason, howCut(m, lease.Held, heldFor)); err != nil {
+			return ctrl.Result{}, err
+		}
+	}
+	return ctrl.Result{}, r.markReady(ctx, todo)
+}
+
+// howCut says how a member of a group that was cut whole was cut: whether the writers of its
+// volume were held, and how long.
+func howCut(m *pmemv1.PmemSnapshot, held []string, heldFor time.Duration) string {
+	msg := fmt.Sprintf("cut with the %d members of group snapshot %s", m.Spec.Group.Size, m.Spec.Group.ID)
+	if slices.Contains(held, m.Spec.SourceVolumeID) {
+		return msg + fmt.Sprintf(" while the writers of its volume were held for %s", heldFor.Round(time.Millisecond))
+	}
+	return msg + "; its volume had no writer to hold"
 }
 
 // cutMembers cuts the members, in the hold of the volumes held, and returns those it cut.
@@ -173,19 +202,17 @@ func claimed(device string) (bool, error) {
 	return false, unix.Close(fd)
 }
 
-// finishGroup marks the members of a group that was cut whole Ready.
-func (r *SnapshotReconciler) finishGroup(ctx context.Context, todo []*pmemv1.PmemSnapshot, held []string, heldFor time.Duration) error {
+// markReady marks the members of a group that was cut whole Ready, each with the message its
+// CutReason condition carries.
+func (r *SnapshotReconciler) markReady(ctx context.Context, todo []*pmemv1.PmemSnapshot) error {
 	for _, m := range todo {
 		got, err := r.Backend.CreateSnapshot(ctx, m.Name, m.Spec.SourceVolumeID)
 		if err != nil {
 			return err
 		}
 		msg := fmt.Sprintf("cut with the %d members of group snapshot %s", m.Spec.Group.Size, m.Spec.Group.ID)
-		switch {
-		case slices.Contains(held, m.Spec.SourceVolumeID):
-			msg += fmt.Sprintf(" while the writers of its volume were held for %s", heldFor.Round(time.Millisecond))
-		case held != nil:
-			msg += "; its volume had no writer to hold"
+		if c := meta.FindStatusCondition(m.Status.Conditions, pmemv1.ReadyCondition); c != nil && c.Reason == CutReason {
+			msg = c.Message
 		}
 		if err := r.setStatus(ctx, m, &got, metav1.ConditionTrue, pmemv1.CreatedReason, msg); err != nil {
 			return err

@@ -7,12 +7,14 @@ import (
 	"testing"
 
 	. "github.com/onsi/gomega"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/api/meta"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
 	ctrl "sigs.k8s.io/controller-runtime"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 	clientfake "sigs.k8s.io/controller-runtime/pkg/client/fake"
+	"sigs.k8s.io/controller-runtime/pkg/client/interceptor"
 
 	"pvbridge.io/mgmt-csi/internal/pmem/fake"
 	pmemv1 "pvbridge.io/pkg/apis/pmem/v1alpha1"
@@ -217,6 +219,86 @@ func TestSnapshotReconcilerCutsAGroupWhileItsWritersAreHeld(t *testing.T) {
 				h.mu.Lock()
 				defer h.mu.Unlock()
 				tt.check(g, h)
+			}
+		})
+	}
+}
+
+// A group whose status writes failed part way (a conflict or an error under load) is finished
+// by the next reconcile, and every member says how it was cut (whether the writers of its
+// volume were held, and how long) as if the writes had all gone through: once every member
+// says so, without a second hold; before, by a new cut of the whole group.
+func TestSnapshotReconcilerFinishesAGroupWhoseStatusWritesFailed(t *testing.T) {
+	tests := []struct {
+		name string
+		// fail refuses the first status write it matches.
+		fail      func(snap *pmemv1.PmemSnapshot) bool
+		wantHolds int
+	}{
+		{
+			name: "a Ready write refused",
+			fail: func(snap *pmemv1.PmemSnapshot) bool {
+				return snap.Name == "snap-1" && meta.IsStatusConditionTrue(snap.Status.Conditions, pmemv1.ReadyCondition)
+			},
+			wantHolds: 1,
+		},
+		{
+			name: "a write of how a member was cut refused",
+			fail: func(snap *pmemv1.PmemSnapshot) bool {
+				c := meta.FindStatusCondition(snap.Status.Conditions, pmemv1.ReadyCondition)
+				return snap.Name == "snap-2" && c != nil && c.Reason == CutReason
+			},
+			wantHolds: 2,
+		},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			g := NewWithT(t)
+			ctx := t.Context()
+			scheme := runtime.NewScheme()
+			g.Expect(pmemv1.AddToScheme(scheme)).To(Succeed())
+			failed := false
+			c := clientfake.NewClientBuilder().WithScheme(scheme).
+				WithObjects(member("snap-1", "v1", 2), member("snap-2", "v2", 2)).
+				WithStatusSubresource(&pmemv1.PmemSnapshot{}).
+				WithInterceptorFuncs(interceptor.Funcs{
+					SubResourcePatch: func(ctx context.Context, c client.Client, sub string, obj client.Object, patch client.Patch, opts ...client.SubResourcePatchOption) error {
+						if snap := obj.(*pmemv1.PmemSnapshot); !failed && tt.fail(snap) {
+							failed = true
+							return apierrors.NewConflict(pmemv1.GroupVersion.WithResource("pmemsnapshots").GroupResource(), snap.Name, nil)
+						}
+						return c.SubResource(sub).Patch(ctx, obj, patch, opts...)
+					},
+				}).Build()
+			b := fake.New(fake.Options{Capacity: 100 * mi})
+			for _, v := range []string{"v1", "v2"} {
+				_, err := b.CreateVolume(ctx, v, mi, nil)
+				g.Expect(err).NotTo(HaveOccurred())
+			}
+			h := &holder{backend: b}
+			r := &SnapshotReconciler{Client: c, Backend: b, Node: "host-a", Capacity: &NodeReporter{}, HoldSocket: serveHolder(t, h),
+				InUse: func(string) (bool, error) { return false, nil }}
+			req := ctrl.Request{NamespacedName: client.ObjectKey{Name: "snap-2"}}
+
+			_, err := r.Reconcile(ctx, req)
+			g.Expect(err).To(HaveOccurred(), "a status write was refused")
+			_, err = r.Reconcile(ctx, req)
+			g.Expect(err).NotTo(HaveOccurred())
+
+			g.Expect(h.snapshots()).To(ConsistOf("snap-1", "snap-2"))
+			h.mu.Lock()
+			defer h.mu.Unlock()
+			g.Expect(h.holds).To(Equal(tt.wantHolds))
+			want := map[string]string{
+				"snap-1": `^cut with the 2 members of group snapshot groupsnapshot-1 while the writers of its volume were held for \d`,
+				"snap-2": `^cut with the 2 members of group snapshot groupsnapshot-1; its volume had no writer to hold$`,
+			}
+			for name, msg := range want {
+				got := &pmemv1.PmemSnapshot{}
+				g.Expect(c.Get(ctx, client.ObjectKey{Name: name}, got)).To(Succeed())
+				ready := meta.FindStatusCondition(got.Status.Conditions, pmemv1.ReadyCondition)
+				g.Expect(ready.Status).To(Equal(metav1.ConditionTrue), name)
+				g.Expect(ready.Message).To(MatchRegexp(msg), name)
 			}
 		})
 	}
