@@ -47,6 +47,11 @@ run: deps lab-tools ## Start the lab (management + guest clusters on 127.0.0.1) 
 	go build -o bin/lab ./e2e/cmd/lab
 	bin/lab --runtime=$(RUNTIME)
 
+# What runs beside the end-to-end tests, in the CPU their labs leave idle while they wait on
+# controllers: fuzz (make test), or lint (.ci/run, which fuzzes beside the tools' build instead,
+# so that lint loads the dependencies the tools and the end-to-end tests have compiled).
+BESIDE_E2E ?= fuzz
+
 .PHONY: test
 test: deps test-tools ## Run every test: unit and integration (-race), end-to-end (csi-sanity among them), fuzz.
 	@# -count=1: the end-to-end tests start binaries built at run time, which the test cache
@@ -55,10 +60,9 @@ test: deps test-tools ## Run every test: unit and integration (-race), end-to-en
 	@# -vet=off: make lint runs go vet's analyzers (golangci-lint's govet) on every package.
 	hack/phase.sh unit go test -race -vet=off -count=1 -timeout $(TEST_TIMEOUT) $(COMPONENTS:%=./%/...)
 	@# go test starts test binaries in the order of its arguments on its -p (2) workers: the two
-	@# longest first, so that the others fill the second worker beside them. The fuzz targets run
-	@# beside them (their output follows): the labs leave about a third of the CPU idle while
-	@# they wait on controllers.
-	hack/beside.sh 'hack/phase.sh fuzz $(MAKE) --no-print-directory fuzz' \
+	@# longest first, so that the others fill the second worker beside them. $(BESIDE_E2E) runs
+	@# beside them (its output follows).
+	hack/beside.sh '$(MAKE) --no-print-directory $(BESIDE_E2E)' \
 		hack/phase.sh e2e $(E2E_GO_TEST) -vet=off -count=1 -timeout $(TEST_TIMEOUT) ./e2e/suite ./e2e/capi ./e2e/containers ./e2e/...
 
 # Fuzz targets of every parser of tenant-controlled input: <module>:<package>:<target>,<target>...
@@ -67,25 +71,11 @@ FUZZ_TARGETS := \
 	guest-csi:./internal/driver:FuzzMgmtName,FuzzParseParameters,FuzzValidHandle,FuzzSerialFrom \
 	mgmt-csi:./internal/driver:FuzzIDFor \
 	vm-operator:./internal/hypervisor/local:FuzzParseMountInfo,FuzzValidateSerial,FuzzValidateVM
-# A count, not a duration: a duration races Go's fuzzing coordinator at its deadline and can fail
-# a target with "context deadline exceeded" and no crasher under load.
-FUZZ_TIME ?= 10000x
+export FUZZ_TIME ?= 10000x
 
-# One instrumented test binary per package (linking it is most of the time), run once per target
-# in the package's directory (its testdata/fuzz corpus), with go test's own fuzz cache.
 .PHONY: fuzz
 fuzz: ## Run each fuzz target for FUZZ_TIME (10000 inputs).
-	@bin=$$(mktemp -d) && trap 'rm -rf $$bin' EXIT && \
-	for t in $(FUZZ_TARGETS); do \
-		IFS=: read -r m p fs <<< "$$t"; \
-		(cd $$m && go test -c -fuzz "$${fs%%,*}" -o $$bin/$$m.test $$p) || exit 1; \
-		cache=$$(go env GOCACHE)/fuzz/$$(cd $$m && go list $$p); \
-		for f in $${fs//,/ }; do \
-			echo "== fuzz $$m $$p $$f ($(FUZZ_TIME))"; \
-			(cd $$m/$$p && $$bin/$$m.test -test.run '^$$' -test.fuzz "^$$f\$$" \
-				-test.fuzztime $(FUZZ_TIME) -test.parallel 1 -test.fuzzcachedir $$cache) || exit 1; \
-		done; \
-	done
+	hack/phase.sh fuzz hack/fuzz.sh $(FUZZ_TARGETS)
 
 .PHONY: bench
 bench: deps lab-tools ## Run the benchmarks; each figure prints as `BENCH <name> <value> <unit>`. LABELS picks the suite's benchmarks alone (e.g. LABELS=scale); the apiservers run with their watch cache, as in production (WATCH_CACHE=0: without, as the tests run them).
@@ -138,8 +128,10 @@ verify: $(CONTROLLER_GEN) $(KUBECTL) $(HELM) ## Fail if generated files, formatt
 .PHONY: lint
 lint: $(GOLANGCI_LINT) ## Run golangci-lint on every module.
 	@# One run over the workspace (go.work): the dependencies every module shares are loaded and
-	@# analysed once, not once per module.
-	hack/phase.sh lint $(GOLANGCI_LINT) run --config .golangci.yml $(MODULES:%=./%/...)
+	@# analysed once, not once per module. Its packages are compiled (go list -export) as the
+	@# tools, the lab's binaries and the end-to-end tests are (static, -trimpath), so that it
+	@# reuses their builds from the Go build cache instead of compiling every library again.
+	hack/phase.sh lint env CGO_ENABLED=0 GOFLAGS=-trimpath $(GOLANGCI_LINT) run --config .golangci.yml $(MODULES:%=./%/...)
 
 .PHONY: build
 build: ## Build pvbridge's binaries into ./bin.
