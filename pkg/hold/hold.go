@@ -7,7 +7,9 @@
 // server holds what it can and answers with the IDs it holds, and it lets go when the client
 // sends a release, closes the connection or dies, or when the server's longest hold passes,
 // whichever comes first. The answer to the release says how long the writers were held and
-// whether the hold had expired before it: a cut that outlived its hold is not consistent.
+// whether the hold had expired before it: a cut that outlived its hold is not consistent. The
+// longest hold bounds the holding itself too: a hold that takes longer is refused
+// (ErrHoldOverrun), and let go once the holder has it.
 //
 // The server holds one lease at a time; a second client waits for the first to end.
 package hold
@@ -64,6 +66,8 @@ type request struct {
 type holdResponse struct {
 	Held  []string `json:"held"`
 	Error string   `json:"error,omitempty"`
+	// Overrun: the holding took longer than the longest hold (ErrHoldOverrun).
+	Overrun bool `json:"overrun,omitempty"`
 }
 
 type releaseResponse struct {
@@ -139,9 +143,30 @@ func (s *Server) serve(ctx context.Context, conn net.Conn) {
 		maxHold = DefaultMaxHold
 	}
 	// The writers stall from the moment the holder starts holding them (a filesystem freeze
-	// writes its dirty data back first): the lease's length counts from there.
+	// writes its dirty data back first): the lease's length counts from there, and bounds the
+	// holding too. A hold that overruns it (a freeze writing back through a slow disk) is
+	// refused at once and let go as soon as the holder has it (a freeze cannot be
+	// interrupted), before the next lease.
 	start := time.Now()
-	held, release, err := s.Holder.Hold(ctx, req.VolumeIDs)
+	hctx, cancel := context.WithTimeout(ctx, maxHold)
+	defer cancel()
+	got := s.hold(hctx, req.VolumeIDs)
+	var h holding
+	select {
+	case h = <-got:
+	case <-hctx.Done():
+		resp := holdResponse{Error: maxHold.String() + ": refused, and let go once held", Overrun: true}
+		log.Error(ErrHoldOverrun, "Holding writers", "volumeIDs", req.VolumeIDs, "maxHold", maxHold)
+		_ = writeLine(conn, resp)
+		if h = <-got; h.err == nil {
+			if err := h.release(context.WithoutCancel(ctx)); err != nil {
+				log.Error(err, "Releasing writers held past the longest hold", "volumeIDs", h.held)
+			}
+			log.Info("Released writers held past the longest hold", "volumeIDs", h.held, "heldAfter", time.Since(start))
+		}
+		return
+	}
+	held, release, err := h.held, h.release, h.err
 	if err != nil {
 		log.Error(err, "Holding writers", "volumeIDs", req.VolumeIDs)
 		_ = writeLine(conn, holdResponse{Error: err.Error()})
@@ -186,6 +211,26 @@ func (s *Server) serve(ctx context.Context, conn net.Conn) {
 	_ = writeLine(conn, resp)
 }
 
+// ErrHoldOverrun is returned when holding the writers took longer than the longest hold.
+var ErrHoldOverrun = errors.New("holding the writers took longer than the longest hold")
+
+// holding is what a Holder's Hold returned.
+type holding struct {
+	held    []string
+	release func(context.Context) error
+	err     error
+}
+
+// hold asks the holder to hold the writers of volumeIDs and delivers what it did.
+func (s *Server) hold(ctx context.Context, volumeIDs []string) <-chan holding {
+	got := make(chan holding, 1)
+	go func() {
+		held, release, err := s.Holder.Hold(ctx, volumeIDs)
+		got <- holding{held, release, err}
+	}()
+	return got
+}
+
 // Lease is a hold a client has.
 type Lease struct {
 	// Held lists the volumes whose writers the server holds.
@@ -216,7 +261,11 @@ func Acquire(ctx context.Context, path string, volumeIDs []string) (*Lease, erro
 	if err == nil {
 		err = readLine(l.r, &resp)
 	}
-	if err == nil && resp.Error != "" {
+	switch {
+	case err != nil:
+	case resp.Overrun:
+		err = fmt.Errorf("%w, %s", ErrHoldOverrun, resp.Error)
+	case resp.Error != "":
 		err = errors.New(resp.Error)
 	}
 	if err != nil {

@@ -18,6 +18,9 @@ import (
 type holder struct {
 	known []string
 	err   error
+	// slow, when set, keeps Hold from holding until it is closed (a freeze that writes back
+	// through a slow disk).
+	slow chan struct{}
 
 	mu       sync.Mutex
 	holding  []string
@@ -27,6 +30,9 @@ type holder struct {
 func (h *holder) Hold(_ context.Context, ids []string) ([]string, func(context.Context) error, error) {
 	if h.err != nil {
 		return nil, nil, h.err
+	}
+	if h.slow != nil {
+		<-h.slow
 	}
 	h.mu.Lock()
 	defer h.mu.Unlock()
@@ -107,6 +113,17 @@ func TestLease(t *testing.T) {
 		g.Eventually(h.released).Should(Receive(), "the server lets go by itself")
 		_, err = lease.Release(t.Context())
 		g.Expect(err).To(MatchError(hold.ErrExpired))
+	})
+	t.Run("a hold that takes longer than the longest hold is refused, and let go once held", func(t *testing.T) {
+		g := NewWithT(t)
+		h := &holder{known: []string{"a"}, released: make(chan struct{}, 1), slow: make(chan struct{})}
+		path := serve(t, h, 10*time.Millisecond)
+		_, err := hold.Acquire(t.Context(), path, []string{"a"})
+		g.Expect(err).To(MatchError(hold.ErrHoldOverrun), "refused while the holder still holds")
+		g.Expect(err).To(MatchError(ContainSubstring("holding the writers took longer than the longest hold, 10ms: refused, and let go once held")))
+		close(h.slow)
+		g.Eventually(h.released).Should(Receive(), "let go as soon as the holder has it")
+		g.Expect(h.isHolding()).To(BeFalse())
 	})
 	t.Run("one lease at a time", func(t *testing.T) {
 		g := NewWithT(t)
