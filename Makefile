@@ -68,8 +68,8 @@ test: deps test-tools ## Run every test: unit and integration (-race), end-to-en
 # Fuzz targets of every parser of tenant-controlled input: <module>:<package>:<target>,<target>...
 FUZZ_TARGETS := \
 	pkg:./tenancy:FuzzSharedWith \
-	guest-csi:./internal/driver:FuzzMgmtName,FuzzParseParameters,FuzzValidHandle,FuzzSerialFrom \
-	mgmt-csi:./internal/driver:FuzzIDFor \
+	guest-csi:./internal/request:FuzzMgmtName,FuzzParseParameters,FuzzValidHandle,FuzzSerialFrom \
+	mgmt-csi:./internal/ids:FuzzFor \
 	vm-operator:./internal/hypervisor/local:FuzzParseMountInfo,FuzzValidateSerial,FuzzValidateVM
 export FUZZ_TIME ?= 10000x
 

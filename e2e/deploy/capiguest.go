@@ -94,7 +94,10 @@ func (in *Installed) installClusterAPIGuest(ctx context.Context, lab *cluster.La
 			if a == nil {
 				a = map[string]string{}
 			}
-			maps.Copy(a, map[string]string{tenancy.StorageClassesAnnotation: classes, guestInstallAnnotation: "false"})
+			maps.Copy(a, map[string]string{
+				tenancy.StorageClassesAnnotation: classes, guestInstallAnnotation: "false",
+				tenancy.SnapshotClassesAnnotation: SnapshotClassPmem, tenancy.GroupSnapshotClassesAnnotation: SnapshotClassPmem,
+			})
 			o.SetAnnotations(a)
 		}
 		if err := mc.Create(ctx, o); err != nil {

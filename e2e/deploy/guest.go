@@ -225,14 +225,18 @@ func createTenant(ctx context.Context, mc client.Client, opts GuestOptions, serv
 }
 
 // NewCluster returns a Cluster API Cluster opted in to the tenants controller with the
-// allow-list classes (and the lab's VolumeAttributesClass), whose control plane is at host:port.
+// allow-list classes (and the lab's VolumeAttributesClass and snapshot classes), whose control
+// plane is at host:port.
 func NewCluster(ns, name, classes, host string, port int) *unstructured.Unstructured {
 	return &unstructured.Unstructured{Object: map[string]any{
 		"apiVersion": "cluster.x-k8s.io/v1beta2", "kind": "Cluster",
 		"metadata": map[string]any{
 			"namespace": ns, "name": name,
-			"labels":      map[string]any{tenancy.EnabledLabel: "true"},
-			"annotations": map[string]any{tenancy.StorageClassesAnnotation: classes, tenancy.AttributesClassesAnnotation: AttributesClassPmem},
+			"labels": map[string]any{tenancy.EnabledLabel: "true"},
+			"annotations": map[string]any{
+				tenancy.StorageClassesAnnotation: classes, tenancy.AttributesClassesAnnotation: AttributesClassPmem,
+				tenancy.SnapshotClassesAnnotation: SnapshotClassPmem, tenancy.GroupSnapshotClassesAnnotation: SnapshotClassPmem,
+			},
 		},
 		"spec": map[string]any{"controlPlaneEndpoint": map[string]any{"host": host, "port": int64(port)}},
 	}}

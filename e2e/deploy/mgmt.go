@@ -36,7 +36,7 @@ const (
 	// StorageClassPmemXFS formats xfs, which, unlike ext4, grows while mounted without
 	// CAP_SYS_RESOURCE.
 	StorageClassPmemXFS = "pmem-xfs"
-	// SnapshotClassPmem is the VolumeSnapshotClass of mgmt-csi.
+	// SnapshotClassPmem is the VolumeSnapshotClass and VolumeGroupSnapshotClass of mgmt-csi.
 	SnapshotClassPmem = "pmem"
 	// CSINamespace is where csi-provisioner publishes CSIStorageCapacity objects.
 	CSINamespace = "pvbridge-system"

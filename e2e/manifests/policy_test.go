@@ -44,6 +44,9 @@ const (
 	// VolumeAttributesClasses: a1 may name attrsAllowed, a2 both, b1 none.
 	attrsAllowed = "iops-1000"
 	attrsPremium = "iops-unlimited"
+	// Snapshot classes (VolumeSnapshotClasses and VolumeGroupSnapshotClasses): a1 may name
+	// classAllowed, a2 also snapClassRetain (an admin's Retain class), b1 none.
+	snapClassRetain = "pmem-retain"
 
 	// Objects of tenant-a, created by the admin: a1's and a2's claim and snapshot, and a claim
 	// and a snapshot the admin shares with a1.
@@ -163,6 +166,20 @@ func groupSnapshot(ns, name string, labels map[string]string, source map[string]
 	return u
 }
 
+// withSnapshotClass sets the class of a snapshot or group snapshot; "" removes it.
+func withSnapshotClass(u *unstructured.Unstructured, class string) *unstructured.Unstructured {
+	field := "volumeSnapshotClassName"
+	if u.GetKind() == "VolumeGroupSnapshot" {
+		field = "volumeGroupSnapshotClassName"
+	}
+	if class == "" {
+		unstructured.RemoveNestedField(u.Object, "spec", field)
+	} else {
+		_ = unstructured.SetNestedField(u.Object, class, "spec", field)
+	}
+	return u
+}
+
 // selecting is a group snapshot's source that selects claims by labels, and by expressions.
 func selecting(labels map[string]string, expressions ...map[string]any) map[string]any {
 	matchLabels := map[string]any{}
@@ -222,14 +239,17 @@ func setUpTenants(ctx context.Context, g Gomega) {
 		&corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: nsBare, Labels: enforced}},
 		&corev1.ConfigMap{ObjectMeta: metav1.ObjectMeta{Namespace: nsA, Name: "pvbridge-tenancy"}, Data: map[string]string{
 			"a1.uid": uidA1, "a1.account": accountUID("a1"), "a1.storageClasses": classAllowed, "a1.attributesClasses": attrsAllowed,
+			"a1.snapshotClasses": classAllowed, "a1.groupSnapshotClasses": classAllowed,
 			"a1.hosts": hostA1, "a1.sharedClaims": sharedClaim, "a1.sharedSnapshots": sharedSnap, "a1.groupSnapshots": ownMember,
 			"a2.uid": uidA2, "a2.account": accountUID("a2"), "a2.storageClasses": classAllowed + "," + classPremium,
 			"a2.attributesClasses": attrsAllowed + "," + attrsPremium,
+			"a2.snapshotClasses":   classAllowed + "," + snapClassRetain, "a2.groupSnapshotClasses": classAllowed + "," + snapClassRetain,
 			// a3's identity is not recorded yet.
 			"a3.uid": uidA3, "a3.storageClasses": classAllowed,
 		}},
 		&corev1.ConfigMap{ObjectMeta: metav1.ObjectMeta{Namespace: nsB, Name: "pvbridge-tenancy"}, Data: map[string]string{
-			// b1 may name no VolumeAttributesClass: no key, as without the annotation.
+			// b1 may name no VolumeAttributesClass and no snapshot class: no keys, as without
+			// the annotations.
 			"b1.uid": uidB1, "b1.account": accountUID("b1"), "b1.storageClasses": classAllowed,
 		}},
 	}
@@ -653,6 +673,22 @@ func TestGuestTenancyPolicy(t *testing.T) {
 		{name: "create a snapshot labelled for another cluster", as: "tenant-a/a1",
 			do:   create(snapshot(nsA, newClaim, labelsFor("a2", uidA2), ownClaim)),
 			want: a1Labels("VolumeSnapshot", newClaim, "a2", uidA2)},
+		{name: "snapshot into a class outside the cluster's allow-list", as: "tenant-a/a1",
+			do: create(withSnapshotClass(snapshot(nsA, newClaim, labelsFor("a1", uidA1), ownClaim), snapClassRetain)),
+			want: tenancyPolicy + what("VolumeSnapshot", newClaim) + " names VolumeSnapshotClass " + snapClassRetain +
+				", which guest cluster a1 may not use: it may use " + classAllowed},
+		{name: "snapshot into no class (the management default)", as: "tenant-a/a1",
+			do:   create(withSnapshotClass(snapshot(nsA, newClaim, labelsFor("a1", uidA1), ownClaim), "")),
+			want: tenancyPolicy + what("VolumeSnapshot", newClaim) + " names no VolumeSnapshotClass, which guest cluster a1 may not use: it may use " + classAllowed},
+		{name: "snapshot into a class in the allow-list of the cluster that asks", as: "tenant-a/a2",
+			do: create(withSnapshotClass(snapshot(nsA, uidA2+"-new", labelsFor("a2", uidA2), otherClaim), snapClassRetain))},
+		{name: "snapshot without an allow-list", as: "tenant-b/b1",
+			do: create(snapshot(nsB, uidB1+"-new", labelsFor("b1", uidB1), uidB1+"-data")),
+			want: tenancyPolicy + "VolumeSnapshot " + nsB + "/" + uidB1 + "-new names VolumeSnapshotClass " + classAllowed +
+				", which guest cluster b1 may not use: it may use none (annotation pvbridge.io/snapshot-classes on its Cluster or Namespace)"},
+		{name: "change its snapshot to a class outside the allow-list", as: "tenant-a/a1",
+			do:   patch(snapshotKey(ownSnap), func(u *unstructured.Unstructured) { withSnapshotClass(u, snapClassRetain) }),
+			want: `User "system:serviceaccount:tenant-a:a1-pvbridge" cannot patch resource "volumesnapshots"`},
 		{name: "delete its own snapshot", as: "tenant-a/a1", do: remove(snapshotKey(ownSnap))},
 		{name: "delete a snapshot of another cluster", as: "tenant-a/a1",
 			do: remove(snapshotKey(otherSnap)), want: notA1s("VolumeSnapshot", otherSnap, a2, "delete")},
@@ -692,6 +728,18 @@ func TestGuestTenancyPolicy(t *testing.T) {
 			do: create(withAnnotations(groupSnapshot(nsA, uidA1+"-new-group", labelsFor("a1", uidA1), ownGroupSelection),
 				map[string]string{tenancy.SharedWithAnnotation: "a2"})),
 			want: tenancyPolicy + "guest cluster a1 may not set, change or remove annotation pvbridge.io/shared-with of " + what("VolumeGroupSnapshot", uidA1+"-new-group")},
+		{name: "take a group snapshot into a class outside the cluster's allow-list", as: "tenant-a/a1",
+			do: create(withSnapshotClass(groupSnapshot(nsA, uidA1+"-new-group", labelsFor("a1", uidA1), ownGroupSelection), snapClassRetain)),
+			want: tenancyPolicy + what("VolumeGroupSnapshot", uidA1+"-new-group") + " names VolumeGroupSnapshotClass " + snapClassRetain +
+				", which guest cluster a1 may not use: it may use " + classAllowed},
+		{name: "take a group snapshot into no class (the management default)", as: "tenant-a/a1",
+			do: create(withSnapshotClass(groupSnapshot(nsA, uidA1+"-new-group", labelsFor("a1", uidA1), ownGroupSelection), "")),
+			want: tenancyPolicy + what("VolumeGroupSnapshot", uidA1+"-new-group") +
+				" names no VolumeGroupSnapshotClass, which guest cluster a1 may not use: it may use " + classAllowed},
+		{name: "take a group snapshot without an allow-list", as: "tenant-b/b1",
+			do: create(groupSnapshot(nsB, uidB1+"-new-group", labelsFor("b1", uidB1), selecting(map[string]string{tenancy.ClusterUIDLabel: uidB1, groupLabel: "g"}))),
+			want: tenancyPolicy + "VolumeGroupSnapshot " + nsB + "/" + uidB1 + "-new-group names VolumeGroupSnapshotClass " + classAllowed +
+				", which guest cluster b1 may not use: it may use none (annotation pvbridge.io/group-snapshot-classes on its Cluster or Namespace)"},
 		{name: "delete its own group snapshot", as: "tenant-a/a1", do: remove(groupSnapshot(nsA, ownGroup, nil, nil))},
 		{name: "delete a group snapshot of another cluster", as: "tenant-a/a1",
 			do: remove(groupSnapshot(nsA, otherGroup, nil, nil)), want: notA1s("VolumeGroupSnapshot", otherGroup, a2, "delete")},
@@ -757,6 +805,17 @@ func TestGuestTenancyPolicy(t *testing.T) {
 		{name: "write in the namespace of another tenant where RBAC lets it", as: "tenant-b/b1",
 			do:   create(claim(nsA, uidB1+"-new", labelsFor("b1", uidB1), classAllowed, nil)),
 			want: namespacePolicy + "guest identity system:serviceaccount:tenant-b:b1-pvbridge may write only in its own namespace tenant-b, not in " + nsA},
+		{name: "take a group snapshot in the namespace of another tenant where RBAC lets it", as: "tenant-b/b1",
+			do: create(groupSnapshot(nsA, uidB1+"-new-group", labelsFor("b1", uidB1),
+				selecting(map[string]string{tenancy.ClusterUIDLabel: uidA2, groupLabel: "g"}))),
+			want: namespacePolicy + "guest identity system:serviceaccount:tenant-b:b1-pvbridge may write only in its own namespace tenant-b, not in " + nsA},
+		{name: "delete a group snapshot in the namespace of another tenant where RBAC lets it", as: "tenant-b/b1",
+			do:   remove(groupSnapshot(nsA, otherGroup, nil, nil)),
+			want: namespacePolicy + "guest identity system:serviceaccount:tenant-b:b1-pvbridge may write only in its own namespace tenant-b, not in " + nsA},
+		{name: "take a group snapshot in its namespace when tenancy is not enforced there", as: "plain/p1",
+			do: create(groupSnapshot(nsPlain, "p1-new-group", nil, selecting(map[string]string{groupLabel: "g"}))),
+			want: namespacePolicy + "namespace plain is not labelled pvbridge.io/tenancy=enforced, so pvbridge's tenancy policy does not guard it: " +
+				"guest identity system:serviceaccount:plain:p1-pvbridge may not write there"},
 		{name: "write in its namespace when tenancy is not enforced there", as: "plain/p1",
 			do: create(claim(nsPlain, "p1-new", nil, classAllowed, nil)),
 			want: namespacePolicy + "namespace plain is not labelled pvbridge.io/tenancy=enforced, so pvbridge's tenancy policy does not guard it: " +

@@ -57,6 +57,16 @@ const (
 	// may name in a claim's spec.volumeAttributesClassName (comma-separated), on its Cluster or
 	// else on its Namespace. Absent on both: none.
 	AttributesClassesAnnotation = "pvbridge.io/attributes-classes"
+	// SnapshotClassesAnnotation lists the management VolumeSnapshotClasses a guest cluster may
+	// name in a VolumeSnapshot's spec.volumeSnapshotClassName (comma-separated), on its Cluster
+	// or else on its Namespace. Absent on both: none. A class decides what becomes of a copy
+	// (deletionPolicy: an admin's Retain class keeps it after its VolumeSnapshot, outside the
+	// namespace's snapshot quota), so the guest names one an admin allowed, never none.
+	SnapshotClassesAnnotation = "pvbridge.io/snapshot-classes"
+	// GroupSnapshotClassesAnnotation lists, as SnapshotClassesAnnotation does, the management
+	// VolumeGroupSnapshotClasses a guest cluster may name in a VolumeGroupSnapshot's
+	// spec.volumeGroupSnapshotClassName.
+	GroupSnapshotClassesAnnotation = "pvbridge.io/group-snapshot-classes"
 	// GuestInstallAnnotation "false" on a Cluster keeps the tenants controller from installing
 	// the guest side into the guest cluster.
 	GuestInstallAnnotation = "pvbridge.io/guest-install"
@@ -105,6 +115,10 @@ const (
 	ParamStorageClasses = ".storageClasses"
 	// ParamAttributesClasses lists the VolumeAttributesClasses it may name.
 	ParamAttributesClasses = ".attributesClasses"
+	// ParamSnapshotClasses lists the VolumeSnapshotClasses it may name.
+	ParamSnapshotClasses = ".snapshotClasses"
+	// ParamGroupSnapshotClasses lists the VolumeGroupSnapshotClasses it may name.
+	ParamGroupSnapshotClasses = ".groupSnapshotClasses"
 	// ParamHosts lists the hosts of its VirtualMachines: its volumes go only there.
 	ParamHosts = ".hosts"
 	// ParamSharedClaims and ParamSharedSnapshots list what is shared with it.
@@ -185,23 +199,31 @@ func AccessOf(obj metav1.Object, c Cluster) Access {
 	return Foreign
 }
 
-// GroupMember reports whether obj, a management VolumeSnapshot, is a member of a group snapshot
-// of cluster c: it is in c's namespace and owned by a VolumeGroupSnapshot named "<c's UID>-…".
-// snapshot-controller creates the members of a VolumeGroupSnapshot without labels, with that
-// ownerReference; a guest can set no ownerReference and create no VolumeGroupSnapshot named
-// after another cluster (the admission policy), and a VolumeGroupSnapshot of c selects only c's
-// claims. A member is the cluster's to restore, never to delete: it goes with its group.
-func GroupMember(obj metav1.Object, c Cluster) bool {
-	if obj.GetNamespace() != c.Namespace || c.UID == "" {
-		return false
-	}
+// GroupOf returns the ownerReference of obj, a management VolumeSnapshot, to the
+// VolumeGroupSnapshot it is a member of: snapshot-controller creates the members of a
+// VolumeGroupSnapshot without labels, with that ownerReference. ok is false for a snapshot of no
+// group.
+func GroupOf(obj metav1.Object) (ref metav1.OwnerReference, ok bool) {
 	for _, ref := range obj.GetOwnerReferences() {
 		group, _, _ := strings.Cut(ref.APIVersion, "/")
-		if group == groupSnapshotGroup && ref.Kind == "VolumeGroupSnapshot" && strings.HasPrefix(ref.Name, c.UID+"-") {
-			return true
+		if group == groupSnapshotGroup && ref.Kind == "VolumeGroupSnapshot" {
+			return ref, true
 		}
 	}
-	return false
+	return metav1.OwnerReference{}, false
+}
+
+// GroupMember reports whether member, a management VolumeSnapshot, is a member of group, a
+// VolumeGroupSnapshot of cluster c: both are in c's namespace, member is owned by group (its
+// ownerReference names group's UID: GroupOf), and group carries c's UID label. The label, not
+// the group's name, tells whose the group is: the admission policy lets a guest create only
+// VolumeGroupSnapshots labelled with its own UID, and a name says nothing where it is not
+// enforced. A guest can set no ownerReference, and a VolumeGroupSnapshot of c selects only c's
+// claims. A member is the cluster's to restore, never to delete: it goes with its group.
+func GroupMember(member, group metav1.Object, c Cluster) bool {
+	ref, ok := GroupOf(member)
+	return ok && c.UID != "" && member.GetNamespace() == c.Namespace && group.GetNamespace() == c.Namespace &&
+		ref.UID != "" && ref.UID == group.GetUID() && group.GetLabels()[ClusterUIDLabel] == c.UID
 }
 
 // groupSnapshotGroup is the API group of VolumeGroupSnapshots.

@@ -6,6 +6,7 @@ import (
 	. "github.com/onsi/gomega"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
 )
 
 func TestAccessOf(t *testing.T) {
@@ -45,36 +46,47 @@ func TestAccessOfNeedsAnIdentity(t *testing.T) {
 	g.Expect(AccessOf(obj, anonymous)).To(Equal(Foreign))
 }
 
-// TestGroupMember: a member snapshot is the cluster's when a VolumeGroupSnapshot named after the
-// cluster's UID owns it, in the cluster's namespace.
+// TestGroupMember: a member snapshot is the cluster's when a VolumeGroupSnapshot labelled with
+// the cluster's UID owns it (by UID), both in the cluster's namespace; the group's name tells
+// nothing.
 func TestGroupMember(t *testing.T) {
 	c := Cluster{Namespace: "tenant-a", Name: "alpha", UID: "uid-1"}
-	owned := func(ns string, refs ...metav1.OwnerReference) *metav1.PartialObjectMetadata {
+	ref := func(apiVersion, kind, uid string) metav1.OwnerReference {
+		return metav1.OwnerReference{APIVersion: apiVersion, Kind: kind, Name: "nightly", UID: types.UID(uid)}
+	}
+	vgs := ref("groupsnapshot.storage.k8s.io/v1", "VolumeGroupSnapshot", "g")
+	member := func(ns string, refs ...metav1.OwnerReference) *metav1.PartialObjectMetadata {
 		return &metav1.PartialObjectMetadata{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "snapshot-0f", OwnerReferences: refs}}
 	}
-	group := func(apiVersion, kind, name string) metav1.OwnerReference {
-		return metav1.OwnerReference{APIVersion: apiVersion, Kind: kind, Name: name, UID: "g"}
+	group := func(ns, name, uid, clusterUID string) *metav1.PartialObjectMetadata {
+		return &metav1.PartialObjectMetadata{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: name, UID: types.UID(uid),
+			Labels: map[string]string{ClusterUIDLabel: clusterUID}}}
 	}
+	ownGroup := group("tenant-a", "nightly", "g", "uid-1")
 	for _, tc := range []struct {
-		name string
-		obj  *metav1.PartialObjectMetadata
-		want bool
+		name   string
+		member *metav1.PartialObjectMetadata
+		group  *metav1.PartialObjectMetadata
+		want   bool
 	}{
-		{"a member of the cluster's group", owned("tenant-a", group("groupsnapshot.storage.k8s.io/v1", "VolumeGroupSnapshot", "uid-1-g")), true},
-		{"of another version of the API", owned("tenant-a", group("groupsnapshot.storage.k8s.io/v1beta2", "VolumeGroupSnapshot", "uid-1-g")), true},
-		{"beside another owner", owned("tenant-a", group("v1", "ConfigMap", "x"), group("groupsnapshot.storage.k8s.io/v1", "VolumeGroupSnapshot", "uid-1-g")), true},
-		{"a member of another cluster's group", owned("tenant-a", group("groupsnapshot.storage.k8s.io/v1", "VolumeGroupSnapshot", "uid-2-g")), false},
-		{"a group of a cluster whose UID starts with this one's", owned("tenant-a", group("groupsnapshot.storage.k8s.io/v1", "VolumeGroupSnapshot", "uid-10-g")), false},
-		{"in another namespace", owned("tenant-b", group("groupsnapshot.storage.k8s.io/v1", "VolumeGroupSnapshot", "uid-1-g")), false},
-		{"owned by another kind of that name", owned("tenant-a", group("v1", "ConfigMap", "uid-1-g")), false},
-		{"owned by a kind of that name in another group", owned("tenant-a", group("example.com/v1", "VolumeGroupSnapshot", "uid-1-g")), false},
-		{"no owner", owned("tenant-a"), false},
+		{"a member of the cluster's group", member("tenant-a", vgs), ownGroup, true},
+		{"of another version of the API", member("tenant-a", ref("groupsnapshot.storage.k8s.io/v1beta2", "VolumeGroupSnapshot", "g")), ownGroup, true},
+		{"beside another owner", member("tenant-a", ref("v1", "ConfigMap", "x"), vgs), ownGroup, true},
+		{"a member of another cluster's group", member("tenant-a", vgs), group("tenant-a", "nightly", "g", "uid-2"), false},
+		{"a group named after the cluster, labelled for another", member("tenant-a", vgs), group("tenant-a", "uid-1-nightly", "g", "uid-2"), false},
+		{"a group labelled for the cluster, named after another", member("tenant-a", vgs), group("tenant-a", "uid-2-nightly", "g", "uid-1"), true},
+		{"owned by another group than the one given", member("tenant-a", ref("groupsnapshot.storage.k8s.io/v1", "VolumeGroupSnapshot", "h")), ownGroup, false},
+		{"a member in another namespace", member("tenant-b", vgs), ownGroup, false},
+		{"a group in another namespace", member("tenant-a", vgs), group("tenant-b", "nightly", "g", "uid-1"), false},
+		{"owned by another kind", member("tenant-a", ref("v1", "ConfigMap", "g")), ownGroup, false},
+		{"owned by a kind of that name in another group", member("tenant-a", ref("example.com/v1", "VolumeGroupSnapshot", "g")), ownGroup, false},
+		{"no owner", member("tenant-a"), ownGroup, false},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			NewWithT(t).Expect(GroupMember(tc.obj, c)).To(Equal(tc.want))
+			NewWithT(t).Expect(GroupMember(tc.member, tc.group, c)).To(Equal(tc.want))
 		})
 	}
-	NewWithT(t).Expect(GroupMember(owned("tenant-a", group("groupsnapshot.storage.k8s.io/v1", "VolumeGroupSnapshot", "-g")), Cluster{Namespace: "tenant-a"})).
+	NewWithT(t).Expect(GroupMember(member("tenant-a", vgs), group("tenant-a", "nightly", "g", ""), Cluster{Namespace: "tenant-a"})).
 		To(BeFalse(), "a cluster without a UID has no members")
 }
 

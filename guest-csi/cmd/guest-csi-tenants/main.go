@@ -48,6 +48,8 @@ func main() {
 	fs.Int64Var(&opts.SnapshotQuota, "snapshot-quota", 100,
 		"VolumeSnapshots each namespace labelled "+tenancy.TenancyNamespaceLabel+"="+tenancy.TenancyEnforced+
 			" may hold: the controller creates the ResourceQuota "+tenants.SnapshotQuota+" where there is none (an admin may change it). 0: none.")
+	fs.Int64Var(&opts.GroupSnapshotQuota, "group-snapshot-quota", 20,
+		"VolumeGroupSnapshots each such namespace may hold, in the same ResourceQuota (a group's members count as VolumeSnapshots too). 0: none.")
 	fs.StringVar(&opts.ImageRegistry, "guest-image-registry", "",
 		"A registry (host[:port][/path]) that replaces the registry of every image installed into guests, for a platform's mirror: "+
 			"ghcr.io/pvbridge/guest-csi:v0.1.0 becomes <registry>/pvbridge/guest-csi:v0.1.0, registry.k8s.io/sig-storage/csi-provisioner:v6.4.0 <registry>/sig-storage/csi-provisioner:v6.4.0. Empty: the images as shipped.")

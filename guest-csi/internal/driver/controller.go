@@ -23,6 +23,7 @@ import (
 	"k8s.io/utils/ptr"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
+	"pvbridge.io/guest-csi/internal/request"
 	vmv1 "pvbridge.io/pkg/apis/vm/v1alpha1"
 	"pvbridge.io/pkg/await"
 	"pvbridge.io/pkg/csiserver"
@@ -139,11 +140,11 @@ func (s *controllerServer) CreateVolume(ctx context.Context, req *csi.CreateVolu
 	if err := validateCapabilities(req.GetVolumeCapabilities()); err != nil {
 		return nil, err
 	}
-	params, err := parseVolumeParameters(req.GetParameters(), s.cfg.storageClass)
+	params, err := request.ParseVolumeParameters(req.GetParameters(), s.cfg.storageClass)
 	if err != nil {
 		return nil, err
 	}
-	if params.attributesClass, err = parseMutableParameters(req.GetMutableParameters()); err != nil {
+	if params.AttributesClass, err = request.ParseMutableParameters(req.GetMutableParameters()); err != nil {
 		return nil, err
 	}
 	size, err := csiserver.RequestedSize(req.GetCapacityRange())
@@ -154,7 +155,7 @@ func (s *controllerServer) CreateVolume(ctx context.Context, req *csi.CreateVolu
 	if err != nil {
 		return nil, err
 	}
-	name := mgmtName(c.UID, "pvc-", req.GetName())
+	name := request.MgmtName(c.UID, "pvc-", req.GetName())
 	unlock, err := s.lock(name)
 	if err != nil {
 		return nil, err
@@ -174,11 +175,11 @@ func (s *controllerServer) CreateVolume(ctx context.Context, req *csi.CreateVolu
 		if err := s.mgmt.Create(ctx, pvc); err != nil {
 			return nil, csiserver.APIError(err, "create management PVC %s/%s", c.Namespace, name)
 		}
-		klog.FromContext(ctx).V(2).Info("Created management PVC", "host", host, "size", size, "class", params.class)
+		klog.FromContext(ctx).V(2).Info("Created management PVC", "host", host, "size", size, "class", params.Class)
 	case err != nil:
 		return nil, csiserver.APIError(err, "get management PVC %s/%s", c.Namespace, name)
 	default:
-		if err := compatibleClaim(pvc, c, size, req.GetCapacityRange().GetLimitBytes(), params.class, source); err != nil {
+		if err := compatibleClaim(pvc, c, size, req.GetCapacityRange().GetLimitBytes(), params.Class, source); err != nil {
 			return nil, err
 		}
 		// The guest scheduler chose another VM since the last call (csi-provisioner had no
@@ -209,7 +210,7 @@ func (s *controllerServer) CreateVolume(ctx context.Context, req *csi.CreateVolu
 }
 
 // newClaim is the management PVC of a new volume.
-func (s *controllerServer) newClaim(ctx context.Context, c tenancy.Cluster, name, csiName, host string, size int64, p volumeParams, source *corev1.TypedLocalObjectReference) *corev1.PersistentVolumeClaim {
+func (s *controllerServer) newClaim(ctx context.Context, c tenancy.Cluster, name, csiName, host string, size int64, p request.VolumeParams, source *corev1.TypedLocalObjectReference) *corev1.PersistentVolumeClaim {
 	pvc := &corev1.PersistentVolumeClaim{
 		ObjectMeta: mgmtObjectMeta(c, name, csiName),
 		Spec: corev1.PersistentVolumeClaimSpec{
@@ -221,23 +222,23 @@ func (s *controllerServer) newClaim(ctx context.Context, c tenancy.Cluster, name
 			DataSource: source,
 		},
 	}
-	if p.class != "" {
-		pvc.Spec.StorageClassName = ptr.To(p.class)
+	if p.Class != "" {
+		pvc.Spec.StorageClassName = ptr.To(p.Class)
 	}
-	if p.attributesClass != "" {
-		pvc.Spec.VolumeAttributesClassName = ptr.To(p.attributesClass)
+	if p.AttributesClass != "" {
+		pvc.Spec.VolumeAttributesClassName = ptr.To(p.AttributesClass)
 	}
 	if host != "" {
 		pvc.Annotations[selectedNodeAnnotation] = host
 	}
-	if v := guestObject(p.guestPVC); v != "" {
+	if v := guestObject(p.GuestPVC); v != "" {
 		pvc.Annotations[tenancy.GuestPVCAnnotation] = v
 		if labels := s.guestLabels(ctx, p); labels != "" {
 			pvc.Annotations[tenancy.GuestLabelsAnnotation] = labels
 		}
 	}
-	if p.guestPV != "" {
-		pvc.Annotations[tenancy.GuestPVAnnotation] = p.guestPV
+	if p.GuestPV != "" {
+		pvc.Annotations[tenancy.GuestPVAnnotation] = p.GuestPV
 	}
 	return pvc
 }
@@ -255,13 +256,13 @@ func mgmtObjectMeta(c tenancy.Cluster, name, csiName string) metav1.ObjectMeta {
 
 // guestLabels returns the guest PVC's labels as JSON, "" if there are none or they cannot be
 // read (they are for people, and never worth failing a provisioning for).
-func (s *controllerServer) guestLabels(ctx context.Context, p volumeParams) string {
+func (s *controllerServer) guestLabels(ctx context.Context, p request.VolumeParams) string {
 	if s.guest == nil {
 		return ""
 	}
-	pvc, err := s.guest.CoreV1().PersistentVolumeClaims(p.guestPVC.Namespace).Get(ctx, p.guestPVC.Name, metav1.GetOptions{})
+	pvc, err := s.guest.CoreV1().PersistentVolumeClaims(p.GuestPVC.Namespace).Get(ctx, p.GuestPVC.Name, metav1.GetOptions{})
 	if err != nil {
-		klog.FromContext(ctx).V(2).Info("Cannot read the guest PVC's labels", "pvc", p.guestPVC, "err", err)
+		klog.FromContext(ctx).V(2).Info("Cannot read the guest PVC's labels", "pvc", p.GuestPVC, "err", err)
 		return ""
 	}
 	if len(pvc.Labels) == 0 {
@@ -272,7 +273,7 @@ func (s *controllerServer) guestLabels(ctx context.Context, p volumeParams) stri
 		return ""
 	}
 	if n := utf8.RuneCount(b); n > tenancy.MaxGuestLabelsLength {
-		klog.FromContext(ctx).V(2).Info("The guest PVC's labels are too long to copy", "pvc", p.guestPVC, "characters", n, "max", tenancy.MaxGuestLabelsLength)
+		klog.FromContext(ctx).V(2).Info("The guest PVC's labels are too long to copy", "pvc", p.GuestPVC, "characters", n, "max", tenancy.MaxGuestLabelsLength)
 		return ""
 	}
 	return string(b)
@@ -339,8 +340,10 @@ func (s *controllerServer) accessible(ctx context.Context, c tenancy.Cluster, ki
 		return nil, tenancy.Foreign, err
 	}
 	access := tenancy.AccessOf(obj, c)
-	if access == tenancy.Foreign && kind == kindSnapshot && tenancy.GroupMember(obj, c) {
-		access = tenancy.Shared
+	if access == tenancy.Foreign && kind == kindSnapshot {
+		if access, err = s.groupAccess(ctx, c, obj); err != nil {
+			return nil, tenancy.Foreign, err
+		}
 	}
 	if access == tenancy.Foreign {
 		return obj, access, status.Errorf(codes.FailedPrecondition,
@@ -349,11 +352,31 @@ func (s *controllerServer) accessible(ctx context.Context, c tenancy.Cluster, ki
 	return obj, access, nil
 }
 
+// groupAccess tells whether snap, a management VolumeSnapshot the cluster neither owns nor was
+// shared, is a member of one of its group snapshots (Shared) or not (Foreign): its group, read
+// by the member's ownerReference, must carry the cluster's UID label (tenancy.GroupMember).
+func (s *controllerServer) groupAccess(ctx context.Context, c tenancy.Cluster, snap client.Object) (tenancy.Access, error) {
+	ref, ok := tenancy.GroupOf(snap)
+	if !ok {
+		return tenancy.Foreign, nil
+	}
+	group, err := s.lookup(ctx, c, kindGroupSnapshot, ref.Name)
+	switch {
+	case status.Code(err) == codes.NotFound:
+		return tenancy.Foreign, nil
+	case err != nil:
+		return tenancy.Foreign, err
+	case tenancy.GroupMember(snap, group, c):
+		return tenancy.Shared, nil
+	}
+	return tenancy.Foreign, nil
+}
+
 // lookup reads management object id of kind. The cache holds what the cluster owns; anything
 // else (a shared object, a group snapshot's member, an object the cache has not seen yet) is
 // read from the apiserver. A missing object or an invalid ID is NotFound.
 func (s *controllerServer) lookup(ctx context.Context, c tenancy.Cluster, kind, id string) (client.Object, error) {
-	if !validHandle(id) {
+	if !request.ValidHandle(id) {
 		return nil, status.Errorf(codes.NotFound, "%q is not the name of a management %s", id, kind)
 	}
 	obj := newObject(kind)
@@ -427,7 +450,7 @@ func (s *controllerServer) waitBound(ctx context.Context, pvc *corev1.Persistent
 // can name none, is success; one shared with the cluster (or a member of its group snapshots) is
 // released: left alone; a foreign one is refused (FailedPrecondition).
 func (s *controllerServer) deleteOwned(ctx context.Context, kind, id string, wait bool) error {
-	if !validHandle(id) {
+	if !request.ValidHandle(id) {
 		return nil
 	}
 	c, err := s.cluster()
@@ -516,7 +539,7 @@ func (s *controllerServer) DeleteVolume(ctx context.Context, req *csi.DeleteVolu
 	if id == "" {
 		return nil, status.Error(codes.InvalidArgument, "volume_id is required")
 	}
-	if !validHandle(id) {
+	if !request.ValidHandle(id) {
 		return &csi.DeleteVolumeResponse{}, nil // no such volume can exist
 	}
 	c, err := s.cluster()
@@ -609,7 +632,7 @@ func (s *controllerServer) ValidateVolumeCapabilities(ctx context.Context, req *
 	if _, _, err := s.accessible(ctx, c, kindPVC, req.GetVolumeId()); err != nil {
 		return nil, err
 	}
-	if _, err := parseVolumeParameters(req.GetParameters(), ""); err != nil {
+	if _, err := request.ParseVolumeParameters(req.GetParameters(), ""); err != nil {
 		return &csi.ValidateVolumeCapabilitiesResponse{Message: status.Convert(err).Message()}, nil
 	}
 	if err := validateCapabilities(req.GetVolumeCapabilities()); err != nil {
@@ -631,7 +654,7 @@ func (s *controllerServer) GetCapacity(ctx context.Context, req *csi.GetCapacity
 			return &csi.GetCapacityResponse{}, nil //nolint:nilerr // unsupported capabilities have no capacity
 		}
 	}
-	params, err := parseVolumeParameters(req.GetParameters(), s.cfg.storageClass)
+	params, err := request.ParseVolumeParameters(req.GetParameters(), s.cfg.storageClass)
 	if err != nil {
 		return nil, err
 	}
@@ -658,7 +681,7 @@ func (s *controllerServer) GetCapacity(ctx context.Context, req *csi.GetCapacity
 	}
 	var available, largest int64
 	for _, c := range list.Items {
-		if (params.class != "" && c.StorageClassName != params.class) || c.NodeTopology == nil || !hosts[c.NodeTopology.MatchLabels[names.PmemTopologyKey]] {
+		if (params.Class != "" && c.StorageClassName != params.Class) || c.NodeTopology == nil || !hosts[c.NodeTopology.MatchLabels[names.PmemTopologyKey]] {
 			continue
 		}
 		if c.Capacity != nil {

@@ -23,6 +23,7 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	"pvbridge.io/guest-csi/internal/mgmt"
+	"pvbridge.io/guest-csi/internal/request"
 	vmv1 "pvbridge.io/pkg/apis/vm/v1alpha1"
 	"pvbridge.io/pkg/csinode/csinodetest"
 	"pvbridge.io/pkg/tenancy"
@@ -209,7 +210,7 @@ func createReq(name, host string, size int64) *csi.CreateVolumeRequest {
 		CapacityRange:      &csi.CapacityRange{RequiredBytes: size},
 		VolumeCapabilities: []*csi.VolumeCapability{fsCap("ext4")},
 		Parameters: map[string]string{
-			paramPVCName: name, paramPVCNamespace: "default", paramPVName: "pv-" + name,
+			request.ParamPVCName: name, request.ParamPVCNamespace: "default", request.ParamPVName: "pv-" + name,
 		},
 	}
 	if host != "" {

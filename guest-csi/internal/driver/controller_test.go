@@ -26,6 +26,7 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/client"
 	"sigs.k8s.io/controller-runtime/pkg/client/fake"
 
+	"pvbridge.io/guest-csi/internal/request"
 	vmv1 "pvbridge.io/pkg/apis/vm/v1alpha1"
 	"pvbridge.io/pkg/names"
 	"pvbridge.io/pkg/tenancy"
@@ -97,7 +98,7 @@ func TestCreateVolumeMirrorsTheGuestPVC(t *testing.T) {
 	expectCodeIn(g, err, codes.AlreadyExists, "fewer than")
 	other := createReq(guestPVC.Name, envHost, envMountSize)
 	other.Name = req.Name
-	other.Parameters[ParamMgmtStorageClass] = "premium"
+	other.Parameters[request.ParamMgmtStorageClass] = "premium"
 	_, err = call(t, e.ctrl.CreateVolume, other)
 	expectCodeIn(g, err, codes.AlreadyExists, `StorageClass "pmem", not "premium"`)
 
@@ -132,7 +133,7 @@ func TestCreateVolumePendingSaysWhy(t *testing.T) {
 	g := NewWithT(t)
 	e := newGuestEnv(t, envOptions{})
 	req := createReq("pending", envHost, envMountSize)
-	req.Parameters[ParamMgmtStorageClass] = neverClass
+	req.Parameters[request.ParamMgmtStorageClass] = neverClass
 
 	g.Eventually(func(g Gomega) {
 		// A call of a few seconds, not callTimeout: it waits until just before its deadline.
@@ -150,7 +151,7 @@ func TestPublishFindsTheDisk(t *testing.T) {
 
 	resp, err := retried(t, e.ctrl.ControllerPublishVolume, e.publishReq(id, "vm-1"))
 	g.Expect(err).NotTo(HaveOccurred())
-	serial := resp.GetPublishContext()[PublishContextSerial]
+	serial := resp.GetPublishContext()[request.PublishContextSerial]
 	g.Expect(serial).To(HavePrefix("pvb"))
 	dev, err := disks{root: e.roots["vm-1"]}.bySerial(serial)
 	g.Expect(err).NotTo(HaveOccurred(), "the disk with the serial is in the VM")
@@ -257,7 +258,7 @@ func TestConcurrentPublishesToOneVM(t *testing.T) {
 				errs <- err
 				return
 			}
-			serials[i] = resp.GetPublishContext()[PublishContextSerial]
+			serials[i] = resp.GetPublishContext()[request.PublishContextSerial]
 		})
 	}
 	wg.Wait()
@@ -486,7 +487,7 @@ func TestStaticVolumes(t *testing.T) {
 
 	resp, err := retried(t, e.ctrl.ControllerPublishVolume, e.publishReq(shared, "vm-1"))
 	g.Expect(err).NotTo(HaveOccurred())
-	g.Expect(resp.GetPublishContext()).To(HaveKey(PublishContextSerial))
+	g.Expect(resp.GetPublishContext()).To(HaveKey(request.PublishContextSerial))
 	_, err = call(t, e.ctrl.ControllerExpandVolume, &csi.ControllerExpandVolumeRequest{VolumeId: shared, CapacityRange: &csi.CapacityRange{RequiredBytes: 2 * envMountSize}})
 	expectCodeIn(g, err, codes.FailedPrecondition, "shared with cluster alpha, not owned by it")
 	_, err = retried(t, e.ctrl.ControllerUnpublishVolume, e.unpublishReq(shared, "vm-1"))
@@ -556,7 +557,7 @@ func TestModifyVolume(t *testing.T) {
 		return &csi.ControllerModifyVolumeRequest{VolumeId: id, MutableParameters: params}
 	}
 
-	_, err = retried(t, e.ctrl.ControllerModifyVolume, modify(map[string]string{ParamMgmtAttributesClass: "gold"}))
+	_, err = retried(t, e.ctrl.ControllerModifyVolume, modify(map[string]string{request.ParamMgmtAttributesClass: "gold"}))
 	g.Expect(err).NotTo(HaveOccurred())
 	pvc := e.claimOf(t, id)
 	g.Expect(pvc.Spec.VolumeAttributesClassName).To(HaveValue(Equal("gold")))
@@ -564,29 +565,29 @@ func TestModifyVolume(t *testing.T) {
 	vm := &vmv1.VirtualMachine{}
 	g.Expect(e.admin.Get(t.Context(), client.ObjectKey{Namespace: e.ns, Name: "vm-1"}, vm)).To(Succeed())
 	g.Expect(volumeStatus(vm, id)).To(HaveField("VolumeAttributesClassName", "gold"), "answered once the VM's disk has the class")
-	_, err = call(t, e.ctrl.ControllerModifyVolume, modify(map[string]string{ParamMgmtAttributesClass: "gold"}))
+	_, err = call(t, e.ctrl.ControllerModifyVolume, modify(map[string]string{request.ParamMgmtAttributesClass: "gold"}))
 	g.Expect(err).NotTo(HaveOccurred(), "the class it has")
 
-	_, err = retried(t, e.ctrl.ControllerModifyVolume, modify(map[string]string{ParamMgmtAttributesClass: nextAttachAttributesClass}))
+	_, err = retried(t, e.ctrl.ControllerModifyVolume, modify(map[string]string{request.ParamMgmtAttributesClass: nextAttachAttributesClass}))
 	g.Expect(err).NotTo(HaveOccurred(), "accepted by a hypervisor that applies it at the next attach")
 
-	_, err = retried(t, e.ctrl.ControllerModifyVolume, modify(map[string]string{ParamMgmtAttributesClass: infeasibleAttributesClass}))
+	_, err = retried(t, e.ctrl.ControllerModifyVolume, modify(map[string]string{request.ParamMgmtAttributesClass: infeasibleAttributesClass}))
 	expectCodeIn(g, err, codes.InvalidArgument, "cannot give management PVC "+e.ns+"/"+id+" VolumeAttributesClass infeasible: ModifyVolume failed")
 	_, err = call(t, e.ctrl.ControllerModifyVolume, modify(map[string]string{"maxIOPS": "100"}))
 	expectCodeIn(g, err, codes.InvalidArgument, `mutable parameter "maxIOPS" is not supported`)
 	_, err = call(t, e.ctrl.ControllerModifyVolume, modify(nil))
 	expectCodeIn(g, err, codes.InvalidArgument, "must name a management VolumeAttributesClass")
-	_, err = call(t, e.ctrl.ControllerModifyVolume, modify(map[string]string{ParamMgmtAttributesClass: "Gold!"}))
+	_, err = call(t, e.ctrl.ControllerModifyVolume, modify(map[string]string{request.ParamMgmtAttributesClass: "Gold!"}))
 	expectCodeIn(g, err, codes.InvalidArgument, "is no VolumeAttributesClass name")
-	_, err = call(t, e.ctrl.ControllerModifyVolume, &csi.ControllerModifyVolumeRequest{VolumeId: e.cluster.UID + "-missing", MutableParameters: map[string]string{ParamMgmtAttributesClass: "gold"}})
+	_, err = call(t, e.ctrl.ControllerModifyVolume, &csi.ControllerModifyVolumeRequest{VolumeId: e.cluster.UID + "-missing", MutableParameters: map[string]string{request.ParamMgmtAttributesClass: "gold"}})
 	expectCodeIn(g, err, codes.NotFound, "missing")
 
 	shared := e.importClaim(t, "shared", map[string]string{tenancy.SharedWithAnnotation: e.cluster.Name})
-	_, err = call(t, e.ctrl.ControllerModifyVolume, &csi.ControllerModifyVolumeRequest{VolumeId: shared, MutableParameters: map[string]string{ParamMgmtAttributesClass: "gold"}})
+	_, err = call(t, e.ctrl.ControllerModifyVolume, &csi.ControllerModifyVolumeRequest{VolumeId: shared, MutableParameters: map[string]string{request.ParamMgmtAttributesClass: "gold"}})
 	expectCodeIn(g, err, codes.FailedPrecondition, "only the management cluster's admin can change its class")
 
 	req := createReq("with-class", envHost, envMountSize)
-	req.MutableParameters = map[string]string{ParamMgmtAttributesClass: "silver"}
+	req.MutableParameters = map[string]string{request.ParamMgmtAttributesClass: "silver"}
 	created, err := retried(t, e.ctrl.CreateVolume, req)
 	g.Expect(err).NotTo(HaveOccurred())
 	g.Expect(e.claimOf(t, created.GetVolume().GetVolumeId()).Spec.VolumeAttributesClassName).To(HaveValue(Equal("silver")))
@@ -597,7 +598,7 @@ func TestSnapshots(t *testing.T) {
 	e := newGuestEnv(t, envOptions{})
 	id := e.createVolume(t, "source")
 	req := &csi.CreateSnapshotRequest{Name: "snapshot-1b4e28ba-2fa1-11d2-883f-0016d3cca427", SourceVolumeId: id,
-		Parameters: map[string]string{ParamMgmtSnapshotClass: "pmem", paramSnapName: "snap", paramSnapNamespace: "default"}}
+		Parameters: map[string]string{request.ParamMgmtSnapshotClass: "pmem", request.ParamSnapName: "snap", request.ParamSnapNamespace: "default"}}
 
 	resp, err := retried(t, e.ctrl.CreateSnapshot, req)
 	g.Expect(err).NotTo(HaveOccurred())
@@ -662,7 +663,7 @@ func TestGetCapacity(t *testing.T) {
 	}{
 		{"one host", &csi.GetCapacityRequest{AccessibleTopology: topo("host-b")}, 20 * mib, 10 * mib},
 		{"the cluster's hosts", &csi.GetCapacityRequest{}, 30 * mib, 10 * mib},
-		{"another class", &csi.GetCapacityRequest{AccessibleTopology: topo("host-a"), Parameters: map[string]string{ParamMgmtStorageClass: "premium"}}, 80 * mib, 40 * mib},
+		{"another class", &csi.GetCapacityRequest{AccessibleTopology: topo("host-a"), Parameters: map[string]string{request.ParamMgmtStorageClass: "premium"}}, 80 * mib, 40 * mib},
 		{"a host without capacity", &csi.GetCapacityRequest{AccessibleTopology: topo("host-z")}, 0, 0},
 		{"an unsupported capability", &csi.GetCapacityRequest{VolumeCapabilities: []*csi.VolumeCapability{withMode(fsCap(""), csi.VolumeCapability_AccessMode_MULTI_NODE_MULTI_WRITER)}}, 0, 0},
 	} {

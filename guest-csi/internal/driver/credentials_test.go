@@ -17,6 +17,7 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/envtest"
 
 	"pvbridge.io/guest-csi/internal/mgmt"
+	"pvbridge.io/guest-csi/internal/request"
 	"pvbridge.io/pkg/tenancy"
 )
 
@@ -93,7 +94,7 @@ func TestCredentialRotation(t *testing.T) {
 		_, err := call(t, e.ctrl.CreateSnapshot, &csi.CreateSnapshotRequest{Name: "snapshot-rotation", SourceVolumeId: ids[0]})
 		return err
 	}).WithTimeout(eventually).Should(Succeed())
-	_, err := call(t, e.ctrl.DeleteSnapshot, &csi.DeleteSnapshotRequest{SnapshotId: mgmtName(e.cluster.UID, "snapshot-", "snapshot-rotation")})
+	_, err := call(t, e.ctrl.DeleteSnapshot, &csi.DeleteSnapshotRequest{SnapshotId: request.MgmtName(e.cluster.UID, "snapshot-", "snapshot-rotation")})
 	g.Expect(err).NotTo(HaveOccurred())
 	g.Expect(e.admin.Delete(t.Context(), first)).To(Succeed())
 

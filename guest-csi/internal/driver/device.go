@@ -13,40 +13,6 @@ import (
 	"pvbridge.io/pkg/mounter"
 )
 
-const (
-	// PublishContextSerial is the publish context key under which ControllerPublishVolume hands
-	// the node the serial of the disk it attached to the node's VirtualMachine.
-	PublishContextSerial = "diskSerial"
-	// maxSerialLength is the longest serial virtio-blk passes to the guest.
-	maxSerialLength = 20
-)
-
-// errInvalidSerial: the publish context carries no serial, or one that no disk can have.
-var errInvalidSerial = errors.New("invalid disk serial")
-
-// serialFrom returns the disk serial of a publish context. The serial comes from the management
-// cluster, not from the node, but it names files under the device root: only the characters a
-// virtio serial made by pvbridge has are accepted, so that it can never name another path.
-func serialFrom(publishContext map[string]string) (string, error) {
-	serial, ok := publishContext[PublishContextSerial]
-	if !ok || serial == "" {
-		return "", fmt.Errorf("%w: publish_context has no %s", errInvalidSerial, PublishContextSerial)
-	}
-	if len(serial) > maxSerialLength {
-		return "", fmt.Errorf("%w: publish_context %s %q is longer than %d characters", errInvalidSerial, PublishContextSerial, serial, maxSerialLength)
-	}
-	for _, c := range []byte(serial) {
-		if !isSerialChar(c) {
-			return "", fmt.Errorf("%w: publish_context %s %q may only contain letters, digits, '_' and '-'", errInvalidSerial, PublishContextSerial, serial)
-		}
-	}
-	return serial, nil
-}
-
-func isSerialChar(c byte) bool {
-	return 'a' <= c && c <= 'z' || 'A' <= c && c <= 'Z' || '0' <= c && c <= '9' || c == '_' || c == '-'
-}
-
 // disks finds the disks attached to this VM in its device tree: <root>/sys/block/<name>/serial
 // names the serial of disk <name>, whose node is <root>/dev/<name>, and udev links
 // <root>/dev/disk/by-id/virtio-<serial> to it. The root is "/" in a real guest and a directory

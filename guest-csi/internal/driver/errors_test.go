@@ -10,6 +10,7 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
+	"pvbridge.io/guest-csi/internal/request"
 	"pvbridge.io/pkg/mounter"
 )
 
@@ -21,7 +22,7 @@ func TestStatusError(t *testing.T) {
 		wantMsg  string
 	}{
 		{name: "a disk not attached yet is not found", err: fmt.Errorf("find the disk: %w", mounter.ErrNotFound), wantCode: codes.NotFound, wantMsg: "find the disk: not found"},
-		{name: "a bad serial is an invalid argument", err: fmt.Errorf("%w: x", errInvalidSerial), wantCode: codes.InvalidArgument},
+		{name: "a bad serial is an invalid argument", err: fmt.Errorf("%w: x", request.ErrInvalidSerial), wantCode: codes.InvalidArgument},
 		{name: "an unknown host is unavailable", err: fmt.Errorf("node n: %w", ErrHostUnknown), wantCode: codes.Unavailable},
 		{name: "a disk with data is a failed precondition", err: fmt.Errorf("stage: %w", mounter.ErrHasData), wantCode: codes.FailedPrecondition},
 		{name: "a different mount is already exists", err: mounter.ErrIncompatible, wantCode: codes.AlreadyExists},

@@ -21,13 +21,10 @@ import (
 	"k8s.io/utils/ptr"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
+	"pvbridge.io/guest-csi/internal/request"
 	"pvbridge.io/pkg/csiserver"
 	"pvbridge.io/pkg/tenancy"
 )
-
-// groupSnapshotPrefix starts the name csi-snapshotter gives a group snapshot:
-// groupsnapshot-<UID of the guest VolumeGroupSnapshot>.
-const groupSnapshotPrefix = "groupsnapshot-"
 
 // groupControllerServer is the GroupController service. A guest group snapshot is a management
 // VolumeGroupSnapshot of its member claims, which the management snapshot-controller and
@@ -35,7 +32,7 @@ const groupSnapshotPrefix = "groupsnapshot-"
 // The service shares the controller service's connection, cache and locks.
 //
 // A management VolumeGroupSnapshot selects its claims by label: tenancy.ClusterUIDLabel and
-// tenancy.VolumeGroupLabel = groupLabel. Before it is created, each member claim is labelled (a
+// tenancy.VolumeGroupLabel = request.GroupLabel. Before it is created, each member claim is labelled (a
 // merge patch under the claim's resourceVersion); once it is ready, the labels are removed. A
 // claim is in one group at a time: labelled for another group whose VolumeGroupSnapshot is still
 // being taken, it makes the call Aborted (csi-snapshotter calls again); a label left by a group
@@ -67,7 +64,7 @@ func (s *groupControllerServer) CreateVolumeGroupSnapshot(ctx context.Context, r
 	if err != nil {
 		return nil, err
 	}
-	params, err := parseSnapshotParameters(req.GetParameters(), "", groupSnapshotKeys)
+	params, err := request.ParseSnapshotParameters(req.GetParameters(), "", request.GroupSnapshotKeys)
 	if err != nil {
 		return nil, err
 	}
@@ -75,7 +72,7 @@ func (s *groupControllerServer) CreateVolumeGroupSnapshot(ctx context.Context, r
 	if err != nil {
 		return nil, err
 	}
-	name := groupSnapshotName(c.UID, req.GetName())
+	name := request.GroupSnapshotName(c.UID, req.GetName())
 	unlock, err := s.lock(name)
 	if err != nil {
 		return nil, err
@@ -119,7 +116,7 @@ func (s *groupControllerServer) CreateVolumeGroupSnapshot(ctx context.Context, r
 		// watched (not labelled), so the sidecar's next call looks again.
 		return nil, status.Errorf(codes.DeadlineExceeded, "%s is ready, but not yet the member snapshots of %s", what, strings.Join(pending, ", "))
 	}
-	s.releaseMembers(ctx, c, groupLabel(c.UID, name))
+	s.releaseMembers(ctx, c, request.GroupLabel(c.UID, name))
 	return &csi.CreateVolumeGroupSnapshotResponse{GroupSnapshot: group}, nil
 }
 
@@ -143,10 +140,10 @@ func groupSources(ids []string) ([]string, error) {
 
 // createGroup labels the member claims and creates the management VolumeGroupSnapshot that
 // selects them.
-func (s *groupControllerServer) createGroup(ctx context.Context, c tenancy.Cluster, name, csiName string, sources []string, params snapshotParams) error {
+func (s *groupControllerServer) createGroup(ctx context.Context, c tenancy.Cluster, name, csiName string, sources []string, params request.SnapshotParams) error {
 	s.labelling.Lock()
 	defer s.labelling.Unlock()
-	group := groupLabel(c.UID, name)
+	group := request.GroupLabel(c.UID, name)
 	if err := s.labelMembers(ctx, c, group, sources); err != nil {
 		return err
 	}
@@ -156,10 +153,10 @@ func (s *groupControllerServer) createGroup(ctx context.Context, c tenancy.Clust
 			Selector: &metav1.LabelSelector{MatchLabels: map[string]string{tenancy.ClusterUIDLabel: c.UID, tenancy.VolumeGroupLabel: group}},
 		}},
 	}
-	if params.class != "" {
-		vgs.Spec.VolumeGroupSnapshotClassName = ptr.To(params.class)
+	if params.Class != "" {
+		vgs.Spec.VolumeGroupSnapshotClassName = ptr.To(params.Class)
 	}
-	if v := guestObject(params.guestSnapshot); v != "" {
+	if v := guestObject(params.GuestSnapshot); v != "" {
 		vgs.Annotations[tenancy.GuestSnapshotAnnotation] = v
 	}
 	if err := s.mgmt.Create(ctx, vgs); err != nil {
@@ -230,7 +227,7 @@ func (s *groupControllerServer) notInProgress(ctx context.Context, c tenancy.Clu
 // carry that label (once it is ready, its member snapshots tell: csiGroupSnapshot).
 func (s *groupControllerServer) sameGroup(ctx context.Context, c tenancy.Cluster, vgs *groupsnapshotv1.VolumeGroupSnapshot, sources []string) error {
 	what := fmt.Sprintf("management VolumeGroupSnapshot %s/%s", vgs.Namespace, vgs.Name)
-	group := groupLabel(c.UID, vgs.Name)
+	group := request.GroupLabel(c.UID, vgs.Name)
 	switch {
 	case tenancy.AccessOf(vgs, c) != tenancy.Owned:
 		return status.Errorf(codes.AlreadyExists, "%s exists and was not created for cluster %s", what, c.Name)
@@ -400,7 +397,7 @@ func (s *groupControllerServer) DeleteVolumeGroupSnapshot(ctx context.Context, r
 		return nil, err
 	}
 	if c, err := s.cluster(); err == nil && strings.HasPrefix(id, c.UID+"-") {
-		s.releaseMembers(ctx, c, groupLabel(c.UID, id))
+		s.releaseMembers(ctx, c, request.GroupLabel(c.UID, id))
 	}
 	return &csi.DeleteVolumeGroupSnapshotResponse{}, nil
 }

@@ -18,6 +18,7 @@ import (
 	"k8s.io/utils/ptr"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
+	"pvbridge.io/guest-csi/internal/request"
 	"pvbridge.io/pkg/tenancy"
 )
 
@@ -52,8 +53,8 @@ func TestGroupSnapshots(t *testing.T) {
 	a, b, c := e.createVolume(t, "member-a"), e.createVolume(t, "member-b"), e.createVolume(t, "member-c")
 	guestUID := string(uuid.NewUUID())
 	req := &csi.CreateVolumeGroupSnapshotRequest{
-		Name: groupSnapshotPrefix + guestUID, SourceVolumeIds: []string{b, a},
-		Parameters: map[string]string{ParamMgmtGroupSnapshotClass: "pmem-group", paramGroupName: "nightly", paramGroupNamespace: "default"},
+		Name: request.GroupSnapshotPrefix + guestUID, SourceVolumeIds: []string{b, a},
+		Parameters: map[string]string{request.ParamMgmtGroupSnapshotClass: "pmem-group", request.ParamGroupName: "nightly", request.ParamGroupNamespace: "default"},
 	}
 	name := e.cluster.UID + "-" + guestUID
 
@@ -75,7 +76,7 @@ func TestGroupSnapshots(t *testing.T) {
 	g.Expect(e.groupOf(t, a, b, c)).To(Equal([]string{guestUID, guestUID, ""}), "the members, and only they, are labelled")
 
 	// While the group is taken, a member is in no other group, and the group has its members.
-	other := &csi.CreateVolumeGroupSnapshotRequest{Name: groupSnapshotPrefix + string(uuid.NewUUID()), SourceVolumeIds: []string{c, a}}
+	other := &csi.CreateVolumeGroupSnapshotRequest{Name: request.GroupSnapshotPrefix + string(uuid.NewUUID()), SourceVolumeIds: []string{c, a}}
 	_, err = call(t, e.groups.CreateVolumeGroupSnapshot, other)
 	expectCodeIn(g, err, codes.Aborted, "management PVC "+e.ns+"/"+a+" is a member of VolumeGroupSnapshot "+e.ns+"/"+name+", which is being taken")
 	otherMembers := proto.Clone(req).(*csi.CreateVolumeGroupSnapshotRequest)
@@ -112,7 +113,7 @@ func TestGroupSnapshots(t *testing.T) {
 	patch := client.MergeFrom(pvc.DeepCopy())
 	pvc.Labels[tenancy.VolumeGroupLabel] = "a-group-that-is-gone"
 	g.Expect(e.admin.Patch(t.Context(), pvc, patch)).To(Succeed())
-	_, err = retried(t, e.groups.CreateVolumeGroupSnapshot, &csi.CreateVolumeGroupSnapshotRequest{Name: groupSnapshotPrefix + string(uuid.NewUUID()), SourceVolumeIds: []string{c}})
+	_, err = retried(t, e.groups.CreateVolumeGroupSnapshot, &csi.CreateVolumeGroupSnapshotRequest{Name: request.GroupSnapshotPrefix + string(uuid.NewUUID()), SourceVolumeIds: []string{c}})
 	g.Expect(err).NotTo(HaveOccurred())
 
 	// A member restores like any snapshot, and is deleted only with its group.
@@ -173,6 +174,19 @@ func TestGroupSnapshotsOfOthers(t *testing.T) {
 	_, err = call(t, e.ctrl.DeleteSnapshot, &csi.DeleteSnapshotRequest{SnapshotId: member.Name})
 	expectCodeIn(g, err, codes.FailedPrecondition, refused)
 	g.Expect(e.admin.Get(t.Context(), client.ObjectKeyFromObject(theirs), theirs)).To(Succeed(), "nothing of another cluster is touched")
+
+	// A group named after this cluster but labelled for the other (written where the policy
+	// is not enforced, or an admin's): its label, not its name, tells whose its members are.
+	spoof := theirs.DeepCopy()
+	spoof.ObjectMeta = metav1.ObjectMeta{Namespace: e.ns, Name: e.cluster.UID + "-spoof", Labels: theirs.Labels}
+	g.Expect(e.admin.Create(t.Context(), spoof)).To(Succeed())
+	spoofed := member.DeepCopy()
+	spoofed.ObjectMeta = metav1.ObjectMeta{Namespace: e.ns, Name: "snapshot-fedcba9876543210", OwnerReferences: []metav1.OwnerReference{{
+		APIVersion: groupsnapshotv1.SchemeGroupVersion.String(), Kind: "VolumeGroupSnapshot", Name: spoof.Name, UID: spoof.UID,
+	}}}
+	g.Expect(e.admin.Create(t.Context(), spoofed)).To(Succeed())
+	_, err = call(t, e.ctrl.CreateVolume, restoreReq("restored-spoofed", spoofed.Name))
+	expectCodeIn(g, err, codes.FailedPrecondition, refused)
 }
 
 // groupOf returns the tenancy.VolumeGroupLabel of each management PVC, "" for none.

@@ -13,6 +13,7 @@ import (
 	"k8s.io/klog/v2"
 	"k8s.io/utils/ptr"
 
+	"pvbridge.io/guest-csi/internal/request"
 	vmv1 "pvbridge.io/pkg/apis/vm/v1alpha1"
 	"pvbridge.io/pkg/csiserver"
 	"pvbridge.io/pkg/tenancy"
@@ -32,12 +33,12 @@ func (s *controllerServer) ControllerModifyVolume(ctx context.Context, req *csi.
 	if id == "" {
 		return nil, status.Error(codes.InvalidArgument, "volume_id is required")
 	}
-	class, err := parseMutableParameters(req.GetMutableParameters())
+	class, err := request.ParseMutableParameters(req.GetMutableParameters())
 	if err != nil {
 		return nil, err
 	}
 	if class == "" {
-		return nil, status.Errorf(codes.InvalidArgument, "mutable_parameters must name a management VolumeAttributesClass (%s)", ParamMgmtAttributesClass)
+		return nil, status.Errorf(codes.InvalidArgument, "mutable_parameters must name a management VolumeAttributesClass (%s)", request.ParamMgmtAttributesClass)
 	}
 	c, err := s.cluster()
 	if err != nil {

@@ -12,6 +12,7 @@ import (
 	"k8s.io/apimachinery/pkg/util/validation"
 	"k8s.io/klog/v2"
 
+	"pvbridge.io/guest-csi/internal/request"
 	"pvbridge.io/guest-csi/internal/topology"
 	"pvbridge.io/pkg/csinode"
 	"pvbridge.io/pkg/mounter"
@@ -121,7 +122,7 @@ func (n *nodeServer) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolu
 	if err := validateNodeCapability(capability); err != nil {
 		return nil, err
 	}
-	serial, err := serialFrom(req.GetPublishContext())
+	serial, err := request.SerialFrom(req.GetPublishContext())
 	if err != nil {
 		return nil, n.StatusError(err)
 	}
@@ -171,7 +172,7 @@ func (n *nodeServer) NodePublishVolume(ctx context.Context, req *csi.NodePublish
 	var serial string
 	if needsDevice {
 		var err error
-		if serial, err = serialFrom(req.GetPublishContext()); err != nil {
+		if serial, err = request.SerialFrom(req.GetPublishContext()); err != nil {
 			return nil, n.StatusError(err)
 		}
 	}

@@ -12,6 +12,7 @@ import (
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"golang.org/x/sys/unix"
 
+	"pvbridge.io/guest-csi/internal/request"
 	"pvbridge.io/pkg/csinode/csinodetest"
 	"pvbridge.io/pkg/mounter"
 )
@@ -225,7 +226,7 @@ func (e *vmEnv) locked(t *testing.T, id string) {
 }
 
 func publishContext(serial string) map[string]string {
-	return map[string]string{PublishContextSerial: serial}
+	return map[string]string{request.PublishContextSerial: serial}
 }
 
 func mkdir(t *testing.T, dir string) {

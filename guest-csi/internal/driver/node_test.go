@@ -64,65 +64,6 @@ func TestNodeGetInfo(t *testing.T) {
 	}
 }
 
-func TestSerialFrom(t *testing.T) {
-	tests := []struct {
-		name    string
-		ctx     map[string]string
-		want    string
-		wantErr string
-	}{
-		{name: "a pvbridge serial", ctx: publishContext("pvb-0123456789abcdef"), want: "pvb-0123456789abcdef"},
-		{name: "other keys are ignored", ctx: map[string]string{PublishContextSerial: "s_1", "other": "x"}, want: "s_1"},
-		{name: "no publish context", ctx: nil, wantErr: "publish_context has no diskSerial"},
-		{name: "an empty serial", ctx: publishContext(""), wantErr: "publish_context has no diskSerial"},
-		{name: "longer than virtio-blk passes", ctx: publishContext("pvb-0123456789abcdef0"), wantErr: "longer than 20"},
-		{name: "a path", ctx: publishContext("../../vda"), wantErr: "may only contain"},
-		{name: "a slash", ctx: publishContext("a/b"), wantErr: "may only contain"},
-		{name: "whitespace", ctx: publishContext("pvb-1\n"), wantErr: "may only contain"},
-	}
-	for _, tt := range tests {
-		t.Run(tt.name, func(t *testing.T) {
-			g := NewWithT(t)
-			got, err := serialFrom(tt.ctx)
-			if tt.wantErr != "" {
-				g.Expect(err).To(MatchError(errInvalidSerial))
-				g.Expect(err.Error()).To(ContainSubstring(tt.wantErr))
-				return
-			}
-			g.Expect(err).NotTo(HaveOccurred())
-			g.Expect(got).To(Equal(tt.want))
-		})
-	}
-}
-
-// FuzzSerialFrom proves that a serial accepted from the publish context, which the management
-// side controls, can never leave the device root: it names one file, in the directory it is
-// joined to.
-func FuzzSerialFrom(f *testing.F) {
-	for _, s := range []string{"pvb-0123456789abcdef", "", "..", "../x", "a/b", "a\x00b", "ü", "01234567890123456789x"} {
-		f.Add(s)
-	}
-	f.Fuzz(func(t *testing.T, s string) {
-		serial, err := serialFrom(publishContext(s))
-		if err != nil {
-			if !errors.Is(err, errInvalidSerial) {
-				t.Fatalf("serialFrom(%q) = %v, not an invalid serial", s, err)
-			}
-			return
-		}
-		if serial != s || len(serial) == 0 || len(serial) > maxSerialLength {
-			t.Fatalf("serialFrom(%q) = %q", s, serial)
-		}
-		dir := "/root/dev/disk/by-id"
-		if p := filepath.Join(dir, "virtio-"+serial); filepath.Dir(p) != dir || filepath.Base(p) != "virtio-"+serial {
-			t.Fatalf("serial %q names %s, outside %s", serial, p, dir)
-		}
-		if p := filepath.Join("/root/sys/block", serial); serial == "." || serial == ".." || filepath.Dir(p) != "/root/sys/block" {
-			t.Fatalf("serial %q is a path", serial)
-		}
-	})
-}
-
 func TestDisksBySerial(t *testing.T) {
 	const serial = "pvb-0123456789abcdef"
 	tests := []struct {

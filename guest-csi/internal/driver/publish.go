@@ -14,6 +14,7 @@ import (
 	"k8s.io/klog/v2"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
+	"pvbridge.io/guest-csi/internal/request"
 	vmv1 "pvbridge.io/pkg/apis/vm/v1alpha1"
 	"pvbridge.io/pkg/csiserver"
 	"pvbridge.io/pkg/tenancy"
@@ -90,7 +91,7 @@ func (s *controllerServer) ControllerPublishVolume(ctx context.Context, req *csi
 		return nil, err
 	}
 	klog.FromContext(ctx).V(2).Info("Attached", "diskSerial", serial)
-	return &csi.ControllerPublishVolumeResponse{PublishContext: map[string]string{PublishContextSerial: serial}}, nil
+	return &csi.ControllerPublishVolumeResponse{PublishContext: map[string]string{request.PublishContextSerial: serial}}, nil
 }
 
 // ControllerUnpublishVolume detaches a volume: it removes the volume from the VM's spec.volumes

@@ -255,11 +255,16 @@ func (r *responder) snapshot(ctx context.Context, req reconcile.Request) (reconc
 	if err := r.c.Get(ctx, req.NamespacedName, snap); err != nil || ready(snap) {
 		return reconcile.Result{}, client.IgnoreNotFound(err)
 	}
+	// The claim is read from the apiserver: the cache may not show the capacity the responder
+	// bound it with a moment ago, and a snapshot is ready only with its restore size.
 	pvc := &corev1.PersistentVolumeClaim{}
-	if err := r.c.Get(ctx, client.ObjectKey{Namespace: snap.Namespace, Name: ptr.Deref(snap.Spec.Source.PersistentVolumeClaimName, "")}, pvc); err != nil {
+	if err := r.live.Get(ctx, client.ObjectKey{Namespace: snap.Namespace, Name: ptr.Deref(snap.Spec.Source.PersistentVolumeClaimName, "")}, pvc); err != nil {
 		return reconcile.Result{}, client.IgnoreNotFound(err)
 	}
-	size := pvc.Status.Capacity[corev1.ResourceStorage]
+	size, bound := pvc.Status.Capacity[corev1.ResourceStorage]
+	if !bound {
+		return reconcile.Result{RequeueAfter: 50 * time.Millisecond}, nil
+	}
 	snap.Status = &snapshotv1.VolumeSnapshotStatus{
 		BoundVolumeSnapshotContentName: ptr.To("content-" + string(snap.UID)),
 		CreationTime:                   ptr.To(metav1.Now()),

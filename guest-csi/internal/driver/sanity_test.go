@@ -11,6 +11,7 @@ import (
 	"github.com/onsi/gomega"
 	"google.golang.org/grpc"
 
+	"pvbridge.io/guest-csi/internal/request"
 	"pvbridge.io/pkg/csinode/csinodetest"
 	"pvbridge.io/pkg/testenv"
 )
@@ -56,7 +57,7 @@ func TestSanity(t *testing.T) {
 		cfg.TestVolumeSize = envMountSize
 		cfg.TestVolumeExpandSize = 2 * envMountSize
 		cfg.IdempotentCount = 5
-		cfg.TestVolumeMutableParameters = map[string]string{ParamMgmtAttributesClass: "sanity"}
+		cfg.TestVolumeMutableParameters = map[string]string{request.ParamMgmtAttributesClass: "sanity"}
 		ginkgo.Describe(accessType+" volumes", func() { sanity.GinkgoTest(&cfg) })
 	}
 	suiteConfig, reporterConfig := ginkgo.GinkgoConfiguration()

@@ -17,6 +17,7 @@ import (
 	"k8s.io/utils/ptr"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
+	"pvbridge.io/guest-csi/internal/request"
 	"pvbridge.io/pkg/csiserver"
 	"pvbridge.io/pkg/tenancy"
 )
@@ -33,7 +34,7 @@ func (s *controllerServer) CreateSnapshot(ctx context.Context, req *csi.CreateSn
 	if req.GetSourceVolumeId() == "" {
 		return nil, status.Error(codes.InvalidArgument, "source_volume_id is required")
 	}
-	params, err := parseSnapshotParameters(req.GetParameters(), s.cfg.snapshotClass, volumeSnapshotKeys)
+	params, err := request.ParseSnapshotParameters(req.GetParameters(), s.cfg.snapshotClass, request.VolumeSnapshotKeys)
 	if err != nil {
 		return nil, err
 	}
@@ -41,7 +42,7 @@ func (s *controllerServer) CreateSnapshot(ctx context.Context, req *csi.CreateSn
 	if err != nil {
 		return nil, err
 	}
-	name := mgmtName(c.UID, "snapshot-", req.GetName())
+	name := request.MgmtName(c.UID, "snapshot-", req.GetName())
 	unlock, err := s.lock(name)
 	if err != nil {
 		return nil, err
@@ -59,10 +60,10 @@ func (s *controllerServer) CreateSnapshot(ctx context.Context, req *csi.CreateSn
 			ObjectMeta: mgmtObjectMeta(c, name, req.GetName()),
 			Spec:       snapshotv1.VolumeSnapshotSpec{Source: snapshotv1.VolumeSnapshotSource{PersistentVolumeClaimName: ptr.To(source)}},
 		}
-		if params.class != "" {
-			snap.Spec.VolumeSnapshotClassName = ptr.To(params.class)
+		if params.Class != "" {
+			snap.Spec.VolumeSnapshotClassName = ptr.To(params.Class)
 		}
-		if v := guestObject(params.guestSnapshot); v != "" {
+		if v := guestObject(params.GuestSnapshot); v != "" {
 			snap.Annotations[tenancy.GuestSnapshotAnnotation] = v
 		}
 		if err := s.mgmt.Create(ctx, snap); err != nil {

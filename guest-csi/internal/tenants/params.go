@@ -7,6 +7,7 @@ import (
 	"strings"
 	"time"
 
+	groupsnapshotv1 "github.com/kubernetes-csi/external-snapshotter/client/v8/apis/volumegroupsnapshot/v1"
 	snapshotv1 "github.com/kubernetes-csi/external-snapshotter/client/v8/apis/volumesnapshot/v1"
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
@@ -47,14 +48,15 @@ type ParamsReconciler struct {
 // +kubebuilder:rbac:groups="",resources=namespaces,verbs=get;list;watch
 // +kubebuilder:rbac:groups="",resources=persistentvolumeclaims,verbs=get;list;watch
 // +kubebuilder:rbac:groups=snapshot.storage.k8s.io,resources=volumesnapshots,verbs=get;list;watch
+// +kubebuilder:rbac:groups=groupsnapshot.storage.k8s.io,resources=volumegroupsnapshots,verbs=get;list;watch
 // +kubebuilder:rbac:groups=vm.pvbridge.io,resources=virtualmachines,verbs=get;list;watch
 // +kubebuilder:rbac:groups="",resources=configmaps,verbs=get;list;watch;create;patch;delete
 // +kubebuilder:rbac:groups="",resources=serviceaccounts,verbs=get;list;watch
 
 // SetupWithManager reconciles a namespace whenever it, one of its Clusters, the guest
-// identities, the hosts of its VirtualMachines, its shared PVCs or VolumeSnapshots, the members
-// of its group snapshots, or its parameters ConfigMap change.
-// PVCs and VolumeSnapshots are watched by their metadata only.
+// identities, the hosts of its VirtualMachines, its shared PVCs or VolumeSnapshots, its group
+// snapshots (that come, go or change labels) and their members, or its parameters ConfigMap
+// change. PVCs, VolumeSnapshots and VolumeGroupSnapshots are watched by their metadata only.
 func (r *ParamsReconciler) SetupWithManager(mgr ctrl.Manager) error {
 	return ctrl.NewControllerManagedBy(mgr).
 		Named("tenancy-params").
@@ -71,6 +73,9 @@ func (r *ParamsReconciler) SetupWithManager(mgr ctrl.Manager) error {
 			builder.OnlyMetadata, builder.WithPredicates(sharedChanged)).
 		Watches(&snapshotv1.VolumeSnapshot{}, handler.EnqueueRequestsFromMapFunc(paramsOfNamespace),
 			builder.OnlyMetadata, builder.WithPredicates(predicate.Or[client.Object](sharedChanged, groupMemberChanged))).
+		// A group's label, not its name, makes its members a cluster's (tenancy.GroupMember).
+		Watches(&groupsnapshotv1.VolumeGroupSnapshot{}, handler.EnqueueRequestsFromMapFunc(paramsOfNamespace),
+			builder.OnlyMetadata, builder.WithPredicates(predicate.LabelChangedPredicate{})).
 		Watches(&corev1.ConfigMap{}, handler.EnqueueRequestsFromMapFunc(paramsOfNamespace),
 			builder.WithPredicates(predicate.NewPredicateFuncs(func(obj client.Object) bool { return obj.GetName() == tenancy.ParamsConfigMap }))).
 		Complete(r)
@@ -166,11 +171,15 @@ func (r *ParamsReconciler) Reconcile(ctx context.Context, req ctrl.Request) (ctr
 	if err != nil {
 		return ctrl.Result{}, err
 	}
+	groups, err := listMetadata(ctx, r.Client, groupSnapshotKind, client.InNamespace(ns))
+	if err != nil {
+		return ctrl.Result{}, err
+	}
 	var vms vmv1.VirtualMachineList
 	if err := r.Client.List(ctx, &vms, client.InNamespace(ns)); err != nil {
 		return ctrl.Result{}, fmt.Errorf("list VirtualMachines: %w", err)
 	}
-	data := paramsData(ns, tenants, namespace.Annotations, claims, snapshots, vms.Items)
+	data := paramsData(ns, tenants, namespace.Annotations, claims, snapshots, groups, vms.Items)
 	if err := r.applyParams(ctx, key, data, true); err != nil {
 		return ctrl.Result{}, err
 	}
@@ -252,18 +261,20 @@ type paramsCluster struct {
 	// account is the UID of its guest identity's ServiceAccount, empty until there is one.
 	account string
 	// annotations are the Cluster's: its allow-lists (tenancy.StorageClassesAnnotation,
-	// tenancy.AttributesClassesAnnotation) override the Namespace's.
+	// tenancy.AttributesClassesAnnotation, tenancy.SnapshotClassesAnnotation,
+	// tenancy.GroupSnapshotClassesAnnotation) override the Namespace's.
 	annotations map[string]string
 }
 
 // paramsData is the content of the parameters ConfigMap of namespace ns (docs/tenants.md): per
-// Cluster its UID, the UID of its guest identity's ServiceAccount, the StorageClasses and
-// VolumeAttributesClasses it may name (see allowList), the hosts of its VirtualMachines (the
+// Cluster its UID, the UID of its guest identity's ServiceAccount, the StorageClasses,
+// VolumeAttributesClasses, VolumeSnapshotClasses and VolumeGroupSnapshotClasses it may name (see
+// allowList), the hosts of its VirtualMachines (the
 // only ones its claims may select), the names of the claims and snapshots whose
 // SharedWithAnnotation names it, and the names of the members of its group snapshots (only its
 // own: the ConfigMap's size stays bounded by each cluster's snapshots). Lists are sorted, without
 // duplicates or blanks, comma-separated.
-func paramsData(ns string, clusters []paramsCluster, namespaceAnnotations map[string]string, claims, snapshots []metav1.PartialObjectMetadata, vms []vmv1.VirtualMachine) map[string]string {
+func paramsData(ns string, clusters []paramsCluster, namespaceAnnotations map[string]string, claims, snapshots, groups []metav1.PartialObjectMetadata, vms []vmv1.VirtualMachine) map[string]string {
 	data := make(map[string]string, 8*len(clusters))
 	for _, c := range clusters {
 		var hosts []string
@@ -276,10 +287,12 @@ func paramsData(ns string, clusters []paramsCluster, namespaceAnnotations map[st
 		data[c.name+tenancy.ParamAccount] = c.account
 		data[c.name+tenancy.ParamStorageClasses] = allowList(c.annotations, namespaceAnnotations, tenancy.StorageClassesAnnotation)
 		data[c.name+tenancy.ParamAttributesClasses] = allowList(c.annotations, namespaceAnnotations, tenancy.AttributesClassesAnnotation)
+		data[c.name+tenancy.ParamSnapshotClasses] = allowList(c.annotations, namespaceAnnotations, tenancy.SnapshotClassesAnnotation)
+		data[c.name+tenancy.ParamGroupSnapshotClasses] = allowList(c.annotations, namespaceAnnotations, tenancy.GroupSnapshotClassesAnnotation)
 		data[c.name+tenancy.ParamHosts] = normalizeList(hosts)
 		data[c.name+tenancy.ParamSharedClaims] = normalizeList(sharedWith(claims, c.name))
 		data[c.name+tenancy.ParamSharedSnapshots] = normalizeList(sharedWith(snapshots, c.name))
-		data[c.name+tenancy.ParamGroupSnapshots] = normalizeList(groupMembers(snapshots, tenancy.Cluster{Namespace: ns, Name: c.name, UID: c.uid}))
+		data[c.name+tenancy.ParamGroupSnapshots] = normalizeList(groupMembers(snapshots, groups, tenancy.Cluster{Namespace: ns, Name: c.name, UID: c.uid}))
 	}
 	return data
 }
@@ -305,11 +318,17 @@ func sharedWith(objs []metav1.PartialObjectMetadata, cluster string) []string {
 	return names
 }
 
-// groupMembers returns the names of the snapshots that are members of c's group snapshots.
-func groupMembers(snapshots []metav1.PartialObjectMetadata, c tenancy.Cluster) []string {
+// groupMembers returns the names of the snapshots that are members of c's group snapshots, among
+// groups, the namespace's VolumeGroupSnapshots (tenancy.GroupMember).
+func groupMembers(snapshots, groups []metav1.PartialObjectMetadata, c tenancy.Cluster) []string {
 	var names []string
 	for i := range snapshots {
-		if tenancy.GroupMember(&snapshots[i], c) {
+		ref, ok := tenancy.GroupOf(&snapshots[i])
+		if !ok {
+			continue
+		}
+		j := slices.IndexFunc(groups, func(g metav1.PartialObjectMetadata) bool { return g.UID == ref.UID })
+		if j >= 0 && tenancy.GroupMember(&snapshots[i], &groups[j], c) {
 			names = append(names, snapshots[i].Name)
 		}
 	}

@@ -34,34 +34,42 @@ func TestParamsData(t *testing.T) {
 		}}}}
 	}
 	member := func(name, group string) metav1.PartialObjectMetadata { return memberIn("tenant-a", name, group) }
+	// group is a VolumeGroupSnapshot of tenant-a labelled for the cluster of UID clusterUID.
+	group := func(name, clusterUID string) metav1.PartialObjectMetadata {
+		return metav1.PartialObjectMetadata{ObjectMeta: metav1.ObjectMeta{Namespace: "tenant-a", Name: name, UID: "uid-of-" + types.UID(name),
+			Labels: map[string]string{tenancy.ClusterUIDLabel: clusterUID}}}
+	}
 	for _, tc := range []struct {
 		name          string
 		clusters      []paramsCluster
 		namespace     map[string]string // the Namespace's annotations
 		claims, snaps []metav1.PartialObjectMetadata
+		groups        []metav1.PartialObjectMetadata
 		vms           []vmv1.VirtualMachine
 		want          map[string]string
 	}{
 		{
 			name:     "no classes anywhere: none allowed",
 			clusters: []paramsCluster{{name: "a", uid: "u-a"}},
-			want: map[string]string{"a.uid": "u-a", "a.account": "", "a.storageClasses": "", "a.attributesClasses": "",
+			want: map[string]string{"a.uid": "u-a", "a.account": "", "a.storageClasses": "", "a.attributesClasses": "", "a.snapshotClasses": "", "a.groupSnapshotClasses": "",
 				"a.hosts": "", "a.sharedClaims": "", "a.sharedSnapshots": "", "a.groupSnapshots": ""},
 		},
 		{
 			name:     "the UID of the cluster's identity",
 			clusters: []paramsCluster{{name: "a", uid: "u-a", account: "sa-a"}},
-			want: map[string]string{"a.uid": "u-a", "a.account": "sa-a", "a.storageClasses": "", "a.attributesClasses": "",
+			want: map[string]string{"a.uid": "u-a", "a.account": "sa-a", "a.storageClasses": "", "a.attributesClasses": "", "a.snapshotClasses": "", "a.groupSnapshotClasses": "",
 				"a.hosts": "", "a.sharedClaims": "", "a.sharedSnapshots": "", "a.groupSnapshots": ""},
 		},
 		{
 			name:     "namespace classes, normalized",
 			clusters: []paramsCluster{{name: "a", uid: "u-a"}},
 			namespace: map[string]string{
-				tenancy.StorageClassesAnnotation:    " silver,gold,, silver ",
-				tenancy.AttributesClassesAnnotation: "iops-high, , fast,fast ",
+				tenancy.StorageClassesAnnotation:       " silver,gold,, silver ",
+				tenancy.AttributesClassesAnnotation:    "iops-high, , fast,fast ",
+				tenancy.SnapshotClassesAnnotation:      "pmem-retain , pmem,",
+				tenancy.GroupSnapshotClassesAnnotation: " pmem",
 			},
-			want: map[string]string{"a.uid": "u-a", "a.account": "", "a.storageClasses": "gold,silver", "a.attributesClasses": "fast,iops-high",
+			want: map[string]string{"a.uid": "u-a", "a.account": "", "a.storageClasses": "gold,silver", "a.attributesClasses": "fast,iops-high", "a.snapshotClasses": "pmem,pmem-retain", "a.groupSnapshotClasses": "pmem",
 				"a.hosts": "", "a.sharedClaims": "", "a.sharedSnapshots": "", "a.groupSnapshots": ""},
 		},
 		{
@@ -74,9 +82,9 @@ func TestParamsData(t *testing.T) {
 			},
 			namespace: map[string]string{tenancy.StorageClassesAnnotation: "gold", tenancy.AttributesClassesAnnotation: "fast"},
 			want: map[string]string{
-				"a.uid": "u-a", "a.account": "", "a.storageClasses": "bronze", "a.attributesClasses": "slow",
+				"a.uid": "u-a", "a.account": "", "a.storageClasses": "bronze", "a.attributesClasses": "slow", "a.snapshotClasses": "", "a.groupSnapshotClasses": "",
 				"a.hosts": "", "a.sharedClaims": "", "a.sharedSnapshots": "", "a.groupSnapshots": "",
-				"b.uid": "u-b", "b.account": "", "b.storageClasses": "", "b.attributesClasses": "",
+				"b.uid": "u-b", "b.account": "", "b.storageClasses": "", "b.attributesClasses": "", "b.snapshotClasses": "", "b.groupSnapshotClasses": "",
 				"b.hosts": "", "b.sharedClaims": "", "b.sharedSnapshots": "", "b.groupSnapshots": "",
 			},
 		},
@@ -88,9 +96,9 @@ func TestParamsData(t *testing.T) {
 			},
 			namespace: map[string]string{tenancy.StorageClassesAnnotation: "gold", tenancy.AttributesClassesAnnotation: "fast"},
 			want: map[string]string{
-				"a.uid": "u-a", "a.account": "", "a.storageClasses": "bronze", "a.attributesClasses": "fast",
+				"a.uid": "u-a", "a.account": "", "a.storageClasses": "bronze", "a.attributesClasses": "fast", "a.snapshotClasses": "", "a.groupSnapshotClasses": "",
 				"a.hosts": "", "a.sharedClaims": "", "a.sharedSnapshots": "", "a.groupSnapshots": "",
-				"b.uid": "u-b", "b.account": "", "b.storageClasses": "gold", "b.attributesClasses": "slow",
+				"b.uid": "u-b", "b.account": "", "b.storageClasses": "gold", "b.attributesClasses": "slow", "b.snapshotClasses": "", "b.groupSnapshotClasses": "",
 				"b.hosts": "", "b.sharedClaims": "", "b.sharedSnapshots": "", "b.groupSnapshots": "",
 			},
 		},
@@ -100,9 +108,9 @@ func TestParamsData(t *testing.T) {
 			claims:   []metav1.PartialObjectMetadata{shared("p2", "a, b"), shared("p1", "a"), shared("p3", ""), shared("p4", "ab,c")},
 			snaps:    []metav1.PartialObjectMetadata{shared("s1", "b")},
 			want: map[string]string{
-				"a.uid": "u-a", "a.account": "", "a.storageClasses": "", "a.attributesClasses": "",
+				"a.uid": "u-a", "a.account": "", "a.storageClasses": "", "a.attributesClasses": "", "a.snapshotClasses": "", "a.groupSnapshotClasses": "",
 				"a.hosts": "", "a.sharedClaims": "p1,p2", "a.sharedSnapshots": "", "a.groupSnapshots": "",
-				"b.uid": "u-b", "b.account": "", "b.storageClasses": "", "b.attributesClasses": "",
+				"b.uid": "u-b", "b.account": "", "b.storageClasses": "", "b.attributesClasses": "", "b.snapshotClasses": "", "b.groupSnapshotClasses": "",
 				"b.hosts": "", "b.sharedClaims": "p2", "b.sharedSnapshots": "s1", "b.groupSnapshots": "",
 			},
 		},
@@ -114,30 +122,38 @@ func TestParamsData(t *testing.T) {
 				vmOn("a-4", "a", ""), vmOn("b-1", "b", "host-c"), vmOn("x-1", "", "host-d"),
 			},
 			want: map[string]string{
-				"a.uid": "u-a", "a.account": "", "a.storageClasses": "", "a.attributesClasses": "",
+				"a.uid": "u-a", "a.account": "", "a.storageClasses": "", "a.attributesClasses": "", "a.snapshotClasses": "", "a.groupSnapshotClasses": "",
 				"a.hosts": "host-a,host-b", "a.sharedClaims": "", "a.sharedSnapshots": "", "a.groupSnapshots": "",
-				"b.uid": "u-b", "b.account": "", "b.storageClasses": "", "b.attributesClasses": "",
+				"b.uid": "u-b", "b.account": "", "b.storageClasses": "", "b.attributesClasses": "", "b.snapshotClasses": "", "b.groupSnapshotClasses": "",
 				"b.hosts": "host-c", "b.sharedClaims": "", "b.sharedSnapshots": "", "b.groupSnapshots": "",
 			},
 		},
 		{
-			name:     "the members of each cluster's group snapshots, and only theirs",
+			name:     "the members of each cluster's group snapshots, by the groups' labels, and only theirs",
 			clusters: []paramsCluster{{name: "a", uid: "u-a"}, {name: "b", uid: "u-b"}},
 			snaps: []metav1.PartialObjectMetadata{
 				member("snapshot-a2", "u-a-g1"), member("snapshot-a1", "u-a-g2"), member("snapshot-b1", "u-b-g1"),
 				member("snapshot-x1", "u-ab-g1"), member("snapshot-x2", "other-g1"), shared("s1", ""),
 				memberIn("tenant-b", "snapshot-x3", "u-a-g1"),
+				// A group named after a, labelled for b (an admin's, or written where the
+				// policy is not enforced): its name tells nothing.
+				member("snapshot-b2", "u-a-g3"),
+				member("snapshot-x4", "u-a-gone"),
+			},
+			groups: []metav1.PartialObjectMetadata{
+				group("u-a-g1", "u-a"), group("u-a-g2", "u-a"), group("u-b-g1", "u-b"), group("u-ab-g1", "u-ab"),
+				group("other-g1", ""), group("u-a-g3", "u-b"),
 			},
 			want: map[string]string{
-				"a.uid": "u-a", "a.account": "", "a.storageClasses": "", "a.attributesClasses": "",
+				"a.uid": "u-a", "a.account": "", "a.storageClasses": "", "a.attributesClasses": "", "a.snapshotClasses": "", "a.groupSnapshotClasses": "",
 				"a.hosts": "", "a.sharedClaims": "", "a.sharedSnapshots": "", "a.groupSnapshots": "snapshot-a1,snapshot-a2",
-				"b.uid": "u-b", "b.account": "", "b.storageClasses": "", "b.attributesClasses": "",
-				"b.hosts": "", "b.sharedClaims": "", "b.sharedSnapshots": "", "b.groupSnapshots": "snapshot-b1",
+				"b.uid": "u-b", "b.account": "", "b.storageClasses": "", "b.attributesClasses": "", "b.snapshotClasses": "", "b.groupSnapshotClasses": "",
+				"b.hosts": "", "b.sharedClaims": "", "b.sharedSnapshots": "", "b.groupSnapshots": "snapshot-b1,snapshot-b2",
 			},
 		},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			NewWithT(t).Expect(paramsData("tenant-a", tc.clusters, tc.namespace, tc.claims, tc.snaps, tc.vms)).To(Equal(tc.want))
+			NewWithT(t).Expect(paramsData("tenant-a", tc.clusters, tc.namespace, tc.claims, tc.snaps, tc.groups, tc.vms)).To(Equal(tc.want))
 		})
 	}
 }
@@ -156,9 +172,11 @@ func TestParamsFollowAnnotations(t *testing.T) {
 	x := e.createCluster(t, "x", false, nil)
 	p1, p2 := e.pvc("p1", nil, "a"), e.pvc("p2", nil, "a,b")
 	s1 := e.snapshot("s1", nil, "b")
-	// A member of a group snapshot of a, as snapshot-controller makes them.
+	// A group snapshot of a, and its member as snapshot-controller makes them.
+	g1 := e.groupSnapshot(string(a.UID)+"-g", map[string]string{tenancy.ClusterUIDLabel: string(a.UID)})
+	create(t, g1)
 	m1 := e.snapshot("snapshot-m1", nil, "")
-	m1.OwnerReferences = []metav1.OwnerReference{{APIVersion: "groupsnapshot.storage.k8s.io/v1", Kind: "VolumeGroupSnapshot", Name: string(a.UID) + "-g", UID: "g"}}
+	m1.OwnerReferences = []metav1.OwnerReference{{APIVersion: "groupsnapshot.storage.k8s.io/v1", Kind: "VolumeGroupSnapshot", Name: g1.Name, UID: g1.UID}}
 	create(t, p1, p2, e.pvc("p3", nil, ""), s1, e.snapshot("s2", nil, ""), m1)
 
 	params := func(ctx context.Context) (map[string]string, error) {
@@ -167,9 +185,9 @@ func TestParamsFollowAnnotations(t *testing.T) {
 		return cm.Data, err
 	}
 	eventually(g, params).WithContext(ctx).Should(Equal(map[string]string{
-		"a.uid": string(a.UID), "a.account": e.accountUID(t, "a"), "a.storageClasses": "gold,silver", "a.attributesClasses": "fast,slow",
+		"a.uid": string(a.UID), "a.account": e.accountUID(t, "a"), "a.storageClasses": "gold,silver", "a.attributesClasses": "fast,slow", "a.snapshotClasses": "", "a.groupSnapshotClasses": "",
 		"a.hosts": "", "a.sharedClaims": "p1,p2", "a.sharedSnapshots": "", "a.groupSnapshots": "snapshot-m1",
-		"b.uid": string(b.UID), "b.account": e.accountUID(t, "b"), "b.storageClasses": "bronze", "b.attributesClasses": "",
+		"b.uid": string(b.UID), "b.account": e.accountUID(t, "b"), "b.storageClasses": "bronze", "b.attributesClasses": "", "b.snapshotClasses": "", "b.groupSnapshotClasses": "",
 		"b.hosts": "", "b.sharedClaims": "p2", "b.sharedSnapshots": "s1", "b.groupSnapshots": "",
 	}))
 
@@ -210,11 +228,11 @@ func TestParamsFollowAnnotations(t *testing.T) {
 	liftFinalizers(t, p2)
 
 	eventually(g, params).WithContext(ctx).Should(Equal(map[string]string{
-		"a.uid": string(a.UID), "a.account": e.accountUID(t, "a"), "a.storageClasses": "platinum", "a.attributesClasses": "turbo",
+		"a.uid": string(a.UID), "a.account": e.accountUID(t, "a"), "a.storageClasses": "platinum", "a.attributesClasses": "turbo", "a.snapshotClasses": "", "a.groupSnapshotClasses": "",
 		"a.hosts": "", "a.sharedClaims": "", "a.sharedSnapshots": "", "a.groupSnapshots": "",
-		"b.uid": string(b.UID), "b.account": e.accountUID(t, "b"), "b.storageClasses": "bronze", "b.attributesClasses": "steady",
+		"b.uid": string(b.UID), "b.account": e.accountUID(t, "b"), "b.storageClasses": "bronze", "b.attributesClasses": "steady", "b.snapshotClasses": "", "b.groupSnapshotClasses": "",
 		"b.hosts": "", "b.sharedClaims": "p1", "b.sharedSnapshots": "", "b.groupSnapshots": "",
-		"x.uid": string(x.UID), "x.account": e.accountUID(t, "x"), "x.storageClasses": "iron", "x.attributesClasses": "steady",
+		"x.uid": string(x.UID), "x.account": e.accountUID(t, "x"), "x.storageClasses": "iron", "x.attributesClasses": "steady", "x.snapshotClasses": "", "x.groupSnapshotClasses": "",
 		"x.hosts": "", "x.sharedClaims": "", "x.sharedSnapshots": "", "x.groupSnapshots": "",
 	}))
 
@@ -273,7 +291,7 @@ func TestParamsOfEnforcedNamespace(t *testing.T) {
 	vm.Status.Host = "host-a"
 	g.Expect(mgmtClient.Status().Update(ctx, vm)).To(Succeed())
 	eventually(g, params).WithContext(ctx).Should(HaveField("Data", Equal(map[string]string{
-		"a.uid": string(a.UID), "a.account": e.accountUID(t, "a"), "a.storageClasses": "", "a.attributesClasses": "",
+		"a.uid": string(a.UID), "a.account": e.accountUID(t, "a"), "a.storageClasses": "", "a.attributesClasses": "", "a.snapshotClasses": "", "a.groupSnapshotClasses": "",
 		"a.hosts": "host-a", "a.sharedClaims": "", "a.sharedSnapshots": "", "a.groupSnapshots": "",
 	})))
 

@@ -22,17 +22,22 @@ const (
 	// snapshotCount is the quota's resource: a count, since a ResourceQuota cannot sum the bytes
 	// of VolumeSnapshots, and each one is a full copy of its source on the source's host.
 	snapshotCount corev1.ResourceName = "count/volumesnapshots.snapshot.storage.k8s.io"
+	// groupSnapshotCount counts VolumeGroupSnapshots: their members count as snapshots (mgmt-csi
+	// refuses a group its namespace's snapshot quota has no room for), but groups taken at once
+	// may each pass that check, and each one holds its VMs' writes on a shared host.
+	groupSnapshotCount corev1.ResourceName = "count/volumegroupsnapshots.groupsnapshot.storage.k8s.io"
 )
 
 // QuotaReconciler gives every enforced namespace (tenancy.TenancyNamespaceLabel) the
-// ResourceQuota SnapshotQuota, a count of VolumeSnapshots, when it has none: without it a guest
-// could fill its hosts, and those of any volume shared with it, with snapshots. The quota is
+// ResourceQuota SnapshotQuota, a count of VolumeSnapshots and of VolumeGroupSnapshots, when it
+// has none: without it a guest could fill its hosts, and those of any volume shared with it,
+// with snapshots, or hold its hosts' writers with group snapshots. The quota is
 // created and never updated, so that a platform admin may change it; a deleted one comes back
 // (an admin who wants none runs the controller with --snapshot-quota=0).
 type QuotaReconciler struct {
 	Client client.Client
-	// Snapshots is the count the quota allows.
-	Snapshots int64
+	// Snapshots and GroupSnapshots are the counts the quota allows; 0 leaves one out.
+	Snapshots, GroupSnapshots int64
 }
 
 // +kubebuilder:rbac:groups="",resources=resourcequotas,verbs=get;list;watch;create
@@ -61,9 +66,15 @@ func (r *QuotaReconciler) Reconcile(ctx context.Context, req ctrl.Request) (ctrl
 	if !enforced(ns) || !ns.DeletionTimestamp.IsZero() {
 		return ctrl.Result{}, nil
 	}
+	hard := corev1.ResourceList{}
+	for name, n := range map[corev1.ResourceName]int64{snapshotCount: r.Snapshots, groupSnapshotCount: r.GroupSnapshots} {
+		if n > 0 {
+			hard[name] = *resource.NewQuantity(n, resource.DecimalSI)
+		}
+	}
 	quota := &corev1.ResourceQuota{
 		ObjectMeta: metav1.ObjectMeta{Namespace: ns.Name, Name: SnapshotQuota, Labels: map[string]string{ManagedByLabel: fieldManager}},
-		Spec:       corev1.ResourceQuotaSpec{Hard: corev1.ResourceList{snapshotCount: *resource.NewQuantity(r.Snapshots, resource.DecimalSI)}},
+		Spec:       corev1.ResourceQuotaSpec{Hard: hard},
 	}
 	err := r.Client.Create(ctx, quota, client.FieldOwner(fieldManager))
 	switch {
@@ -72,6 +83,7 @@ func (r *QuotaReconciler) Reconcile(ctx context.Context, req ctrl.Request) (ctrl
 	case err != nil:
 		return ctrl.Result{}, fmt.Errorf("create ResourceQuota %s/%s: %w", ns.Name, SnapshotQuota, err)
 	}
-	ctrl.LoggerFrom(ctx).Info("Created the snapshot quota of an enforced namespace", "resourceQuota", client.ObjectKeyFromObject(quota), "snapshots", r.Snapshots)
+	ctrl.LoggerFrom(ctx).Info("Created the snapshot quota of an enforced namespace", "resourceQuota", client.ObjectKeyFromObject(quota),
+		"snapshots", r.Snapshots, "groupSnapshots", r.GroupSnapshots)
 	return ctrl.Result{}, nil
 }

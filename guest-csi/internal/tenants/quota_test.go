@@ -24,7 +24,7 @@ func TestSnapshotQuotaOfEnforcedNamespace(t *testing.T) {
 	ctx := t.Context()
 	e := newTenantEnv(t, nil)
 	cfg := e.config()
-	cfg.SnapshotQuota = 3
+	cfg.SnapshotQuota, cfg.GroupSnapshotQuota = 3, 2
 	e.startManager(t, cfg)
 	key := client.ObjectKey{Namespace: e.ns, Name: SnapshotQuota}
 	quota := func(ctx context.Context) (*corev1.ResourceQuota, error) {
@@ -32,7 +32,10 @@ func TestSnapshotQuotaOfEnforcedNamespace(t *testing.T) {
 		return q, mgmtClient.Get(ctx, key, q)
 	}
 	hard := func(n int64) types.GomegaMatcher {
-		return HaveField("Spec.Hard", HaveKeyWithValue(snapshotCount, WithTransform(func(q resource.Quantity) int64 { return q.Value() }, Equal(n))))
+		count := func(n int64) types.GomegaMatcher {
+			return WithTransform(func(q resource.Quantity) int64 { return q.Value() }, Equal(n))
+		}
+		return HaveField("Spec.Hard", And(HaveKeyWithValue(snapshotCount, count(n)), HaveKeyWithValue(groupSnapshotCount, count(2))))
 	}
 
 	g.Consistently(func(ctx context.Context) bool {

@@ -108,9 +108,10 @@ type Options struct {
 	// KubeAPIQPS and KubeAPIBurst limit the requests to the management apiserver.
 	KubeAPIQPS   float32
 	KubeAPIBurst int
-	// SnapshotQuota is the count of VolumeSnapshots each enforced namespace's quota allows
-	// (QuotaReconciler); 0: the controller makes no quota.
-	SnapshotQuota int64
+	// SnapshotQuota and GroupSnapshotQuota are the counts of VolumeSnapshots and
+	// VolumeGroupSnapshots each enforced namespace's quota allows (QuotaReconciler); 0: that
+	// count is not in the quota, and with both 0 the controller makes no quota.
+	SnapshotQuota, GroupSnapshotQuota int64
 	// ImageRegistry, when set, replaces the registry of every image the guest install names
 	// (a platform's mirror): see mirrorImage.
 	ImageRegistry string
@@ -145,6 +146,9 @@ func (o *Options) Validate() error {
 	}
 	if o.SnapshotQuota < 0 {
 		errs = append(errs, fmt.Errorf("snapshot quota %d is negative", o.SnapshotQuota))
+	}
+	if o.GroupSnapshotQuota < 0 {
+		errs = append(errs, fmt.Errorf("group snapshot quota %d is negative", o.GroupSnapshotQuota))
 	}
 	if err := validateRegistry(o.ImageRegistry); err != nil {
 		errs = append(errs, err)
@@ -195,9 +199,9 @@ type Config struct {
 	InstallResync time.Duration
 	// Clock tells when a token is due for renewal; nil: the real clock.
 	Clock clock.PassiveClock
-	// SnapshotQuota and ImageRegistry: see Options.
-	SnapshotQuota int64
-	ImageRegistry string
+	// SnapshotQuota, GroupSnapshotQuota and ImageRegistry: see Options.
+	SnapshotQuota, GroupSnapshotQuota int64
+	ImageRegistry                     string
 }
 
 // SetupWithManager registers the reconcilers with mgr.
@@ -243,8 +247,8 @@ func SetupWithManager(mgr ctrl.Manager, cfg Config) error {
 	if err := usage.SetupWithManager(mgr); err != nil {
 		return fmt.Errorf("set up the quota usage controller: %w", err)
 	}
-	if cfg.SnapshotQuota > 0 {
-		quota := &QuotaReconciler{Client: mgr.GetClient(), Snapshots: cfg.SnapshotQuota}
+	if cfg.SnapshotQuota > 0 || cfg.GroupSnapshotQuota > 0 {
+		quota := &QuotaReconciler{Client: mgr.GetClient(), Snapshots: cfg.SnapshotQuota, GroupSnapshots: cfg.GroupSnapshotQuota}
 		if err := quota.SetupWithManager(mgr); err != nil {
 			return fmt.Errorf("set up the quota controller: %w", err)
 		}
@@ -300,7 +304,7 @@ func New(opts Options) (*Controller, error) {
 	err = SetupWithManager(mgr, Config{
 		MgmtServer: opts.MgmtServer, MgmtCA: ca,
 		CapacityNamespace: opts.CapacityNamespace, GuestNamespace: opts.GuestNamespace, TokenTTL: opts.TokenTTL,
-		SnapshotQuota: opts.SnapshotQuota, ImageRegistry: opts.ImageRegistry,
+		SnapshotQuota: opts.SnapshotQuota, GroupSnapshotQuota: opts.GroupSnapshotQuota, ImageRegistry: opts.ImageRegistry,
 	})
 	if err != nil {
 		return nil, err

@@ -20,6 +20,7 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	"pvbridge.io/mgmt-csi/internal/agent"
+	"pvbridge.io/mgmt-csi/internal/ids"
 	pmemv1 "pvbridge.io/pkg/apis/pmem/v1alpha1"
 	"pvbridge.io/pkg/await"
 	"pvbridge.io/pkg/csiserver"
@@ -88,7 +89,7 @@ func (s *controllerServer) CreateVolume(ctx context.Context, req *csi.CreateVolu
 	if err != nil {
 		return nil, err
 	}
-	id := idFor("pvc", req.GetName())
+	id := ids.For("pvc", req.GetName())
 	if !s.locks.TryLock(id) {
 		return nil, status.Errorf(codes.Aborted, "an operation on volume %s is in progress", id)
 	}
@@ -530,7 +531,7 @@ func (s *controllerServer) CreateSnapshot(ctx context.Context, req *csi.CreateSn
 	case req.GetSourceVolumeId() == "":
 		return nil, status.Error(codes.InvalidArgument, "source_volume_id is required")
 	}
-	id := idFor("snapshot", req.GetName())
+	id := ids.For("snapshot", req.GetName())
 	if !s.locks.TryLock(id) {
 		return nil, status.Errorf(codes.Aborted, "an operation on snapshot %s is in progress", id)
 	}

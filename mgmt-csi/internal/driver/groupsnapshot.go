@@ -16,6 +16,7 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	"pvbridge.io/mgmt-csi/internal/agent"
+	"pvbridge.io/mgmt-csi/internal/ids"
 	pmemv1 "pvbridge.io/pkg/apis/pmem/v1alpha1"
 	"pvbridge.io/pkg/csiserver"
 )
@@ -37,7 +38,7 @@ func (s *groupControllerServer) GroupControllerGetCapabilities(context.Context, 
 
 // CreateVolumeGroupSnapshot gets or creates the members of group snapshot name, one per source
 // volume, and waits until the node agent has cut them. The volumes must be on one node: the
-// writers are held per host. Idempotent by name; a group that failed is removed whole, so that
+// writers are held per host; the new members must fit the namespace's snapshot quotas. Idempotent by name; a group that failed is removed whole, so that
 // a retry cuts all of its members anew.
 func (s *groupControllerServer) CreateVolumeGroupSnapshot(ctx context.Context, req *csi.CreateVolumeGroupSnapshotRequest) (*csi.CreateVolumeGroupSnapshotResponse, error) {
 	sources := req.GetSourceVolumeIds()
@@ -53,7 +54,7 @@ func (s *groupControllerServer) CreateVolumeGroupSnapshot(ctx context.Context, r
 	case len(sorted(sources)) != len(slices.Compact(sorted(sources))):
 		return nil, status.Error(codes.InvalidArgument, "source_volume_ids names a volume twice")
 	}
-	id := idFor("groupsnapshot", req.GetName())
+	id := ids.For("groupsnapshot", req.GetName())
 	if !s.locks.TryLock(id) {
 		return nil, status.Errorf(codes.Aborted, "an operation on group snapshot %s is in progress", id)
 	}
@@ -69,6 +70,9 @@ func (s *groupControllerServer) CreateVolumeGroupSnapshot(ctx context.Context, r
 		}
 	}
 	if len(members) < len(sources) {
+		if err := s.snapshotRoom(ctx, req.GetParameters(), len(sources)-len(members)); err != nil {
+			return nil, err
+		}
 		if members, err = s.createMembers(ctx, req.GetName(), id, sources); err != nil {
 			return nil, err
 		}
@@ -118,7 +122,7 @@ func (s *groupControllerServer) createMembers(ctx context.Context, name, id stri
 	size := int32(min(len(sources), maxGroupMembers))
 	members := make([]*pmemv1.PmemSnapshot, len(sources))
 	for i, vol := range vols {
-		snapID := idFor("snapshot", name+"/"+vol.Name)
+		snapID := ids.For("snapshot", name+"/"+vol.Name)
 		snap := &pmemv1.PmemSnapshot{
 			ObjectMeta: metav1.ObjectMeta{
 				Name:        snapID,

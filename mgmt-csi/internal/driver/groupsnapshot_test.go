@@ -9,9 +9,11 @@ import (
 	. "github.com/onsi/gomega"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
+	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/api/meta"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	pmemv1 "pvbridge.io/pkg/apis/pmem/v1alpha1"
 )
@@ -68,6 +70,61 @@ func TestCreateVolumeGroupSnapshotRefuses(t *testing.T) {
 			_, err := s.CreateVolumeGroupSnapshot(t.Context(), tt.req)
 			g.Expect(status.Code(err)).To(Equal(tt.code), "%v", err)
 			g.Expect(members(t, s, "groupsnapshot-1")).To(BeEmpty(), "nothing recorded")
+		})
+	}
+}
+
+// A group's members are counted against its namespace's snapshot quotas before any is recorded
+// (and so cut): a group larger than the room left is refused with the numbers.
+func TestCreateVolumeGroupSnapshotCountsItsMembersAgainstTheQuota(t *testing.T) {
+	quota := func(name string, hard, used int64) *corev1.ResourceQuota {
+		return &corev1.ResourceQuota{
+			ObjectMeta: metav1.ObjectMeta{Namespace: "tenant-a", Name: name},
+			Status: corev1.ResourceQuotaStatus{
+				Hard: corev1.ResourceList{snapshotCount: *resource.NewQuantity(hard, resource.DecimalSI)},
+				Used: corev1.ResourceList{snapshotCount: *resource.NewQuantity(used, resource.DecimalSI)},
+			},
+		}
+	}
+	params := map[string]string{groupSnapshotNamespaceParam: "tenant-a"}
+	tests := []struct {
+		name    string
+		quotas  []*corev1.ResourceQuota
+		params  map[string]string
+		wantErr string // "" when the members are recorded
+	}{
+		{name: "room for both", quotas: []*corev1.ResourceQuota{quota("pvbridge-snapshots", 10, 8)}, params: params},
+		{name: "room for one", quotas: []*corev1.ResourceQuota{quota("pvbridge-snapshots", 10, 9)}, params: params,
+			wantErr: "a group snapshot of 2 members does not fit ResourceQuota tenant-a/pvbridge-snapshots: 9 of 10 VolumeSnapshots used, room for 1; no member is cut"},
+		{name: "over the quota already", quotas: []*corev1.ResourceQuota{quota("pvbridge-snapshots", 10, 12)}, params: params,
+			wantErr: "12 of 10 VolumeSnapshots used, room for 0"},
+		{name: "the tightest of two quotas", quotas: []*corev1.ResourceQuota{quota("a", 100, 0), quota("b", 1, 0)}, params: params,
+			wantErr: "ResourceQuota tenant-a/b: 0 of 1 VolumeSnapshots used, room for 1"},
+		{name: "a quota of another namespace", quotas: []*corev1.ResourceQuota{quota("pvbridge-snapshots", 10, 10)},
+			params: map[string]string{groupSnapshotNamespaceParam: "tenant-b"}},
+		{name: "no namespace (a caller without --extra-create-metadata)", quotas: []*corev1.ResourceQuota{quota("pvbridge-snapshots", 0, 0)}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			g := NewWithT(t)
+			objs := []client.Object{pmemVolume("pvc-a", "host-1", gi), pmemVolume("pvc-b", "host-1", gi)}
+			for _, q := range tt.quotas {
+				objs = append(objs, q)
+			}
+			s := &groupControllerServer{controllerServer: newTestController(t, objs...)}
+			ctx, cancel := context.WithTimeout(t.Context(), 100*time.Millisecond)
+			defer cancel()
+			_, err := s.CreateVolumeGroupSnapshot(ctx, &csi.CreateVolumeGroupSnapshotRequest{
+				Name: "groupsnapshot-1", SourceVolumeIds: []string{"pvc-a", "pvc-b"}, Parameters: tt.params,
+			})
+			if tt.wantErr != "" {
+				g.Expect(status.Code(err)).To(Equal(codes.ResourceExhausted), "%v", err)
+				g.Expect(err.Error()).To(ContainSubstring(tt.wantErr))
+				g.Expect(members(t, s, "groupsnapshot-1")).To(BeEmpty(), "nothing recorded, nothing cut")
+				return
+			}
+			g.Expect(status.Code(err)).To(Equal(codes.DeadlineExceeded), "recorded, waiting for the node agent: %v", err)
+			g.Expect(members(t, s, "groupsnapshot-1")).To(HaveLen(2))
 		})
 	}
 }

@@ -14,11 +14,47 @@ import (
 	"pvbridge.io/pkg/tenancy"
 )
 
-// The parameters csi-provisioner adds to CreateVolume with --extra-create-metadata.
+// The parameters csi-provisioner adds to CreateVolume, and csi-snapshotter to
+// CreateVolumeGroupSnapshot, with --extra-create-metadata.
 const (
-	pvcNameParameter      = "csi.storage.k8s.io/pvc/name"
-	pvcNamespaceParameter = "csi.storage.k8s.io/pvc/namespace"
+	pvcNameParameter            = "csi.storage.k8s.io/pvc/name"
+	pvcNamespaceParameter       = "csi.storage.k8s.io/pvc/namespace"
+	groupSnapshotNamespaceParam = "csi.storage.k8s.io/volumegroupsnapshot/namespace"
 )
+
+// snapshotCount is the ResourceQuota resource that counts a namespace's VolumeSnapshots.
+const snapshotCount corev1.ResourceName = "count/volumesnapshots.snapshot.storage.k8s.io"
+
+// snapshotRoom refuses a group snapshot of n new members that the ResourceQuotas of its
+// namespace leave no room for. Its members are cut (on lvm and ndctl, full copies on the
+// shared host) before snapshot-controller makes their VolumeSnapshots, which the quota counts:
+// a quota that refused those afterwards would leave the copies in place while the group
+// exists. So the members are counted first, against what each quota has left (status.hard
+// minus status.used). Groups of one namespace taken at once may each pass: the namespace's
+// count quota of VolumeGroupSnapshots bounds how many. Read live: one list per new group.
+func (s *controllerServer) snapshotRoom(ctx context.Context, params map[string]string, n int) error {
+	ns := params[groupSnapshotNamespaceParam]
+	if ns == "" {
+		return nil
+	}
+	quotas := &corev1.ResourceQuotaList{}
+	if err := s.apiReader.List(ctx, quotas, client.InNamespace(ns)); err != nil {
+		return csiserver.APIError(err, "list the ResourceQuotas of namespace %s", ns)
+	}
+	for _, q := range quotas.Items {
+		hard, ok := q.Status.Hard[snapshotCount]
+		if !ok {
+			continue
+		}
+		used := q.Status.Used[snapshotCount]
+		if room := hard.Value() - used.Value(); int64(n) > room {
+			return status.Errorf(codes.ResourceExhausted,
+				"a group snapshot of %d members does not fit ResourceQuota %s/%s: %s of %s VolumeSnapshots used, room for %d; no member is cut",
+				n, ns, q.Name, used.String(), hard.String(), max(room, 0))
+		}
+	}
+	return nil
+}
 
 // guestHosts returns the hosts a new volume without accessibility requirements may go to when
 // a guest cluster asks for it: those of the cluster's VirtualMachines, from the tenancy

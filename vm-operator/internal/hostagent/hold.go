@@ -12,11 +12,14 @@ import (
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/klog/v2"
 	"k8s.io/utils/ptr"
+	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	vmv1 "pvbridge.io/pkg/apis/vm/v1alpha1"
 	"pvbridge.io/pkg/hold"
+	"pvbridge.io/pkg/tenancy"
 	"pvbridge.io/vm-operator/internal/hypervisor"
 )
 
@@ -136,10 +139,12 @@ func (r *Reconciler) members(ctx context.Context, volumeIDs []string) ([]heldVM,
 	if err := r.Client.List(ctx, pvs); err != nil {
 		return nil, err
 	}
-	volumeOf := map[string]string{} // disk serial → volume ID
+	volumeOf := map[string]string{}                 // disk serial → volume ID
+	claimOf := map[string]*corev1.ObjectReference{} // disk serial → the PV's claim
 	for _, pv := range pvs.Items {
 		if pv.Spec.CSI != nil && slices.Contains(volumeIDs, pv.Spec.CSI.VolumeHandle) {
 			volumeOf[SerialFor(pv.Name)] = pv.Spec.CSI.VolumeHandle
+			claimOf[SerialFor(pv.Name)] = pv.Spec.ClaimRef
 		}
 	}
 	if len(volumeOf) == 0 {
@@ -171,11 +176,45 @@ func (r *Reconciler) members(ctx context.Context, volumeIDs []string) ([]heldVM,
 				m.volumeIDs = append(m.volumeIDs, id)
 			}
 		}
-		if len(m.serials) > 0 {
-			members = append(members, m)
+		if len(m.serials) == 0 {
+			continue
 		}
+		if err := r.sameCluster(ctx, vm, m.serials, claimOf); err != nil {
+			return nil, err
+		}
+		members = append(members, m)
 	}
 	return members, nil
+}
+
+// sameCluster refuses to hold vm when a disk of serials is the volume of a claim of another
+// guest cluster than vm's: a claim a platform admin shared with vm's cluster, which its owner
+// groups. Holding vm would pause another tenant's VM at the owner's will. The claims are read
+// around the cache (the agent caches no claims): one read per held disk.
+func (r *Reconciler) sameCluster(ctx context.Context, vm *vmv1.VirtualMachine, serials []string, claimOf map[string]*corev1.ObjectReference) error {
+	var reader client.Reader = r.Client
+	if r.APIReader != nil {
+		reader = r.APIReader
+	}
+	for _, serial := range serials {
+		ref := claimOf[serial]
+		if ref == nil {
+			continue
+		}
+		claim := &corev1.PersistentVolumeClaim{}
+		if err := reader.Get(ctx, client.ObjectKey{Namespace: ref.Namespace, Name: ref.Name}, claim); err != nil {
+			if apierrors.IsNotFound(err) {
+				continue
+			}
+			return fmt.Errorf("read claim %s/%s of disk %s: %w", ref.Namespace, ref.Name, serial, err)
+		}
+		owner, vmCluster := claim.Labels[tenancy.ClusterNameLabel], vm.Labels[tenancy.CAPIClusterNameLabel]
+		if owner != "" && (claim.Namespace != vm.Namespace || owner != vmCluster) {
+			return fmt.Errorf("volume of claim %s/%s (guest cluster %s) is plugged into VM %s of cluster %q: "+
+				"a group snapshot holds only the VMs of the cluster that owns its volumes", claim.Namespace, claim.Name, owner, klog.KObj(vm), vmCluster)
+		}
+	}
+	return nil
 }
 
 // thaw lets the writes of vms go; it tries every one.

@@ -19,6 +19,7 @@ import (
 
 	vmv1 "pvbridge.io/pkg/apis/vm/v1alpha1"
 	"pvbridge.io/pkg/hold"
+	"pvbridge.io/pkg/tenancy"
 	"pvbridge.io/vm-operator/internal/hypervisor"
 )
 
@@ -104,6 +105,41 @@ func TestHoldOfVolumesNoVMOfTheHostWritesHoldsNothing(t *testing.T) {
 	g.Expect(release(t.Context())).To(Succeed())
 	g.Expect(host.h.holdCalls()).To(BeEmpty())
 	g.Expect(host.rec.Events).NotTo(Receive())
+}
+
+// A claim of one guest cluster that a platform admin shared with another is plugged into a VM
+// of that other cluster: a group snapshot of its owner would pause the other tenant's VM.
+func TestHoldRefusesAVMOfAnotherClusterThanTheClaims(t *testing.T) {
+	g := NewWithT(t)
+	host := newHoldHost(t)
+	vm2 := &vmv1.VirtualMachine{}
+	g.Expect(host.c.Get(t.Context(), client.ObjectKey{Namespace: "tenant", Name: "vm-2"}, vm2)).To(Succeed())
+	vm2.Labels = map[string]string{tenancy.CAPIClusterNameLabel: "beta"}
+	g.Expect(host.c.Update(t.Context(), vm2)).To(Succeed())
+	pv := &corev1.PersistentVolume{}
+	g.Expect(host.c.Get(t.Context(), client.ObjectKey{Name: "pvc-2"}, pv)).To(Succeed())
+	pv.Spec.ClaimRef = &corev1.ObjectReference{Namespace: "tenant", Name: "alphas-logs"}
+	g.Expect(host.c.Update(t.Context(), pv)).To(Succeed())
+	g.Expect(host.c.Create(t.Context(), &corev1.PersistentVolumeClaim{ObjectMeta: metav1.ObjectMeta{
+		Namespace: "tenant", Name: "alphas-logs", Labels: map[string]string{tenancy.ClusterNameLabel: "alpha"},
+	}})).To(Succeed())
+
+	held, release, err := host.r.Hold(t.Context(), []string{"pvc-1", "vol-2"})
+
+	g.Expect(err).To(MatchError(`find the VMs that write to volumes ["pvc-1" "vol-2"]: volume of claim tenant/alphas-logs (guest cluster alpha) ` +
+		`is plugged into VM tenant/vm-2 of cluster "beta": a group snapshot holds only the VMs of the cluster that owns its volumes`))
+	g.Expect(held).To(BeNil())
+	g.Expect(release).To(BeNil())
+	g.Expect(host.h.holdCalls()).To(BeEmpty(), "no VM is frozen")
+	g.Expect(host.r.holding).To(BeNil())
+
+	const ownersVM = "its owner's own VM holds it"
+	vm2.Labels[tenancy.CAPIClusterNameLabel] = "alpha"
+	g.Expect(host.c.Update(t.Context(), vm2)).To(Succeed())
+	held, release, err = host.r.Hold(t.Context(), []string{"vol-2"})
+	g.Expect(err).NotTo(HaveOccurred(), ownersVM)
+	g.Expect(held).To(Equal([]string{"vol-2"}), ownersVM)
+	g.Expect(release(t.Context())).To(Succeed())
 }
 
 func TestAFailedFreezeHoldsNothing(t *testing.T) {

@@ -1,4 +1,4 @@
-package driver
+package ids
 
 import (
 	"strings"
@@ -8,7 +8,7 @@ import (
 	"k8s.io/apimachinery/pkg/util/validation"
 )
 
-func TestIDFor(t *testing.T) {
+func TestFor(t *testing.T) {
 	tests := []struct {
 		name, in, want string
 	}{
@@ -20,31 +20,31 @@ func TestIDFor(t *testing.T) {
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			g := NewWithT(t)
-			got := idFor("v", tt.in)
+			got := For("v", tt.in)
 			g.Expect(validation.IsDNS1123Label(got)).To(BeEmpty())
 			if tt.want == "v-sha" {
 				g.Expect(got).To(HavePrefix("v-"))
 				g.Expect(got).To(HaveLen(42))
-				g.Expect(idFor("v", tt.in)).To(Equal(got), "deterministic")
+				g.Expect(For("v", tt.in)).To(Equal(got), "deterministic")
 			} else {
 				g.Expect(got).To(Equal(tt.want))
 			}
 		})
 	}
-	NewWithT(t).Expect(idFor("v", "A")).NotTo(Equal(idFor("v", "a-")), "distinct names, distinct IDs")
+	NewWithT(t).Expect(For("v", "A")).NotTo(Equal(For("v", "a-")), "distinct names, distinct IDs")
 }
 
-func FuzzIDFor(f *testing.F) {
+func FuzzFor(f *testing.F) {
 	for _, s := range []string{"pvc-1", "Sanity", "", strings.Repeat("x", 200), "a.b"} {
 		f.Add(s)
 	}
 	f.Fuzz(func(t *testing.T, name string) {
-		id := idFor("v", name)
+		id := For("v", name)
 		if msgs := validation.IsDNS1123Label(id); len(msgs) > 0 {
-			t.Fatalf("idFor(%q) = %q: %v", name, id, msgs)
+			t.Fatalf("For(%q) = %q: %v", name, id, msgs)
 		}
-		if id != idFor("v", name) {
-			t.Fatalf("idFor(%q) is not deterministic", name)
+		if id != For("v", name) {
+			t.Fatalf("For(%q) is not deterministic", name)
 		}
 	})
 }
