@@ -30,6 +30,25 @@ func member(name, volumeID string, size int32) *pmemv1.PmemSnapshot {
 	}
 }
 
+// newGroupHost returns an API server (a fake, whose calls funcs may intercept) holding members,
+// and a back end of capacity holding the volumes v1 and v2.
+func newGroupHost(ctx context.Context, g Gomega, capacity int64, funcs interceptor.Funcs, members ...*pmemv1.PmemSnapshot) (client.Client, *fake.Fake) {
+	scheme := runtime.NewScheme()
+	g.Expect(pmemv1.AddToScheme(scheme)).To(Succeed())
+	objs := make([]client.Object, len(members))
+	for i, m := range members {
+		objs[i] = m
+	}
+	c := clientfake.NewClientBuilder().WithScheme(scheme).WithObjects(objs...).
+		WithStatusSubresource(&pmemv1.PmemSnapshot{}).WithInterceptorFuncs(funcs).Build()
+	b := fake.New(fake.Options{Capacity: capacity})
+	for _, v := range []string{"v1", "v2"} {
+		_, err := b.CreateVolume(ctx, v, mi, nil)
+		g.Expect(err).NotTo(HaveOccurred())
+	}
+	return c, b
+}
+
 // holder is the host's holder: it records, when it holds and when it lets go, which snapshots
 // the back end has, so that a test sees the members cut inside the hold.
 type holder struct {
@@ -159,23 +178,11 @@ func TestSnapshotReconcilerCutsAGroupWhileItsWritersAreHeld(t *testing.T) {
 		t.Run(tt.name, func(t *testing.T) {
 			g := NewWithT(t)
 			ctx := t.Context()
-			scheme := runtime.NewScheme()
-			g.Expect(pmemv1.AddToScheme(scheme)).To(Succeed())
-			objs := make([]client.Object, len(tt.members))
-			for i, m := range tt.members {
-				objs[i] = m
-			}
-			c := clientfake.NewClientBuilder().WithScheme(scheme).WithObjects(objs...).
-				WithStatusSubresource(&pmemv1.PmemSnapshot{}).Build()
 			capacity := tt.capacity
 			if capacity == 0 {
 				capacity = 100 * mi
 			}
-			b := fake.New(fake.Options{Capacity: capacity})
-			for _, v := range []string{"v1", "v2"} {
-				_, err := b.CreateVolume(ctx, v, mi, nil)
-				g.Expect(err).NotTo(HaveOccurred())
-			}
+			c, b := newGroupHost(ctx, g, capacity, interceptor.Funcs{}, tt.members...)
 			if tt.prepare != nil {
 				tt.prepare(ctx, g, b)
 			}
@@ -255,26 +262,16 @@ func TestSnapshotReconcilerFinishesAGroupWhoseStatusWritesFailed(t *testing.T) {
 		t.Run(tt.name, func(t *testing.T) {
 			g := NewWithT(t)
 			ctx := t.Context()
-			scheme := runtime.NewScheme()
-			g.Expect(pmemv1.AddToScheme(scheme)).To(Succeed())
 			failed := false
-			c := clientfake.NewClientBuilder().WithScheme(scheme).
-				WithObjects(member("snap-1", "v1", 2), member("snap-2", "v2", 2)).
-				WithStatusSubresource(&pmemv1.PmemSnapshot{}).
-				WithInterceptorFuncs(interceptor.Funcs{
-					SubResourcePatch: func(ctx context.Context, c client.Client, sub string, obj client.Object, patch client.Patch, opts ...client.SubResourcePatchOption) error {
-						if snap := obj.(*pmemv1.PmemSnapshot); !failed && tt.fail(snap) {
-							failed = true
-							return apierrors.NewConflict(pmemv1.GroupVersion.WithResource("pmemsnapshots").GroupResource(), snap.Name, nil)
-						}
-						return c.SubResource(sub).Patch(ctx, obj, patch, opts...)
-					},
-				}).Build()
-			b := fake.New(fake.Options{Capacity: 100 * mi})
-			for _, v := range []string{"v1", "v2"} {
-				_, err := b.CreateVolume(ctx, v, mi, nil)
-				g.Expect(err).NotTo(HaveOccurred())
-			}
+			c, b := newGroupHost(ctx, g, 100*mi, interceptor.Funcs{
+				SubResourcePatch: func(ctx context.Context, c client.Client, sub string, obj client.Object, patch client.Patch, opts ...client.SubResourcePatchOption) error {
+					if snap := obj.(*pmemv1.PmemSnapshot); !failed && tt.fail(snap) {
+						failed = true
+						return apierrors.NewConflict(pmemv1.GroupVersion.WithResource("pmemsnapshots").GroupResource(), snap.Name, nil)
+					}
+					return c.SubResource(sub).Patch(ctx, obj, patch, opts...)
+				},
+			}, member("snap-1", "v1", 2), member("snap-2", "v2", 2))
 			h := &holder{backend: b}
 			r := &SnapshotReconciler{Client: c, Backend: b, Node: "host-a", Capacity: &NodeReporter{}, HoldSocket: serveHolder(t, h),
 				InUse: func(string) (bool, error) { return false, nil }}
