@@ -33,7 +33,8 @@ const groupWait = time.Second
 // (the vm-operator host agent) to hold the writers of their volumes, cuts each member, and lets
 // the writers go. The members then show one instant, as a crash would leave the volumes. A
 // group is cut whole or not at all: a member that fails, or a hold that ends before the last
-// member is cut, removes what was cut, and the next attempt cuts every member anew.
+// member is cut, removes what was cut, and the next attempt cuts every member anew; but a
+// group whose cut outlasted the hold is not attempted again (HoldExpiredReason).
 //
 // The statuses are written after the release, in two rounds: every member's how it was cut
 // (CutReason), then each member Ready. A group some of whose members are Ready was cut whole
@@ -43,7 +44,11 @@ const groupWait = time.Second
 func (r *SnapshotReconciler) cutGroup(ctx context.Context, snap *pmemv1.PmemSnapshot) (ctrl.Result, error) {
 	g := snap.Spec.Group
 	log := ctrl.LoggerFrom(ctx).WithValues("groupSnapshotID", g.ID)
-	r.groupMu.Lock()
+	// One group at a time (the holder holds one lease at a time too); a worker never waits for
+	// another group's cut, which may take the whole hold: it comes back.
+	if !r.groupMu.TryLock() {
+		return ctrl.Result{RequeueAfter: groupWait}, nil
+	}
 	defer r.groupMu.Unlock()
 
 	list := &pmemv1.PmemSnapshotList{}
@@ -67,7 +72,8 @@ func (r *SnapshotReconciler) cutGroup(ctx context.Context, snap *pmemv1.PmemSnap
 		}
 	}
 	switch {
-	case len(todo) == 0:
+	case len(todo) == 0 || slices.ContainsFunc(todo, holdExpired):
+		// Cut, or given up: a group whose cut outlasted the hold waits for its deletion.
 		return ctrl.Result{}, nil
 	case len(members) < int(g.Size):
 		log.V(4).Info("Waiting for the other members of the group", "members", len(members), "size", g.Size)
@@ -110,8 +116,14 @@ func (r *SnapshotReconciler) cutGroup(ctx context.Context, snap *pmemv1.PmemSnap
 			}
 		}
 		reason, retry := failureReason(cutErr)
-		if errors.Is(cutErr, errUnheld) {
+		switch {
+		case errors.Is(cutErr, errUnheld):
 			reason, retry = WritersNotHeldReason, true
+		case errors.Is(cutErr, hold.ErrExpired):
+			reason, retry = pmemv1.HoldExpiredReason, false
+			cutErr = fmt.Errorf("cutting the %d members took longer than the host's longest hold of their writers: "+
+				"not tried again, since each try would hold them again (raise the host agent's --hold-max, or snapshot fewer or smaller volumes together): %w",
+				len(todo), cutErr)
 		}
 		for _, m := range todo {
 			if serr := r.setStatus(ctx, m, nil, metav1.ConditionFalse, reason, cutErr.Error()); serr != nil {
@@ -131,6 +143,12 @@ func (r *SnapshotReconciler) cutGroup(ctx context.Context, snap *pmemv1.PmemSnap
 		}
 	}
 	return ctrl.Result{}, r.markReady(ctx, todo)
+}
+
+// holdExpired reports whether m's group was given up because its cut outlasted the hold.
+func holdExpired(m *pmemv1.PmemSnapshot) bool {
+	c := meta.FindStatusCondition(m.Status.Conditions, pmemv1.ReadyCondition)
+	return c != nil && c.Reason == pmemv1.HoldExpiredReason
 }
 
 // howCut says how a member of a group that was cut whole was cut: whether the writers of its

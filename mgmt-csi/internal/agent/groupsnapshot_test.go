@@ -5,6 +5,7 @@ import (
 	"path/filepath"
 	"sync"
 	"testing"
+	"time"
 
 	. "github.com/onsi/gomega"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
@@ -54,6 +55,9 @@ func newGroupHost(ctx context.Context, g Gomega, capacity int64, funcs intercept
 type holder struct {
 	backend *fake.Fake
 
+	// released, when set, is told of each release.
+	released chan struct{}
+
 	mu                sync.Mutex
 	asked             []string
 	atHold, atRelease []string
@@ -79,12 +83,20 @@ func (h *holder) Hold(_ context.Context, ids []string) ([]string, func(context.C
 		defer h.mu.Unlock()
 		h.releases++
 		h.atRelease = h.snapshots()
+		if h.released != nil {
+			h.released <- struct{}{}
+		}
 		return nil
 	}, nil
 }
 
 // serveHolder serves h on a socket of a test directory and returns its path.
 func serveHolder(t *testing.T, h *holder) string {
+	return serveHolderFor(t, h, 0)
+}
+
+// serveHolderFor serves h with a longest hold of maxHold (0: the default).
+func serveHolderFor(t *testing.T, h *holder, maxHold time.Duration) string {
 	t.Helper()
 	path := filepath.Join(t.TempDir(), hold.SocketName)
 	l, err := hold.Listen(path)
@@ -95,7 +107,7 @@ func serveHolder(t *testing.T, h *holder) string {
 	done := make(chan struct{})
 	go func() {
 		defer close(done)
-		_ = (&hold.Server{Holder: h}).Serve(ctx, l)
+		_ = (&hold.Server{Holder: h, MaxHold: maxHold}).Serve(ctx, l)
 	}()
 	t.Cleanup(func() { cancel(); <-done })
 	return path
@@ -299,4 +311,41 @@ func TestSnapshotReconcilerFinishesAGroupWhoseStatusWritesFailed(t *testing.T) {
 			}
 		})
 	}
+}
+
+// A group whose cut outlasts the hold (a back end that copies each member in full) is undone
+// and given up, with the reason: trying again would hold the writers again, for as long.
+func TestSnapshotReconcilerGivesUpAGroupWhoseCutOutlastsTheHold(t *testing.T) {
+	g := NewWithT(t)
+	ctx := t.Context()
+	c, b := newGroupHost(ctx, g, 100*mi, interceptor.Funcs{}, member("snap-1", "v1", 2), member("snap-2", "v2", 2))
+	h := &holder{backend: b, released: make(chan struct{}, 1)}
+	socket := serveHolderFor(t, h, 10*time.Millisecond)
+	// The cut of v2 (which the holder does not hold) lasts until the server let go at the
+	// longest hold.
+	slow := func(string) (bool, error) {
+		<-h.released
+		return false, nil
+	}
+	r := &SnapshotReconciler{Client: c, Backend: b, Node: "host-a", Capacity: &NodeReporter{}, HoldSocket: socket, InUse: slow}
+	req := ctrl.Request{NamespacedName: client.ObjectKey{Name: "snap-1"}}
+
+	res, err := r.Reconcile(ctx, req)
+	g.Expect(err).NotTo(HaveOccurred(), "given up, not retried")
+	g.Expect(res.RequeueAfter).To(BeZero())
+	g.Expect(h.snapshots()).To(BeEmpty(), "what was cut is removed")
+	for _, name := range []string{"snap-1", "snap-2"} {
+		got := &pmemv1.PmemSnapshot{}
+		g.Expect(c.Get(ctx, client.ObjectKey{Name: name}, got)).To(Succeed())
+		ready := meta.FindStatusCondition(got.Status.Conditions, pmemv1.ReadyCondition)
+		g.Expect(ready.Reason).To(Equal(pmemv1.HoldExpiredReason), name)
+		g.Expect(ready.Message).To(HavePrefix("cutting the 2 members took longer than the host's longest hold of their writers: not tried again"))
+		g.Expect(ready.Message).To(ContainSubstring(hold.ErrExpired.Error()))
+	}
+
+	_, err = r.Reconcile(ctx, req)
+	g.Expect(err).NotTo(HaveOccurred())
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	g.Expect(h.holds).To(Equal(1), "the writers are not held again")
 }

@@ -662,6 +662,8 @@ func readiness(conditions []metav1.Condition, gen int64, node string) (bool, err
 		return false, status.Errorf(codes.ResourceExhausted, "node %s: %s", node, c.Message)
 	case c.Reason == pmemv1.SourceNotFoundReason:
 		return false, status.Errorf(codes.NotFound, "node %s: %s", node, c.Message)
+	case c.Reason == pmemv1.HoldExpiredReason:
+		return false, status.Errorf(codes.ResourceExhausted, "node %s: %s", node, c.Message)
 	}
 	return false, nil
 }

@@ -38,8 +38,9 @@ func (s *groupControllerServer) GroupControllerGetCapabilities(context.Context, 
 
 // CreateVolumeGroupSnapshot gets or creates the members of group snapshot name, one per source
 // volume, and waits until the node agent has cut them. The volumes must be on one node: the
-// writers are held per host; the new members must fit the namespace's snapshot quotas. Idempotent by name; a group that failed is removed whole, so that
-// a retry cuts all of its members anew.
+// writers are held per host; the new members must fit the namespace's snapshot quotas.
+// Idempotent by name; a group that failed is removed whole, so that a retry cuts all of its
+// members anew, but for one whose cut outlasted the hold (pmemv1.HoldExpiredReason).
 func (s *groupControllerServer) CreateVolumeGroupSnapshot(ctx context.Context, req *csi.CreateVolumeGroupSnapshotRequest) (*csi.CreateVolumeGroupSnapshotResponse, error) {
 	sources := req.GetSourceVolumeIds()
 	switch {
@@ -84,9 +85,14 @@ func (s *groupControllerServer) CreateVolumeGroupSnapshot(ctx context.Context, r
 			return nil, err
 		}
 		if failure != nil {
-			for _, m := range members {
-				if err := s.deleteObject(ctx, m); err != nil {
-					return nil, err
+			// A group whose cut outlasted the hold keeps its failed members, so that a retry
+			// answers the same at once instead of holding the writers again; any other failure
+			// removes them, and a retry cuts the group anew.
+			if c := conditionsOf(snap); c == nil || c.Reason != pmemv1.HoldExpiredReason {
+				for _, m := range members {
+					if err := s.deleteObject(ctx, m); err != nil {
+						return nil, err
+					}
 				}
 			}
 			return nil, status.Errorf(status.Code(failure), "group snapshot %s: member %s of volume %s: %s", id, snap.Name, snap.Spec.SourceVolumeID, status.Convert(failure).Message())

@@ -188,25 +188,42 @@ func TestCreateVolumeGroupSnapshot(t *testing.T) {
 	g.Expect(err).NotTo(HaveOccurred(), "a missing group is deleted")
 }
 
-func TestCreateVolumeGroupSnapshotRemovesAFailedGroup(t *testing.T) {
-	g := NewWithT(t)
-	s := newTestGroupController(t)
-	req := &csi.CreateVolumeGroupSnapshotRequest{Name: "groupsnapshot-1", SourceVolumeIds: []string{"pvc-a", "pvc-b"}}
-	ctx, cancel := context.WithTimeout(t.Context(), 100*time.Millisecond)
-	defer cancel()
-	_, err := s.CreateVolumeGroupSnapshot(ctx, req)
-	g.Expect(status.Code(err)).To(Equal(codes.DeadlineExceeded))
+// A failed group is removed whole, so that a retry cuts it anew; but one whose cut outlasted
+// the hold stays, failed, so that a retry answers at once instead of holding the writers again.
+func TestCreateVolumeGroupSnapshotOfAFailedGroup(t *testing.T) {
+	for _, tt := range []struct {
+		reason, message string
+		wantRemoved     bool
+	}{
+		{pmemv1.InsufficientCapacityReason, "no room for the snapshot", true},
+		{pmemv1.HoldExpiredReason, "cutting the 2 members took longer than the host's longest hold of their writers", false},
+	} {
+		t.Run(tt.reason, func(t *testing.T) {
+			g := NewWithT(t)
+			s := newTestGroupController(t)
+			req := &csi.CreateVolumeGroupSnapshotRequest{Name: "groupsnapshot-1", SourceVolumeIds: []string{"pvc-a", "pvc-b"}}
+			ctx, cancel := context.WithTimeout(t.Context(), 100*time.Millisecond)
+			defer cancel()
+			_, err := s.CreateVolumeGroupSnapshot(ctx, req)
+			g.Expect(status.Code(err)).To(Equal(codes.DeadlineExceeded))
 
-	m := members(t, s, "groupsnapshot-1")[0]
-	meta.SetStatusCondition(&m.Status.Conditions, metav1.Condition{
-		Type: pmemv1.ReadyCondition, Status: metav1.ConditionFalse, Reason: pmemv1.InsufficientCapacityReason,
-		Message: "no room for the snapshot", ObservedGeneration: m.Generation,
-	})
-	g.Expect(s.client.Status().Update(t.Context(), m)).To(Succeed())
-	_, err = s.CreateVolumeGroupSnapshot(t.Context(), req)
-	g.Expect(status.Code(err)).To(Equal(codes.ResourceExhausted), "%v", err)
-	g.Expect(err.Error()).To(ContainSubstring("no room for the snapshot"))
-	for _, m := range members(t, s, "groupsnapshot-1") {
-		g.Expect(m.DeletionTimestamp).NotTo(BeNil(), "the whole group goes, so that a retry cuts it anew")
+			m := members(t, s, "groupsnapshot-1")[0]
+			meta.SetStatusCondition(&m.Status.Conditions, metav1.Condition{
+				Type: pmemv1.ReadyCondition, Status: metav1.ConditionFalse, Reason: tt.reason,
+				Message: tt.message, ObservedGeneration: m.Generation,
+			})
+			g.Expect(s.client.Status().Update(t.Context(), m)).To(Succeed())
+			for range 2 {
+				_, err = s.CreateVolumeGroupSnapshot(t.Context(), req)
+				g.Expect(status.Code(err)).To(Equal(codes.ResourceExhausted), "%v", err)
+				g.Expect(err.Error()).To(ContainSubstring(tt.message))
+				if tt.wantRemoved {
+					break
+				}
+			}
+			for _, m := range members(t, s, "groupsnapshot-1") {
+				g.Expect(m.DeletionTimestamp != nil).To(Equal(tt.wantRemoved))
+			}
+		})
 	}
 }

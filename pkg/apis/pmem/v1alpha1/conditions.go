@@ -21,6 +21,12 @@ const (
 	// InUseReason (False, on a PmemVolume being deleted): the device is open or mounted on the
 	// node, so its data cannot be removed yet. DeleteVolume answers FailedPrecondition.
 	InUseReason = "InUse"
+	// HoldExpiredReason (False, on the members of a group snapshot): cutting the members took
+	// longer than the host's longest hold of their writers (a back end that copies each member
+	// in full). What was cut is removed, and the group is not tried again, since each try would
+	// hold the writers again: CreateVolumeGroupSnapshot answers ResourceExhausted until the
+	// group is deleted.
+	HoldExpiredReason = "HoldExpired"
 	// FailedReason (False): the back end failed; the message says how.
 	FailedReason = "Failed"
 	// BackendReadyReason (True on a PmemNode): the back end is initialized and reports capacity.
