@@ -22,6 +22,7 @@ import (
 	ctrl "sigs.k8s.io/controller-runtime"
 	"sigs.k8s.io/controller-runtime/pkg/builder"
 	"sigs.k8s.io/controller-runtime/pkg/client"
+	"sigs.k8s.io/controller-runtime/pkg/controller"
 	"sigs.k8s.io/controller-runtime/pkg/handler"
 	"sigs.k8s.io/controller-runtime/pkg/predicate"
 	"sigs.k8s.io/controller-runtime/pkg/reconcile"
@@ -92,6 +93,7 @@ func (r *CredentialsReconciler) SetupWithManager(mgr ctrl.Manager) error {
 		// A deleted ServiceAccount (how an admin revokes every token of a guest) is made anew,
 		// with a new token, at once.
 		Owns(&corev1.ServiceAccount{}).
+		WithOptions(controller.Options{MaxConcurrentReconciles: guestWorkers}).
 		Complete(r)
 }
 

@@ -4,6 +4,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
+	"net/http"
 	"slices"
 	"strings"
 	"sync"
@@ -30,7 +32,59 @@ const (
 	// install writes a few dozen objects, which client-go's default (5/s after a burst of 10)
 	// spread over seconds.
 	guestQPS, guestBurst = 20, 50
+	// maxGuestResponse bounds the body of every response of a guest apiserver: the controller
+	// reads single objects and short lists there (its install, a ServiceAccount, a Secret), and
+	// a hostile guest's endless or enormous answer must not hold its memory or a worker.
+	maxGuestResponse = 4 << 20
+	// guestWorkers is how many Clusters each controller that talks to guests serves at once: a
+	// guest that answers slowly (up to guestTimeout a request) holds one of them, not the
+	// others' credential renewals and installs.
+	guestWorkers = 4
 )
+
+// errGuestResponseTooLarge is returned when a guest apiserver's response exceeds
+// maxGuestResponse.
+var errGuestResponseTooLarge = fmt.Errorf("the guest apiserver's response is larger than %d bytes", maxGuestResponse)
+
+// limitResponses bounds the body of each response that rt returns to limit bytes: reading past
+// it fails with errGuestResponseTooLarge.
+func limitResponses(rt http.RoundTripper, limit int64) http.RoundTripper {
+	return roundTripperFunc(func(req *http.Request) (*http.Response, error) {
+		resp, err := rt.RoundTrip(req)
+		if err != nil {
+			return nil, err
+		}
+		resp.Body = &limitedBody{ReadCloser: resp.Body, left: limit}
+		return resp, nil
+	})
+}
+
+type roundTripperFunc func(*http.Request) (*http.Response, error)
+
+func (f roundTripperFunc) RoundTrip(req *http.Request) (*http.Response, error) { return f(req) }
+
+// limitedBody reads at most left more bytes of a body.
+type limitedBody struct {
+	io.ReadCloser
+	left int64
+}
+
+func (b *limitedBody) Read(p []byte) (int, error) {
+	if b.left <= 0 {
+		// One byte more tells a body of exactly the limit from a longer one.
+		var one [1]byte
+		if n, _ := b.ReadCloser.Read(one[:]); n > 0 {
+			return 0, errGuestResponseTooLarge
+		}
+		return 0, io.EOF
+	}
+	if int64(len(p)) > b.left {
+		p = p[:b.left]
+	}
+	n, err := b.ReadCloser.Read(p)
+	b.left -= int64(n)
+	return n, err
+}
 
 // errNoKubeconfig is returned while Cluster API has not written the Cluster's kubeconfig Secret.
 var errNoKubeconfig = errors.New("no kubeconfig Secret yet")
@@ -83,6 +137,7 @@ func (g *GuestClients) For(ctx context.Context, c client.Reader, cluster *cluste
 		return nil, fmt.Errorf("kubeconfig in Secret %s: %w", key, err)
 	}
 	rc.Timeout, rc.QPS, rc.Burst = guestTimeout, guestQPS, guestBurst
+	rc.Wrap(func(rt http.RoundTripper) http.RoundTripper { return limitResponses(rt, maxGuestResponse) })
 	cl, err := client.New(rc, client.Options{Scheme: g.scheme})
 	if err != nil {
 		return nil, fmt.Errorf("client of the guest cluster from Secret %s: %w", key, err)
