@@ -77,12 +77,18 @@ export FUZZ_TIME ?= 10000x
 fuzz: ## Run each fuzz target for FUZZ_TIME (10000 inputs).
 	hack/phase.sh fuzz hack/fuzz.sh $(FUZZ_TARGETS)
 
+# The baseline the bench's figures are compared with (e2e/benchcmp): each of its figures is
+# printed with its change, and a ratio figure more than 10 % worse as a regression.
+BENCH_BASELINE ?= e2e/benchcmp/baseline.txt
+
 .PHONY: bench
-bench: deps lab-tools ## Run the benchmarks; each figure prints as `BENCH <name> <value> <unit>`. LABELS picks the suite's benchmarks alone (e.g. LABELS=scale); the apiservers run with their watch cache, as in production (WATCH_CACHE=0: without, as the tests run them).
-	@$(if $(LABELS),true,for m in $(MODULES); do \
+bench: deps lab-tools ## Run the benchmarks; each figure prints as `BENCH <name> <value> <unit>`, then its change against BENCH_BASELINE. LABELS picks the suite's benchmarks alone (e.g. LABELS=scale); the apiservers run with their watch cache, as in production (WATCH_CACHE=0: without, as the tests run them).
+	@go build -o bin/benchcmp ./e2e/cmd/benchcmp
+	@{ $(if $(LABELS),true,for m in $(MODULES); do \
 		(cd $$m && go test -run '^$$' -bench . -benchtime 1x -timeout $(TEST_TIMEOUT) ./... | { grep -E '^(BENCH|FAIL|panic|---)' || true; }) || exit 1; \
-	done)
-	@cd e2e && $(E2E_GO_TEST) -v -count=1 -timeout 60m ./suite -args -ginkgo.label-filter='bench && ($(or $(LABELS),bench))' $(if $(filter 0,$(WATCH_CACHE)),,-watch-cache) | { grep -E '^(BENCH|FAIL|panic|---|\[FAIL)' || true; }
+	done) && \
+	cd e2e && $(E2E_GO_TEST) -v -count=1 -timeout 60m ./suite -args -ginkgo.label-filter='bench && ($(or $(LABELS),bench))' $(if $(filter 0,$(WATCH_CACHE)),,-watch-cache) | { grep -E '^(BENCH|FAIL|panic|---|\[FAIL)' || true; }; } | \
+		bin/benchcmp -baseline $(BENCH_BASELINE)
 
 .PHONY: soak
 soak: deps lab-tools ## The long runs: the kill -9 churn over 200 volume lifecycles; a controller-manager restart watched for 10 minutes.
