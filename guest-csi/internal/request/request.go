@@ -209,7 +209,8 @@ const (
 	MaxSerialLength = 20
 )
 
-// ErrInvalidSerial: the publish context carries no serial, or one that no disk can have.
+// ErrInvalidSerial is returned when the publish context carries no serial, or one that no disk
+// can have.
 var ErrInvalidSerial = errors.New("invalid disk serial")
 
 // SerialFrom returns the disk serial of a publish context. The serial comes from the management
