@@ -28,10 +28,10 @@ type Figure struct {
 var benchLine = regexp.MustCompile(`^BENCH (\S+) ([0-9.eE+-]+) (\S+)`)
 
 // Parse reads the figures of bench output, or of a baseline file in the same form (`BENCH`
-// optional; blank lines and lines starting with # are skipped). A figure printed twice keeps
-// its last value.
-func Parse(r io.Reader) (map[string]Figure, error) {
-	figures := map[string]Figure{}
+// optional; blank lines and lines starting with # are skipped), and their names in the order
+// they first appear. A figure printed twice keeps its last value.
+func Parse(r io.Reader) (names []string, figures map[string]Figure, err error) {
+	figures = map[string]Figure{}
 	sc := bufio.NewScanner(r)
 	for sc.Scan() {
 		line := strings.TrimSpace(sc.Text())
@@ -47,11 +47,14 @@ func Parse(r io.Reader) (map[string]Figure, error) {
 		}
 		v, err := strconv.ParseFloat(m[2], 64)
 		if err != nil {
-			return nil, fmt.Errorf("figure %s: %w", m[1], err)
+			return nil, nil, fmt.Errorf("figure %s: %w", m[1], err)
+		}
+		if _, seen := figures[m[1]]; !seen {
+			names = append(names, m[1])
 		}
 		figures[m[1]] = Figure{Value: v, Unit: m[3]}
 	}
-	return figures, sc.Err()
+	return names, figures, sc.Err()
 }
 
 // Change is a baseline figure beside the one measured now.
@@ -101,20 +104,4 @@ func Report(w io.Writer, changes []Change) (regressions int, err error) {
 	fmt.Fprintf(&b, "BENCH-CHANGE %d regressions against the baseline\n", regressions)
 	_, err = io.WriteString(w, b.String())
 	return regressions, err
-}
-
-// Order returns the names of the figures of a baseline file in the order it lists them.
-func Order(r io.Reader) ([]string, error) {
-	var names []string
-	sc := bufio.NewScanner(r)
-	for sc.Scan() {
-		line := strings.TrimSpace(sc.Text())
-		if line == "" || strings.HasPrefix(line, "#") {
-			continue
-		}
-		if f := strings.Fields(strings.TrimPrefix(line, "BENCH ")); len(f) > 0 {
-			names = append(names, f[0])
-		}
-	}
-	return names, sc.Err()
 }

@@ -10,6 +10,12 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 )
 
+// SnapshotCountResource is the ResourceQuota resource that counts a namespace's VolumeSnapshots:
+// the tenants controller's quota sets it (a ResourceQuota cannot sum the bytes of
+// VolumeSnapshots, and each one is a full copy of its source on the source's host), and mgmt-csi
+// counts a group snapshot's members against it before any is cut.
+const SnapshotCountResource = "count/volumesnapshots.snapshot.storage.k8s.io"
+
 const (
 	// ClusterNameLabel and ClusterUIDLabel mark a management object (PVC, VolumeSnapshot)
 	// created for a guest cluster: the name and UID of its Cluster API Cluster.

@@ -33,15 +33,11 @@ func run(baselineFile string, in io.Reader, out io.Writer) error {
 	if _, err := io.Copy(io.MultiWriter(out, &output), in); err != nil {
 		return err
 	}
-	order, err := benchcmp.Order(bytes.NewReader(data))
+	order, base, err := benchcmp.Parse(bytes.NewReader(data))
 	if err != nil {
 		return err
 	}
-	base, err := benchcmp.Parse(bytes.NewReader(data))
-	if err != nil {
-		return err
-	}
-	now, err := benchcmp.Parse(&output)
+	_, now, err := benchcmp.Parse(&output)
 	if err != nil {
 		return err
 	}

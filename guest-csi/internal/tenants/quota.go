@@ -14,14 +14,13 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/handler"
 	"sigs.k8s.io/controller-runtime/pkg/predicate"
 	"sigs.k8s.io/controller-runtime/pkg/reconcile"
+
+	"pvbridge.io/pkg/tenancy"
 )
 
 const (
 	// SnapshotQuota is the ResourceQuota the quota controller gives every enforced namespace.
 	SnapshotQuota = "pvbridge-snapshots"
-	// snapshotCount is the quota's resource: a count, since a ResourceQuota cannot sum the bytes
-	// of VolumeSnapshots, and each one is a full copy of its source on the source's host.
-	snapshotCount corev1.ResourceName = "count/volumesnapshots.snapshot.storage.k8s.io"
 	// groupSnapshotCount counts VolumeGroupSnapshots: their members count as snapshots (mgmt-csi
 	// refuses a group its namespace's snapshot quota has no room for), but groups taken at once
 	// may each pass that check, and each one holds its VMs' writes on a shared host.
@@ -67,7 +66,7 @@ func (r *QuotaReconciler) Reconcile(ctx context.Context, req ctrl.Request) (ctrl
 		return ctrl.Result{}, nil
 	}
 	hard := corev1.ResourceList{}
-	for name, n := range map[corev1.ResourceName]int64{snapshotCount: r.Snapshots, groupSnapshotCount: r.GroupSnapshots} {
+	for name, n := range map[corev1.ResourceName]int64{tenancy.SnapshotCountResource: r.Snapshots, groupSnapshotCount: r.GroupSnapshots} {
 		if n > 0 {
 			hard[name] = *resource.NewQuantity(n, resource.DecimalSI)
 		}

@@ -35,7 +35,7 @@ func TestSnapshotQuotaOfEnforcedNamespace(t *testing.T) {
 		count := func(n int64) types.GomegaMatcher {
 			return WithTransform(func(q resource.Quantity) int64 { return q.Value() }, Equal(n))
 		}
-		return HaveField("Spec.Hard", And(HaveKeyWithValue(snapshotCount, count(n)), HaveKeyWithValue(groupSnapshotCount, count(2))))
+		return HaveField("Spec.Hard", And(HaveKeyWithValue(corev1.ResourceName(tenancy.SnapshotCountResource), count(n)), HaveKeyWithValue(groupSnapshotCount, count(2))))
 	}
 
 	g.Consistently(func(ctx context.Context) bool {
@@ -52,7 +52,7 @@ func TestSnapshotQuotaOfEnforcedNamespace(t *testing.T) {
 
 	q, err := quota(ctx)
 	g.Expect(err).NotTo(HaveOccurred())
-	q.Spec.Hard[snapshotCount] = resource.MustParse("10")
+	q.Spec.Hard[tenancy.SnapshotCountResource] = resource.MustParse("10")
 	g.Expect(mgmtClient.Update(ctx, q)).To(Succeed())
 	g.Consistently(quota).WithContext(ctx).WithTimeout(time.Second).Should(hard(10), "the admin's change stays")
 

@@ -145,6 +145,11 @@ func (r *SnapshotReconciler) cutGroup(ctx context.Context, snap *pmemv1.PmemSnap
 	return ctrl.Result{}, r.markReady(ctx, todo)
 }
 
+// cutWith says that member m was cut with the rest of its group.
+func cutWith(m *pmemv1.PmemSnapshot) string {
+	return fmt.Sprintf("cut with the %d members of group snapshot %s", m.Spec.Group.Size, m.Spec.Group.ID)
+}
+
 // holdExpired reports whether m's group was given up because its cut outlasted the hold.
 func holdExpired(m *pmemv1.PmemSnapshot) bool {
 	c := meta.FindStatusCondition(m.Status.Conditions, pmemv1.ReadyCondition)
@@ -154,7 +159,7 @@ func holdExpired(m *pmemv1.PmemSnapshot) bool {
 // howCut says how a member of a group that was cut whole was cut: whether the writers of its
 // volume were held, and how long.
 func howCut(m *pmemv1.PmemSnapshot, held []string, heldFor time.Duration) string {
-	msg := fmt.Sprintf("cut with the %d members of group snapshot %s", m.Spec.Group.Size, m.Spec.Group.ID)
+	msg := cutWith(m)
 	if slices.Contains(held, m.Spec.SourceVolumeID) {
 		return msg + fmt.Sprintf(" while the writers of its volume were held for %s", heldFor.Round(time.Millisecond))
 	}
@@ -228,7 +233,7 @@ func (r *SnapshotReconciler) markReady(ctx context.Context, todo []*pmemv1.PmemS
 		if err != nil {
 			return err
 		}
-		msg := fmt.Sprintf("cut with the %d members of group snapshot %s", m.Spec.Group.Size, m.Spec.Group.ID)
+		msg := cutWith(m)
 		if c := meta.FindStatusCondition(m.Status.Conditions, pmemv1.ReadyCondition); c != nil && c.Reason == CutReason {
 			msg = c.Message
 		}

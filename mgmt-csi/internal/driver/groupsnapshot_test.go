@@ -16,6 +16,7 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	pmemv1 "pvbridge.io/pkg/apis/pmem/v1alpha1"
+	"pvbridge.io/pkg/tenancy"
 )
 
 func newTestGroupController(t *testing.T) *groupControllerServer {
@@ -81,8 +82,8 @@ func TestCreateVolumeGroupSnapshotCountsItsMembersAgainstTheQuota(t *testing.T) 
 		return &corev1.ResourceQuota{
 			ObjectMeta: metav1.ObjectMeta{Namespace: "tenant-a", Name: name},
 			Status: corev1.ResourceQuotaStatus{
-				Hard: corev1.ResourceList{snapshotCount: *resource.NewQuantity(hard, resource.DecimalSI)},
-				Used: corev1.ResourceList{snapshotCount: *resource.NewQuantity(used, resource.DecimalSI)},
+				Hard: corev1.ResourceList{tenancy.SnapshotCountResource: *resource.NewQuantity(hard, resource.DecimalSI)},
+				Used: corev1.ResourceList{tenancy.SnapshotCountResource: *resource.NewQuantity(used, resource.DecimalSI)},
 			},
 		}
 	}

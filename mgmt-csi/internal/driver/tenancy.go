@@ -22,9 +22,6 @@ const (
 	groupSnapshotNamespaceParam = "csi.storage.k8s.io/volumegroupsnapshot/namespace"
 )
 
-// snapshotCount is the ResourceQuota resource that counts a namespace's VolumeSnapshots.
-const snapshotCount corev1.ResourceName = "count/volumesnapshots.snapshot.storage.k8s.io"
-
 // snapshotRoom refuses a group snapshot of n new members that the ResourceQuotas of its
 // namespace leave no room for. Its members are cut (on lvm and ndctl, full copies on the
 // shared host) before snapshot-controller makes their VolumeSnapshots, which the quota counts:
@@ -42,11 +39,11 @@ func (s *controllerServer) snapshotRoom(ctx context.Context, params map[string]s
 		return csiserver.APIError(err, "list the ResourceQuotas of namespace %s", ns)
 	}
 	for _, q := range quotas.Items {
-		hard, ok := q.Status.Hard[snapshotCount]
+		hard, ok := q.Status.Hard[tenancy.SnapshotCountResource]
 		if !ok {
 			continue
 		}
-		used := q.Status.Used[snapshotCount]
+		used := q.Status.Used[tenancy.SnapshotCountResource]
 		if room := hard.Value() - used.Value(); int64(n) > room {
 			return status.Errorf(codes.ResourceExhausted,
 				"a group snapshot of %d members does not fit ResourceQuota %s/%s: %s of %s VolumeSnapshots used, room for %d; no member is cut",
