@@ -156,6 +156,65 @@ func TestVolumeAttributesClassLimitsIOLive(t *testing.T) {
 	mgmtPVC, err := mc.CoreV1().PersistentVolumeClaims(mgmtNS).Get(ctx, mgmtClaim, metav1.GetOptions{})
 	g.Expect(err).NotTo(HaveOccurred())
 	g.Expect(mgmtPVC.Spec.VolumeAttributesClassName).To(HaveValue(Equal("pvbridge-fast")))
+
+	toggleAttributesClass(t, mgmtNS, mgmtClaim, "pvbridge-slow", "pvbridge-fast")
+}
+
+// toggleAttributesClass changes the class of a guest cluster's management claim back and
+// forth, each change awaited, as a guest whose credential writes its claims could in a loop,
+// until the management driver refuses for want of the cluster's budget of changes; then it
+// waits for csi-resizer's retry to carry the refused change through once the budget refills,
+// and leaves the claim with class keep, which it had.
+func toggleAttributesClass(t *testing.T, ns, claim, other, keep string) {
+	g := NewWithT(t)
+	ctx := t.Context()
+	claims := in.Mgmt.Client().CoreV1().PersistentVolumeClaims(ns)
+	set := func(class string) {
+		_, err := claims.Patch(ctx, claim, types.MergePatchType, fmt.Appendf(nil, `{"spec":{"volumeAttributesClassName":%q}}`, class), metav1.PatchOptions{})
+		g.Expect(err).NotTo(HaveOccurred())
+	}
+	// The refusal (mgmt-csi/internal/driver/tenancy.go), in the claim's ModifyVolumeError condition.
+	refusal := fmt.Sprintf("guest cluster %s/%s has spent its budget of VolumeAttributesClass changes (20 at once, then one every 6 s): PVC %s/%s changes class when the budget allows",
+		ns, in.Options.Guest.Name, ns, claim)
+	changed := func(g Gomega, class string) {
+		pvc, err := claims.Get(ctx, claim, metav1.GetOptions{})
+		g.Expect(err).NotTo(HaveOccurred())
+		g.Expect(pvc.Status.CurrentVolumeAttributesClassName).To(HaveValue(Equal(class)))
+	}
+
+	t.Log("the guest cluster's management claim changes class in a loop, until the management driver refuses")
+	start := time.Now()
+	changes, refused, target := 0, false, keep
+	for !refused {
+		g.Expect(changes).To(BeNumerically("<", 60), "no refusal after %d changes", changes)
+		target = map[string]string{keep: other, other: keep}[target]
+		set(target)
+		g.Eventually(func(g Gomega) {
+			pvc, err := claims.Get(ctx, claim, metav1.GetOptions{})
+			g.Expect(err).NotTo(HaveOccurred())
+			for _, c := range pvc.Status.Conditions {
+				if c.Type == corev1.PersistentVolumeClaimVolumeModifyVolumeError && strings.Contains(c.Message, refusal) {
+					refused = true
+					return
+				}
+			}
+			changed(g, target)
+		}).WithContext(ctx).WithTimeout(2 * time.Minute).WithPolling(200 * time.Millisecond).Should(Succeed())
+		if !refused {
+			changes++
+		}
+	}
+	t.Logf("%d changes in %v, then: %s", changes, time.Since(start).Round(time.Millisecond), refusal)
+	g.Expect(changes).To(BeNumerically(">=", 19), "the budget's burst (20, one spent by the guest's own change before)")
+
+	t.Log("csi-resizer calls again after its backoff; the change goes through once the budget refills")
+	start = time.Now()
+	g.Eventually(changed).WithArguments(target).WithContext(ctx).WithTimeout(2 * time.Minute).Should(Succeed())
+	t.Logf("changed %v after the refusal", time.Since(start).Round(time.Millisecond))
+	if target != keep {
+		set(keep)
+		g.Eventually(changed).WithArguments(keep).WithContext(ctx).WithTimeout(2 * time.Minute).Should(Succeed())
+	}
 }
 
 // allowAttributesClasses creates management VolumeAttributesClasses, each limiting a disk to

@@ -252,7 +252,7 @@ func startSidecars(lab *cluster.Lab, cp *cluster.ControlPlane, dir, socket, name
 			"--kube-api-qps=50", "--kube-api-burst=100"),
 			[]string{"NAMESPACE=" + namespace, "POD_NAME=" + filepath.Base(dir) + "-controller"}},
 		{"csi-attacher", append(common, "--kube-api-qps=50", "--kube-api-burst=100", "--worker-threads=100"), nil},
-		{"csi-resizer", append(common, "--handle-volume-inuse-error=false"), nil},
+		{"csi-resizer", append(common, "--handle-volume-inuse-error=false", "--extra-modify-metadata"), nil},
 		{"csi-snapshotter", append(common, "--extra-create-metadata"), nil},
 		{"snapshot-controller", []string{"--kubeconfig=" + cp.Kubeconfig, "--leader-election=false", "--retry-interval-max=" + sidecarRetryMax, "--v=3"}, nil},
 	}

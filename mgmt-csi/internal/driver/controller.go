@@ -23,6 +23,7 @@ import (
 	"pvbridge.io/mgmt-csi/internal/ids"
 	pmemv1 "pvbridge.io/pkg/apis/pmem/v1alpha1"
 	"pvbridge.io/pkg/await"
+	"pvbridge.io/pkg/budget"
 	"pvbridge.io/pkg/csiserver"
 	"pvbridge.io/pkg/keylock"
 	"pvbridge.io/pkg/names"
@@ -50,12 +51,15 @@ type controllerServer struct {
 	apiReader client.Reader
 	hub       *await.Hub
 	locks     *keylock.Locks
+	// modifies is each guest cluster's budget of VolumeAttributesClass changes (modifyBudget).
+	modifies *budget.Keyed
 }
 
 var _ csi.ControllerServer = (*controllerServer)(nil)
 
 func newControllerServer(c client.Client, reader, apiReader client.Reader, hub *await.Hub) *controllerServer {
-	return &controllerServer{client: c, reader: reader, apiReader: apiReader, hub: hub, locks: &keylock.Locks{}}
+	return &controllerServer{client: c, reader: reader, apiReader: apiReader, hub: hub, locks: &keylock.Locks{},
+		modifies: budget.New(modifiesPerSecond, modifiesBurst)}
 }
 
 func (s *controllerServer) ControllerGetCapabilities(context.Context, *csi.ControllerGetCapabilitiesRequest) (*csi.ControllerGetCapabilitiesResponse, error) {
@@ -519,6 +523,9 @@ func (s *controllerServer) ControllerModifyVolume(ctx context.Context, req *csi.
 		return nil, err
 	}
 	if err := s.getOrNotFound(ctx, id, &pmemv1.PmemVolume{}, "volume"); err != nil {
+		return nil, err
+	}
+	if err := s.modifyBudget(ctx, req.GetMutableParameters()); err != nil {
 		return nil, err
 	}
 	return &csi.ControllerModifyVolumeResponse{}, nil

@@ -144,8 +144,8 @@ func TestCreateVolumeRefusesWithoutSideEffects(t *testing.T) {
 	}
 }
 
-// guestClaim is what csi-provisioner passes with --extra-create-metadata for the management
-// PVC of that name in namespace tenant.
+// guestClaim is what csi-provisioner passes with --extra-create-metadata (and csi-resizer with
+// --extra-modify-metadata) for the management PVC of that name in namespace tenant.
 func guestClaim(name string) map[string]string {
 	return map[string]string{pvcNameParameter: name, pvcNamespaceParameter: "tenant", "csi.storage.k8s.io/pv/name": "pv-1"}
 }
@@ -277,15 +277,40 @@ func TestControllerModifyVolume(t *testing.T) {
 		{"a bad value", &csi.ControllerModifyVolumeRequest{VolumeId: "pvc-1", MutableParameters: map[string]string{"maxBytesPerSecond": "-1"}}, codes.InvalidArgument, "negative"},
 		{"unknown volume", &csi.ControllerModifyVolumeRequest{VolumeId: "pvc-x"}, codes.NotFound, "pvc-x"},
 		{"no volume ID", &csi.ControllerModifyVolumeRequest{}, codes.InvalidArgument, "volume_id"},
+		{"csi-resizer's claim metadata", &csi.ControllerModifyVolumeRequest{VolumeId: "pvc-1", MutableParameters: guestClaim("uid-small-pvc-1")}, codes.OK, ""},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			g := NewWithT(t)
-			s := newTestController(t, pmemVolume("pvc-1", "a", gi))
+			s := newTestController(t, pmemVolume("pvc-1", "a", gi), tenancyParams())
 			_, err := s.ControllerModifyVolume(t.Context(), tt.req)
 			g.Expect(status.Code(err)).To(Equal(tt.code), "%v", err)
 			g.Expect(status.Convert(err).Message()).To(ContainSubstring(tt.msg))
 		})
+	}
+}
+
+// TestModifyBudget: a guest cluster that changes its claims' classes past its budget is
+// refused, ResourceExhausted (csi-resizer retries), and its neighbours and the admin are not.
+func TestModifyBudget(t *testing.T) {
+	g := NewWithT(t)
+	params := tenancyParams()
+	params.Data["other.uid"], params.Data["other.hosts"] = "uid-other", "small"
+	s := newTestController(t, pmemVolume("pvc-1", "a", gi), params)
+	modify := func(claim string) error {
+		_, err := s.ControllerModifyVolume(t.Context(), &csi.ControllerModifyVolumeRequest{VolumeId: "pvc-1", MutableParameters: guestClaim(claim)})
+		return err
+	}
+	for range modifiesBurst {
+		g.Expect(modify("uid-small-pvc-1")).To(Succeed())
+	}
+	err := modify("uid-small-pvc-2")
+	g.Expect(status.Code(err)).To(Equal(codes.ResourceExhausted), "%v", err)
+	g.Expect(status.Convert(err).Message()).To(Equal(
+		"guest cluster tenant/small has spent its budget of VolumeAttributesClass changes (20 at once, then one every 6 s): PVC tenant/uid-small-pvc-2 changes class when the budget allows"))
+	g.Expect(modify("uid-other-pvc-1")).To(Succeed(), "a neighbour in the same namespace has its own budget")
+	for range modifiesBurst + 1 {
+		g.Expect(modify("shared-data")).To(Succeed(), "the admin's claims have no budget")
 	}
 }
 

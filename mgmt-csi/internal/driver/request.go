@@ -1,6 +1,7 @@
 package driver
 
 import (
+	"maps"
 	"slices"
 	"strings"
 
@@ -75,9 +76,12 @@ func topologyAllows(req *csi.TopologyRequirement, node string) bool {
 }
 
 // validateMutableParameters checks a VolumeAttributesClass's parameters: the I/O limits a
-// hypervisor enforces on the volume's disk (pkg/qos).
+// hypervisor enforces on the volume's disk (pkg/qos), besides the claim's metadata that
+// csi-resizer adds with --extra-modify-metadata (csi.storage.k8s.io/...).
 func validateMutableParameters(params map[string]string) error {
-	if _, err := qos.Parse(params); err != nil {
+	limits := maps.Clone(params)
+	maps.DeleteFunc(limits, func(k, _ string) bool { return strings.HasPrefix(k, sidecarParameterPrefix) })
+	if _, err := qos.Parse(limits); err != nil {
 		return status.Errorf(codes.InvalidArgument, "mutable parameters: %v", err)
 	}
 	return nil

@@ -14,13 +14,44 @@ import (
 	"pvbridge.io/pkg/tenancy"
 )
 
-// The parameters csi-provisioner adds to CreateVolume, and csi-snapshotter to
-// CreateVolumeGroupSnapshot, with --extra-create-metadata.
+// The parameters csi-provisioner adds to CreateVolume, csi-snapshotter to
+// CreateVolumeGroupSnapshot (with --extra-create-metadata) and csi-resizer to
+// ControllerModifyVolume (with --extra-modify-metadata).
 const (
-	pvcNameParameter            = "csi.storage.k8s.io/pvc/name"
-	pvcNamespaceParameter       = "csi.storage.k8s.io/pvc/namespace"
-	groupSnapshotNamespaceParam = "csi.storage.k8s.io/volumegroupsnapshot/namespace"
+	sidecarParameterPrefix      = "csi.storage.k8s.io/"
+	pvcNameParameter            = sidecarParameterPrefix + "pvc/name"
+	pvcNamespaceParameter       = sidecarParameterPrefix + "pvc/namespace"
+	groupSnapshotNamespaceParam = sidecarParameterPrefix + "volumegroupsnapshot/namespace"
 )
+
+// Each guest cluster's budget of VolumeAttributesClass changes. A change costs the management
+// cluster csi-resizer's writes of the claim and its PersistentVolume, and the host agent's live
+// change of the disk's limits with its VirtualMachine status writes: work that every tenant's
+// volumes share, which a guest toggling its claims' classes in a loop would otherwise take
+// from all. modifiesBurst changes at once, then one every six seconds.
+const (
+	modifiesBurst     = 20
+	modifiesPerSecond = 1.0 / 6
+)
+
+// modifyBudget takes one VolumeAttributesClass change from the budget of the guest cluster
+// that owns the claim (params: csi-resizer's --extra-modify-metadata), and refuses the change,
+// ResourceExhausted, when it is spent: csi-resizer keeps the claim's modification InProgress,
+// with the refusal in its ModifyVolumeError condition, and calls again after its backoff. A
+// claim no guest cluster owns (the admin's) has no budget.
+func (s *controllerServer) modifyBudget(ctx context.Context, params map[string]string) error {
+	cluster, _, ok, err := s.owner(ctx, params)
+	if err != nil || !ok {
+		return err
+	}
+	ns, name := params[pvcNamespaceParameter], params[pvcNameParameter]
+	if !s.modifies.Allow(ns + "/" + cluster) {
+		return status.Errorf(codes.ResourceExhausted,
+			"guest cluster %s/%s has spent its budget of VolumeAttributesClass changes (%d at once, then one every %.0f s): PVC %s/%s changes class when the budget allows",
+			ns, cluster, modifiesBurst, 1/modifiesPerSecond, ns, name)
+	}
+	return nil
+}
 
 // snapshotRoom refuses a group snapshot of n new members that the ResourceQuotas of its
 // namespace leave no room for. Its members are cut (on lvm and ndctl, full copies on the
@@ -58,29 +89,38 @@ func (s *controllerServer) snapshotRoom(ctx context.Context, params map[string]s
 // parameters of the claim's namespace. The admission policy already refuses a guest claim that
 // selects a host outside them; this covers the claims that select none (a class of Immediate
 // binding, or a selection csi-provisioner dropped after a host had no room), which would
-// otherwise go to the host with the most room, anywhere. nil means no restriction: no parameters there, or a claim no guest cluster owns.
-// The parameters are read live, by name (one read per new volume; no cache of ConfigMaps).
+// otherwise go to the host with the most room, anywhere. nil means no restriction: no
+// parameters there, or a claim no guest cluster owns.
 func (s *controllerServer) guestHosts(ctx context.Context, params map[string]string) ([]string, error) {
+	cluster, hosts, ok, err := s.owner(ctx, params)
+	switch {
+	case err != nil || !ok:
+		return nil, err
+	case len(hosts) == 0:
+		return nil, status.Errorf(codes.ResourceExhausted,
+			"PVC %s/%s belongs to guest cluster %s, which runs no VirtualMachine on any host yet: its volumes go only to the hosts of its VirtualMachines",
+			params[pvcNamespaceParameter], params[pvcNameParameter], cluster)
+	}
+	slices.Sort(hosts)
+	return hosts, nil
+}
+
+// owner finds the guest cluster that owns the claim the sidecar's metadata parameters name,
+// and its hosts, in the tenancy parameters of the claim's namespace (tenancy.HostsOfOwner). ok
+// is false for a claim no guest cluster owns, or no claim named. The parameters are read live,
+// by name (one read per call; no cache of ConfigMaps).
+func (s *controllerServer) owner(ctx context.Context, params map[string]string) (cluster string, hosts []string, ok bool, err error) {
 	name, ns := params[pvcNameParameter], params[pvcNamespaceParameter]
 	if name == "" || ns == "" {
-		return nil, nil
+		return "", nil, false, nil
 	}
 	cm := &corev1.ConfigMap{}
 	switch err := s.apiReader.Get(ctx, client.ObjectKey{Namespace: ns, Name: tenancy.ParamsConfigMap}, cm); {
 	case apierrors.IsNotFound(err):
-		return nil, nil
+		return "", nil, false, nil
 	case err != nil:
-		return nil, csiserver.APIError(err, "read the tenancy parameters %s/%s", ns, tenancy.ParamsConfigMap)
+		return "", nil, false, csiserver.APIError(err, "read the tenancy parameters %s/%s", ns, tenancy.ParamsConfigMap)
 	}
-	cluster, hosts, ok := tenancy.HostsOfOwner(cm.Data, name)
-	switch {
-	case !ok:
-		return nil, nil
-	case len(hosts) == 0:
-		return nil, status.Errorf(codes.ResourceExhausted,
-			"PVC %s/%s belongs to guest cluster %s, which runs no VirtualMachine on any host yet: its volumes go only to the hosts of its VirtualMachines",
-			ns, name, cluster)
-	}
-	slices.Sort(hosts)
-	return hosts, nil
+	cluster, hosts, ok = tenancy.HostsOfOwner(cm.Data, name)
+	return cluster, hosts, ok, nil
 }

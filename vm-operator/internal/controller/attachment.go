@@ -23,6 +23,7 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/reconcile"
 
 	vmv1 "pvbridge.io/pkg/apis/vm/v1alpha1"
+	"pvbridge.io/pkg/budget"
 	"pvbridge.io/pkg/listpatch"
 	"pvbridge.io/pkg/names"
 	"pvbridge.io/pkg/tenancy"
@@ -57,8 +58,9 @@ type AttachmentReconciler struct {
 	// APIReader reads from the API server, bypassing the cache: the VirtualMachine before a
 	// VolumeAttachment is deleted, a claim or volume before its absence is reported.
 	APIReader client.Reader
-	// liveReads bounds, per guest cluster, the reads that bypass the cache (claims, attachments).
-	liveReads readBudget
+	// liveReads bounds, per guest cluster, the reads that bypass the cache (claims,
+	// attachments): newReadBudget; nil for none.
+	liveReads *budget.Keyed
 	Recorder  events.EventRecorder
 }
 
@@ -286,17 +288,17 @@ var errUnconfirmed = errors.New("claim not confirmed: no live read left in the c
 
 // claim returns the claim at key, nil when it does not exist. A claim that the cache shows
 // missing or unbound is read again from the API server, from the budget of the guest cluster
-// named by budget: a claim bound a moment ago must not reach the guest as an error. Without
-// budget it returns errUnconfirmed, and the volume waits, without an error, for the claim's
-// watch event or the retry.
-func (r *AttachmentReconciler) claim(ctx context.Context, key client.ObjectKey, budget string) (*corev1.PersistentVolumeClaim, error) {
+// named by cluster (budgetKey): a claim bound a moment ago must not reach the guest as an
+// error. Without budget it returns errUnconfirmed, and the volume waits, without an error, for
+// the claim's watch event or the retry.
+func (r *AttachmentReconciler) claim(ctx context.Context, key client.ObjectKey, cluster string) (*corev1.PersistentVolumeClaim, error) {
 	pvc := &corev1.PersistentVolumeClaim{}
 	err := r.Client.Get(ctx, key, pvc)
 	if err == nil && pvc.Status.Phase == corev1.ClaimBound && pvc.Spec.VolumeName != "" {
 		return pvc, nil
 	}
 	if err == nil || apierrors.IsNotFound(err) {
-		if !r.liveReads.allow(budget) {
+		if !r.liveReads.Allow(cluster) {
 			return nil, errUnconfirmed
 		}
 		pvc = &corev1.PersistentVolumeClaim{}
@@ -338,7 +340,7 @@ func (r *AttachmentReconciler) confirmAttachments(ctx context.Context, vm *vmv1.
 	edit := listpatch.Diff("", "name", in.Status, want, func(e vmv1.VirtualMachineVolumeStatus) string { return e.Name }, false)
 	changed := slices.Concat(slices.Collect(maps.Keys(edit.Set)), edit.Remove)
 	for _, name := range changed {
-		if !r.liveReads.allow(budgetKey(vm)) {
+		if !r.liveReads.Allow(budgetKey(vm)) {
 			in.Unconfirmed[name] = true
 			continue
 		}

@@ -333,7 +333,7 @@ func TestAttachmentReconcilerBoundsTheLiveReadsOfEachCluster(t *testing.T) {
 	neighbour := newVM("vm-2", withFinalizer, onHost("host-a"), inCluster("a2"), withVolumes(volume("b", "claim-b")))
 	c := newFakeClient(g, nil, flooder, neighbour)
 	live := &countingReader{Reader: newFakeClient(g, nil, newPVC("claim-b", "pv-b"), newPV("pv-b", "host-a"))}
-	r := &AttachmentReconciler{Client: c, APIReader: live, Recorder: events.NewFakeRecorder(100)}
+	r := &AttachmentReconciler{Client: c, APIReader: live, liveReads: newReadBudget(), Recorder: events.NewFakeRecorder(100)}
 
 	for range 3 {
 		res, err := r.Reconcile(ctx, ctrl.Request{NamespacedName: client.ObjectKeyFromObject(flooder)})

@@ -48,6 +48,7 @@ func SetupWithManager(mgr ctrl.Manager) error {
 	attachments := &AttachmentReconciler{
 		Client:    mgr.GetClient(),
 		APIReader: mgr.GetAPIReader(),
+		liveReads: newReadBudget(),
 		Recorder:  mgr.GetEventRecorder(fieldManager),
 	}
 	if err := attachments.SetupWithManager(mgr); err != nil {

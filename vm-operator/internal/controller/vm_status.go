@@ -92,7 +92,7 @@ type volumeInputs struct {
 	Elsewhere map[string]string
 	// Unconfirmed are the volumes, by name, whose claim (the cache does not show it bound) or
 	// VolumeAttachment (before its entry changes) could not be read from the API server for
-	// want of the guest cluster's read budget (readBudget): they wait, without a new error, and
+	// want of the guest cluster's read budget (newReadBudget): they wait, without a new error, and
 	// their entries stay as they are.
 	Unconfirmed map[string]bool
 }
