@@ -14,11 +14,11 @@ export PVBRIDGE_ROOT := $(CURDIR)
 MODULES := pkg guest-csi mgmt-csi vm-operator e2e
 COMPONENTS := pkg guest-csi mgmt-csi vm-operator
 # The pinned third-party components (hack/build-tools.sh) the lab runs, and the tests (which
-# also run containerd nodes, Kubernetes' e2e.test, Cluster API's managers and, for its guests,
+# also run containerd nodes, Kubernetes' storage e2e.test, Cluster API's managers and, for its guests,
 # the lab's registry and CoreDNS, Prometheus (the lab's, and promtool on the alert rules) and
 # helm, which renders the charts).
 LAB_TOOLS := etcd kubernetes csi-provisioner csi-attacher csi-resizer csi-snapshotter
-TEST_TOOLS := $(LAB_TOOLS) containerd kubernetes-e2e csi-sanity cluster-api registry coredns prometheus helm
+TEST_TOOLS := $(LAB_TOOLS) containerd storage-e2e csi-sanity cluster-api registry coredns prometheus helm
 CONTROLLER_GEN := $(PVBRIDGE_BIN)/controller-gen
 GOLANGCI_LINT := $(PVBRIDGE_BIN)/golangci-lint
 KUBECTL := $(PVBRIDGE_BIN)/kubectl

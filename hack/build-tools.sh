@@ -56,7 +56,7 @@ csi-provisioner|kubernetes|v6.4.0|$k8s_tags| -X main.version=v6.4.0|csi-provisio
 csi-attacher|kubernetes|v4.13.0|$k8s_tags| -X main.version=v4.13.0|csi-attacher=github.com/kubernetes-csi/external-attacher/v4/cmd/csi-attacher
 csi-resizer|kubernetes|v2.3.0|$k8s_tags| -X main.version=v2.3.0|csi-resizer=github.com/kubernetes-csi/external-resizer/v2/cmd/csi-resizer
 csi-snapshotter|kubernetes|v8.7.0|$k8s_tags| -X main.version=v8.7.0|csi-snapshotter=github.com/kubernetes-csi/external-snapshotter/v8/cmd/csi-snapshotter snapshot-controller=github.com/kubernetes-csi/external-snapshotter/v8/cmd/snapshot-controller
-kubernetes-e2e|kubernetes|$k8s_version|$k8s_tags|$(k8s_ldflags $k8s_version)|e2e.test=k8s.io/kubernetes/test/e2e agnhost=k8s.io/kubernetes/test/images/agnhost
+storage-e2e|kubernetes|$k8s_version|$k8s_tags|$(k8s_ldflags $k8s_version)|e2e.test=./storage-e2e agnhost=k8s.io/kubernetes/test/images/agnhost
 csi-sanity|kubernetes|v5.6.0|$k8s_tags||csi-sanity=github.com/kubernetes-csi/csi-test/v5/cmd/csi-sanity
 ginkgo|kubernetes|v2.33.0|$k8s_tags||ginkgo=github.com/onsi/ginkgo/v2/ginkgo
 registry|registry|v3.1.2|| -X github.com/distribution/distribution/v3/version.version=v3.1.2|registry=./registry

@@ -110,6 +110,13 @@ func (g *guestCluster) readCounter(pod *corev1.Pod, pv string) (string, uint64) 
 // member VolumeSnapshots' names.
 func (g *guestCluster) groupSnapshot(ctx context.Context, ns, name, app string) []string {
 	GinkgoHelper()
+	return g.readyGroup(ctx, g.newGroupSnapshot(ctx, ns, name, app))
+}
+
+// newGroupSnapshot creates VolumeGroupSnapshot name of the claims labelled app=<app> in guest g
+// (the guest's class), deleted when the spec ends.
+func (g *guestCluster) newGroupSnapshot(ctx context.Context, ns, name, app string) *groupsnapshotv1.VolumeGroupSnapshot {
+	GinkgoHelper()
 	vgs := &groupsnapshotv1.VolumeGroupSnapshot{
 		ObjectMeta: metaName(ns, name),
 		Spec: groupsnapshotv1.VolumeGroupSnapshotSpec{
@@ -122,6 +129,14 @@ func (g *guestCluster) groupSnapshot(ctx context.Context, ns, name, app string) 
 		Expect(client.IgnoreNotFound(g.c.Delete(ctx, vgs))).To(Succeed())
 		gone(ctx, g.c, vgs)
 	})
+	return vgs
+}
+
+// readyGroup waits until group snapshot vgs of guest g is ready and returns its two member
+// VolumeSnapshots' names.
+func (g *guestCluster) readyGroup(ctx context.Context, vgs *groupsnapshotv1.VolumeGroupSnapshot) []string {
+	GinkgoHelper()
+	ns := vgs.Namespace
 	var members []string
 	Eventually(func(g2 Gomega) {
 		g2.Expect(g.c.Get(ctx, client.ObjectKeyFromObject(vgs), vgs)).To(Succeed())
@@ -142,7 +157,52 @@ func (g *guestCluster) groupSnapshot(ctx context.Context, ns, name, app string) 
 	return members
 }
 
+// groupMembers counts the management cluster's PmemSnapshots of group members.
+func groupMembers(ctx context.Context) int {
+	GinkgoHelper()
+	snaps := &pmemv1.PmemSnapshotList{}
+	Expect(mc.List(ctx, snaps)).To(Succeed())
+	n := 0
+	for _, s := range snaps.Items {
+		if s.Spec.Group != nil {
+			n++
+		}
+	}
+	return n
+}
+
 var _ = Describe("Group snapshots", Label("snapshot", "groupsnapshot"), func() {
+	It("count their members against the tenant's snapshot quota before any is cut", Label("tenancy"), func(ctx SpecContext) {
+		ns := alpha.namespace(ctx)
+		for _, claim := range []string{"a", "b"} {
+			pvc := deploy.PVC(ns, claim, "", "64Mi", false)
+			pvc.Labels = map[string]string{"app": "pair"}
+			alpha.create(ctx, pvc)
+			alpha.runPod(ctx, ns, "use-"+claim, claim, "vm-1", false)
+		}
+		By("a quota of no VolumeSnapshots in the cluster's management namespace, as in the issue")
+		q := quota(ctx, alpha.Options.Namespace, "no-snapshots", "count/volumesnapshots.snapshot.storage.k8s.io", "0")
+
+		By("a group snapshot of two claims is refused with the numbers, and nothing is cut")
+		cut := groupMembers(ctx)
+		vgs := alpha.newGroupSnapshot(ctx, ns, "pair", "pair")
+		// What the quota counts as used is the namespace's other snapshots, which earlier
+		// specs' deletions may still be taking away.
+		refusal := `a group snapshot of 2 members does not fit ResourceQuota ` + alpha.Options.Namespace +
+			`/no-snapshots: \d+ of 0 VolumeSnapshots used, room for 0; no member is cut`
+		Eventually(func(g Gomega) {
+			g.Expect(alpha.c.Get(ctx, client.ObjectKeyFromObject(vgs), vgs)).To(Succeed())
+			g.Expect(vgs.Status).NotTo(BeNil())
+			g.Expect(vgs.Status.Error).NotTo(BeNil())
+			g.Expect(ptr.Deref(vgs.Status.Error.Message, "")).To(MatchRegexp(refusal))
+		}).WithContext(ctx).WithTimeout(timeout).Should(Succeed())
+		Expect(groupMembers(ctx)).To(BeNumerically("<=", cut), "no member was cut")
+
+		By("with room again, the sidecars' retry takes it")
+		Expect(mc.Delete(ctx, q)).To(Succeed())
+		Expect(alpha.readyGroup(ctx, vgs)).To(HaveLen(2))
+	})
+
 	It("cut a writer's two volumes at one instant, which two snapshots do not", func(ctx SpecContext) {
 		ns := alpha.namespace(ctx)
 		var dirs [2]string
