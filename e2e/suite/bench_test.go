@@ -132,6 +132,8 @@ type burst struct {
 	// api is what the management apiserver served per volume from the burst's start to its end
 	// (deletion included).
 	api apiPerVolume
+	// guestAPI is the same of the guest cluster's apiserver, for a burst through both layers.
+	guestAPI *apiPerVolume
 	// cpu is the CPU time per volume, in seconds, by "<cluster>/<component>" (see cpuTimes).
 	cpu map[string]float64
 }
@@ -154,29 +156,14 @@ func printBursts(prefix string, bs []*burst) {
 		benchFigure(fmt.Sprintf("%s_pod_running_p%02.0f", prefix, q*100), "s", n, at(hopPodRunning, q))
 	}
 	benchFigure(prefix+"_provisioning_throughput", "volumes/s", n, func(i int) float64 { return bs[i].throughput })
-	benchFigure(prefix+"_mgmt_api_writes_per_volume", "writes", n, func(i int) float64 { return bs[i].api.writes })
-	benchFigure(prefix+"_mgmt_api_conflicts_per_volume", "conflicts", n, func(i int) float64 { return sum(slices.Collect(maps.Values(bs[i].api.conflicts))) })
-	benchFigure(prefix+"_mgmt_api_refused_per_volume", "requests", n, func(i int) float64 { return sum(slices.Collect(maps.Values(bs[i].api.refused))) })
-	for _, k := range largest(bs[0].api.writesBy, 8) {
-		benchFigure(prefix+"_mgmt_api_writes_per_volume_"+k, "writes", n, func(i int) float64 { return bs[i].api.writesBy[k] })
-	}
-	kinds := map[string]bool{}
-	for _, b := range bs {
-		for k := range b.api.conflicts {
-			kinds[k] = true
-		}
-	}
-	for _, k := range slices.Sorted(maps.Keys(kinds)) {
-		benchFigure(prefix+"_mgmt_api_conflicts_per_volume_"+k, "conflicts", n, func(i int) float64 { return bs[i].api.conflicts[k] })
-	}
 	cpu := func(c string) func(int) float64 { return func(i int) float64 { return bs[i].cpu[c] } }
 	benchFigure(prefix+"_cpu_per_volume", "s", n, func(i int) float64 { return sum(slices.Collect(maps.Values(bs[i].cpu))) })
 	for _, c := range largest(bs[0].cpu, 10) {
 		benchFigure(prefix+"_cpu_per_volume_"+strings.ReplaceAll(c, "/", "_"), "s", n, cpu(c))
 	}
-	for _, k := range largest(bs[0].api.seconds, 8) {
-		benchFigure(prefix+"_mgmt_api_seconds_per_volume_"+k, "s", n, func(i int) float64 { return bs[i].api.seconds[k] })
-		benchFigure(prefix+"_mgmt_api_requests_per_volume_"+k, "requests", n, func(i int) float64 { return bs[i].api.requests[k] })
+	printAPI(prefix+"_mgmt_api", n, func(i int) apiPerVolume { return bs[i].api })
+	if bs[0].guestAPI != nil {
+		printAPI(prefix+"_guest_api", n, func(i int) apiPerVolume { return *bs[i].guestAPI })
 	}
 
 	hs := make([]*hops, n)
@@ -184,6 +171,32 @@ func printBursts(prefix string, bs []*burst) {
 		hs[i] = b.hops
 	}
 	printHopTable(prefix, hs)
+}
+
+// printAPI prints what an apiserver served per volume in n bursts (api of each), each figure
+// named after prefix: writes, conflicts and refusals, the writes of the 8 kinds most written,
+// the conflicts of each kind, and the time and requests of the 8 kinds that took the most time.
+func printAPI(prefix string, n int, api func(burst int) apiPerVolume) {
+	benchFigure(prefix+"_writes_per_volume", "writes", n, func(i int) float64 { return api(i).writes })
+	benchFigure(prefix+"_conflicts_per_volume", "conflicts", n, func(i int) float64 { return sum(slices.Collect(maps.Values(api(i).conflicts))) })
+	benchFigure(prefix+"_refused_per_volume", "requests", n, func(i int) float64 { return sum(slices.Collect(maps.Values(api(i).refused))) })
+	benchFigure(prefix+"_seconds_per_volume", "s", n, func(i int) float64 { return sum(slices.Collect(maps.Values(api(i).seconds))) })
+	for _, k := range largest(api(0).writesBy, 8) {
+		benchFigure(prefix+"_writes_per_volume_"+k, "writes", n, func(i int) float64 { return api(i).writesBy[k] })
+	}
+	kinds := map[string]bool{}
+	for i := range n {
+		for k := range api(i).conflicts {
+			kinds[k] = true
+		}
+	}
+	for _, k := range slices.Sorted(maps.Keys(kinds)) {
+		benchFigure(prefix+"_conflicts_per_volume_"+k, "conflicts", n, func(i int) float64 { return api(i).conflicts[k] })
+	}
+	for _, k := range largest(api(0).seconds, 8) {
+		benchFigure(prefix+"_seconds_per_volume_"+k, "s", n, func(i int) float64 { return api(i).seconds[k] })
+		benchFigure(prefix+"_requests_per_volume_"+k, "requests", n, func(i int) float64 { return api(i).requests[k] })
+	}
 }
 
 // printHopTable prints every hop in the order the volumes pass them (by median time), the time
@@ -222,6 +235,10 @@ func podStart(ctx context.Context, cp *cluster.ControlPlane, c client.Client, cl
 	defer cancel()
 	before := storageObjects(ctx)
 	api := apiStatsOf(ctx, mgmt.CP)
+	var guestAPI apiStats
+	if cp != mgmt.CP {
+		guestAPI = apiStatsOf(ctx, cp)
+	}
 	cpuBefore := cpuTimes()
 	h := newHops()
 	ns, err := deploy.CreateNamespace(ctx, cp.Client(), "bench")
@@ -252,6 +269,10 @@ func podStart(ctx context.Context, cp *cluster.ControlPlane, c client.Client, cl
 	Expect(c.DeleteAllOf(ctx, &corev1.PersistentVolumeClaim{}, client.InNamespace(ns))).To(Succeed())
 	Eventually(storageObjects).WithContext(ctx).WithTimeout(10 * time.Minute).WithPolling(time.Second).Should(Equal(before))
 	b.api = apiStatsOf(ctx, mgmt.CP).since(api, n)
+	if cp != mgmt.CP {
+		guest := apiStatsOf(ctx, cp).since(guestAPI, n)
+		b.guestAPI = &guest
+	}
 	b.cpu = cpuPerVolume(cpuBefore, n)
 	return b
 }
