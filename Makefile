@@ -77,6 +77,14 @@ export FUZZ_TIME ?= 10000x
 fuzz: ## Run each fuzz target for FUZZ_TIME (10000 inputs).
 	hack/phase.sh fuzz hack/fuzz.sh $(FUZZ_TARGETS)
 
+# What the unit and end-to-end phases compile, compiled into the build cache without linking or
+# running anything: the -race build of every package (as `make test`'s unit phase builds it) and
+# the lab's (static, -trimpath, as e2e/images.GoBuild builds it). .ci/run does it beside the
+# tools' long lane, on the core that lane leaves idle, so that those phases mostly link and run.
+.PHONY: prebuild
+prebuild:
+	hack/phase.sh prebuild bash -c 'go build -race $(COMPONENTS:%=./%/...) && CGO_ENABLED=0 go build -trimpath $(MODULES:%=./%/...)'
+
 # The baseline the bench's figures are compared with (e2e/benchcmp): each of its figures is
 # printed with its change, and a ratio figure more than 10 % worse as a regression.
 BENCH_BASELINE ?= e2e/benchcmp/baseline.txt

@@ -20,6 +20,7 @@ import (
 
 	"pvbridge.io/e2e/cluster"
 	"pvbridge.io/e2e/deploy"
+	"pvbridge.io/e2e/polling"
 )
 
 var (
@@ -29,6 +30,7 @@ var (
 )
 
 func TestMain(m *testing.M) {
+	polling.Set()
 	flag.Parse()
 	logf.SetLogger(klog.Background()) // deploy's controller-runtime clients log through klog
 	os.Exit(cluster.RunTests(m, func(ctx context.Context, l *cluster.Lab) error {

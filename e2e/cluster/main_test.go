@@ -5,6 +5,8 @@ import (
 	"fmt"
 	"os"
 	"testing"
+
+	"pvbridge.io/e2e/polling"
 )
 
 // childLabEnv makes the test binary, re-executed by TestKilledOwnerLeavesNothingBehind, start a
@@ -12,6 +14,7 @@ import (
 const childLabEnv = "PVBRIDGE_TEST_CHILD_LAB"
 
 func TestMain(m *testing.M) {
+	polling.Set()
 	if root := os.Getenv(childLabEnv); root != "" {
 		if err := runChildLab(root); err != nil {
 			fmt.Fprintln(os.Stderr, "child lab:", err)

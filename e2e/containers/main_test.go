@@ -21,6 +21,7 @@ import (
 	"pvbridge.io/e2e/cluster"
 	"pvbridge.io/e2e/deploy"
 	"pvbridge.io/e2e/images"
+	"pvbridge.io/e2e/polling"
 )
 
 var (
@@ -32,6 +33,7 @@ var (
 )
 
 func TestMain(m *testing.M) {
+	polling.Set()
 	flag.Parse()
 	logf.SetLogger(klog.Background()) // deploy's controller-runtime clients log through klog
 	os.Exit(run(m))

@@ -15,6 +15,7 @@ import (
 	"k8s.io/klog/v2"
 	ctrl "sigs.k8s.io/controller-runtime"
 
+	"pvbridge.io/e2e/polling"
 	"pvbridge.io/pkg/testenv"
 )
 
@@ -33,6 +34,7 @@ var (
 var manifestsDir = filepath.Join("..", "..", "manifests")
 
 func TestMain(m *testing.M) {
+	polling.Set()
 	os.Exit(runSuite(m))
 }
 

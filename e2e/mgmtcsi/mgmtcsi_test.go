@@ -27,6 +27,7 @@ import (
 
 	"pvbridge.io/e2e/cluster"
 	"pvbridge.io/e2e/deploy"
+	"pvbridge.io/e2e/polling"
 	pmemv1 "pvbridge.io/pkg/apis/pmem/v1alpha1"
 	"pvbridge.io/pkg/names"
 )
@@ -40,6 +41,7 @@ var (
 )
 
 func TestMain(m *testing.M) {
+	polling.Set()
 	os.Exit(run(m))
 }
 

@@ -28,6 +28,7 @@ import (
 
 	"pvbridge.io/e2e/cluster"
 	"pvbridge.io/e2e/deploy"
+	"pvbridge.io/e2e/polling"
 	"pvbridge.io/pkg/names"
 	"pvbridge.io/pkg/qos"
 )
@@ -61,6 +62,7 @@ var (
 )
 
 func TestMain(m *testing.M) {
+	polling.Set()
 	os.Exit(cluster.RunTests(m, func(ctx context.Context, l *cluster.Lab) error {
 		lab = l
 		cp, err := lab.StartControlPlane(ctx, "mgmt")

@@ -32,6 +32,7 @@ import (
 
 	"pvbridge.io/e2e/cluster"
 	"pvbridge.io/e2e/deploy"
+	"pvbridge.io/e2e/polling"
 	pmemv1 "pvbridge.io/pkg/apis/pmem/v1alpha1"
 	vmv1 "pvbridge.io/pkg/apis/vm/v1alpha1"
 )
@@ -72,6 +73,7 @@ var (
 )
 
 func TestE2E(t *testing.T) {
+	polling.Set()
 	RegisterFailHandler(Fail)
 	suiteConfig, reporterConfig := GinkgoConfiguration()
 	if suiteConfig.LabelFilter == "" {

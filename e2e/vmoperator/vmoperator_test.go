@@ -32,6 +32,7 @@ import (
 
 	"pvbridge.io/e2e/cluster"
 	"pvbridge.io/e2e/deploy"
+	"pvbridge.io/e2e/polling"
 	pmemv1 "pvbridge.io/pkg/apis/pmem/v1alpha1"
 	vmv1 "pvbridge.io/pkg/apis/vm/v1alpha1"
 )
@@ -53,6 +54,7 @@ var (
 )
 
 func TestMain(m *testing.M) {
+	polling.Set()
 	flag.Parse()
 	os.Exit(run(m))
 }
