@@ -79,8 +79,8 @@ fuzz: ## Run each fuzz target for FUZZ_TIME (10000 inputs).
 
 # What the unit and end-to-end phases compile, compiled into the build cache without linking or
 # running anything: the -race build of every package (as `make test`'s unit phase builds it) and
-# the lab's (static, -trimpath, as e2e/images.GoBuild builds it). .ci/run does it beside the
-# tools' long lane, on the core that lane leaves idle, so that those phases mostly link and run.
+# the lab's (static, -trimpath, as e2e/images.GoBuild builds it, which is also what lint loads).
+# .ci/run does it beside the tools' long lane, so that those phases mostly link and run.
 .PHONY: prebuild
 prebuild:
 	hack/phase.sh prebuild bash -c 'go build -race $(COMPONENTS:%=./%/...) && CGO_ENABLED=0 go build -trimpath $(MODULES:%=./%/...)'
