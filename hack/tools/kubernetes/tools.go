@@ -3,9 +3,10 @@
 // Package tools pins the Kubernetes binaries that the lab runs, etcd, containerd (the daemon, its
 // runc shim and ctr, which imports images), Kubernetes' end-to-end tests (every e2e test
 // package of upstream's e2e.test is listed here, so that the module's requirements are
-// upstream's; ./storage-e2e builds the storage tests' e2e.test), the agnhost test image, the kubernetes-csi sidecars, csi-sanity, Cluster API's managers
-// and clusterctl, CoreDNS (./coredns, a main of its own), Prometheus and promtool (the lab's
-// monitoring and the alert rules' unit tests), and helm (which renders the charts). One module
+// upstream's; ./storage-e2e builds the storage tests' e2e.test), the agnhost test image, the
+// kubernetes-csi sidecars, csi-sanity, Cluster API's managers and clusterctl, CoreDNS
+// (./coredns, a main of its own), Prometheus and promtool (the lab's monitoring and the alert
+// rules' unit tests), and helm (which renders the charts). One module
 // builds them all: the libraries they share (client-go, apiserver, controller-runtime, grpc, ...)
 // are compiled once.
 package tools
