@@ -63,7 +63,7 @@ var _ = Describe("Reclaim policy", Label("reclaim"), func() {
 			suffix := strings.ToLower(fmt.Sprintf("%s-%s", guestPolicy, mgmtPolicy))
 			mgmtClass, guestClass := "pmem-"+suffix, "pvbridge-"+suffix
 			storageClass(ctx, mc, mgmtClass, names.PmemDriver, mgmtPolicy, map[string]string{"csi.storage.k8s.io/fstype": "ext4"})
-			allowClass(ctx, alpha, mgmtClass)
+			allowClass(ctx, alpha, tenancy.StorageClassesAnnotation, tenancy.ParamStorageClasses, mgmtClass)
 			storageClass(ctx, alpha.c, guestClass, names.GuestDriver, guestPolicy, map[string]string{names.MgmtStorageClassParam: mgmtClass})
 
 			ns := alpha.namespace(ctx)

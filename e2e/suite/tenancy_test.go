@@ -1,18 +1,22 @@
 package suite_test
 
 import (
+	"bytes"
 	"context"
 	"fmt"
 	"os"
+	"path/filepath"
 	"slices"
 	"strings"
 	"time"
 
+	groupsnapshotv1 "github.com/kubernetes-csi/external-snapshotter/client/v8/apis/volumegroupsnapshot/v1"
 	snapshotv1 "github.com/kubernetes-csi/external-snapshotter/client/v8/apis/volumesnapshot/v1"
 	. "github.com/onsi/ginkgo/v2"
 	. "github.com/onsi/gomega"
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
+	storagev1 "k8s.io/api/storage/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -24,6 +28,7 @@ import (
 	"pvbridge.io/e2e/deploy"
 	vmv1 "pvbridge.io/pkg/apis/vm/v1alpha1"
 	"pvbridge.io/pkg/names"
+	"pvbridge.io/pkg/qos"
 	"pvbridge.io/pkg/tenancy"
 )
 
@@ -38,9 +43,10 @@ func identity(g *guestCluster) client.Client {
 	return c
 }
 
-// allowClass adds a management StorageClass to guest g's allow-list (its Cluster's annotation)
-// for the spec, and waits until the admission policy's parameters have it.
-func allowClass(ctx context.Context, g *guestCluster, class string) {
+// allowClass adds a management class to guest g's allow-list of its kind (the Cluster's
+// annotation, such as tenancy.StorageClassesAnnotation) for the spec, and waits until the
+// admission policy's parameters have it (under param, such as tenancy.ParamStorageClasses).
+func allowClass(ctx context.Context, g *guestCluster, annotation, param, class string) {
 	GinkgoHelper()
 	capi := &unstructured.Unstructured{}
 	capi.SetAPIVersion("cluster.x-k8s.io/v1beta2")
@@ -50,17 +56,17 @@ func allowClass(ctx context.Context, g *guestCluster, class string) {
 		GinkgoHelper()
 		patch := client.MergeFrom(capi.DeepCopy())
 		annotations := capi.GetAnnotations()
-		annotations[tenancy.StorageClassesAnnotation] = classes
+		annotations[annotation] = classes
 		capi.SetAnnotations(annotations)
 		Expect(mc.Patch(ctx, capi, patch)).To(Succeed())
 	}
-	before := capi.GetAnnotations()[tenancy.StorageClassesAnnotation]
+	before := capi.GetAnnotations()[annotation]
 	set(ctx, before+","+class)
 	DeferCleanup(func(ctx SpecContext) { set(ctx, before) })
 	Eventually(func(g2 Gomega) {
 		params := &corev1.ConfigMap{}
 		g2.Expect(mc.Get(ctx, client.ObjectKey{Namespace: g.Options.Namespace, Name: tenancy.ParamsConfigMap}, params)).To(Succeed())
-		g2.Expect(strings.Split(params.Data[g.Options.Name+".storageClasses"], ",")).To(ContainElement(class))
+		g2.Expect(strings.Split(params.Data[g.Options.Name+param], ",")).To(ContainElement(class))
 	}).WithContext(ctx).WithTimeout(timeout).Should(Succeed())
 }
 
@@ -168,11 +174,109 @@ var _ = Describe("Tenancy", Label("tenancy"), func() {
 			patches := stop()
 			Expect(patches).To(BeNumerically(">=", 2), "the flood ran")
 		}
-		median := func(d []time.Duration) time.Duration { slices.Sort(d); return d[len(d)/2] }
-		AddReportEntry("beta's attach (median of 3)", fmt.Sprintf("quiet %s %v, flooded %s %v", median(quiet), quiet, median(flooded), flooded))
+		AddReportEntry("beta's attach (median of 3)", fmt.Sprintf("quiet %s %v, flooded %s %v", medianOf(quiet), quiet, medianOf(flooded), flooded))
 		// kubelet reports a pod's status once a second: that much is granularity, not delay.
-		Expect(median(flooded)).To(BeNumerically("<=", 2*median(quiet)+time.Second),
+		Expect(medianOf(flooded)).To(BeNumerically("<=", 2*medianOf(quiet)+time.Second),
 			"beta's attach while alpha floods (quiet %v, flooded %v)", quiet, flooded)
+	})
+
+	It("keeps another cluster's snapshot and attach within twice their time while a guest floods group snapshots whose holds overrun", Label("groupsnapshot"), func(ctx SpecContext) {
+		// alpha and beta share host-a: its node agent cuts every snapshot, its host agent
+		// holds and plugs every disk. alpha's group snapshots each hold vm-1's writes to two
+		// volumes: group "slow"'s pair has one limited to 1 MiB/s with 32 MiB of dirty data
+		// behind it, whose freeze writes that back for about 32 s, past the hold's 10 s bound;
+		// group "fast"'s pair waits for the host's group lock and hold meanwhile.
+		const crawl = "pmem-crawl"
+		class := &storagev1.VolumeAttributesClass{ObjectMeta: metaName("", crawl), DriverName: names.PmemDriver, Parameters: map[string]string{qos.MaxBytesPerSecondParam: "1Mi"}}
+		Expect(mc.Create(ctx, class)).To(Succeed())
+		DeferCleanup(func(ctx SpecContext) { Expect(mc.Delete(ctx, class)).To(Succeed()) })
+		allowClass(ctx, alpha, tenancy.AttributesClassesAnnotation, tenancy.ParamAttributesClasses, crawl)
+		guestClass := &storagev1.VolumeAttributesClass{ObjectMeta: metaName("", "crawl"), DriverName: names.GuestDriver, Parameters: map[string]string{names.MgmtVolumeAttributesClassParam: crawl}}
+		alpha.create(ctx, guestClass)
+		DeferCleanup(func(ctx SpecContext) { Expect(alpha.c.Delete(ctx, guestClass)).To(Succeed()) })
+
+		ans := alpha.namespace(ctx)
+		var slow string // where alpha's limited volume is mounted
+		for _, claim := range []string{"slow-a", "slow-b", "fast-a", "fast-b"} {
+			pvc := deploy.PVC(ans, claim, "", "64Mi", false)
+			pvc.Labels = map[string]string{"app": claim[:4]}
+			if claim == "slow-a" {
+				pvc.Spec.VolumeAttributesClassName = ptr.To("crawl")
+			}
+			alpha.create(ctx, pvc)
+			pod := alpha.runPod(ctx, ans, claim, claim, "vm-1", false)
+			if _, pv := alpha.bound(ctx, ans, claim); claim == "slow-a" {
+				slow = alpha.volumePath(pod, pv.Name)
+			}
+		}
+
+		bns := beta.namespace(ctx)
+		beta.create(ctx, deploy.PVC(bns, "data", deploy.StorageClassGuest, "64Mi", false))
+		beta.deletePod(ctx, beta.runPod(ctx, bns, "writer", "data", "vm-b1", false))
+		beta.create(ctx, deploy.PVC(bns, "other", deploy.StorageClassGuest, "64Mi", false))
+		beta.deletePod(ctx, beta.runPod(ctx, bns, "warm", "other", "vm-b1", false))
+		// beta's snapshot of a volume, from creation until ready, then its attach of another
+		// (a pod, from creation until it runs), each undone after.
+		neighbour := func(name string) (snapshot, attach time.Duration) {
+			start := time.Now()
+			snap := beta.snapshot(ctx, bns, name, "data")
+			beta.readySnapshot(ctx, snap)
+			snapshot = time.Since(start)
+			Expect(beta.c.Delete(ctx, snap)).To(Succeed())
+			start = time.Now()
+			pod := beta.runPod(ctx, bns, name, "other", "vm-b1", false)
+			attach = time.Since(start)
+			beta.deletePod(ctx, pod)
+			return snapshot, attach
+		}
+
+		// The host agent's log: holds started, and those let go after they overran.
+		logged := func(line string) func() int {
+			return func() int {
+				log, err := os.ReadFile(op.Agents["host-a"].LogPath)
+				Expect(err).NotTo(HaveOccurred())
+				return strings.Count(string(log), line)
+			}
+		}
+		holds, overruns := logged("Starting to hold writers"), logged("Released writers held past the longest hold")
+		var quiet, flooded [2][]time.Duration // snapshot, attach
+		for round := range 3 {
+			s, a := neighbour(fmt.Sprintf("quiet-%d", round))
+			quiet[0], quiet[1] = append(quiet[0], s), append(quiet[1], a)
+
+			By(fmt.Sprintf("round %d: alpha dirties 32 MiB of its limited volume and asks for group snapshots of both pairs", round))
+			started, before := holds(), overruns()
+			// Written over in place, never truncated: ext4 starts writing back a file rewritten
+			// from empty at once (auto_da_alloc), the rest after 30 s.
+			dirty, err := os.OpenFile(filepath.Join(slow, "dirty"), os.O_CREATE|os.O_WRONLY, 0o644)
+			Expect(err).NotTo(HaveOccurred())
+			_, err = dirty.WriteAt(bytes.Repeat([]byte{byte(round + 1)}, 32<<20), 0)
+			Expect(err).NotTo(HaveOccurred())
+			Expect(dirty.Close()).To(Succeed())
+			groups := []*groupsnapshotv1.VolumeGroupSnapshot{alpha.newGroupSnapshot(ctx, ans, fmt.Sprintf("slow-%d", round), "slow")}
+			// Once its hold starts, the freeze writes back for about 32 s: the other group and
+			// beta's turn come inside it.
+			Eventually(holds).WithContext(ctx).WithTimeout(timeout).Should(BeNumerically(">", started))
+			groups = append(groups, alpha.newGroupSnapshot(ctx, ans, fmt.Sprintf("fast-%d", round), "fast"))
+			s, a = neighbour(fmt.Sprintf("flooded-%d", round))
+			flooded[0], flooded[1] = append(flooded[0], s), append(flooded[1], a)
+			Expect(overruns()).To(Equal(before), "beta's turn ended while alpha's writers were still being held")
+			Eventually(overruns).WithContext(ctx).WithTimeout(timeout).Should(BeNumerically(">", before), "alpha's hold overran")
+			// Once the freeze is through, a retry cuts group slow, and group fast is cut. Each
+			// is deleted when the spec ends, made: csi-snapshotter notices the deletion of a
+			// group it was still making only at its next resync (15 minutes).
+			for _, vgs := range groups {
+				alpha.readyGroup(ctx, vgs)
+			}
+			GinkgoWriter.Printf("round %d: beta's snapshot quiet %s, flooded %s; attach quiet %s, flooded %s\n",
+				round, quiet[0][round], flooded[0][round], quiet[1][round], flooded[1][round])
+		}
+		for i, what := range []string{"snapshot", "attach"} {
+			AddReportEntry("beta's "+what+" (median of 3)", fmt.Sprintf("quiet %s %v, flooded %s %v", medianOf(quiet[i]), quiet[i], medianOf(flooded[i]), flooded[i]))
+			// kubelet and snapshot-controller report status once a second: granularity, not delay.
+			Expect(medianOf(flooded[i])).To(BeNumerically("<=", 2*medianOf(quiet[i])+time.Second),
+				"beta's %s while alpha floods (quiet %v, flooded %v)", what, quiet[i], flooded[i])
+		}
 	})
 
 	It("installs the guest side with every image from the platform's registry mirror", func(ctx SpecContext) {
@@ -286,6 +390,9 @@ var _ = Describe("Tenancy", Label("tenancy"), func() {
 		Expect(ownedClaims(ctx, alpha)).To(HaveLen(alphaClaims), "another cluster's volumes are untouched")
 	})
 })
+
+// medianOf is the median of d, which it sorts.
+func medianOf(d []time.Duration) time.Duration { slices.Sort(d); return d[len(d)/2] }
 
 // floodVM makes guest g, with its own credential, replace the volume entries it added to its VM
 // twice a second by 60 entries for claims of its own names that do not exist, as a tenant

@@ -147,6 +147,7 @@ func (s *Server) serve(ctx context.Context, conn net.Conn) {
 	// holding too. A hold that overruns it (a freeze writing back through a slow disk) is
 	// refused at once and let go as soon as the holder has it (a freeze cannot be
 	// interrupted), before the next lease.
+	log.V(2).Info("Starting to hold writers", "volumeIDs", req.VolumeIDs, "maxHold", maxHold)
 	start := time.Now()
 	hctx, cancel := context.WithTimeout(ctx, maxHold)
 	defer cancel()
