@@ -175,7 +175,8 @@ func printBursts(prefix string, bs []*burst) {
 
 // printAPI prints what an apiserver served per volume in n bursts (api of each), each figure
 // named after prefix: writes, conflicts and refusals, the writes of the 8 kinds most written,
-// the conflicts of each kind, and the time and requests of the 8 kinds that took the most time.
+// the conflicts of each kind, the Events of the 6 reasons most emitted, and the time and requests
+// of the 8 kinds that took the most time.
 func printAPI(prefix string, n int, api func(burst int) apiPerVolume) {
 	benchFigure(prefix+"_writes_per_volume", "writes", n, func(i int) float64 { return api(i).writes })
 	benchFigure(prefix+"_conflicts_per_volume", "conflicts", n, func(i int) float64 { return sum(slices.Collect(maps.Values(api(i).conflicts))) })
@@ -192,6 +193,9 @@ func printAPI(prefix string, n int, api func(burst int) apiPerVolume) {
 	}
 	for _, k := range slices.Sorted(maps.Keys(kinds)) {
 		benchFigure(prefix+"_conflicts_per_volume_"+k, "conflicts", n, func(i int) float64 { return api(i).conflicts[k] })
+	}
+	for _, k := range largest(api(0).events, 6) {
+		benchFigure(prefix+"_events_per_volume_"+k, "events", n, func(i int) float64 { return api(i).events[k] })
 	}
 	for _, k := range largest(api(0).seconds, 8) {
 		benchFigure(prefix+"_seconds_per_volume_"+k, "s", n, func(i int) float64 { return api(i).seconds[k] })
@@ -269,8 +273,10 @@ func podStart(ctx context.Context, cp *cluster.ControlPlane, c client.Client, cl
 	Expect(c.DeleteAllOf(ctx, &corev1.PersistentVolumeClaim{}, client.InNamespace(ns))).To(Succeed())
 	Eventually(storageObjects).WithContext(ctx).WithTimeout(10 * time.Minute).WithPolling(time.Second).Should(Equal(before))
 	b.api = apiStatsOf(ctx, mgmt.CP).since(api, n)
+	b.api.events = eventsSince(ctx, mgmt.CP, start, n)
 	if cp != mgmt.CP {
 		guest := apiStatsOf(ctx, cp).since(guestAPI, n)
+		guest.events = eventsSince(ctx, cp, start, n)
 		b.guestAPI = &guest
 	}
 	b.cpu = cpuPerVolume(cpuBefore, n)
@@ -618,6 +624,31 @@ type apiPerVolume struct {
 	// writes, those answered 409, the time serving requests, the requests and those refused
 	// (watches excluded).
 	writesBy, conflicts, seconds, requests, refused map[string]float64
+	// events counts the Events emitted, each repetition included, by reason (see eventsSince).
+	events map[string]float64
+}
+
+// eventsSince counts, per volume of n and by reason, the Events of cp emitted or repeated since
+// start, each with its count: a repeated Event is a PATCH of its count, a new one a POST.
+func eventsSince(ctx context.Context, cp *cluster.ControlPlane, start time.Time, n int) map[string]float64 {
+	GinkgoHelper()
+	list, err := cp.Client().CoreV1().Events("").List(ctx, metav1.ListOptions{})
+	Expect(err).NotTo(HaveOccurred())
+	out := map[string]float64{}
+	for _, e := range list.Items {
+		last, count := e.LastTimestamp.Time, e.Count
+		if e.Series != nil { // the events.k8s.io API's (kube-scheduler's)
+			last, count = e.Series.LastObservedTime.Time, e.Series.Count
+		}
+		if last.IsZero() {
+			last = e.EventTime.Time
+		}
+		if last.Before(start.Truncate(time.Second)) {
+			continue
+		}
+		out[e.Reason] += float64(max(count, 1)) / float64(n)
+	}
+	return out
 }
 
 // since returns what the apiserver served per volume of n volumes since before.
