@@ -22,7 +22,6 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	vmv1 "pvbridge.io/pkg/apis/vm/v1alpha1"
-	"pvbridge.io/pkg/names"
 	"pvbridge.io/pkg/tenancy"
 )
 
@@ -569,16 +568,9 @@ func TestGuestTenancyPolicy(t *testing.T) {
 				metav1.SetMetaDataAnnotation(&pvc.ObjectMeta, tenancy.SharedWithAnnotation, "a2")
 			}),
 			want: tenancyPolicy + "guest cluster a1 may not set, change or remove annotation pvbridge.io/shared-with of " + what("PersistentVolumeClaim", ownClaim)},
-		{name: "create a claim with a storage provisioner annotation naming another driver", as: "tenant-a/a1",
+		{name: "create a claim with a storage provisioner annotation", as: "tenant-a/a1",
 			do:   create(annotated(claim(nsA, newClaim, labelsFor("a1", uidA1), classAllowed, nil), "volume.kubernetes.io/storage-provisioner", "x")),
 			want: tenancyPolicy + "guest cluster a1 may not set, change or remove annotation volume.kubernetes.io/storage-provisioner of " + what("PersistentVolumeClaim", newClaim)},
-		{name: "create a claim handed to mgmt-csi's csi-provisioner, as guest-csi does", as: "tenant-a/a1",
-			do: create(annotated(claim(nsA, newClaim, labelsFor("a1", uidA1), classAllowed, nil), "volume.kubernetes.io/storage-provisioner", names.PmemDriver))},
-		{name: "hand its own claim to a storage provisioner after its creation", as: "tenant-a/a1",
-			do: patch(claimKey(ownClaim), func(pvc *corev1.PersistentVolumeClaim) {
-				metav1.SetMetaDataAnnotation(&pvc.ObjectMeta, "volume.kubernetes.io/storage-provisioner", names.PmemDriver)
-			}),
-			want: tenancyPolicy + "guest cluster a1 may not set, change or remove annotation volume.kubernetes.io/storage-provisioner of " + what("PersistentVolumeClaim", ownClaim)},
 		{name: "create a snapshot shared with another cluster", as: "tenant-a/a1",
 			do: create(func() *unstructured.Unstructured {
 				snap := snapshot(nsA, newClaim, labelsFor("a1", uidA1), ownClaim)

@@ -37,11 +37,6 @@ const (
 	// selectedNodeAnnotation puts a management PVC on a host: the annotation the scheduler sets,
 	// which csi-provisioner follows and removes when the host has no room.
 	selectedNodeAnnotation = "volume.kubernetes.io/selected-node"
-	// provisionerAnnotation hands a management PVC to csi-provisioner: the annotation the PV
-	// binder writes on its first sync of a claim it finds no volume for, which csi-provisioner
-	// waits for. guest-csi writes it (naming mgmt-csi) on the claims it creates, so that their
-	// provisioning does not wait for the binder's single worker (docs/design.md).
-	provisionerAnnotation = "volume.kubernetes.io/storage-provisioner"
 
 	kindPVC           = "PersistentVolumeClaim"
 	kindSnapshot      = "VolumeSnapshot"
@@ -233,7 +228,6 @@ func (s *controllerServer) newClaim(ctx context.Context, c tenancy.Cluster, name
 	if p.AttributesClass != "" {
 		pvc.Spec.VolumeAttributesClassName = ptr.To(p.AttributesClass)
 	}
-	pvc.Annotations[provisionerAnnotation] = names.PmemDriver
 	if host != "" {
 		pvc.Annotations[selectedNodeAnnotation] = host
 	}

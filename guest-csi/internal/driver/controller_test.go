@@ -82,7 +82,6 @@ func TestCreateVolumeMirrorsTheGuestPVC(t *testing.T) {
 	g.Expect(pvc.Annotations).To(HaveKeyWithValue(tenancy.GuestPVCAnnotation, "default/"+guestPVC.Name))
 	g.Expect(pvc.Annotations).To(HaveKeyWithValue(tenancy.GuestPVAnnotation, "pv-"+guestPVC.Name))
 	g.Expect(pvc.Annotations).To(HaveKeyWithValue(selectedNodeAnnotation, envHost))
-	g.Expect(pvc.Annotations).To(HaveKeyWithValue(provisionerAnnotation, names.PmemDriver), "csi-provisioner need not wait for the PV binder")
 	labels := map[string]string{}
 	g.Expect(json.Unmarshal([]byte(pvc.Annotations[tenancy.GuestLabelsAnnotation]), &labels)).To(Succeed())
 	g.Expect(labels).To(Equal(map[string]string{"app": "db"}))
