@@ -147,7 +147,7 @@ func StartGuestController(ctx context.Context, lab *cluster.Lab, m *Management, 
 	if err != nil {
 		return nil, err
 	}
-	if g.UID, err = createTenant(ctx, mc, opts, gcp.Server, kubeconfig, nil); err != nil {
+	if g.UID, err = CreateTenant(ctx, mc, opts, gcp.Server, kubeconfig, nil); err != nil {
 		return nil, err
 	}
 	if err := g.syncCredential(ctx, lab); err != nil {
@@ -168,13 +168,13 @@ func StartGuestController(ctx context.Context, lab *cluster.Lab, m *Management, 
 	return g, nil
 }
 
-// createTenant does in the management cluster what a platform admin and Cluster API do for a
+// CreateTenant does in the management cluster what a platform admin and Cluster API do for a
 // new guest: its namespace, with the tenancy admission policy on; its Cluster object, opted in
 // to the tenants controller with its allow-list of management StorageClasses (and annotations);
 // and Cluster API's Secret with the guest's admin kubeconfig, whose apiserver is server (the
 // Cluster's controlPlaneEndpoint). The tenants controller does the rest: identity, credential
 // (delivered into the guest), policy parameters, guest install. It returns the Cluster's UID.
-func createTenant(ctx context.Context, mc client.Client, opts GuestOptions, server string, kubeconfig []byte, annotations map[string]string) (string, error) {
+func CreateTenant(ctx context.Context, mc client.Client, opts GuestOptions, server string, kubeconfig []byte, annotations map[string]string) (string, error) {
 	ns, name := opts.Namespace, opts.Name
 	namespace := &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: ns, Labels: map[string]string{tenancy.TenancyNamespaceLabel: tenancy.TenancyEnforced}}}
 	if err := mc.Create(ctx, namespace); err != nil && !apierrors.IsAlreadyExists(err) {

@@ -325,7 +325,7 @@ func (in *Installed) apply(ctx context.Context, lab *cluster.Lab, cp *cluster.Co
 	return WaitWorkloadsReady(ctx, cp.Client(), installNamespace)
 }
 
-// createTenant makes the guest a tenant of the management cluster (createTenant, with the
+// createTenant makes the guest a tenant of the management cluster (CreateTenant, with the
 // guest's apiserver at its Service address, which the tenants controller's pod reaches), opted
 // out of the tenants controller's install, and its VMs; it waits until the tenants controller
 // has delivered the guest's credential.
@@ -350,7 +350,7 @@ func (in *Installed) createTenant(ctx context.Context) error {
 		return err
 	}
 	opts := in.Options.Guest
-	if in.UID, err = createTenant(ctx, mc, opts, "https://"+in.Guest.ServiceIP+":443", kubeconfig,
+	if in.UID, err = CreateTenant(ctx, mc, opts, "https://"+in.Guest.ServiceIP+":443", kubeconfig,
 		map[string]string{guestInstallAnnotation: "false"}); err != nil {
 		return err
 	}

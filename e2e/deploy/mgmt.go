@@ -252,9 +252,11 @@ func startSidecars(lab *cluster.Lab, cp *cluster.ControlPlane, dir, socket, name
 			"--kube-api-qps=50", "--kube-api-burst=100"),
 			[]string{"NAMESPACE=" + namespace, "POD_NAME=" + filepath.Base(dir) + "-controller"}},
 		{"csi-attacher", append(common, "--kube-api-qps=50", "--kube-api-burst=100", "--worker-threads=100"), nil},
-		{"csi-resizer", append(common, "--handle-volume-inuse-error=false", "--extra-modify-metadata"), nil},
-		{"csi-snapshotter", append(common, "--extra-create-metadata"), nil},
-		{"snapshot-controller", []string{"--kubeconfig=" + cp.Kubeconfig, "--leader-election=false", "--retry-interval-max=" + sidecarRetryMax, "--v=3"}, nil},
+		{"csi-resizer", append(common, "--handle-volume-inuse-error=false", "--extra-modify-metadata", "--kube-api-qps=50", "--kube-api-burst=100"), nil},
+		{"csi-snapshotter", append(common, "--extra-create-metadata", "--kube-api-qps=50", "--kube-api-burst=100"), nil},
+		// As the shipped manifests: every tenant's snapshots share its client's rate.
+		{"snapshot-controller", []string{"--kubeconfig=" + cp.Kubeconfig, "--leader-election=false", "--retry-interval-max=" + sidecarRetryMax,
+			"--kube-api-qps=50", "--kube-api-burst=100", "--v=3"}, nil},
 	}
 	started := map[string]*cluster.Process{}
 	for _, sc := range sidecars {

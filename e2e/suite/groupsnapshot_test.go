@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"strings"
 	"sync"
 	"sync/atomic"
 
@@ -21,6 +22,8 @@ import (
 
 	"pvbridge.io/e2e/deploy"
 	pmemv1 "pvbridge.io/pkg/apis/pmem/v1alpha1"
+	vmv1 "pvbridge.io/pkg/apis/vm/v1alpha1"
+	"pvbridge.io/pkg/tenancy"
 )
 
 // counter is an application that keeps one counter on two volumes, in order: it writes n to
@@ -200,6 +203,64 @@ var _ = Describe("Group snapshots", Label("snapshot", "groupsnapshot"), func() {
 
 		By("with room again, the sidecars' retry takes it")
 		Expect(mc.Delete(ctx, q)).To(Succeed())
+		Expect(alpha.readyGroup(ctx, vgs)).To(HaveLen(2))
+	})
+
+	It("hold no VM of another cluster: a member an admin lent to another cluster's VM stops the group, and nothing is cut", Label("tenancy"), func(ctx SpecContext) {
+		ns := alpha.namespace(ctx)
+		for _, claim := range []string{"own", "lent"} {
+			pvc := deploy.PVC(ns, claim, "", "64Mi", false)
+			pvc.Labels = map[string]string{"app": "lent"}
+			alpha.create(ctx, pvc)
+			alpha.create(ctx, deploy.Pod(ns, "use-"+claim, claim, "vm-1", false))
+		}
+		pods := []*corev1.Pod{alpha.running(ctx, ns, "use-own"), alpha.running(ctx, ns, "use-lent")}
+		Expect(alpha.c.Delete(ctx, pods[0])).To(Succeed())
+		alpha.deletePod(ctx, pods[1])
+		_, pv := alpha.bound(ctx, ns, "lent")
+		lent := mgmtClaim(ctx, alpha, pv)
+
+		By("the platform admin lends alpha's claim to cluster gamma, whose VM on host-a plugs it")
+		shared := client.MergeFrom(lent.DeepCopy())
+		metav1.SetMetaDataAnnotation(&lent.ObjectMeta, tenancy.SharedWithAnnotation, "gamma")
+		Expect(mc.Patch(ctx, lent, shared)).To(Succeed())
+		gammaVM := &vmv1.VirtualMachine{
+			ObjectMeta: metav1.ObjectMeta{Namespace: alpha.Options.Namespace, Name: "vm-gamma", Labels: map[string]string{tenancy.CAPIClusterNameLabel: "gamma"}},
+			Spec: vmv1.VirtualMachineSpec{Host: "host-a", PowerState: vmv1.PowerStateOn, Volumes: []vmv1.VirtualMachineVolume{
+				{Name: lent.Name, PersistentVolumeClaim: vmv1.PersistentVolumeClaimVolumeSource{ClaimName: lent.Name}},
+			}},
+		}
+		Expect(mc.Create(ctx, gammaVM)).To(Succeed())
+		DeferCleanup(func(ctx SpecContext) {
+			Expect(client.IgnoreNotFound(mc.Delete(ctx, gammaVM))).To(Succeed())
+			gone(ctx, mc, gammaVM)
+		})
+		Eventually(func(g Gomega) {
+			g.Expect(mc.Get(ctx, client.ObjectKeyFromObject(gammaVM), gammaVM)).To(Succeed())
+			g.Expect(gammaVM.Status.Volumes).To(ContainElement(HaveField("Attached", BeTrue())))
+		}).WithContext(ctx).WithTimeout(timeout).Should(Succeed())
+
+		By("alpha's group snapshot of both claims is refused by the hold, naming gamma's VM")
+		vgs := alpha.newGroupSnapshot(ctx, ns, "lent", "lent")
+		refusal := fmt.Sprintf(`volume of claim %s/%s (guest cluster alpha) is plugged into VM %s/vm-gamma of cluster "gamma": `+
+			`a group snapshot holds only the VMs of the cluster that owns its volumes`, lent.Namespace, lent.Name, lent.Namespace)
+		Eventually(func(g Gomega) {
+			snaps := &pmemv1.PmemSnapshotList{}
+			g.Expect(mc.List(ctx, snaps)).To(Succeed())
+			var reasons []string
+			for _, s := range snaps.Items {
+				if c := meta.FindStatusCondition(s.Status.Conditions, pmemv1.ReadyCondition); s.Spec.Group != nil && c != nil && strings.Contains(c.Message, refusal) {
+					reasons = append(reasons, c.Reason)
+				}
+			}
+			g.Expect(reasons).To(HaveEach(Equal("WritersNotHeld"))) // mgmt-csi's agent.WritersNotHeldReason
+			g.Expect(reasons).To(HaveLen(2), "both members say why, neither is cut")
+		}).WithContext(ctx).WithTimeout(timeout).Should(Succeed())
+
+		By("once gamma's VM lets the claim go, the retry takes the group")
+		unplug := client.MergeFrom(gammaVM.DeepCopy())
+		gammaVM.Spec.Volumes = nil
+		Expect(mc.Patch(ctx, gammaVM, unplug)).To(Succeed())
 		Expect(alpha.readyGroup(ctx, vgs)).To(HaveLen(2))
 	})
 

@@ -3,7 +3,11 @@ package suite_test
 import (
 	"bytes"
 	"context"
+	"encoding/pem"
 	"fmt"
+	"io"
+	"net/http"
+	"net/http/httptest"
 	"os"
 	"path/filepath"
 	"slices"
@@ -22,6 +26,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"k8s.io/client-go/tools/clientcmd"
+	clientcmdapi "k8s.io/client-go/tools/clientcmd/api"
 	"k8s.io/utils/ptr"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
@@ -332,6 +337,64 @@ var _ = Describe("Tenancy", Label("tenancy"), func() {
 			g.Expect(pod.Status.Phase).To(Equal(corev1.PodRunning))
 		}).WithContext(ctx).WithTimeout(timeout).Should(Succeed())
 		Expect(alpha.Controller.Restarts()).To(Equal(restarts), "guest-csi was not restarted")
+	})
+
+	It("reads a hostile guest apiserver's endless answer up to 4 MiB, and renews another cluster's credential meanwhile", func(ctx SpecContext) {
+		// A guest whose apiserver answers every request with a body that never ends, as one
+		// trying to hold the tenants controller's memory and workers would.
+		hostile := httptest.NewTLSServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			w.Header().Set("Content-Type", "application/json")
+			_, _ = io.WriteString(w, `{"apiVersion":"v1","kind":"Secret","metadata":{"name":"`)
+			chunk := bytes.Repeat([]byte("x"), 64<<10)
+			for r.Context().Err() == nil {
+				if _, err := w.Write(chunk); err != nil {
+					return
+				}
+			}
+		}))
+		DeferCleanup(hostile.Close)
+		kubeconfig := clientcmdapi.NewConfig()
+		kubeconfig.Clusters["hostile"] = &clientcmdapi.Cluster{Server: hostile.URL,
+			CertificateAuthorityData: pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: hostile.Certificate().Raw})}
+		kubeconfig.AuthInfos["admin"] = &clientcmdapi.AuthInfo{Token: "hostile"}
+		kubeconfig.Contexts["hostile"] = &clientcmdapi.Context{Cluster: "hostile", AuthInfo: "admin"}
+		kubeconfig.CurrentContext = "hostile"
+		data, err := clientcmd.Write(*kubeconfig)
+		Expect(err).NotTo(HaveOccurred())
+		opts := deploy.GuestOptions{Namespace: "tenant-h", Name: "hostile"}
+		_, err = deploy.CreateTenant(ctx, mc, opts, hostile.URL, data, nil)
+		Expect(err).NotTo(HaveOccurred())
+		DeferCleanup(func(ctx SpecContext) {
+			capi := deploy.NewCluster(opts.Namespace, opts.Name, "", "", 0)
+			Expect(client.IgnoreNotFound(mc.Delete(ctx, capi))).To(Succeed())
+			gone(ctx, mc, capi)
+			Expect(mc.Delete(ctx, &corev1.Namespace{ObjectMeta: metaName("", opts.Namespace)})).To(Succeed())
+		})
+
+		By("the tenants controller gives up on each answer at 4 MiB, with the reason on the Cluster")
+		Eventually(func(g Gomega) {
+			l := &corev1.EventList{}
+			g.Expect(mc.List(ctx, l, client.InNamespace(opts.Namespace))).To(Succeed())
+			g.Expect(l.Items).To(ContainElement(And(HaveField("Reason", "GuestUnreachable"),
+				HaveField("Message", ContainSubstring("the guest apiserver's response is larger than 4194304 bytes")))))
+		}).WithContext(ctx).WithTimeout(timeout).Should(Succeed())
+
+		By("beta's identity, revoked meanwhile, is made anew and delivered into beta")
+		switched := func() int {
+			log, err := os.ReadFile(beta.Controller.LogPath)
+			Expect(err).NotTo(HaveOccurred())
+			return strings.Count(string(log), "The management credential changed; switched to a new session")
+		}
+		before := switched()
+		sa := &corev1.ServiceAccount{ObjectMeta: metaName(beta.Options.Namespace, beta.Options.Name+"-pvbridge")}
+		Expect(mc.Get(ctx, client.ObjectKeyFromObject(sa), sa)).To(Succeed())
+		old := sa.UID
+		Expect(mc.Delete(ctx, sa)).To(Succeed())
+		Eventually(func(g Gomega) {
+			g.Expect(mc.Get(ctx, client.ObjectKeyFromObject(sa), sa)).To(Succeed())
+			g.Expect(sa.UID).NotTo(Equal(old))
+		}).WithContext(ctx).WithTimeout(timeout).Should(Succeed())
+		Eventually(switched).WithContext(ctx).WithTimeout(timeout).Should(BeNumerically(">", before))
 	})
 
 	It("cleans up after a deleted guest Cluster once its VMs are gone, and touches nothing else", func(ctx SpecContext) {
