@@ -175,7 +175,7 @@ func groupMembers(ctx context.Context) int {
 }
 
 var _ = Describe("Group snapshots", Label("snapshot", "groupsnapshot"), func() {
-	It("count their members against the tenant's snapshot quota before any is cut", Label("tenancy"), func(ctx SpecContext) {
+	It("count their members against the tenant's snapshot quota before any is cut, and themselves against its group snapshot quota", Label("tenancy"), func(ctx SpecContext) {
 		ns := alpha.namespace(ctx)
 		for _, claim := range []string{"a", "b"} {
 			pvc := deploy.PVC(ns, claim, "", "64Mi", false)
@@ -193,17 +193,19 @@ var _ = Describe("Group snapshots", Label("snapshot", "groupsnapshot"), func() {
 		// specs' deletions may still be taking away.
 		refusal := `a group snapshot of 2 members does not fit ResourceQuota ` + alpha.Options.Namespace +
 			`/no-snapshots: \d+ of 0 VolumeSnapshots used, room for 0; no member is cut`
-		Eventually(func(g Gomega) {
-			g.Expect(alpha.c.Get(ctx, client.ObjectKeyFromObject(vgs), vgs)).To(Succeed())
-			g.Expect(vgs.Status).NotTo(BeNil())
-			g.Expect(vgs.Status.Error).NotTo(BeNil())
-			g.Expect(ptr.Deref(vgs.Status.Error.Message, "")).To(MatchRegexp(refusal))
-		}).WithContext(ctx).WithTimeout(timeout).Should(Succeed())
+		alpha.refused(ctx, vgs, MatchRegexp(refusal))
 		Expect(groupMembers(ctx)).To(BeNumerically("<=", cut), "no member was cut")
 
 		By("with room again, the sidecars' retry takes it")
 		Expect(mc.Delete(ctx, q)).To(Succeed())
 		Expect(alpha.readyGroup(ctx, vgs)).To(HaveLen(2))
+
+		By("a quota of group snapshots (the tenants controller's counts them too) refuses the next one")
+		q = quota(ctx, alpha.Options.Namespace, "no-groups", "count/volumegroupsnapshots.groupsnapshot.storage.k8s.io", "0")
+		next := alpha.newGroupSnapshot(ctx, ns, "pair-again", "pair")
+		alpha.refused(ctx, next, ContainSubstring("exceeded quota: no-groups"))
+		Expect(mc.Delete(ctx, q)).To(Succeed())
+		Expect(alpha.readyGroup(ctx, next)).To(HaveLen(2))
 	})
 
 	It("hold no VM of another cluster: a member an admin lent to another cluster's VM stops the group, and nothing is cut", Label("tenancy"), func(ctx SpecContext) {

@@ -6,9 +6,11 @@ import (
 	"os"
 	"path/filepath"
 
+	groupsnapshotv1 "github.com/kubernetes-csi/external-snapshotter/client/v8/apis/volumegroupsnapshot/v1"
 	snapshotv1 "github.com/kubernetes-csi/external-snapshotter/client/v8/apis/volumesnapshot/v1"
 	. "github.com/onsi/ginkgo/v2"
 	. "github.com/onsi/gomega"
+	"github.com/onsi/gomega/types"
 	corev1 "k8s.io/api/core/v1"
 	storagev1 "k8s.io/api/storage/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
@@ -119,6 +121,28 @@ func (g *guestCluster) readySnapshot(ctx context.Context, snap *snapshotv1.Volum
 		g2.Expect(g.c.Get(ctx, client.ObjectKeyFromObject(snap), snap)).To(Succeed())
 		g2.Expect(snap.Status).NotTo(BeNil())
 		g2.Expect(snap.Status.ReadyToUse).To(HaveValue(BeTrue()))
+	}).WithContext(ctx).WithTimeout(timeout).Should(Succeed())
+}
+
+// refused waits until snapshot or group snapshot obj of guest g reports an error whose message
+// matches m (snapshot-controller copies the driver's refusal there).
+func (g *guestCluster) refused(ctx context.Context, obj client.Object, m types.GomegaMatcher) {
+	GinkgoHelper()
+	Eventually(func(g2 Gomega) {
+		g2.Expect(g.c.Get(ctx, client.ObjectKeyFromObject(obj), obj)).To(Succeed())
+		var err *snapshotv1.VolumeSnapshotError
+		switch o := obj.(type) {
+		case *snapshotv1.VolumeSnapshot:
+			if o.Status != nil {
+				err = o.Status.Error
+			}
+		case *groupsnapshotv1.VolumeGroupSnapshot:
+			if o.Status != nil {
+				err = o.Status.Error
+			}
+		}
+		g2.Expect(err).NotTo(BeNil())
+		g2.Expect(ptr.Deref(err.Message, "")).To(m)
 	}).WithContext(ctx).WithTimeout(timeout).Should(Succeed())
 }
 

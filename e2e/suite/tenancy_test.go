@@ -123,12 +123,7 @@ var _ = Describe("Tenancy", Label("tenancy"), func() {
 
 		alpha.readySnapshot(ctx, alpha.snapshot(ctx, ns, "first", "data"))
 		second := alpha.snapshot(ctx, ns, "second", "data")
-		Eventually(func(g Gomega) {
-			g.Expect(alpha.c.Get(ctx, client.ObjectKeyFromObject(second), second)).To(Succeed())
-			g.Expect(second.Status).NotTo(BeNil())
-			g.Expect(second.Status.Error).NotTo(BeNil())
-			g.Expect(ptr.Deref(second.Status.Error.Message, "")).To(ContainSubstring("exceeded quota: snapshots"))
-		}).WithContext(ctx).WithTimeout(timeout).Should(Succeed())
+		alpha.refused(ctx, second, ContainSubstring("exceeded quota: snapshots"))
 		msnaps := &snapshotv1.VolumeSnapshotList{}
 		Expect(mc.List(ctx, msnaps, client.InNamespace(alpha.Options.Namespace), client.MatchingLabels{tenancy.ClusterUIDLabel: alpha.UID})).To(Succeed())
 		Expect(msnaps.Items).To(HaveLen(1), "the refused snapshot left nothing behind")
@@ -188,8 +183,8 @@ var _ = Describe("Tenancy", Label("tenancy"), func() {
 	It("keeps another cluster's snapshot and attach within twice their time while a guest floods group snapshots whose holds overrun", Label("groupsnapshot"), func(ctx SpecContext) {
 		// alpha and beta share host-a: its node agent cuts every snapshot, its host agent
 		// holds and plugs every disk. alpha's group snapshots each hold vm-1's writes to two
-		// volumes: group "slow"'s pair has one limited to 1 MiB/s with 32 MiB of dirty data
-		// behind it, whose freeze writes that back for about 32 s, past the hold's 10 s bound;
+		// volumes: group "slow"'s pair has one limited to 1 MiB/s with 24 MiB of dirty data
+		// behind it, whose freeze writes that back for about 24 s, past the hold's 10 s bound;
 		// group "fast"'s pair waits for the host's group lock and hold meanwhile.
 		const crawl = "pmem-crawl"
 		class := &storagev1.VolumeAttributesClass{ObjectMeta: metaName("", crawl), DriverName: names.PmemDriver, Parameters: map[string]string{qos.MaxBytesPerSecondParam: "1Mi"}}
@@ -249,17 +244,17 @@ var _ = Describe("Tenancy", Label("tenancy"), func() {
 			s, a := neighbour(fmt.Sprintf("quiet-%d", round))
 			quiet[0], quiet[1] = append(quiet[0], s), append(quiet[1], a)
 
-			By(fmt.Sprintf("round %d: alpha dirties 32 MiB of its limited volume and asks for group snapshots of both pairs", round))
+			By(fmt.Sprintf("round %d: alpha dirties 24 MiB of its limited volume and asks for group snapshots of both pairs", round))
 			started, before := holds(), overruns()
 			// Written over in place, never truncated: ext4 starts writing back a file rewritten
 			// from empty at once (auto_da_alloc), the rest after 30 s.
 			dirty, err := os.OpenFile(filepath.Join(slow, "dirty"), os.O_CREATE|os.O_WRONLY, 0o644)
 			Expect(err).NotTo(HaveOccurred())
-			_, err = dirty.WriteAt(bytes.Repeat([]byte{byte(round + 1)}, 32<<20), 0)
+			_, err = dirty.WriteAt(bytes.Repeat([]byte{byte(round + 1)}, 24<<20), 0)
 			Expect(err).NotTo(HaveOccurred())
 			Expect(dirty.Close()).To(Succeed())
 			groups := []*groupsnapshotv1.VolumeGroupSnapshot{alpha.newGroupSnapshot(ctx, ans, fmt.Sprintf("slow-%d", round), "slow")}
-			// Once its hold starts, the freeze writes back for about 32 s: the other group and
+			// Once its hold starts, the freeze writes back for about 24 s: the other group and
 			// beta's turn come inside it.
 			Eventually(holds).WithContext(ctx).WithTimeout(timeout).Should(BeNumerically(">", started))
 			groups = append(groups, alpha.newGroupSnapshot(ctx, ans, fmt.Sprintf("fast-%d", round), "fast"))
