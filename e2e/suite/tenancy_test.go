@@ -262,9 +262,9 @@ var _ = Describe("Tenancy", Label("tenancy"), func() {
 			flooded[0], flooded[1] = append(flooded[0], s), append(flooded[1], a)
 			Expect(overruns()).To(Equal(before), "beta's turn ended while alpha's writers were still being held")
 			Eventually(overruns).WithContext(ctx).WithTimeout(timeout).Should(BeNumerically(">", before), "alpha's hold overran")
-			// Once the freeze is through, a retry cuts group slow, and group fast is cut. Each
-			// is deleted when the spec ends, made: csi-snapshotter notices the deletion of a
-			// group it was still making only at its next resync (15 minutes).
+			// Once the freeze is through, a retry cuts group slow, then group fast is cut. Both
+			// are deleted when the spec ends, once made: csi-snapshotter notices the deletion of
+			// a group it is still making only at its next resync (15 minutes).
 			for _, vgs := range groups {
 				alpha.readyGroup(ctx, vgs)
 			}
