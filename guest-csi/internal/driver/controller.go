@@ -191,7 +191,11 @@ func (s *controllerServer) CreateVolume(ctx context.Context, req *csi.CreateVolu
 				}
 				metav1.SetMetaDataAnnotation(&pvc.ObjectMeta, selectedNodeAnnotation, host)
 				return true
-			}); err != nil {
+			}); apierrors.IsNotFound(err) {
+				// Given up and deleted since the cache read it (its host had no room, see
+				// waitBound): the next call, once the cache has seen that, makes it anew here.
+				return nil, status.Errorf(codes.Aborted, "management PVC %s/%s was deleted since it was read (its host had no room); retrying on host %s", c.Namespace, name, host)
+			} else if err != nil {
 				return nil, csiserver.APIError(err, "move management PVC %s/%s to host %s", c.Namespace, name, host)
 			}
 		}
