@@ -231,14 +231,8 @@ var _ = Describe("Tenancy", Label("tenancy"), func() {
 		}
 
 		// The host agent's log: holds started, and those let go after they overran.
-		logged := func(line string) func() int {
-			return func() int {
-				log, err := os.ReadFile(op.Agents["host-a"].LogPath)
-				Expect(err).NotTo(HaveOccurred())
-				return strings.Count(string(log), line)
-			}
-		}
-		holds, overruns := logged("Starting to hold writers"), logged("Released writers held past the longest hold")
+		agentLog := op.Agents["host-a"].LogPath
+		holds, overruns := logged(agentLog, "Starting to hold writers"), logged(agentLog, "Released writers held past the longest hold")
 		var quiet, flooded [2][]time.Duration // snapshot, attach
 		for round := range 3 {
 			s, a := neighbour(fmt.Sprintf("quiet-%d", round))
@@ -302,29 +296,19 @@ var _ = Describe("Tenancy", Label("tenancy"), func() {
 	})
 
 	It("rotates a revoked credential without a failed RPC beyond retries", func(ctx SpecContext) {
-		switched := func() int {
-			log, err := os.ReadFile(alpha.Controller.LogPath)
-			Expect(err).NotTo(HaveOccurred())
-			return strings.Count(string(log), "The management credential changed; switched to a new session")
-		}
+		switched := logged(alpha.Controller.LogPath, credentialSwitched)
 		before, restarts := switched(), alpha.Controller.Restarts()
 		ns := alpha.namespace(ctx)
 		alpha.create(ctx, deploy.PVC(ns, "before", "", "64Mi", false))
 		alpha.runPod(ctx, ns, "before", "before", "vm-3", false)
 
 		By("revoking every token of alpha's identity: its ServiceAccount is deleted")
-		sa := &corev1.ServiceAccount{ObjectMeta: metaName(alpha.Options.Namespace, alpha.Options.Name+"-pvbridge")}
-		Expect(mc.Get(ctx, client.ObjectKeyFromObject(sa), sa)).To(Succeed())
-		old := sa.UID
-		Expect(mc.Delete(ctx, sa)).To(Succeed())
+		renewed := revokeIdentity(ctx, alpha)
 		alpha.create(ctx, deploy.PVC(ns, "during", "", "64Mi", false))
 		alpha.create(ctx, deploy.Pod(ns, "during", "during", "vm-3", false))
 
 		By("the tenants controller makes a new identity, delivers its token, and guest-csi switches")
-		Eventually(func(g Gomega) {
-			g.Expect(mc.Get(ctx, client.ObjectKeyFromObject(sa), sa)).To(Succeed())
-			g.Expect(sa.UID).NotTo(Equal(old))
-		}).WithContext(ctx).WithTimeout(timeout).Should(Succeed())
+		renewed()
 		Eventually(switched).WithContext(ctx).WithTimeout(timeout).Should(BeNumerically(">", before))
 		Eventually(func(g Gomega) {
 			pod := &corev1.Pod{}
@@ -375,20 +359,9 @@ var _ = Describe("Tenancy", Label("tenancy"), func() {
 		}).WithContext(ctx).WithTimeout(timeout).Should(Succeed())
 
 		By("beta's identity, revoked meanwhile, is made anew and delivered into beta")
-		switched := func() int {
-			log, err := os.ReadFile(beta.Controller.LogPath)
-			Expect(err).NotTo(HaveOccurred())
-			return strings.Count(string(log), "The management credential changed; switched to a new session")
-		}
+		switched := logged(beta.Controller.LogPath, credentialSwitched)
 		before := switched()
-		sa := &corev1.ServiceAccount{ObjectMeta: metaName(beta.Options.Namespace, beta.Options.Name+"-pvbridge")}
-		Expect(mc.Get(ctx, client.ObjectKeyFromObject(sa), sa)).To(Succeed())
-		old := sa.UID
-		Expect(mc.Delete(ctx, sa)).To(Succeed())
-		Eventually(func(g Gomega) {
-			g.Expect(mc.Get(ctx, client.ObjectKeyFromObject(sa), sa)).To(Succeed())
-			g.Expect(sa.UID).NotTo(Equal(old))
-		}).WithContext(ctx).WithTimeout(timeout).Should(Succeed())
+		revokeIdentity(ctx, beta)()
 		Eventually(switched).WithContext(ctx).WithTimeout(timeout).Should(BeNumerically(">", before))
 	})
 
@@ -448,6 +421,36 @@ var _ = Describe("Tenancy", Label("tenancy"), func() {
 		Expect(ownedClaims(ctx, alpha)).To(HaveLen(alphaClaims), "another cluster's volumes are untouched")
 	})
 })
+
+// credentialSwitched is what guest-csi logs when it takes a new management credential.
+const credentialSwitched = "The management credential changed; switched to a new session"
+
+// logged counts the lines of the log at path that say line, at each call.
+func logged(path, line string) func() int {
+	return func() int {
+		GinkgoHelper()
+		log, err := os.ReadFile(path)
+		Expect(err).NotTo(HaveOccurred())
+		return strings.Count(string(log), line)
+	}
+}
+
+// revokeIdentity revokes every token of guest g's management identity by deleting its
+// ServiceAccount; the returned wait returns once the tenants controller has made it anew.
+func revokeIdentity(ctx context.Context, g *guestCluster) (wait func()) {
+	GinkgoHelper()
+	sa := &corev1.ServiceAccount{ObjectMeta: metaName(g.Options.Namespace, g.Options.Name+"-pvbridge")}
+	Expect(mc.Get(ctx, client.ObjectKeyFromObject(sa), sa)).To(Succeed())
+	old := sa.UID
+	Expect(mc.Delete(ctx, sa)).To(Succeed())
+	return func() {
+		GinkgoHelper()
+		Eventually(func(g Gomega) {
+			g.Expect(mc.Get(ctx, client.ObjectKeyFromObject(sa), sa)).To(Succeed())
+			g.Expect(sa.UID).NotTo(Equal(old))
+		}).WithContext(ctx).WithTimeout(timeout).Should(Succeed())
+	}
+}
 
 // medianOf is the median of d, which it sorts.
 func medianOf(d []time.Duration) time.Duration { slices.Sort(d); return d[len(d)/2] }
