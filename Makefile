@@ -29,6 +29,11 @@ TEST_TIMEOUT ?= 45m
 # The end-to-end tests are built as the lab builds the binaries they start (static, -trimpath:
 # e2e/images.GoBuild), so that the libraries both import compile once.
 E2E_GO_TEST := env CGO_ENABLED=0 go test -trimpath
+# Every go command of the Makefile, and the lab's builds it starts, builds with the tags of the
+# pinned tools (hack/build-tags): the Go build cache keys a package's compile by the build's tags,
+# and with the same tags client-go, controller-runtime, grpc and the rest compiled for the tools
+# serve pvbridge's static builds (the lab's binaries, the end-to-end tests, lint) too.
+export GOFLAGS := -tags=$(shell cat hack/build-tags)
 
 ##@ Everyday
 
@@ -53,12 +58,23 @@ run: deps lab-tools ## Start the lab (management + guest clusters on 127.0.0.1) 
 BESIDE_E2E ?= fuzz
 
 .PHONY: test
-test: deps test-tools ## Run every test: unit and integration (-race), end-to-end (csi-sanity among them), fuzz.
+test: deps test-tools test-unit test-e2e ## Run every test: unit and integration (-race), end-to-end (csi-sanity among them), fuzz.
+
+# The unit and integration tests, whose test apiservers run the pinned kube-apiserver and etcd
+# (UNIT_TOOLS): .ci/run starts them once those are built, beside the rest of the tools' build.
+UNIT_TOOLS := etcd kubernetes
+
+.PHONY: test-unit
+test-unit: deps
+	hack/phase.sh unittool hack/build-tools.sh $(UNIT_TOOLS)
 	@# -count=1: the end-to-end tests start binaries built at run time, which the test cache
 	@# cannot see change. The end-to-end packages run pvbridge's binaries as processes built
 	@# without -race (the unit and integration tests cover that code under -race).
 	@# -vet=off: make lint runs go vet's analyzers (golangci-lint's govet) on every package.
 	hack/phase.sh unit go test -race -vet=off -count=1 -timeout $(TEST_TIMEOUT) $(COMPONENTS:%=./%/...)
+
+.PHONY: test-e2e
+test-e2e: deps test-tools
 	@# go test starts test binaries in the order of its arguments on its -p (2) workers: the two
 	@# longest first, so that the others fill the second worker beside them. $(BESIDE_E2E) runs
 	@# beside them (its output follows).
@@ -145,7 +161,7 @@ lint: $(GOLANGCI_LINT) ## Run golangci-lint on every module.
 	@# analysed once, not once per module. Its packages are compiled (go list -export) as the
 	@# tools, the lab's binaries and the end-to-end tests are (static, -trimpath), so that it
 	@# reuses their builds from the Go build cache instead of compiling every library again.
-	hack/phase.sh lint env CGO_ENABLED=0 GOFLAGS=-trimpath $(GOLANGCI_LINT) run --config .golangci.yml $(MODULES:%=./%/...)
+	hack/phase.sh lint env CGO_ENABLED=0 GOFLAGS='-trimpath $(GOFLAGS)' $(GOLANGCI_LINT) run --config .golangci.yml $(MODULES:%=./%/...)
 
 .PHONY: build
 build: ## Build pvbridge's binaries into ./bin.

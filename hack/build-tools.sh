@@ -40,18 +40,21 @@ capi_ldflags() {
 	echo " -X $p.gitVersion=$v -X $p.gitMajor=$(echo "$v" | cut -d. -f1 | tr -d v) -X $p.gitMinor=$(echo "$v" | cut -d. -f2) -X $p.gitTreeState=clean"
 }
 
-# The tags of every binary of hack/tools/kubernetes: a tag that selects other files of a shared
-# package (grpcnotrace selects grpc's) would otherwise compile that package and all above it twice.
+# The tags of every binary of hack/tools/kubernetes, and of pvbridge's own builds (the Makefile
+# puts them in GOFLAGS): the Go build cache keys every package's compile by the build's tags, so
+# two builds with other tags share no package, not even those whose files no tag selects.
 # remove_all_sd leaves Prometheus' service discovery plugins out but Kubernetes' (the lab's
 # Prometheus discovers the metrics Services of both clusters as the ServiceMonitor does).
-k8s_tags=selinux,notest,grpcnotrace,no_btrfs,remove_all_sd,enable_kubernetes_sd
+k8s_tags=$(cat "$root/hack/build-tags")
 
 # component | module | version | tags | extra ldflags | binary=package ...
+# etcd and Kubernetes first: the unit tests' apiservers need them (.ci/run starts those tests
+# beside the rest of the build).
 components() {
 	cat <<EOF
 etcd|kubernetes|v3.7.2|$k8s_tags||etcd=go.etcd.io/etcd/server/v3
-containerd|kubernetes|v2.4.2|$k8s_tags| -X github.com/containerd/containerd/v2/version.Version=v2.4.2|containerd=github.com/containerd/containerd/v2/cmd/containerd containerd-shim-runc-v2=github.com/containerd/containerd/v2/cmd/containerd-shim-runc-v2 ctr=github.com/containerd/containerd/v2/cmd/ctr
 kubernetes|kubernetes|$k8s_version|$k8s_tags|$(k8s_ldflags $k8s_version)|kube-apiserver=k8s.io/kubernetes/cmd/kube-apiserver kube-controller-manager=k8s.io/kubernetes/cmd/kube-controller-manager kube-scheduler=k8s.io/kubernetes/cmd/kube-scheduler kubelet=k8s.io/kubernetes/cmd/kubelet kubectl=k8s.io/kubernetes/cmd/kubectl kubeadm=k8s.io/kubernetes/cmd/kubeadm kube-proxy=k8s.io/kubernetes/cmd/kube-proxy
+containerd|kubernetes|v2.4.2|$k8s_tags| -X github.com/containerd/containerd/v2/version.Version=v2.4.2|containerd=github.com/containerd/containerd/v2/cmd/containerd containerd-shim-runc-v2=github.com/containerd/containerd/v2/cmd/containerd-shim-runc-v2 ctr=github.com/containerd/containerd/v2/cmd/ctr
 csi-provisioner|kubernetes|v6.4.0|$k8s_tags| -X main.version=v6.4.0|csi-provisioner=github.com/kubernetes-csi/external-provisioner/v6/cmd/csi-provisioner
 csi-attacher|kubernetes|v4.13.0|$k8s_tags| -X main.version=v4.13.0|csi-attacher=github.com/kubernetes-csi/external-attacher/v4/cmd/csi-attacher
 csi-resizer|kubernetes|v2.3.0|$k8s_tags| -X main.version=v2.3.0|csi-resizer=github.com/kubernetes-csi/external-resizer/v2/cmd/csi-resizer
@@ -90,7 +93,7 @@ selected() {
 # component that are named as their package build in one go build (one action graph: its links
 # overlap the compiles of the others, instead of leaving a core idle); the others one by one.
 build_lane() {
-	local lane=$1 n=0 total comp module version tags ldflags bins dir spec bin pkg start build
+	local lane=$1 n=0 total comp module version tags ldflags bins dir spec bin pkg start build lock
 	local -a batch single
 	total=$(components | wc -l)
 	while IFS='|' read -r comp module version tags ldflags bins; do
@@ -100,6 +103,11 @@ build_lane() {
 			{ [ "$lane" = others ] && [ "$module" != kubernetes ]; } || continue
 		dir="$cache/$comp-$version"
 		mkdir -p "$dir"
+		# One build of a component at a time: another build-tools.sh (.ci/run's unit tests wait
+		# here for the kube-apiserver and etcd the tools' long lane is building) waits for it,
+		# then finds its binaries built.
+		exec {lock}>"$dir/.lock"
+		flock "$lock"
 		batch=() single=()
 		for spec in $bins; do
 			bin=${spec%%=*} pkg=${spec#*=}
@@ -141,6 +149,7 @@ build_lane() {
 		for spec in $bins; do
 			ln -sfn "$dir/${spec%%=*}" "$cache/bin/${spec%%=*}"
 		done
+		exec {lock}>&-
 	done < <(components)
 }
 
