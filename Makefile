@@ -29,11 +29,12 @@ TEST_TIMEOUT ?= 45m
 # The end-to-end tests are built as the lab builds the binaries they start (static, -trimpath:
 # e2e/images.GoBuild), so that the libraries both import compile once.
 E2E_GO_TEST := env CGO_ENABLED=0 go test -trimpath
-# Every go command of the Makefile, and the lab's builds it starts, builds with the tags of the
-# pinned tools (hack/build-tags): the Go build cache keys a package's compile by the build's tags,
-# and with the same tags client-go, controller-runtime, grpc and the rest compiled for the tools
-# serve pvbridge's static builds (the lab's binaries, the end-to-end tests, lint) too.
-export GOFLAGS := -tags=$(shell cat hack/build-tags)
+# Every go command of the Makefile, and the lab's builds it starts, builds with the flags of the
+# pinned tools (hack/goflags: their build tags, no DWARF): the Go build cache keys a package's
+# compile by them, and with the same flags client-go, controller-runtime, grpc and the rest
+# compiled for the tools serve pvbridge's static builds (the lab's binaries, the end-to-end
+# tests, lint) too.
+export GOFLAGS := $(shell cat hack/goflags)
 
 ##@ Everyday
 

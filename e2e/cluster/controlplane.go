@@ -8,6 +8,7 @@ import (
 	"crypto/x509"
 	"encoding/hex"
 	"encoding/pem"
+	"errors"
 	"fmt"
 	"net/http"
 	"os"
@@ -183,6 +184,21 @@ func (cp *ControlPlane) StopControllerManager() error {
 	err := cp.controller.Stop()
 	cp.controller = nil
 	return err
+}
+
+// Stop stops the control plane's processes, for a cluster a test made and is done with (the
+// lab's Stop stops the rest).
+func (cp *ControlPlane) Stop() error {
+	cp.mu.Lock()
+	defer cp.mu.Unlock()
+	var errs []error
+	for _, p := range []*Process{cp.scheduler, cp.controller, cp.apiserver, cp.etcd} {
+		if p != nil {
+			errs = append(errs, p.Stop())
+		}
+	}
+	cp.controller = nil
+	return errors.Join(errs...)
 }
 
 // StopAPIServer stops kube-apiserver, as an outage would: every client of the control plane
