@@ -242,6 +242,16 @@ func NewCluster(ns, name, classes, host string, port int) *unstructured.Unstruct
 	}}
 }
 
+// DeliveredCredential is the management kubeconfig the tenants controller delivered into the
+// guest cluster of cp (Secret pvbridge-system/pvbridge-mgmt-credentials), empty while there is none.
+func DeliveredCredential(ctx context.Context, cp *cluster.ControlPlane) ([]byte, error) {
+	secret, err := cp.Client().CoreV1().Secrets(GuestInstallNamespace).Get(ctx, tenancy.GuestCredentialsSecret, metav1.GetOptions{})
+	if err != nil {
+		return nil, err
+	}
+	return secret.Data["kubeconfig"], nil
+}
+
 // syncCredential does for the lab's guest-csi controller what kubelet's Secret volume does for
 // the installed one: it copies the credential the tenants controller delivered into the guest
 // (Secret pvbridge-system/pvbridge-mgmt-credentials) to the file guest-csi reads, now and then
@@ -253,18 +263,18 @@ func (g *Guest) syncCredential(ctx context.Context, lab *cluster.Lab) error {
 	}
 	var last []byte
 	sync := func(ctx context.Context) (bool, error) {
-		secret, err := g.CP.Client().CoreV1().Secrets(GuestInstallNamespace).Get(ctx, tenancy.GuestCredentialsSecret, metav1.GetOptions{})
-		if err != nil || len(secret.Data["kubeconfig"]) == 0 || string(secret.Data["kubeconfig"]) == string(last) {
+		data, err := DeliveredCredential(ctx, g.CP)
+		if err != nil || len(data) == 0 || string(data) == string(last) {
 			return last != nil, nil //nolint:nilerr // not delivered yet, or the guest apiserver is briefly away: keep the last copy
 		}
 		tmp := g.MgmtKubeconfig + ".tmp"
-		if err := os.WriteFile(tmp, secret.Data["kubeconfig"], 0o600); err != nil {
+		if err := os.WriteFile(tmp, data, 0o600); err != nil {
 			return false, err
 		}
 		if err := os.Rename(tmp, g.MgmtKubeconfig); err != nil {
 			return false, err
 		}
-		last = secret.Data["kubeconfig"]
+		last = data
 		return true, nil
 	}
 	wctx, cancel := context.WithTimeout(ctx, 2*time.Minute)

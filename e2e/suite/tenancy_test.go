@@ -163,11 +163,7 @@ var _ = Describe("Tenancy", Label("tenancy"), func() {
 		Expect(err).NotTo(HaveOccurred())
 		uid, err := deploy.CreateTenant(ctx, mc, deploy.GuestOptions{Namespace: ns, Name: "delta"}, gcp.Server, kubeconfig, nil)
 		Expect(err).NotTo(HaveOccurred())
-		DeferCleanup(func(ctx SpecContext) {
-			capi := deploy.NewCluster(ns, "delta", "", "", 0)
-			Expect(client.IgnoreNotFound(mc.Delete(ctx, capi))).To(Succeed())
-			gone(ctx, mc, capi)
-		})
+		DeferCleanup(deleteCluster, ns, "delta")
 		// Its VM, as Cluster API makes it; powered off: only what admission decides is tried.
 		deltaVM := &vmv1.VirtualMachine{
 			ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "vm-d1", Labels: map[string]string{tenancy.CAPIClusterNameLabel: "delta"}},
@@ -180,9 +176,9 @@ var _ = Describe("Tenancy", Label("tenancy"), func() {
 		})
 		var delivered []byte
 		Eventually(func(g Gomega) {
-			secret, err := gcp.Client().CoreV1().Secrets(deploy.GuestInstallNamespace).Get(ctx, tenancy.GuestCredentialsSecret, metav1.GetOptions{})
+			var err error
+			delivered, err = deploy.DeliveredCredential(ctx, gcp)
 			g.Expect(err).NotTo(HaveOccurred())
-			delivered = secret.Data["kubeconfig"]
 			g.Expect(delivered).NotTo(BeEmpty())
 		}).WithContext(ctx).WithTimeout(timeout).Should(Succeed())
 		cfg, err := clientcmd.RESTConfigFromKubeConfig(delivered)
@@ -438,9 +434,9 @@ var _ = Describe("Tenancy", Label("tenancy"), func() {
 		// 10 s, which "rotates a revoked credential" proves).
 		renew := func() time.Duration {
 			delivered := func() string {
-				secret, err := beta.CP.Client().CoreV1().Secrets(deploy.GuestInstallNamespace).Get(ctx, tenancy.GuestCredentialsSecret, metav1.GetOptions{})
+				data, err := deploy.DeliveredCredential(ctx, beta.CP)
 				Expect(err).NotTo(HaveOccurred())
-				return string(secret.Data["kubeconfig"])
+				return string(data)
 			}
 			before, start := delivered(), time.Now()
 			revokeIdentity(ctx, beta)()
@@ -607,15 +603,21 @@ func hostileGuest(ctx context.Context, ns, name string, answer http.HandlerFunc)
 	kubeconfig.CurrentContext = name
 	data, err := clientcmd.Write(*kubeconfig)
 	Expect(err).NotTo(HaveOccurred())
-	opts := deploy.GuestOptions{Namespace: ns, Name: name}
-	_, err = deploy.CreateTenant(ctx, mc, opts, server.URL, data, nil)
+	_, err = deploy.CreateTenant(ctx, mc, deploy.GuestOptions{Namespace: ns, Name: name}, server.URL, data, nil)
 	Expect(err).NotTo(HaveOccurred())
 	DeferCleanup(func(ctx SpecContext) {
-		capi := deploy.NewCluster(opts.Namespace, opts.Name, "", "", 0)
-		Expect(client.IgnoreNotFound(mc.Delete(ctx, capi))).To(Succeed())
-		gone(ctx, mc, capi)
-		Expect(mc.Delete(ctx, &corev1.Namespace{ObjectMeta: metaName("", opts.Namespace)})).To(Succeed())
+		deleteCluster(ctx, ns, name)
+		Expect(mc.Delete(ctx, &corev1.Namespace{ObjectMeta: metaName("", ns)})).To(Succeed())
 	})
+}
+
+// deleteCluster deletes guest Cluster ns/name and waits until it is gone: the tenants
+// controller has cleaned up after it.
+func deleteCluster(ctx context.Context, ns, name string) {
+	GinkgoHelper()
+	capi := deploy.NewCluster(ns, name, "", "", 0)
+	Expect(client.IgnoreNotFound(mc.Delete(ctx, capi))).To(Succeed())
+	gone(ctx, mc, capi)
 }
 
 // medianOf is the median of d, which it sorts.
