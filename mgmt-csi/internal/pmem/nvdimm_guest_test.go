@@ -1,11 +1,9 @@
-//go:build pmemguest
-
 package pmem
 
 // The tests in this file run inside a QEMU guest with emulated NVDIMMs (TestModesOnEmulatedNVDIMMs
-// in nvdimm_test.go builds them with the pmemguest tag and boots the guest): the ndctl and lvm
-// back ends and the node's filesystems on real PMEM regions, with Debian's ndctl and lvm2. The
-// guest has two regions, region0 for the ndctl back end and region1 for a volume group.
+// in nvdimm_test.go boots the guest with its own test binary, which calls inGuest there): the
+// ndctl and lvm back ends and the node's filesystems on real PMEM regions, with Debian's ndctl and
+// lvm2. The guest has two regions, region0 for the ndctl back end and region1 for a volume group.
 
 import (
 	"bytes"
@@ -126,7 +124,15 @@ func exerciseBackend(t *testing.T, b Backend, reopen func() Backend, canGrow boo
 	g.Expect(after).To(Equal(before), "everything is freed")
 }
 
-func TestNdctlOnNVDIMM(t *testing.T) {
+// inGuest runs the tests of the NVDIMM guest, in order: the lvm test makes the volume group the
+// filesystems test uses.
+func inGuest(t *testing.T) {
+	t.Run("ndctl", ndctlOnNVDIMM)
+	t.Run("lvm", lvmOnNVDIMM)
+	t.Run("filesystems", filesystemsOnPMEM)
+}
+
+func ndctlOnNVDIMM(t *testing.T) {
 	t.Log(sh(t, "ndctl", "list", "-R"))
 	open := func() Backend {
 		n, err := NewNdctl(NdctlOptions{Regions: []string{"region0"}, Alignment: guestAlignment})
@@ -138,7 +144,7 @@ func TestNdctlOnNVDIMM(t *testing.T) {
 	exerciseBackend(t, open(), open, false)
 }
 
-func TestLVMOnNVDIMM(t *testing.T) {
+func lvmOnNVDIMM(t *testing.T) {
 	// pmem-csi's lvm mode: one fsdax namespace over the region, a volume group on it. The
 	// region is the NVDIMM less its 128 KiB of labels; a namespace's size must be a multiple
 	// of the region's alignment (16 MiB), so all of it is not.
@@ -156,9 +162,9 @@ func TestLVMOnNVDIMM(t *testing.T) {
 	exerciseBackend(t, open(), open, true)
 }
 
-// TestFilesystemsOnPMEM formats, mounts with -o dax, measures and grows ext4 and xfs on
+// filesystemsOnPMEM formats, mounts with -o dax, measures and grows ext4 and xfs on
 // logical volumes of the PMEM volume group, as mgmt-csi's node service stages its volumes.
-func TestFilesystemsOnPMEM(t *testing.T) {
+func filesystemsOnPMEM(t *testing.T) {
 	ctx := guestContext(t)
 	l, err := NewLVM(ctx, LVMOptions{VolumeGroups: []string{"pvb-region1"}})
 	if err != nil {
