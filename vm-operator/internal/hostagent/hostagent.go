@@ -147,8 +147,9 @@ func (r *Reconciler) SetupWithManager(mgr ctrl.Manager) error {
 		// VMs are independent; the hypervisor serializes what concerns one VM.
 		WithOptions(controller.Options{MaxConcurrentReconciles: 4}).
 		Watches(&storagev1.VolumeAttachment{}, handler.EnqueueRequestsFromMapFunc(r.vmsOfAttachment)).
-		// A volume's VolumeAttributesClass changes on its PV (csi-resizer writes it once the
-		// driver accepted the class): its disk's I/O limits follow.
+		// A volume's VolumeAttributesClass and capacity change on its PV (csi-resizer writes
+		// them once the driver accepted the class or grew the volume): its disk's I/O limits
+		// and, as the hypervisor lists the disk (hypervisor.Driver.Disks), its size follow.
 		Watches(&corev1.PersistentVolume{}, handler.EnqueueRequestsFromMapFunc(r.vmsOfVolume)).
 		Complete(r)
 }

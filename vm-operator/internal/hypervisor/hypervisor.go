@@ -124,6 +124,9 @@ type Driver interface {
 	// each with the limits the hypervisor enforces on it (nil for a disk attached without).
 	// A disk whose Attach was interrupted is not listed until Attach is repeated: the host
 	// agent takes a listed disk for done and reports it attached without a second hot-plug.
+	// A disk whose host device grew (its volume was expanded) is grown in the guest first,
+	// since only the driver knows the size its guest sees: the host agent lists a VM's disks
+	// at each of its reconciles, which the PV's new capacity brings.
 	Disks(ctx context.Context, vm VM) ([]Disk, error)
 
 	// Freeze holds the guest's writes to the disks of vm with serials until Thaw (a group

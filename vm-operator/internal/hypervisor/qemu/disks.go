@@ -7,6 +7,8 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
+	"io/fs"
 	"os"
 	"path/filepath"
 	"slices"
@@ -57,6 +59,7 @@ type attachment struct {
 	serial string // "" when it has none
 	node   string // the block node it uses
 	file   string // the host file or device behind the node
+	size   int64  // the node's length, which the guest sees
 	limits hypervisor.Limits
 }
 
@@ -70,6 +73,9 @@ func attachments(ctx context.Context, mon *Monitor) ([]attachment, error) {
 			File     string `json:"file"`
 			BPS      int64  `json:"bps"`
 			IOPS     int64  `json:"iops"`
+			Image    struct {
+				VirtualSize int64 `json:"virtual-size"`
+			} `json:"image"`
 		} `json:"inserted"`
 	}
 	if err := mon.Execute(ctx, "query-block", nil, &blocks); err != nil {
@@ -84,6 +90,7 @@ func attachments(ctx context.Context, mon *Monitor) ([]attachment, error) {
 			path:   strings.TrimSuffix(b.QDev, "/virtio-backend"),
 			node:   b.Inserted.NodeName,
 			file:   b.Inserted.File,
+			size:   b.Inserted.Image.VirtualSize,
 			limits: hypervisor.Limits{IOPS: b.Inserted.IOPS, BytesPerSecond: b.Inserted.BPS},
 		}
 		if id, ok := strings.CutPrefix(a.path, peripheral); ok && !strings.Contains(id, "/") {
@@ -102,12 +109,15 @@ func attachments(ctx context.Context, mon *Monitor) ([]attachment, error) {
 // Disks implements hypervisor.Driver. It lists the disks this driver attached (other block
 // devices of the VM, such as its boot disk, are not its business), as QEMU reports them; a
 // disk whose unplug is in progress is still listed. QEMU changes any disk's limits live, so a
-// disk without limits is listed with nil ones.
+// disk without limits is listed with nil ones. A disk whose host device grew is grown in the
+// guest first (followSize).
 func (d *Driver) Disks(ctx context.Context, vm hypervisor.VM) ([]hypervisor.Disk, error) {
 	v, err := d.state(vm)
 	if err != nil {
 		return nil, err
 	}
+	v.mu.Lock()
+	defer v.mu.Unlock()
 	mon, err := v.monitor(ctx)
 	if errors.Is(err, hypervisor.ErrVMNotFound) {
 		return nil, nil
@@ -122,6 +132,9 @@ func (d *Driver) Disks(ctx context.Context, vm hypervisor.VM) ([]hypervisor.Disk
 	var disks []hypervisor.Disk
 	for _, a := range atts {
 		if strings.HasPrefix(a.id, devicePrefix) {
+			if err := followSize(ctx, mon, a); err != nil {
+				return nil, fmt.Errorf("VM %s: disk %s: %w", v.name, a.serial, err)
+			}
 			disk := hypervisor.Disk{Serial: a.serial, Device: a.file}
 			if a.limits != (hypervisor.Limits{}) {
 				disk.Limits = &a.limits
@@ -131,6 +144,36 @@ func (d *Driver) Disks(ctx context.Context, vm hypervisor.VM) ([]hypervisor.Disk
 	}
 	slices.SortFunc(disks, func(a, b hypervisor.Disk) int { return strings.Compare(a.Serial, b.Serial) })
 	return disks, nil
+}
+
+// followSize grows disk a in the guest to the size of its host device when the device grew
+// (its volume was expanded). QEMU's host_device node keeps the length it found when it opened
+// the device; block_resize to the device's length, which a host device accepts up to its real
+// size, gives the node that length and tells the guest its disk's new capacity (a virtio-blk
+// configuration change: Linux logs "new size"). A device that is gone leaves the disk as it is.
+func followSize(ctx context.Context, mon *Monitor, a attachment) error {
+	size, err := deviceSize(a.file)
+	if errors.Is(err, fs.ErrNotExist) {
+		return nil
+	}
+	if err != nil || size <= a.size {
+		return err
+	}
+	if err := mon.Execute(ctx, "block_resize", map[string]any{"node-name": a.node, "size": size}, nil); err != nil {
+		return fmt.Errorf("grow from %d to %d bytes: %w", a.size, size, err)
+	}
+	klog.FromContext(ctx).V(2).Info("Grew disk", "serial", a.serial, "device", a.file, "from", a.size, "bytes", size)
+	return nil
+}
+
+// deviceSize is the length of a host block device (or file).
+func deviceSize(path string) (int64, error) {
+	f, err := os.Open(path)
+	if err != nil {
+		return 0, err
+	}
+	defer f.Close()
+	return f.Seek(0, io.SeekEnd)
 }
 
 // Attach implements hypervisor.Driver: blockdev-add of disk.Device, then device_add of a

@@ -151,6 +151,26 @@ func TestGuestSeesTheDiskBySerial(t *testing.T) {
 	g.Expect(err).NotTo(HaveOccurred())
 	g.Expect(string(data[:18])).To(Equal("pvbridge-was-here\n"))
 
+	// An expansion: the host device grows (a loop device over a longer file), and the next
+	// Disks, as the host agent's reconcile of an expanded volume calls it, grows the disk in
+	// the guest.
+	size := func(g Gomega) string {
+		out, rc, err := con.run(ctx, "cat /sys/block/vda/size")
+		g.Expect(err).NotTo(HaveOccurred())
+		g.Expect(rc).To(Equal(0), out)
+		return strings.TrimSpace(out)
+	}
+	g.Expect(size(g)).To(Equal(strconv.Itoa(64 << 20 / 512)))
+	g.Expect(os.Truncate(img, 96<<20)).To(Succeed())
+	grown, err := exec.Command("losetup", "--set-capacity", loop).CombinedOutput()
+	g.Expect(err).NotTo(HaveOccurred(), "losetup --set-capacity: %s", grown)
+	start = time.Now()
+	g.Expect(d.Disks(ctx, testVM)).To(ConsistOf(HaveField("Serial", disk.Serial)))
+	g.Eventually(size).WithContext(ctx).WithTimeout(30 * time.Second).WithPolling(100 * time.Millisecond).
+		Should(Equal(strconv.Itoa(96 << 20 / 512)))
+	t.Logf("the guest saw its disk grow %v after Disks", time.Since(start).Round(time.Millisecond))
+	g.Expect(d.Disks(ctx, testVM)).To(HaveLen(1), "a disk of its device's size is left as it is")
+
 	// QEMU throttles the guest's reads, and lifts the limit live. A direct read of 4 MiB takes
 	// about 2 s at 2 MiB/s (less QEMU's burst); without a limit a fraction of that, even
 	// emulated.
