@@ -38,8 +38,24 @@ func main() {
 		`Host agent: the hypervisor driver, "local" (a VM is a directory whose device tree receives the hot-plugged disks; the lab) or "qemu" (QEMU VMs started and hot-plugged over QMP).`)
 	fs.StringVar(&opts.VMRoot, "vm-root", "/var/lib/pvbridge/vms",
 		"Host agent, local hypervisor: the directory holding one directory per VM, <root>/<namespace>/<name>.")
-	fs.StringVar(&opts.QEMURunDir, "qemu-run-dir", "/run/pvbridge/qemu",
-		"Host agent, qemu hypervisor: the directory holding each VM's QMP socket, pid file and logs.")
+	fs.StringVar(&opts.QEMU.RunDir, "qemu-run-dir", "/run/pvbridge/qemu",
+		"Host agent, qemu hypervisor: the directory holding each VM's QMP socket, pid file, QEMU's output and serial console log (at most 60 characters).")
+	fs.StringVar(&opts.QEMU.Binary, "qemu-binary", "qemu-system-x86_64",
+		"Host agent, qemu hypervisor: the QEMU system emulator, a path or a name looked up in PATH.")
+	fs.StringVar(&opts.QEMU.Accel, "qemu-accel", "",
+		`Host agent, qemu hypervisor: "kvm" or "tcg"; empty picks kvm when the CPU has vmx or svm and /dev/kvm exists, else tcg (emulation, about 10 times slower).`)
+	fs.IntVar(&opts.QEMU.CPUs, "qemu-cpus", 1,
+		"Host agent, qemu hypervisor: the vCPUs of a VirtualMachine whose spec.resources.cpu does not say.")
+	fs.IntVar(&opts.QEMU.MemoryMiB, "qemu-memory-mib", 256,
+		"Host agent, qemu hypervisor: the memory in MiB of a VirtualMachine whose spec.resources.memory does not say.")
+	fs.StringVar(&opts.QEMU.Kernel, "qemu-kernel", "",
+		"Host agent, qemu hypervisor: a Linux kernel every VM boots directly (-kernel); empty boots the firmware, which boots what --qemu-arg adds (a boot disk).")
+	fs.StringVar(&opts.QEMU.Initrd, "qemu-initrd", "", "Host agent, qemu hypervisor: the initrd of --qemu-kernel (-initrd).")
+	fs.StringVar(&opts.QEMU.Append, "qemu-append", "", "Host agent, qemu hypervisor: the command line of --qemu-kernel (-append).")
+	fs.StringArrayVar(&opts.QEMU.ExtraArgs, "qemu-arg", nil,
+		"Host agent, qemu hypervisor: an argument appended to every VM's QEMU command line (repeat the flag, one argument each), e.g. a NIC.")
+	fs.DurationVar(&opts.QEMU.ShutdownGracePeriod, "qemu-shutdown-grace-period", 0,
+		"Host agent, qemu hypervisor: how long a VM that is powered off has to shut down after its ACPI power button is pressed before QEMU is stopped; 0 stops it at once.")
 	fs.IntVar(&opts.Slots, "vm-slots", 0,
 		"Host agent: how many disks a VirtualMachine holds hot-plugged at once when its spec.maxVolumes does not say (qemu: PCIe root ports per VM); 0 means the hypervisor driver's default, 16 for qemu, 64 for local. A guest node reports its VM's number as its CSI volume limit.")
 	fs.StringVar(&opts.CSIEndpoint, "csi-endpoint", "unix:///var/lib/kubelet/plugins/pmem.csi.pvbridge.io/csi.sock",

@@ -245,7 +245,17 @@ func volumeNames(vm *vmv1.VirtualMachine, serials []string) []string {
 
 // vmRef is the hypervisor's view of vm.
 func vmRef(vm *vmv1.VirtualMachine) hypervisor.VM {
-	return hypervisor.VM{Namespace: vm.Namespace, Name: vm.Name, UID: vm.Status.UniqueID, Slots: int(ptr.Deref(vm.Spec.MaxVolumes, 0))}
+	ref := hypervisor.VM{Namespace: vm.Namespace, Name: vm.Name, UID: vm.Status.UniqueID, Slots: int(ptr.Deref(vm.Spec.MaxVolumes, 0))}
+	if res := vm.Spec.Resources; res != nil {
+		// Rounded up: a VM never boots smaller than it asked.
+		if res.CPU != nil {
+			ref.CPUs = int(res.CPU.Value())
+		}
+		if res.Memory != nil {
+			ref.MemoryMiB = int((res.Memory.Value() + 1<<20 - 1) >> 20)
+		}
+	}
+	return ref
 }
 
 // HoldServer serves the host agent's holds on the hold socket, as a manager Runnable. Before

@@ -11,9 +11,11 @@ import (
 	. "github.com/onsi/gomega"
 	dto "github.com/prometheus/client_model/go"
 	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/tools/events"
+	"k8s.io/utils/ptr"
 	ctrl "sigs.k8s.io/controller-runtime"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
@@ -229,4 +231,27 @@ func TestHoldServerThawsTheHostsVMsThenServes(t *testing.T) {
 	g.Expect(err).NotTo(HaveOccurred())
 	g.Expect(host.h.holdCalls()).To(Equal([]string{"thaw vm-1"}))
 	g.Expect(host.h.frozenVMs()).To(Equal(map[string]bool{"vm-3": true}))
+}
+
+func TestVMRefSizesTheVMAsItsResourcesAskRoundedUp(t *testing.T) {
+	tests := []struct {
+		name            string
+		resources       *vmv1.VirtualMachineResources
+		cpus, memoryMiB int
+	}{
+		{name: "no resources: the driver's defaults"},
+		{name: "whole CPUs and MiB", resources: &vmv1.VirtualMachineResources{CPU: ptr.To(resource.MustParse("2")), Memory: ptr.To(resource.MustParse("1Gi"))}, cpus: 2, memoryMiB: 1024},
+		{name: "a fraction of a CPU is a whole one", resources: &vmv1.VirtualMachineResources{CPU: ptr.To(resource.MustParse("1500m"))}, cpus: 2},
+		{name: "decimal memory up to the next MiB", resources: &vmv1.VirtualMachineResources{Memory: ptr.To(resource.MustParse("100M"))}, memoryMiB: 96},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			vm := &vmv1.VirtualMachine{ObjectMeta: metav1.ObjectMeta{Namespace: "ns", Name: "vm-1"}}
+			vm.Spec.Resources = tt.resources
+			ref := vmRef(vm)
+			g := NewWithT(t)
+			g.Expect(ref.CPUs).To(Equal(tt.cpus))
+			g.Expect(ref.MemoryMiB).To(Equal(tt.memoryMiB))
+		})
+	}
 }

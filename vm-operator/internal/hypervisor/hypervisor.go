@@ -52,6 +52,10 @@ type VM struct {
 	// spec.maxVolumes); 0 means the driver's default. The qemu driver gives a VM its slots
 	// when it starts it; the local driver applies them to every Attach.
 	Slots int
+	// CPUs and MemoryMiB size the VM (VirtualMachine spec.resources, rounded up to whole CPUs
+	// and MiB); 0 means the driver's default. The qemu driver gives a VM its size when it
+	// starts it; the local driver's VMs share the host's.
+	CPUs, MemoryMiB int
 	// Bootstrap, when set, is what the VM boots with (a Cluster API machine's bootstrap
 	// data); PowerOn hands it to a VM it starts.
 	Bootstrap *Bootstrap

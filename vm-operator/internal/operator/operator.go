@@ -68,10 +68,11 @@ type Options struct {
 	// NodeName is the name of the host's Kubernetes Node. Host-agent role only.
 	NodeName string
 	// Hypervisor is the host agent's hypervisor driver: "local" (a VM is a directory, the lab)
-	// or "qemu"; VMRoot is the local driver's root, QEMURunDir the qemu driver's run directory.
+	// or "qemu"; VMRoot is the local driver's root, QEMU the qemu driver's options (its
+	// HotplugPorts are Slots).
 	Hypervisor string
 	VMRoot     string
-	QEMURunDir string
+	QEMU       qemu.Options
 	// Slots is how many disks a VirtualMachine holds hot-plugged at once when its
 	// spec.maxVolumes does not say; 0 means the driver's default (qemu 16, local 64).
 	Slots int
@@ -106,8 +107,8 @@ func (o *Options) Validate() error {
 		switch {
 		case o.Hypervisor == "local" && !filepath.IsAbs(o.VMRoot):
 			errs = append(errs, fmt.Errorf("the local hypervisor needs an absolute VM root, not %q", o.VMRoot))
-		case o.Hypervisor == "qemu" && !filepath.IsAbs(o.QEMURunDir):
-			errs = append(errs, fmt.Errorf("the qemu hypervisor needs an absolute run directory, not %q", o.QEMURunDir))
+		case o.Hypervisor == "qemu" && !filepath.IsAbs(o.QEMU.RunDir):
+			errs = append(errs, fmt.Errorf("the qemu hypervisor needs an absolute run directory, not %q", o.QEMU.RunDir))
 		case o.Hypervisor != "local" && o.Hypervisor != "qemu":
 			errs = append(errs, fmt.Errorf("hypervisor %q is neither local nor qemu", o.Hypervisor))
 		}
@@ -242,7 +243,9 @@ func setupHostAgent(mgr ctrl.Manager, opts Options) error {
 	var hv hypervisor.Driver
 	var err error
 	if opts.Hypervisor == "qemu" {
-		hv, err = qemu.New(qemu.Options{RunDir: opts.QEMURunDir, HotplugPorts: opts.Slots})
+		q := opts.QEMU
+		q.HotplugPorts = opts.Slots
+		hv, err = qemu.New(q)
 	} else {
 		hv, err = local.New(local.Options{Root: opts.VMRoot, Slots: opts.Slots})
 	}

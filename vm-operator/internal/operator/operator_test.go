@@ -51,7 +51,7 @@ func TestOptionsValidate(t *testing.T) {
 		{name: "host agent without node name", opts: valid(RoleHostAgent, func(o *Options) { o.NodeName = "" }), wantErr: []string{"node name is required"}},
 		{name: "host agent with a bad node name", opts: valid(RoleHostAgent, func(o *Options) { o.NodeName = "Host_A" }), wantErr: []string{"not a node name"}},
 		{name: "controller with node name", opts: valid(RoleController, func(o *Options) { o.NodeName = "host-a" }), wantErr: []string{"only used in the host-agent role"}},
-		{name: "host agent with qemu", opts: valid(RoleHostAgent, func(o *Options) { o.Hypervisor, o.QEMURunDir = "qemu", "/run/pvbridge/qemu" })},
+		{name: "host agent with qemu", opts: valid(RoleHostAgent, func(o *Options) { o.Hypervisor, o.QEMU.RunDir = "qemu", "/run/pvbridge/qemu" })},
 		{name: "unknown hypervisor", opts: valid(RoleHostAgent, func(o *Options) { o.Hypervisor = "xen" }), wantErr: []string{`hypervisor "xen"`}},
 		{name: "relative VM root", opts: valid(RoleHostAgent, func(o *Options) { o.VMRoot = "vms" }), wantErr: []string{"absolute VM root"}},
 		{name: "host agent without CSI endpoint", opts: valid(RoleHostAgent, func(o *Options) { o.CSIEndpoint = "" }), wantErr: []string{"CSI endpoint"}},

@@ -59,9 +59,9 @@ type Options struct {
 	// svm in /proc/cpuinfo) and /dev/kvm exists. /dev/kvm alone is not enough: a software
 	// backend (kvm_pvm) cannot run Linux guests at a useful speed.
 	Accel string
-	// MemoryMiB is the guest's memory; default 256.
+	// MemoryMiB is the memory of a VM whose hypervisor.VM does not say; default 256.
 	MemoryMiB int
-	// CPUs is the number of vCPUs; default 1.
+	// CPUs is the number of vCPUs of a VM whose hypervisor.VM does not say; default 1.
 	CPUs int
 	// HotplugPorts is the number of pcie-root-ports created at power-on when the VM does not
 	// ask for a number (hypervisor.VM.Slots): the most disks a VM can hold at once. Default 16,

@@ -5,11 +5,8 @@ package qemu
 // checks from inside it, over the serial console, what the hot-plug did.
 
 import (
-	"bufio"
 	"bytes"
 	"context"
-	"fmt"
-	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -21,6 +18,7 @@ import (
 
 	. "github.com/onsi/gomega"
 
+	"pvbridge.io/pkg/console"
 	"pvbridge.io/vm-operator/internal/hypervisor"
 )
 
@@ -43,69 +41,6 @@ func testGuest(t *testing.T) (kernel, initrd string) {
 	return filepath.Join(dir, "vmlinux"), filepath.Join(dir, "initramfs.gz")
 }
 
-// console is the guest's serial console: a busybox shell on ttyS0 after boot.
-type console struct {
-	conn net.Conn
-	r    *bufio.Reader
-	out  []byte // what was read and not consumed yet
-	tag  int
-}
-
-func dialConsole(t *testing.T, path string) *console {
-	t.Helper()
-	conn, err := net.Dial("unix", path)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = conn.Close() })
-	return &console{conn: conn, r: bufio.NewReader(conn)}
-}
-
-// expect reads until re matches the output, consumes the output up to the match's end, and
-// returns the submatches.
-func (c *console) expect(ctx context.Context, re *regexp.Regexp) ([]string, error) {
-	deadline, _ := ctx.Deadline()
-	if err := c.conn.SetReadDeadline(deadline); err != nil {
-		return nil, err
-	}
-	buf := make([]byte, 4096)
-	for {
-		if m := re.FindSubmatchIndex(c.out); m != nil {
-			var subs []string
-			for i := 0; i < len(m); i += 2 {
-				if m[i] < 0 {
-					subs = append(subs, "")
-					continue
-				}
-				subs = append(subs, string(c.out[m[i]:m[i+1]]))
-			}
-			c.out = c.out[m[1]:]
-			return subs, nil
-		}
-		n, err := c.r.Read(buf)
-		c.out = append(c.out, buf[:n]...)
-		if err != nil {
-			return nil, fmt.Errorf("%w; console output so far: %q", err, c.out)
-		}
-	}
-}
-
-// run runs a shell command in the guest and returns its output and exit code.
-func (c *console) run(ctx context.Context, command string) (string, int, error) {
-	c.tag++
-	if _, err := fmt.Fprintf(c.conn, "echo BEGIN-%d; %s; echo END-%d rc=$?\n", c.tag, command, c.tag); err != nil {
-		return "", 0, err
-	}
-	// The shell echoes the command line; only the output has BEGIN-n at a line's end.
-	re := regexp.MustCompile(fmt.Sprintf(`(?s)BEGIN-%d\r?\n(.*?)END-%d rc=(\d+)`, c.tag, c.tag))
-	m, err := c.expect(ctx, re)
-	if err != nil {
-		return "", 0, err
-	}
-	rc, _ := strconv.Atoi(m[2])
-	return strings.ReplaceAll(m[1], "\r", ""), rc, nil
-}
-
 func TestGuestSeesTheDiskBySerial(t *testing.T) {
 	g := NewWithT(t)
 	ctx, cancel := context.WithTimeout(t.Context(), 2*time.Minute)
@@ -122,12 +57,14 @@ func TestGuestSeesTheDiskBySerial(t *testing.T) {
 
 	start := time.Now()
 	startVM(t, d, testVM)
-	con := dialConsole(t, filepath.Join(d.Dir(testVM), serialSocket))
-	if _, err := con.expect(ctx, regexp.MustCompile(`GUEST-READY uptime=\S+`)); err != nil {
+	con, err := console.Dial(filepath.Join(d.Dir(testVM), serialSocket))
+	g.Expect(err).NotTo(HaveOccurred())
+	t.Cleanup(func() { _ = con.Close() })
+	if _, err := con.Expect(ctx, regexp.MustCompile(`GUEST-READY uptime=\S+`)); err != nil {
 		t.Fatalf("guest did not boot: %v\nserial.log: %s", err, tail(filepath.Join(d.Dir(testVM), serialLog), 4096))
 	}
 	t.Logf("guest booted in %v", time.Since(start).Round(time.Millisecond))
-	_, _, err := con.run(ctx, "true") // the shell is up
+	_, _, err = con.Run(ctx, "true") // the shell is up
 	g.Expect(err).NotTo(HaveOccurred())
 
 	start = time.Now()
@@ -135,7 +72,7 @@ func TestGuestSeesTheDiskBySerial(t *testing.T) {
 	attached := time.Since(start)
 	var serial string
 	g.Eventually(func(g Gomega) {
-		out, rc, err := con.run(ctx, "cat /sys/block/vda/serial")
+		out, rc, err := con.Run(ctx, "cat /sys/block/vda/serial")
 		g.Expect(err).NotTo(HaveOccurred())
 		g.Expect(rc).To(Equal(0), out)
 		serial = strings.TrimSpace(out)
@@ -144,7 +81,7 @@ func TestGuestSeesTheDiskBySerial(t *testing.T) {
 	g.Expect(serial).To(Equal(disk.Serial))
 
 	// The guest's writes reach the loop device.
-	out, rc, err := con.run(ctx, "echo pvbridge-was-here >/dev/vda")
+	out, rc, err := con.Run(ctx, "echo pvbridge-was-here >/dev/vda")
 	g.Expect(err).NotTo(HaveOccurred())
 	g.Expect(rc).To(Equal(0), out)
 	data, err := os.ReadFile(img)
@@ -155,7 +92,7 @@ func TestGuestSeesTheDiskBySerial(t *testing.T) {
 	// Disks, as the host agent's reconcile of an expanded volume calls it, grows the disk in
 	// the guest.
 	size := func(g Gomega) string {
-		out, rc, err := con.run(ctx, "cat /sys/block/vda/size")
+		out, rc, err := con.Run(ctx, "cat /sys/block/vda/size")
 		g.Expect(err).NotTo(HaveOccurred())
 		g.Expect(rc).To(Equal(0), out)
 		return strings.TrimSpace(out)
@@ -176,7 +113,7 @@ func TestGuestSeesTheDiskBySerial(t *testing.T) {
 	// emulated.
 	readTime := func() time.Duration {
 		start := time.Now()
-		out, rc, err := con.run(ctx, "dd if=/dev/vda of=/dev/null bs=256k count=16 iflag=direct")
+		out, rc, err := con.Run(ctx, "dd if=/dev/vda of=/dev/null bs=256k count=16 iflag=direct")
 		g.Expect(err).NotTo(HaveOccurred())
 		g.Expect(rc).To(Equal(0), out)
 		return time.Since(start)
@@ -194,7 +131,7 @@ func TestGuestSeesTheDiskBySerial(t *testing.T) {
 	start = time.Now()
 	g.Expect(d.Detach(ctx, testVM, disk.Serial)).To(Succeed())
 	t.Logf("Detach took %v", time.Since(start).Round(time.Millisecond))
-	out, _, err = con.run(ctx, "ls /sys/block")
+	out, _, err = con.Run(ctx, "ls /sys/block")
 	g.Expect(err).NotTo(HaveOccurred())
 	g.Expect(out).NotTo(ContainSubstring("vda"), "gone from the guest when Detach returns")
 	g.Expect(d.Disks(ctx, testVM)).To(BeEmpty())

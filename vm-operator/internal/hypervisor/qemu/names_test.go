@@ -120,6 +120,15 @@ func TestArgs(t *testing.T) {
 		vm:      hypervisor.VM{Namespace: "a", Name: "b", UID: "vm-17"},
 		notWant: "-uuid",
 	}, {
+		name: "the driver's size for a VM that does not say",
+		opts: Options{CPUs: 2, MemoryMiB: 512},
+		want: []string{"-smp", "2", "-m", "512M"},
+	}, {
+		name: "the VM's own size over the driver's",
+		opts: Options{CPUs: 2, MemoryMiB: 512},
+		vm:   hypervisor.VM{Namespace: "a", Name: "b", CPUs: 4, MemoryMiB: 2048},
+		want: []string{"-smp", "4", "-m", "2048M"},
+	}, {
 		name: "direct kernel boot",
 		opts: Options{Kernel: "/k", Initrd: "/i", Append: "console=ttyS0"},
 		want: []string{"-kernel", "/k", "-initrd", "/i", "-append", "console=ttyS0"},

@@ -3,6 +3,7 @@ package qemu
 import (
 	"bufio"
 	"bytes"
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -114,8 +115,8 @@ func (d *Driver) args(v *vmState, vm hypervisor.VM, qmpFD int) []string {
 		"-machine", "q35",
 		"-accel", o.Accel,
 		"-cpu", cpu,
-		"-smp", strconv.Itoa(o.CPUs),
-		"-m", strconv.Itoa(o.MemoryMiB) + "M",
+		"-smp", strconv.Itoa(cmp.Or(vm.CPUs, o.CPUs)),
+		"-m", strconv.Itoa(cmp.Or(vm.MemoryMiB, o.MemoryMiB)) + "M",
 		"-nodefaults", "-no-user-config",
 		"-display", "none",
 		"-pidfile", v.path(pidFile),
