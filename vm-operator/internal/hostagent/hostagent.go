@@ -436,7 +436,11 @@ func readyCondition(vm *vmv1.VirtualMachine, status metav1.ConditionStatus, reas
 
 // hypervisorError is the Ready condition of a VM whose hypervisor call op failed.
 func hypervisorError(vm *vmv1.VirtualMachine, op string, err error) *metav1.Condition {
-	return readyCondition(vm, metav1.ConditionFalse, vmv1.HypervisorErrorReason, op+": "+err.Error())
+	reason := vmv1.HypervisorErrorReason
+	if errors.Is(err, hypervisor.ErrInsufficientMemory) {
+		reason = vmv1.InsufficientMemoryReason
+	}
+	return readyCondition(vm, metav1.ConditionFalse, reason, op+": "+err.Error())
 }
 
 // attachmentReady reports whether the VolumeAttachment of volume name is attached.

@@ -707,3 +707,24 @@ func TestRefusedUnplugOfARunningVMBacksOff(t *testing.T) {
 	g.Expect(res.RequeueAfter).To(BeZero())
 	g.Expect(r.busy).To(BeEmpty(), "the next refusal starts over")
 }
+
+func TestHypervisorErrorNamesWhyTheVMIsNotReady(t *testing.T) {
+	tests := []struct {
+		err    error
+		reason string
+	}{
+		{errors.New("QMP: connection reset"), vmv1.HypervisorErrorReason},
+		{fmt.Errorf("%w: VM ns/vm-1 boots with 512 MiB, the host has 200 MiB available", hypervisor.ErrInsufficientMemory), vmv1.InsufficientMemoryReason},
+	}
+	for _, tt := range tests {
+		t.Run(tt.reason, func(t *testing.T) {
+			vm := &vmv1.VirtualMachine{ObjectMeta: metav1.ObjectMeta{Namespace: "ns", Name: "vm-1", Generation: 3}}
+			c := hypervisorError(vm, "power on", tt.err)
+			g := NewWithT(t)
+			g.Expect(c.Status).To(Equal(metav1.ConditionFalse))
+			g.Expect(c.Reason).To(Equal(tt.reason))
+			g.Expect(c.Message).To(Equal("power on: " + tt.err.Error()))
+			g.Expect(c.ObservedGeneration).To(Equal(int64(3)))
+		})
+	}
+}

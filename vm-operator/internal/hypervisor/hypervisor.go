@@ -30,6 +30,9 @@ var (
 	// ErrNotLive: the driver cannot change the I/O limits of this attached disk without
 	// detaching it (local: a disk attached without limits); they apply at its next Attach.
 	ErrNotLive = errors.New("the disk's I/O limits cannot change while it is attached")
+	// ErrInsufficientMemory: PowerOn found less memory available on the host than the VM
+	// boots with; it does not start it smaller.
+	ErrInsufficientMemory = errors.New("not enough memory available on the host")
 	// ErrNoSlot: every hot-plug slot of the VM holds a disk; detach one first.
 	// Its text is the API's vmv1.NoFreeSlotError, which reaches the guest in status.volumes.
 	ErrNoSlot = errors.New(vmv1.NoFreeSlotError)

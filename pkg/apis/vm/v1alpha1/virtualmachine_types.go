@@ -51,6 +51,9 @@ const (
 	PoweredOffReason = "PoweredOff"
 	// HypervisorErrorReason (Ready=False): the hypervisor refused or failed an operation.
 	HypervisorErrorReason = "HypervisorError"
+	// InsufficientMemoryReason (Ready=False): the host has less memory available than the
+	// VirtualMachine would boot with; it is not started smaller, and is tried again.
+	InsufficientMemoryReason = "InsufficientMemory"
 	// BootstrapDataUnavailableReason (Ready=False): the Secret named by spec.bootstrap cannot be
 	// read, or has no key "value".
 	BootstrapDataUnavailableReason = "BootstrapDataUnavailable"

@@ -86,7 +86,8 @@ type Options struct {
 
 // Driver is the QEMU hypervisor driver. It is safe for concurrent use.
 type Driver struct {
-	opts Options
+	opts    Options
+	meminfo string // /proc/meminfo, where checkMemory reads MemAvailable
 
 	mu  sync.Mutex // guards vms
 	vms map[string]*vmState
@@ -157,7 +158,7 @@ func New(opts Options) (*Driver, error) {
 	if opts.StopTimeout == 0 {
 		opts.StopTimeout = 10 * time.Second
 	}
-	return &Driver{opts: opts, vms: map[string]*vmState{}}, nil
+	return &Driver{opts: opts, meminfo: "/proc/meminfo", vms: map[string]*vmState{}}, nil
 }
 
 // Name implements hypervisor.Driver.

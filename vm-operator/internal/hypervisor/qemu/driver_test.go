@@ -566,3 +566,20 @@ func TestConcurrentAttachAndDetach(t *testing.T) {
 	t.Logf("%d concurrent Detach calls took %v", n, time.Since(start).Round(time.Millisecond))
 	g.Expect(d.Disks(ctx, testVM)).To(BeEmpty())
 }
+
+func TestPowerOnRefusesAVMLargerThanTheHostsAvailableMemory(t *testing.T) {
+	g := NewWithT(t)
+	d := newDriver(t, Options{MemoryMiB: 256})
+	d.meminfo = filepath.Join(t.TempDir(), "meminfo")
+	g.Expect(os.WriteFile(d.meminfo, []byte("MemTotal:        1048576 kB\nMemFree:            1000 kB\nMemAvailable:     204800 kB\n"), 0o600)).To(Succeed())
+
+	err := d.PowerOn(t.Context(), testVM)
+	g.Expect(err).To(MatchError(hypervisor.ErrInsufficientMemory))
+	g.Expect(err).To(MatchError(ContainSubstring("VM tenant-a/vm1 boots with 256 MiB, the host has 200 MiB available")))
+	g.Expect(d.Running(t.Context(), testVM)).To(BeFalse(), "not started, nor started smaller")
+
+	small := testVM
+	small.MemoryMiB = 128
+	startVM(t, d, small)
+	g.Expect(d.Running(t.Context(), small)).To(BeTrue(), "a VM that fits starts")
+}

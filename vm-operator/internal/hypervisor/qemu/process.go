@@ -53,6 +53,9 @@ func (d *Driver) start(ctx context.Context, v *vmState, vm hypervisor.VM) error 
 		return fmt.Errorf("VM %s: QMP socket: %w", v.name, err)
 	}
 	defer lf.Close()
+	if err := d.checkMemory(v, vm); err != nil {
+		return err
+	}
 	if err := writeSeed(v.path(seedDir), vm.Bootstrap); err != nil {
 		return fmt.Errorf("VM %s: bootstrap data: %w", v.name, err)
 	}
@@ -161,6 +164,32 @@ func (d *Driver) args(v *vmState, vm hypervisor.VM, qmpFD int) []string {
 			"-device", fmt.Sprintf("virtio-blk-pci,drive=%s,id=%s,bus=pcie.0", seedID, seedID))
 	}
 	return append(args, o.ExtraArgs...)
+}
+
+// checkMemory refuses to start vm when the host has less memory available (MemAvailable) than
+// the VM boots with: a VM is never started smaller than it asks, and one that would make the
+// host swap or kill is not started at all. QEMU allocates the guest's memory as the guest
+// touches it, so the check is of the VM's whole size against what is free now.
+func (d *Driver) checkMemory(v *vmState, vm hypervisor.VM) error {
+	need := cmp.Or(vm.MemoryMiB, d.opts.MemoryMiB)
+	data, err := os.ReadFile(d.meminfo)
+	if err != nil {
+		return fmt.Errorf("VM %s: read the host's available memory: %w", v.name, err)
+	}
+	for line := range strings.Lines(string(data)) {
+		f := strings.Fields(line)
+		if len(f) == 3 && f[0] == "MemAvailable:" && f[2] == "kB" {
+			kib, err := strconv.ParseInt(f[1], 10, 64)
+			if err != nil {
+				return fmt.Errorf("VM %s: %s: %q: %w", v.name, d.meminfo, line, err)
+			}
+			if avail := int(kib >> 10); avail < need {
+				return fmt.Errorf("%w: VM %s boots with %d MiB, the host has %d MiB available", hypervisor.ErrInsufficientMemory, v.name, need, avail)
+			}
+			return nil
+		}
+	}
+	return fmt.Errorf("VM %s: no MemAvailable in %s", v.name, d.meminfo)
 }
 
 // writeSeed makes dir the NoCloud seed of b (readable by the agent's user only: it holds
