@@ -21,6 +21,9 @@ declare -A need=(
 	[busybox]=busybox-static
 	# vm-operator's qemu hypervisor driver and its tests (software emulation, no KVM needed).
 	[qemu-system-x86_64]=qemu-system-x86
+	# the qemu driver's boot disk overlays; the node image's build (hack/build-node-image.sh).
+	[qemu-img]=qemu-utils
+	[mmdebstrap]=mmdebstrap
 	# unpacks the test guest's kernel to a raw vmlinux for a fast PVH boot.
 	[xz]=xz-utils
 )

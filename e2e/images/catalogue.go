@@ -59,13 +59,14 @@ var Catalogue = []Image{
 	},
 	{
 		Name: "ghcr.io/pvbridge/vm-operator", Package: "./vm-operator/cmd/vm-operator", User: "0", Source: pvbridgeSource,
-		// The qemu hypervisor driver: QEMU, its TCG accelerator module and its firmware. The
+		// The qemu hypervisor driver: QEMU, its TCG accelerator module and its firmware, and
+		// qemu-img, which makes each VM's overlay of its boot image. The
 		// local driver's throttled disks: qemu-storage-daemon, with the libfuse3 it links; as
 		// root its FUSE export mounts without fusermount3, and it needs only the host's
 		// /dev/fuse, which the privileged host agent has with the host's /dev.
 		Programs: []string{
 			"qemu-system-x86_64", "/usr/lib/x86_64-linux-gnu/qemu/accel-tcg-x86_64.so", "/usr/share/qemu", "/usr/share/seabios",
-			"qemu-storage-daemon",
+			"qemu-storage-daemon", "qemu-img",
 		},
 	},
 	{Name: "registry.k8s.io/sig-storage/csi-provisioner", Tool: "csi-provisioner", User: Nonroot, Source: "https://github.com/kubernetes-csi/external-provisioner"},

@@ -52,6 +52,10 @@ func main() {
 		"Host agent, qemu hypervisor: a Linux kernel every VM boots directly (-kernel); empty boots the firmware, which boots what --qemu-arg adds (a boot disk).")
 	fs.StringVar(&opts.QEMU.Initrd, "qemu-initrd", "", "Host agent, qemu hypervisor: the initrd of --qemu-kernel (-initrd).")
 	fs.StringVar(&opts.QEMU.Append, "qemu-append", "", "Host agent, qemu hypervisor: the command line of --qemu-kernel (-append).")
+	fs.StringVar(&opts.QEMU.Image, "qemu-image", "",
+		"Host agent, qemu hypervisor: a qcow2 boot disk every VM boots from through a copy-on-write overlay of its own, made at its first power-on (needs qemu-img); the image is never written. Empty: no boot disk.")
+	fs.StringVar(&opts.QEMU.Network, "qemu-network", "",
+		`Host agent, qemu hypervisor: "user" gives every VM a virtio NIC on QEMU's user-mode network (the host's 127.0.0.1 is 10.0.2.2 in the guest), its MAC derived from the VM's UID; empty gives none.`)
 	fs.StringArrayVar(&opts.QEMU.ExtraArgs, "qemu-arg", nil,
 		"Host agent, qemu hypervisor: an argument appended to every VM's QEMU command line (repeat the flag, one argument each), e.g. a NIC.")
 	fs.DurationVar(&opts.QEMU.ShutdownGracePeriod, "qemu-shutdown-grace-period", 0,

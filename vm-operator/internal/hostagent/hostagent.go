@@ -207,10 +207,14 @@ func SerialFor(pvName string) string {
 func (r *Reconciler) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Result, error) {
 	vm := &vmv1.VirtualMachine{}
 	if err := r.Client.Get(ctx, req.NamespacedName, vm); err != nil {
-		if apierrors.IsNotFound(err) {
-			r.wrote(req.NamespacedName, "")
+		if !apierrors.IsNotFound(err) {
+			return ctrl.Result{}, err
 		}
-		return ctrl.Result{}, client.IgnoreNotFound(err)
+		r.wrote(req.NamespacedName, "")
+		// Gone for good: what the hypervisor still has of it goes too. Its QEMU runs on when
+		// the object went before the power-off (the controller removes the last finalizer as
+		// soon as no volume is left, and a VM without volumes has none to wait for).
+		return ctrl.Result{}, r.Hypervisor.Delete(ctx, hypervisor.VM{Namespace: req.Namespace, Name: req.Name})
 	}
 	if vm.Status.Host != r.Node {
 		return ctrl.Result{}, nil

@@ -85,6 +85,8 @@ type fakeHypervisor struct {
 	holds     []string
 	frozen    map[string]bool
 	freezeErr map[string]error
+	// deleted are the VMs Delete stopped.
+	deleted []string
 }
 
 func newFakeHypervisor() *fakeHypervisor {
@@ -113,6 +115,17 @@ func (h *fakeHypervisor) PowerOff(_ context.Context, vm hypervisor.VM) error {
 		return hypervisor.ErrBusy
 	}
 	h.on[vm.Name] = false
+	return nil
+}
+
+func (h *fakeHypervisor) Delete(_ context.Context, vm hypervisor.VM) error {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if h.on[vm.Name] {
+		h.deleted = append(h.deleted, vm.Name)
+	}
+	delete(h.on, vm.Name)
+	delete(h.disks, vm.Name)
 	return nil
 }
 
@@ -574,6 +587,28 @@ func TestDeletedVMLosesItsDisksThenItsPower(t *testing.T) {
 	ready := meta.FindStatusCondition(got.Status.Conditions, vmv1.ReadyCondition)
 	g.Expect(ready).NotTo(BeNil())
 	g.Expect(ready.Reason).To(Equal(vmv1.PoweredOffReason), "the controller derives phase Stopped from it")
+}
+
+// A VM without volumes is gone as soon as it is deleted (the controller's finalizer has nothing
+// to wait for), maybe before the agent saw the deletion: the VM's reconcile then finds no object
+// and deletes what the hypervisor has of it.
+func TestVMWhoseObjectIsGoneIsDeletedFromTheHypervisor(t *testing.T) {
+	g := NewWithT(t)
+	vm := virtualMachine(nil, nil)
+	c := newClient(g, vm, true)
+	h := newFakeHypervisor()
+	r := &Reconciler{Client: c, Node: "host-a", Hypervisor: h, CSI: &fakeCSI{}, StateDir: t.TempDir()}
+	req := ctrl.Request{NamespacedName: client.ObjectKeyFromObject(vm)}
+
+	_, err := r.Reconcile(t.Context(), req)
+	g.Expect(err).NotTo(HaveOccurred())
+	g.Expect(h.on["vm-1"]).To(BeTrue())
+
+	g.Expect(c.Delete(t.Context(), vm)).To(Succeed()) // no finalizer: gone at once
+	_, err = r.Reconcile(t.Context(), req)
+	g.Expect(err).NotTo(HaveOccurred())
+	g.Expect(h.on["vm-1"]).To(BeFalse())
+	g.Expect(h.deleted).To(Equal([]string{"vm-1"}))
 }
 
 func TestApplyDecisionsKeepsOtherWritersEntries(t *testing.T) {

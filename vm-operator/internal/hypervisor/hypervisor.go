@@ -106,6 +106,10 @@ type Driver interface {
 	// whatever the guest was doing with them. It is for a VM that must stop and whose guest has
 	// not released its disks within the unplug timeout.
 	ForceOff(ctx context.Context, vm VM) error
+	// Delete is for a VM whose object is gone: it stops vm at once if it still runs, as
+	// ForceOff, and removes what the driver keeps of it (qemu: its directory, with its boot
+	// disk overlay and logs; local: nothing more). A VM the driver does not know is success.
+	Delete(ctx context.Context, vm VM) error
 	// Running reports whether vm runs.
 	Running(ctx context.Context, vm VM) (bool, error)
 

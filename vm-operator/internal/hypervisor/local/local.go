@@ -183,6 +183,12 @@ func (d *Driver) PowerOn(ctx context.Context, vm hypervisor.VM) error {
 	return nil
 }
 
+// Delete implements hypervisor.Driver: ForceOff; the VM's directory stays, as after a
+// power-off.
+func (d *Driver) Delete(ctx context.Context, vm hypervisor.VM) error {
+	return d.ForceOff(ctx, vm)
+}
+
 // PowerOff marks the VM stopped. The guest of a local VM keeps what it mounted whatever its
 // power state, so dropping its disks silently would report them detached while the guest still
 // holds them: with disks attached (complete or not) PowerOff returns ErrBusy naming them, and

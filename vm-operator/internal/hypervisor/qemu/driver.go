@@ -43,6 +43,12 @@ const (
 	seedDir = "seed"
 	// seedID is the QOM id and node name of that disk; Disks does not list it (not devicePrefix).
 	seedID = "pvb-seed"
+	// bootDisk is the VM's copy-on-write overlay of Options.Image, its boot disk, with QOM id
+	// and node name bootID.
+	bootDisk = "disk.qcow2"
+	bootID   = "pvb-boot"
+	// nicID is the QOM id of the VM's NIC and of its network backend.
+	nicID = "pvb-nic0"
 )
 
 // maxSocketPath is the longest path a unix socket can have on Linux (sun_path less its NUL).
@@ -70,7 +76,16 @@ type Options struct {
 	// Kernel, Initrd and Append boot a Linux kernel directly (-kernel, -initrd, -append).
 	// Without Kernel the firmware boots whatever ExtraArgs provide.
 	Kernel, Initrd, Append string
-	// ExtraArgs are appended to QEMU's command line, e.g. a boot disk or a network device.
+	// Image, when set, is the boot disk of every VM: a qcow2 image (hack/build-node-image.sh
+	// builds pvbridge's node image) that the driver never writes. A VM boots from an overlay of
+	// its own, disk.qcow2 in its directory, made with qemu-img at its first power-on and kept
+	// while the VM exists (a restarted VM keeps what its guest wrote).
+	Image string
+	// Network, when "user", gives each VM a virtio NIC on QEMU's user-mode network, where the
+	// guest reaches the host's 127.0.0.1 at 10.0.2.2, with a MAC derived from its UID; "" gives
+	// it none.
+	Network string
+	// ExtraArgs are appended to QEMU's command line, e.g. a network device of another kind.
 	ExtraArgs []string
 	// UnplugTimeout is how long Detach waits for the guest to release a disk before it returns
 	// ErrBusy (the caller's context may cut it shorter). Default 10s: a Linux guest takes about
@@ -129,6 +144,14 @@ func New(opts Options) (*Driver, error) {
 	opts.RunDir = runDir
 	if opts.Binary == "" {
 		opts.Binary = "qemu-system-x86_64"
+	}
+	if opts.Image != "" {
+		if opts.Image, err = filepath.Abs(opts.Image); err != nil {
+			return nil, fmt.Errorf("qemu: Image: %w", err)
+		}
+	}
+	if opts.Network != "" && opts.Network != "user" {
+		return nil, fmt.Errorf("qemu: Network %q: want user or none", opts.Network)
 	}
 	switch opts.Accel {
 	case "":
@@ -298,6 +321,31 @@ func (d *Driver) PowerOn(ctx context.Context, vm hypervisor.VM) error {
 // gone, so that no disk is held any more.
 func (d *Driver) PowerOff(ctx context.Context, vm hypervisor.VM) error {
 	return d.powerOff(ctx, vm, d.opts.ShutdownGracePeriod)
+}
+
+// Delete implements hypervisor.Driver: ForceOff, then the VM's directory goes, with its boot
+// disk overlay, its logs and its console log. A VM of the name that was powered on since (a new
+// one) keeps them.
+func (d *Driver) Delete(ctx context.Context, vm hypervisor.VM) error {
+	if err := d.powerOff(ctx, vm, 0); err != nil {
+		return err
+	}
+	v, err := d.state(vm)
+	if err != nil {
+		return err
+	}
+	v.mu.Lock()
+	defer v.mu.Unlock()
+	switch _, err := v.monitor(ctx); {
+	case err == nil:
+		return nil
+	case !errors.Is(err, hypervisor.ErrVMNotFound):
+		return err
+	}
+	if err := os.RemoveAll(v.dir); err != nil {
+		return fmt.Errorf("VM %s: remove its files: %w", v.name, err)
+	}
+	return nil
 }
 
 // lockRunning locks vm's state and connects to its monitor, for a call that has nothing to do

@@ -7,6 +7,7 @@ package qemu
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
 	"os"
 	"os/exec"
@@ -582,4 +583,41 @@ func TestPowerOnRefusesAVMLargerThanTheHostsAvailableMemory(t *testing.T) {
 	small.MemoryMiB = 128
 	startVM(t, d, small)
 	g.Expect(d.Running(t.Context(), small)).To(BeTrue(), "a VM that fits starts")
+}
+
+// A VM boots from an overlay of the image of its own, with a NIC whose MAC follows its UID;
+// Delete stops it and removes its files, overlay included, and never the image.
+func TestAVMBootsAnOverlayOfTheImageAndDeleteRemovesIt(t *testing.T) {
+	g := NewWithT(t)
+	image := filepath.Join(t.TempDir(), "node.qcow2")
+	out, err := exec.Command("qemu-img", "create", "-q", "-f", "qcow2", image, "64M").CombinedOutput()
+	g.Expect(err).NotTo(HaveOccurred(), "qemu-img (hack/install-deps.sh installs qemu-utils): %s", out)
+	imageBefore, err := os.ReadFile(image)
+	g.Expect(err).NotTo(HaveOccurred())
+	d := newDriver(t, Options{Image: image, Network: "user"})
+	startVM(t, d, testVM)
+
+	overlay := filepath.Join(d.Dir(testVM), bootDisk)
+	out, err = exec.Command("qemu-img", "info", "--output=json", "-U", overlay).CombinedOutput()
+	g.Expect(err).NotTo(HaveOccurred(), "%s", out)
+	var info struct {
+		Format  string `json:"format"`
+		Backing string `json:"full-backing-filename"`
+	}
+	g.Expect(json.Unmarshal(out, &info)).To(Succeed())
+	g.Expect(info).To(Equal(struct {
+		Format  string `json:"format"`
+		Backing string `json:"full-backing-filename"`
+	}{"qcow2", image}))
+	var mac string
+	g.Expect(execute(t, d, testVM, "qom-get", map[string]string{"path": peripheral + nicID, "property": "mac"}, &mac)).To(Succeed())
+	g.Expect(mac).To(Equal(macFor(testVM)))
+	g.Expect(macFor(testVM)).To(MatchRegexp(`^52:54:00(:[0-9a-f]{2}){3}$`))
+	g.Expect(d.Disks(t.Context(), testVM)).To(BeEmpty(), "the boot disk is not a hot-plugged one")
+
+	g.Expect(d.Delete(t.Context(), testVM)).To(Succeed())
+	g.Expect(d.Running(t.Context(), testVM)).To(BeFalse())
+	g.Expect(d.Dir(testVM)).NotTo(BeADirectory())
+	g.Expect(os.ReadFile(image)).To(Equal(imageBefore), "the image is never written")
+	g.Expect(d.Delete(t.Context(), testVM)).To(Succeed(), "deleting what is gone is success")
 }

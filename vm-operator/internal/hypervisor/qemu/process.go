@@ -5,6 +5,7 @@ import (
 	"bytes"
 	"cmp"
 	"context"
+	"crypto/sha256"
 	"errors"
 	"fmt"
 	"io"
@@ -54,6 +55,9 @@ func (d *Driver) start(ctx context.Context, v *vmState, vm hypervisor.VM) error 
 	}
 	defer lf.Close()
 	if err := d.checkMemory(v, vm); err != nil {
+		return err
+	}
+	if err := d.makeBootDisk(ctx, v); err != nil {
 		return err
 	}
 	if err := writeSeed(v.path(seedDir), vm.Bootstrap); err != nil {
@@ -158,12 +162,48 @@ func (d *Driver) args(v *vmState, vm hypervisor.VM, qmpFD int) []string {
 			args = append(args, "-append", o.Append)
 		}
 	}
+	if o.Image != "" {
+		args = append(args,
+			"-blockdev", fmt.Sprintf("driver=qcow2,node-name=%s,file.driver=file,file.filename=%s", bootID, v.path(bootDisk)),
+			"-device", fmt.Sprintf("virtio-blk-pci,drive=%s,id=%s,bus=pcie.0,bootindex=0", bootID, bootID))
+	}
+	if o.Network == "user" {
+		args = append(args,
+			"-netdev", "user,id="+nicID,
+			"-device", fmt.Sprintf("virtio-net-pci,netdev=%s,id=%s,bus=pcie.0,mac=%s", nicID, nicID, macFor(vm)))
+	}
 	if vm.Bootstrap != nil {
 		args = append(args,
 			"-blockdev", fmt.Sprintf("driver=vvfat,node-name=%s,dir=%s,label=CIDATA,read-only=on", seedID, v.path(seedDir)),
 			"-device", fmt.Sprintf("virtio-blk-pci,drive=%s,id=%s,bus=pcie.0", seedID, seedID))
 	}
 	return append(args, o.ExtraArgs...)
+}
+
+// makeBootDisk makes the VM's overlay of Options.Image unless it has one: a new VM's first
+// power-on. The image is its backing file, read only; the overlay is written aside and renamed
+// in, so that an interrupted call leaves no half-made disk to boot from.
+func (d *Driver) makeBootDisk(ctx context.Context, v *vmState) error {
+	if d.opts.Image == "" {
+		return nil
+	}
+	disk := v.path(bootDisk)
+	if _, err := os.Stat(disk); err == nil || !errors.Is(err, os.ErrNotExist) {
+		return err
+	}
+	tmp := disk + ".new"
+	out, err := exec.CommandContext(ctx, "qemu-img", "create", "-q", "-f", "qcow2", "-F", "qcow2", "-b", d.opts.Image, tmp).CombinedOutput()
+	if err != nil {
+		return fmt.Errorf("VM %s: make its boot disk over %s: %w: %s", v.name, d.opts.Image, err, bytes.TrimSpace(out))
+	}
+	return os.Rename(tmp, disk)
+}
+
+// macFor is the MAC address of vm's NIC: QEMU's locally administered prefix 52:54:00 and three
+// bytes of the SHA-256 of its UID (of its name, when it has none), the same at every start.
+func macFor(vm hypervisor.VM) string {
+	sum := sha256.Sum256([]byte(cmp.Or(vm.UID, vm.Namespace+"/"+vm.Name)))
+	return fmt.Sprintf("52:54:00:%02x:%02x:%02x", sum[0], sum[1], sum[2])
 }
 
 // checkMemory refuses to start vm when the host has less memory available (MemAvailable) than

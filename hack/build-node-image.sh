@@ -1,0 +1,136 @@
+#!/usr/bin/env bash
+# Builds the node image of pvbridge's QEMU VirtualMachines (issue 49) into OUTDIR, from Debian
+# packages and the pinned binaries of the tool cache, without a container engine:
+#   disk.qcow2            the root filesystem (ext4, label "root", compressed): Debian bookworm
+#                         with systemd, udev, cloud-init (NoCloud), runc, the CNI plugins, and
+#                         the tool cache's containerd, kubelet and kubeadm, enabled as units the
+#                         way kubeadm expects them. A VM boots a copy-on-write overlay of it;
+#   vmlinuz, initrd.img   Debian's cloud kernel and its initramfs, for a direct kernel boot
+#                         (root=LABEL=root);
+#   manifest              what the image is: every Debian package with its version, and the
+#                         SHA-256 of each binary from the tool cache.
+# Usage: build-node-image.sh OUTDIR
+# Needs root, mmdebstrap, e2fsprogs and qemu-img (hack/install-deps.sh) and the tool cache
+# ($PVBRIDGE_BIN, default ${XDG_CACHE_HOME:-~/.cache}/pvbridge/bin: `make tools`). Does
+# nothing when OUTDIR is complete and was built by this script from the same binaries; the
+# Debian packages are whatever the mirror serves that day (the manifest says which).
+set -euo pipefail
+out=${1:?usage: build-node-image.sh OUTDIR}
+bin=${PVBRIDGE_BIN:-${XDG_CACHE_HOME:-$HOME/.cache}/pvbridge/bin}
+binaries="containerd containerd-shim-runc-v2 kubelet kubeadm"
+mkdir -p "$out"
+out=$(cd "$out" && pwd)
+exec 9>"$out/.lock"
+flock 9
+inputs="script=$(sha256sum "$0" | cut -c1-16)"
+for b in $binaries; do
+	inputs+=" $b=$(sha256sum "$bin/$b" | cut -c1-16)"
+done
+if [ -s "$out/disk.qcow2" ] && [ -s "$out/vmlinuz" ] && [ -s "$out/initrd.img" ] && [ "$(cat "$out/inputs" 2>/dev/null)" = "$inputs" ]; then
+	exit 0
+fi
+work=$(mktemp -d "$out/build.XXXXXX")
+trap 'rm -rf "$work"' EXIT
+tree=$work/tree
+start=$(date +%s)
+
+# The root filesystem. cloud-init configures the NIC with ifupdown and DHCP (bookworm's
+# cloud-init renders eni); the kernel's initramfs comes from initramfs-tools.
+packages=(
+	systemd-sysv udev dbus kmod linux-image-cloud-amd64 initramfs-tools
+	cloud-init cloud-guest-utils ifupdown isc-dhcp-client
+	runc containernetworking-plugins iptables iproute2 conntrack ethtool socat
+	ca-certificates e2fsprogs xfsprogs util-linux mount procps netbase
+)
+mmdebstrap --mode=root --variant=minbase --quiet \
+	--include="$(IFS=,; echo "${packages[*]}")" \
+	--dpkgopt='path-exclude=/usr/share/doc/*' --dpkgopt='path-exclude=/usr/share/man/*' \
+	--dpkgopt='path-exclude=/usr/share/locale/*' \
+	bookworm "$tree" http://deb.debian.org/debian
+
+for b in $binaries; do
+	install -m 0755 "$bin/$b" "$tree/usr/local/bin/$b"
+done
+# containerd: systemd's cgroup driver, as kubelet's (the guest runs cgroup v2 under systemd).
+mkdir -p "$tree/etc/containerd"
+cat >"$tree/etc/containerd/config.toml" <<'EOF'
+version = 3
+[plugins.'io.containerd.cri.v1.runtime'.containerd.runtimes.runc.options]
+  SystemdCgroup = true
+[plugins.'io.containerd.cri.v1.runtime'.cni]
+  bin_dirs = ['/usr/lib/cni']
+EOF
+cat >"$tree/etc/systemd/system/containerd.service" <<'EOF'
+[Unit]
+Description=containerd container runtime
+After=network.target local-fs.target
+
+[Service]
+ExecStartPre=-/sbin/modprobe overlay
+ExecStart=/usr/local/bin/containerd
+Type=notify
+Delegate=yes
+KillMode=process
+Restart=always
+RestartSec=5
+LimitNPROC=infinity
+LimitCORE=infinity
+TasksMax=infinity
+OOMScoreAdjust=-999
+
+[Install]
+WantedBy=multi-user.target
+EOF
+# kubelet as kubeadm's packages install it: it restarts until `kubeadm join` writes its config.
+cat >"$tree/etc/systemd/system/kubelet.service" <<'EOF'
+[Unit]
+Description=kubelet: The Kubernetes Node Agent
+Wants=network-online.target containerd.service
+After=network-online.target containerd.service
+
+[Service]
+ExecStart=/usr/local/bin/kubelet
+Restart=always
+StartLimitInterval=0
+RestartSec=10
+
+[Install]
+WantedBy=multi-user.target
+EOF
+mkdir -p "$tree/etc/systemd/system/kubelet.service.d"
+cat >"$tree/etc/systemd/system/kubelet.service.d/10-kubeadm.conf" <<'EOF'
+[Service]
+Environment="KUBELET_KUBECONFIG_ARGS=--bootstrap-kubeconfig=/etc/kubernetes/bootstrap-kubelet.conf --kubeconfig=/etc/kubernetes/kubelet.conf"
+Environment="KUBELET_CONFIG_ARGS=--config=/var/lib/kubelet/config.yaml"
+EnvironmentFile=-/var/lib/kubelet/kubeadm-flags.env
+EnvironmentFile=-/etc/default/kubelet
+ExecStart=
+ExecStart=/usr/local/bin/kubelet $KUBELET_KUBECONFIG_ARGS $KUBELET_CONFIG_ARGS $KUBELET_KUBEADM_ARGS $KUBELET_EXTRA_ARGS
+EOF
+for unit in containerd kubelet; do
+	ln -sf "/etc/systemd/system/$unit.service" "$tree/etc/systemd/system/multi-user.target.wants/$unit.service"
+done
+printf 'overlay\nbr_netfilter\n' >"$tree/etc/modules-load.d/kubernetes.conf"
+printf 'net.ipv4.ip_forward = 1\nnet.bridge.bridge-nf-call-iptables = 1\n' >"$tree/etc/sysctl.d/90-kubernetes.conf"
+# cloud-init reads only the NoCloud seed (the qemu driver's CIDATA disk): no metadata service
+# is probed for minutes.
+printf 'datasource_list: [ NoCloud, None ]\n' >"$tree/etc/cloud/cloud.cfg.d/90-pvbridge.cfg"
+printf 'LABEL=root / ext4 defaults,discard 0 1\n' >"$tree/etc/fstab"
+# Each VM is a new machine: its own machine ID, host keys and hostname at first boot.
+: >"$tree/etc/machine-id"
+rm -f "$tree"/etc/ssh/ssh_host_* "$tree/etc/hostname"
+
+cp "$(ls "$tree"/boot/vmlinuz-* | head -1)" "$work/vmlinuz"
+cp "$(ls "$tree"/boot/initrd.img-* | head -1)" "$work/initrd.img"
+{
+	chroot "$tree" dpkg-query -W -f '${Package} ${Version}\n'
+	for b in $binaries; do
+		echo "$b $(sha256sum "$bin/$b" | cut -d' ' -f1)"
+	done
+} >"$work/manifest"
+rm -rf "$tree/boot"/vmlinuz-* "$tree/boot"/initrd.img-* "$tree/var/cache/apt"/*.bin "$tree/var/lib/apt/lists"/*_*
+mkfs.ext4 -q -L root -d "$tree" "$work/root.img" 2G
+qemu-img convert -c -O qcow2 "$work/root.img" "$work/disk.qcow2"
+mv "$work/vmlinuz" "$work/initrd.img" "$work/manifest" "$work/disk.qcow2" "$out/"
+echo "$inputs" >"$out/inputs"
+echo "build-node-image: $(wc -l <"$out/manifest") packages and binaries, $(du -m "$out/disk.qcow2" | cut -f1) MiB compressed, in $(($(date +%s) - start)) s"
