@@ -172,6 +172,15 @@ build: ## Build pvbridge's binaries into ./bin.
 images: deps lab-tools ## Build the images the manifests name, without a container engine: OCI archives in $(CACHE)/images.
 	go run ./e2e/cmd/images
 
+.PHONY: node-image
+node-image: deps ## Build the node image of QEMU VMs (Debian, systemd, cloud-init, the pinned containerd, kubelet, kubeadm) into $(CACHE)/node-image.
+	hack/build-tools.sh kubernetes containerd
+	hack/build-node-image.sh $(CACHE)/node-image
+
+.PHONY: node-vm
+node-vm: node-image ## Boot the node image as a QEMU VM with the qemu driver, and hot-plug a disk into it (minutes under TCG).
+	cd vm-operator && go test -count=1 -v -tags nodevm -timeout 20m -run TestNodeImageBootsAsAVMAndSeesAHotPluggedDisk ./internal/hypervisor/qemu
+
 .PHONY: tools lab-tools test-tools
 tools: ## Build the pinned Kubernetes, etcd, CSI sidecar and tool binaries into $(CACHE) (once).
 	hack/phase.sh tools hack/build-tools.sh

@@ -36,8 +36,14 @@ type process struct {
 // can connect at once (the connection waits in the backlog until QEMU accepts it), so nothing
 // polls for the socket to appear, and a crash before QEMU is ready shows as a reset connection.
 func (d *Driver) start(ctx context.Context, v *vmState, vm hypervisor.VM) error {
+	if err := d.checkMemory(v, vm); err != nil {
+		return err
+	}
 	if err := os.MkdirAll(v.dir, 0o750); err != nil {
 		return fmt.Errorf("VM %s: %w", v.name, err)
+	}
+	if err := d.makeBootDisk(ctx, v); err != nil {
+		return err
 	}
 	sock := v.path(qmpSocket)
 	if err := os.Remove(sock); err != nil && !errors.Is(err, os.ErrNotExist) {
@@ -54,12 +60,6 @@ func (d *Driver) start(ctx context.Context, v *vmState, vm hypervisor.VM) error 
 		return fmt.Errorf("VM %s: QMP socket: %w", v.name, err)
 	}
 	defer lf.Close()
-	if err := d.checkMemory(v, vm); err != nil {
-		return err
-	}
-	if err := d.makeBootDisk(ctx, v); err != nil {
-		return err
-	}
 	if err := writeSeed(v.path(seedDir), vm.Bootstrap); err != nil {
 		return fmt.Errorf("VM %s: bootstrap data: %w", v.name, err)
 	}

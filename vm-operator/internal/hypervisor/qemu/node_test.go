@@ -1,0 +1,88 @@
+//go:build nodevm
+
+package qemu
+
+// The node image (hack/build-node-image.sh) booted by this driver as a host agent runs it:
+// systemd, cloud-init from the VM's NoCloud seed, containerd up, and a hot-plugged disk that
+// udev names by its serial. Minutes under TCG, and the image's build needs the tool cache and
+// Debian's mirror: not part of `make test` yet, `make node-vm` runs it.
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"regexp"
+	"testing"
+	"time"
+
+	. "github.com/onsi/gomega"
+
+	"pvbridge.io/vm-operator/internal/hypervisor"
+)
+
+func TestNodeImageBootsAsAVMAndSeesAHotPluggedDisk(t *testing.T) {
+	g := NewWithT(t)
+	ctx, cancel := context.WithTimeout(t.Context(), 15*time.Minute)
+	defer cancel()
+	cache, err := os.UserCacheDir()
+	g.Expect(err).NotTo(HaveOccurred())
+	image := filepath.Join(cache, "pvbridge", "node-image")
+	start := time.Now()
+	out, err := exec.CommandContext(ctx, "../../../../hack/build-node-image.sh", image).CombinedOutput()
+	g.Expect(err).NotTo(HaveOccurred(), "build the node image: %s", out)
+	t.Logf("node image ready in %v: %s", time.Since(start).Round(time.Second), out)
+
+	d := newDriver(t, Options{
+		Kernel: filepath.Join(image, "vmlinuz"), Initrd: filepath.Join(image, "initrd.img"),
+		Append: "root=LABEL=root ro console=ttyS0 net.ifnames=0",
+		Image:  filepath.Join(image, "disk.qcow2"), Network: "user",
+		CPUs: 2, MemoryMiB: 1024, UnplugTimeout: time.Minute,
+	})
+	const serial = "PVB-NODE-DISK-0001"
+	vm := testVM
+	vm.Bootstrap = &hypervisor.Bootstrap{
+		MetaData: []byte("instance-id: " + vm.UID + "\nlocal-hostname: node-q\n"),
+		// What a kubeadm bootstrap would do comes later; this says what the node has.
+		UserData: []byte(`#cloud-config
+runcmd:
+  - [sh, -c, 'echo "PVB-RUNCMD hostname=$(hostname) containerd=$(systemctl is-active containerd) kubelet=$(kubelet --version)" >/dev/ttyS0']
+  - [systemd-run, --no-block, --unit=pvb-watch, sh, -c, 'while ! [ -e /dev/disk/by-id/virtio-` + serial + ` ]; do sleep 0.2; done; echo "PVB-DISK-SEEN $(readlink -f /dev/disk/by-id/virtio-` + serial + `)" >/dev/ttyS0']
+`),
+	}
+	serialLogOf := func() string {
+		data, _ := os.ReadFile(filepath.Join(d.Dir(vm), serialLog))
+		return string(data)
+	}
+	waitFor := func(re *regexp.Regexp, within time.Duration) []string {
+		var m []string
+		g.Eventually(func() []string {
+			m = re.FindStringSubmatch(serialLogOf())
+			return m
+		}).WithContext(ctx).WithTimeout(within).WithPolling(500*time.Millisecond).ShouldNot(BeNil(),
+			func() string { s := serialLogOf(); return fmt.Sprintf("console: %s", s[max(0, len(s)-4096):]) })
+		return m
+	}
+
+	start = time.Now()
+	startVM(t, d, vm)
+	m := waitFor(regexp.MustCompile(`PVB-RUNCMD hostname=(\S+) containerd=(\S+) kubelet=(.*)`), 10*time.Minute)
+	booted := time.Since(start)
+	t.Logf("power-on to cloud-init's runcmd: %v (TCG); %q", booted.Round(time.Millisecond), m[0])
+	g.Expect(m[1]).To(Equal("node-q"), "the hostname of the seed's meta-data")
+	g.Expect(m[2]).To(Equal("active"), "containerd runs")
+	g.Expect(m[3]).To(HavePrefix("Kubernetes v"))
+
+	loop, _ := newLoop(t)
+	start = time.Now()
+	g.Expect(d.Attach(ctx, vm, hypervisor.Disk{Serial: serial, Device: loop})).To(Succeed())
+	m = waitFor(regexp.MustCompile(`PVB-DISK-SEEN (/dev/vd[a-z]+)`), 2*time.Minute)
+	t.Logf("hot-plug to udev's /dev/disk/by-id/virtio-%s (%s) in the guest: %v", serial, m[1], time.Since(start).Round(time.Millisecond))
+
+	start = time.Now()
+	g.Expect(d.Detach(ctx, vm, serial)).To(Succeed())
+	t.Logf("Detach (the guest let the disk go) took %v", time.Since(start).Round(time.Millisecond))
+	g.Expect(d.Delete(ctx, vm)).To(Succeed())
+	g.Expect(d.Dir(vm)).NotTo(BeADirectory())
+}
