@@ -73,7 +73,7 @@ func TestMain(m *testing.M) {
 		if err != nil {
 			return err
 		}
-		op, err := deploy.StartVMOperator(lab, mgmt)
+		op, err := deploy.StartVMOperator(lab, mgmt, nil)
 		if err != nil {
 			return err
 		}

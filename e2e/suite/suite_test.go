@@ -109,7 +109,7 @@ var _ = BeforeSuite(func(ctx SpecContext) {
 		Hosts: []string{"host-a", "host-b"}, PmemSize: 4 << 30, HostLabels: deploy.VMHostLabels,
 	})
 	Expect(err).NotTo(HaveOccurred())
-	op, err = deploy.StartVMOperator(lab, mgmt)
+	op, err = deploy.StartVMOperator(lab, mgmt, nil)
 	Expect(err).NotTo(HaveOccurred())
 	// The shortest credential life the apiserver grants: every guest credential is renewed
 	// (after 6m40s) while the suite runs.

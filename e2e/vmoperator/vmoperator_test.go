@@ -1,6 +1,6 @@
-// Package vmoperator_test proves vm-operator against a real management control plane: two hosts,
-// each a real kubelet with mgmt-csi over emulated PMEM and a vm-operator host agent with the
-// local hypervisor, plus mgmt-csi's controller with the real sidecars and vm-operator's
+// Package vmoperator_test proves vm-operator against a real management control plane: three
+// hosts, each a real kubelet with mgmt-csi over emulated PMEM and a vm-operator host agent, with
+// the local hypervisor on host-a and host-b and the qemu hypervisor on host-q (qemu_test.go), plus mgmt-csi's controller with the real sidecars and vm-operator's
 // controller. A VM's volumes go spec.volumes → VolumeAttachment → csi-attacher → host agent
 // (stage, publish, hot-plug) → status.volumes, and back.
 package vmoperator_test
@@ -67,11 +67,15 @@ func run(m *testing.M) int {
 			return err
 		}
 		if mgmt, err = deploy.StartManagement(ctx, lab, cp, deploy.MgmtOptions{
-			Hosts: []string{"host-a", "host-b"}, PmemSize: 4 << 30, HostLabels: deploy.VMHostLabels,
+			Hosts: []string{"host-a", "host-b", qemuHost}, PmemSize: 4 << 30, HostLabels: deploy.VMHostLabels,
 		}); err != nil {
 			return err
 		}
-		if vmop, err = deploy.StartVMOperator(lab, mgmt); err != nil {
+		qemu, err := qemuHosts(lab.Binaries())
+		if err != nil {
+			return err
+		}
+		if vmop, err = deploy.StartVMOperator(lab, mgmt, qemu); err != nil {
 			return err
 		}
 		scheme := runtime.NewScheme()

@@ -150,7 +150,7 @@ func startProcesses(ctx context.Context, lab *cluster.Lab) (demoLab, error) {
 	if err != nil {
 		return demoLab{}, err
 	}
-	op, err := deploy.StartVMOperator(lab, mgmt)
+	op, err := deploy.StartVMOperator(lab, mgmt, nil)
 	if err != nil {
 		return demoLab{}, err
 	}

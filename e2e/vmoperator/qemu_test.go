@@ -1,0 +1,161 @@
+package vmoperator_test
+
+// The shipped qemu hypervisor, run by vm-operator's host agent on host-q: a VirtualMachine is
+// a QEMU process (TCG here) booting the busybox guest of hack/build-guest.sh, and its volume is
+// hot-plugged through the whole chain, then seen, written, grown and let go from inside the
+// guest, over its serial console.
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"regexp"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	. "github.com/onsi/gomega"
+	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/api/resource"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+
+	"pvbridge.io/e2e/cluster"
+	"pvbridge.io/e2e/deploy"
+	pmemv1 "pvbridge.io/pkg/apis/pmem/v1alpha1"
+	vmv1 "pvbridge.io/pkg/apis/vm/v1alpha1"
+	"pvbridge.io/pkg/console"
+)
+
+// qemuHost is the host whose agent runs the qemu hypervisor.
+const qemuHost = "host-q"
+
+// qemuHosts builds the test guest (the kernel and initramfs the qemu driver's own tests boot)
+// and returns the qemu host's vm-operator flags that boot every VM of the host with it.
+func qemuHosts(bin *cluster.Binaries) (deploy.QEMUHosts, error) {
+	cache, err := os.UserCacheDir()
+	if err != nil {
+		return nil, err
+	}
+	guest := filepath.Join(cache, "pvbridge", "guest")
+	if out, err := exec.Command(filepath.Join(bin.Repo, "hack", "build-guest.sh"), guest).CombinedOutput(); err != nil {
+		return nil, fmt.Errorf("build the test guest: %w: %s", err, out)
+	}
+	return deploy.QEMUHosts{qemuHost: {
+		"--qemu-kernel=" + filepath.Join(guest, "vmlinux"),
+		"--qemu-initrd=" + filepath.Join(guest, "initramfs.gz"),
+		"--qemu-append=console=ttyS0 quiet panic=-1",
+	}}, nil
+}
+
+// guestConsole connects to the serial console of vm on the qemu host once its guest has booted.
+func guestConsole(ctx context.Context, t *testing.T, vm *vmv1.VirtualMachine) *console.Console {
+	t.Helper()
+	dir := filepath.Join(vmop.QEMURunDirs[qemuHost], vm.Namespace+"_"+vm.Name)
+	var con *console.Console
+	NewWithT(t).Eventually(func() (err error) {
+		con, err = console.Dial(filepath.Join(dir, "serial.sock"))
+		return err
+	}).WithContext(ctx).WithTimeout(timeout).Should(Succeed(), "QEMU serves the console")
+	t.Cleanup(func() { _ = con.Close() })
+	// The socket keeps no output for a client that was not there: the shell's answer says the
+	// guest is up, whenever the connection came.
+	bctx, cancel := context.WithTimeout(ctx, timeout)
+	defer cancel()
+	for {
+		out, _, err := runIn(bctx, con, "echo up")
+		if err == nil && strings.TrimSpace(out) == "up" {
+			return con
+		}
+		if bctx.Err() != nil {
+			t.Fatalf("the guest did not answer on its console: %v; serial.log: %s", err, tail(filepath.Join(dir, "serial.log")))
+		}
+	}
+}
+
+// runIn runs a command in the guest, waiting at most 10 s for its answer.
+func runIn(ctx context.Context, con *console.Console, command string) (string, int, error) {
+	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	return con.Run(ctx, command)
+}
+
+// inGuest runs a command that must succeed in the guest and returns its output.
+func inGuest(ctx context.Context, g Gomega, con *console.Console, command string) string {
+	out, rc, err := runIn(ctx, con, command)
+	g.Expect(err).NotTo(HaveOccurred())
+	g.Expect(rc).To(Equal(0), "%s: %s", command, out)
+	return strings.TrimSpace(out)
+}
+
+func tail(path string) string {
+	data, _ := os.ReadFile(path)
+	return string(data[max(0, len(data)-2048):])
+}
+
+// TestAQEMUVMGetsItsVolumeIntoItsGuest runs the volume's whole life through the shipped qemu
+// driver: the guest finds the disk by its serial and its writes reach the PMEM volume; the VM
+// keeps running with its disk while the host agent is killed, and the restarted agent grows the
+// disk in the guest when the claim is expanded; a detach waits for the guest to let it go.
+func TestAQEMUVMGetsItsVolumeIntoItsGuest(t *testing.T) {
+	g := NewWithT(t)
+	ctx, ns := t.Context(), namespace(t)
+	pv := blockClaim(ctx, g, ns, "data", qemuHost)
+	vm := virtualMachine(ns, "vm-q", qemuHost, "data")
+	g.Expect(c.Create(ctx, vm)).To(Succeed())
+	con := guestConsole(ctx, t, vm)
+	e := volumeStatus(ctx, g, vm, "data", attached)
+
+	By := func(step string) { t.Helper(); t.Log(step) }
+	By("the guest sees the disk by its serial, and its writes reach the PMEM volume")
+	g.Eventually(func(g Gomega) {
+		g.Expect(inGuest(ctx, g, con, "cat /sys/block/vda/serial")).To(Equal(e.DiskSerial))
+	}).WithContext(ctx).WithTimeout(timeout).Should(Succeed())
+	inGuest(ctx, g, con, "echo written-in-the-guest >/dev/vda && sync")
+	pmv := &pmemv1.PmemVolume{}
+	g.Expect(c.Get(ctx, client.ObjectKey{Name: pv.Spec.CSI.VolumeHandle}, pmv)).To(Succeed())
+	g.Eventually(func(g Gomega) {
+		f, err := os.Open(pmv.Status.Device)
+		g.Expect(err).NotTo(HaveOccurred())
+		defer f.Close()
+		buf := make([]byte, 21)
+		_, err = f.ReadAt(buf, 0)
+		g.Expect(err).NotTo(HaveOccurred())
+		g.Expect(string(buf)).To(Equal("written-in-the-guest\n"))
+	}).WithContext(ctx).WithTimeout(timeout).Should(Succeed())
+
+	By("the host agent killed; the restarted one takes up the running VM and grows its disk")
+	uptime := func(g Gomega) float64 {
+		up, err := strconv.ParseFloat(strings.Fields(inGuest(ctx, g, con, "cat /proc/uptime"))[0], 64)
+		g.Expect(err).NotTo(HaveOccurred())
+		return up
+	}
+	sectors := func(g Gomega) int {
+		n, err := strconv.Atoi(inGuest(ctx, g, con, "cat /sys/block/vda/size"))
+		g.Expect(err).NotTo(HaveOccurred())
+		return n
+	}
+	before, booted := sectors(g), uptime(g)
+	g.Expect(vmop.Agents[qemuHost].Kill()).To(Succeed()) // it restarts, as its container would
+	pvc := &corev1.PersistentVolumeClaim{}
+	g.Expect(c.Get(ctx, client.ObjectKey{Namespace: ns, Name: "data"}, pvc)).To(Succeed())
+	patch := client.MergeFrom(pvc.DeepCopy())
+	pvc.Spec.Resources.Requests[corev1.ResourceStorage] = resource.MustParse("96Mi")
+	g.Expect(c.Patch(ctx, pvc, patch)).To(Succeed())
+	g.Eventually(sectors).WithContext(ctx).WithTimeout(timeout).Should(BeNumerically(">=", 96<<20/512))
+	t.Logf("the guest's disk grew from %d to %d sectors", before, sectors(g))
+	g.Expect(uptime(g)).To(BeNumerically(">", booted), "the same guest, not a new boot")
+	g.Expect(volumeStatus(ctx, g, vm, "data", attached).DiskSerial).To(Equal(e.DiskSerial))
+
+	By("a detach: the guest lets the disk go, then the VolumeAttachment goes")
+	detachAll(ctx, g, vm)
+	g.Eventually(func(g Gomega) {
+		g.Expect(c.Get(ctx, client.ObjectKeyFromObject(vm), vm)).To(Succeed())
+		g.Expect(vm.Status.Volumes).To(BeEmpty())
+		g.Expect(attachmentsOf(ctx, g, vm)).To(BeEmpty())
+	}).WithContext(ctx).WithTimeout(timeout).Should(Succeed())
+	g.Expect(inGuest(ctx, g, con, "ls /sys/block")).NotTo(ContainSubstring("vda"))
+	g.Expect(regexp.MustCompile(`\bvda\b`).MatchString(inGuest(ctx, g, con, "cat /proc/partitions"))).To(BeFalse())
+}
