@@ -129,6 +129,16 @@ func TestArgs(t *testing.T) {
 		vm:   hypervisor.VM{Namespace: "a", Name: "b", CPUs: 4, MemoryMiB: 2048},
 		want: []string{"-smp", "4", "-m", "2048M"},
 	}, {
+		name:    "a boot image that the firmware boots",
+		opts:    Options{Image: "/images/node.qcow2"},
+		want:    []string{"-device", "virtio-blk-pci,drive=pvb-boot,id=pvb-boot,bus=pcie.0,bootindex=0"},
+		notWant: "virtio-blk-pci,drive=pvb-boot,id=pvb-boot,bus=pcie.0",
+	}, {
+		name:    "a boot image beside a direct kernel boot, whose boot index is taken",
+		opts:    Options{Image: "/images/node.qcow2", Kernel: "/k"},
+		want:    []string{"-device", "virtio-blk-pci,drive=pvb-boot,id=pvb-boot,bus=pcie.0"},
+		notWant: "virtio-blk-pci,drive=pvb-boot,id=pvb-boot,bus=pcie.0,bootindex=0",
+	}, {
 		name: "direct kernel boot",
 		opts: Options{Kernel: "/k", Initrd: "/i", Append: "console=ttyS0"},
 		want: []string{"-kernel", "/k", "-initrd", "/i", "-append", "console=ttyS0"},

@@ -24,6 +24,9 @@ import (
 	"pvbridge.io/vm-operator/internal/hypervisor"
 )
 
+// exitWait is how long start waits for a QEMU whose monitor closed at once to be reaped.
+const exitWait = 5 * time.Second
+
 // process is a QEMU this driver started; done is closed once it has been reaped.
 type process struct {
 	pid  int
@@ -98,11 +101,15 @@ func (d *Driver) start(ctx context.Context, v *vmState, vm hypervisor.VM) error 
 		}
 	}()
 	if _, err := v.monitor(dialCtx); err != nil {
+		// A QEMU that refuses its command line closes the connection it accepted as it exits:
+		// its reaping, just after, says why.
+		exited := time.NewTimer(exitWait)
+		defer exited.Stop()
 		select {
 		case <-p.done:
 			v.forget()
 			return fmt.Errorf("VM %s: QEMU exited at start: %s", v.name, tail(v.path(logFile), 2048))
-		default:
+		case <-exited.C:
 		}
 		// QEMU may still come up; the next PowerOn finds it running.
 		return fmt.Errorf("VM %s: wait for QMP: %w", v.name, err)
@@ -163,9 +170,13 @@ func (d *Driver) args(v *vmState, vm hypervisor.VM, qmpFD int) []string {
 		}
 	}
 	if o.Image != "" {
+		disk := fmt.Sprintf("virtio-blk-pci,drive=%s,id=%s,bus=pcie.0", bootID, bootID)
+		if o.Kernel == "" {
+			disk += ",bootindex=0" // the firmware boots it; a direct kernel boot has that index
+		}
 		args = append(args,
 			"-blockdev", fmt.Sprintf("driver=qcow2,node-name=%s,file.driver=file,file.filename=%s", bootID, v.path(bootDisk)),
-			"-device", fmt.Sprintf("virtio-blk-pci,drive=%s,id=%s,bus=pcie.0,bootindex=0", bootID, bootID))
+			"-device", disk)
 	}
 	if o.Network == "user" {
 		args = append(args,
