@@ -179,7 +179,7 @@ node-image: deps ## Build the node image of QEMU VMs (Debian, systemd, cloud-ini
 
 .PHONY: node-vm
 node-vm: node-image ## Boot the node image as a QEMU VM with the qemu driver, and hot-plug a disk into it (minutes under TCG).
-	cd vm-operator && go test -count=1 -v -tags nodevm -timeout 20m -run TestNodeImageBootsAsAVMAndSeesAHotPluggedDisk ./internal/hypervisor/qemu
+	cd vm-operator && go test -count=1 -v -tags $(patsubst -tags=%,%,$(filter -tags=%,$(GOFLAGS))),nodevm -timeout 20m -run TestNodeImageBootsAsAVMAndSeesAHotPluggedDisk ./internal/hypervisor/qemu
 
 .PHONY: tools lab-tools test-tools
 tools: ## Build the pinned Kubernetes, etcd, CSI sidecar and tool binaries into $(CACHE) (once).
