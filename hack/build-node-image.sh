@@ -9,6 +9,9 @@
 #                         (root=LABEL=root);
 #   manifest              what the image is: every Debian package with its version, and the
 #                         SHA-256 of each binary from the tool cache.
+# Reproducible: the same packages and binaries make the same bytes (every file dated
+# SOURCE_DATE_EPOCH, the filesystem's UUID, hash seed and times fixed), so that an image is
+# known by its manifest and its SHA-256.
 # Usage: build-node-image.sh OUTDIR
 # Needs root, mmdebstrap, e2fsprogs and qemu-img (hack/install-deps.sh) and the tool cache
 # ($PVBRIDGE_BIN, default ${XDG_CACHE_HOME:-~/.cache}/pvbridge/bin: `make tools`). Does
@@ -33,6 +36,8 @@ work=$(mktemp -d "$out/build.XXXXXX")
 trap 'rm -rf "$work"' EXIT
 tree=$work/tree
 start=$(date +%s)
+# 2026-01-01T00:00:00Z unless the caller says otherwise: every file's time, the filesystem's too.
+export SOURCE_DATE_EPOCH=${SOURCE_DATE_EPOCH:-1767225600}
 
 # The root filesystem. cloud-init configures the NIC with ifupdown and DHCP (bookworm's
 # cloud-init renders eni); the kernel's initramfs comes from initramfs-tools.
@@ -116,9 +121,10 @@ printf 'net.ipv4.ip_forward = 1\nnet.bridge.bridge-nf-call-iptables = 1\n' >"$tr
 # is probed for minutes.
 printf 'datasource_list: [ NoCloud, None ]\n' >"$tree/etc/cloud/cloud.cfg.d/90-pvbridge.cfg"
 printf 'LABEL=root / ext4 defaults,discard 0 1\n' >"$tree/etc/fstab"
-# Each VM is a new machine: its own machine ID, host keys and hostname at first boot.
+# Each VM is a new machine: its own machine ID, host keys, hostname and resolver (the last two
+# mmdebstrap copied from this host) at first boot.
 : >"$tree/etc/machine-id"
-rm -f "$tree"/etc/ssh/ssh_host_* "$tree/etc/hostname"
+rm -f "$tree"/etc/ssh/ssh_host_* "$tree/etc/hostname" "$tree/etc/resolv.conf"
 
 cp "$(ls "$tree"/boot/vmlinuz-* | head -1)" "$work/vmlinuz"
 cp "$(ls "$tree"/boot/initrd.img-* | head -1)" "$work/initrd.img"
@@ -129,7 +135,18 @@ cp "$(ls "$tree"/boot/initrd.img-* | head -1)" "$work/initrd.img"
 	done
 } >"$work/manifest"
 rm -rf "$tree/boot"/vmlinuz-* "$tree/boot"/initrd.img-* "$tree/var/cache/apt"/*.bin "$tree/var/lib/apt/lists"/*_*
-mkfs.ext4 -q -L root -d "$tree" "$work/root.img" 2G
+# Reproducible bytes: every file dated SOURCE_DATE_EPOCH (what this script wrote is newer), a
+# fixed UUID and directory hash seed, mke2fs's own clock fixed; mke2fs copies each inode's
+# ctime from the tree, which only debugfs can set.
+find "$tree" -newermt "@$SOURCE_DATE_EPOCH" -print0 | xargs -0r touch --no-dereference --date="@$SOURCE_DATE_EPOCH"
+uuid=6e6f6465-7076-6272-6964-676500000001
+E2FSPROGS_FAKE_TIME=$SOURCE_DATE_EPOCH mkfs.ext4 -q -L root -U "$uuid" -E hash_seed="$uuid" -d "$tree" "$work/root.img" 2G
+stamp=$(date -u -d "@$SOURCE_DATE_EPOCH" +%Y%m%d%H%M%S)
+(cd "$tree" && find . -mindepth 1 -printf '%P\n') | awk -v t="$stamp" '
+	{ gsub(/"/, "\\\""); for (f = 0; f < 3; f++) printf "sif \"/%s\" %s %s\n", $0, (f == 0 ? "ctime" : f == 1 ? "atime" : "crtime"), t }
+	END { printf "sif / ctime %s\nsif / atime %s\nsif / crtime %s\n", t, t, t }' >"$work/times"
+E2FSPROGS_FAKE_TIME=$SOURCE_DATE_EPOCH debugfs -w -f "$work/times" "$work/root.img" >/dev/null 2>"$work/debugfs.log" ||
+	{ cat "$work/debugfs.log" >&2; exit 1; }
 qemu-img convert -c -O qcow2 "$work/root.img" "$work/disk.qcow2"
 mv "$work/vmlinuz" "$work/initrd.img" "$work/manifest" "$work/disk.qcow2" "$out/"
 echo "$inputs" >"$out/inputs"
