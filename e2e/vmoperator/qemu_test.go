@@ -53,41 +53,27 @@ func qemuHosts(bin *cluster.Binaries) (deploy.QEMUHosts, error) {
 // guestConsole connects to the serial console of vm on the qemu host once its guest has booted.
 func guestConsole(ctx context.Context, t *testing.T, vm *vmv1.VirtualMachine) *console.Console {
 	t.Helper()
+	g := NewWithT(t)
 	dir := filepath.Join(vmop.QEMURunDirs[qemuHost], vm.Namespace+"_"+vm.Name)
 	var con *console.Console
-	NewWithT(t).Eventually(func() (err error) {
+	g.Eventually(func() (err error) {
 		con, err = console.Dial(filepath.Join(dir, "serial.sock"))
 		return err
 	}).WithContext(ctx).WithTimeout(timeout).Should(Succeed(), "QEMU serves the console")
 	t.Cleanup(func() { _ = con.Close() })
 	// The socket keeps no output for a client that was not there: the shell's answer says the
 	// guest is up, whenever the connection came.
-	bctx, cancel := context.WithTimeout(ctx, timeout)
-	defer cancel()
-	for {
-		out, _, err := runIn(bctx, con, "echo up")
-		if err == nil && strings.TrimSpace(out) == "up" {
-			return con
-		}
-		if bctx.Err() != nil {
-			t.Fatalf("the guest did not answer on its console: %v; serial.log: %s", err, tail(filepath.Join(dir, "serial.log")))
-		}
-	}
+	g.Eventually(inGuest).WithArguments(ctx, con, "echo up").WithContext(ctx).WithTimeout(timeout).
+		Should(Equal("up"), func() string { return "serial.log: " + tail(filepath.Join(dir, "serial.log")) })
+	return con
 }
 
-// runIn runs a command in the guest, waiting at most 10 s for its answer.
-func runIn(ctx context.Context, con *console.Console, command string) (string, int, error) {
+// inGuest runs a command in the guest, waiting at most 10 s for its answer, and returns its
+// output (console.Console.Output: an exit code other than 0 is an error).
+func inGuest(ctx context.Context, con *console.Console, command string) (string, error) {
 	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
 	defer cancel()
-	return con.Run(ctx, command)
-}
-
-// inGuest runs a command that must succeed in the guest and returns its output.
-func inGuest(ctx context.Context, g Gomega, con *console.Console, command string) string {
-	out, rc, err := runIn(ctx, con, command)
-	g.Expect(err).NotTo(HaveOccurred())
-	g.Expect(rc).To(Equal(0), "%s: %s", command, out)
-	return strings.TrimSpace(out)
+	return con.Output(ctx, command)
 }
 
 func tail(path string) string {
@@ -108,12 +94,16 @@ func TestAQEMUVMGetsItsVolumeIntoItsGuest(t *testing.T) {
 	con := guestConsole(ctx, t, vm)
 	e := volumeStatus(ctx, g, vm, "data", attached)
 
-	By := func(step string) { t.Helper(); t.Log(step) }
-	By("the guest sees the disk by its serial, and its writes reach the PMEM volume")
+	run := func(g Gomega, command string) string {
+		out, err := inGuest(ctx, con, command)
+		g.Expect(err).NotTo(HaveOccurred())
+		return out
+	}
+	t.Log("the guest sees the disk by its serial, and its writes reach the PMEM volume")
 	g.Eventually(func(g Gomega) {
-		g.Expect(inGuest(ctx, g, con, "cat /sys/block/vda/serial")).To(Equal(e.DiskSerial))
+		g.Expect(run(g, "cat /sys/block/vda/serial")).To(Equal(e.DiskSerial))
 	}).WithContext(ctx).WithTimeout(timeout).Should(Succeed())
-	inGuest(ctx, g, con, "echo written-in-the-guest >/dev/vda && sync")
+	run(g, "echo written-in-the-guest >/dev/vda && sync")
 	pmv := &pmemv1.PmemVolume{}
 	g.Expect(c.Get(ctx, client.ObjectKey{Name: pv.Spec.CSI.VolumeHandle}, pmv)).To(Succeed())
 	g.Eventually(func(g Gomega) {
@@ -126,14 +116,14 @@ func TestAQEMUVMGetsItsVolumeIntoItsGuest(t *testing.T) {
 		g.Expect(string(buf)).To(Equal("written-in-the-guest\n"))
 	}).WithContext(ctx).WithTimeout(timeout).Should(Succeed())
 
-	By("the host agent killed; the restarted one takes up the running VM and grows its disk")
+	t.Log("the host agent killed; the restarted one takes up the running VM and grows its disk")
 	uptime := func(g Gomega) float64 {
-		up, err := strconv.ParseFloat(strings.Fields(inGuest(ctx, g, con, "cat /proc/uptime"))[0], 64)
+		up, err := strconv.ParseFloat(strings.Fields(run(g, "cat /proc/uptime"))[0], 64)
 		g.Expect(err).NotTo(HaveOccurred())
 		return up
 	}
 	sectors := func(g Gomega) int {
-		n, err := strconv.Atoi(inGuest(ctx, g, con, "cat /sys/block/vda/size"))
+		n, err := strconv.Atoi(run(g, "cat /sys/block/vda/size"))
 		g.Expect(err).NotTo(HaveOccurred())
 		return n
 	}
@@ -149,13 +139,13 @@ func TestAQEMUVMGetsItsVolumeIntoItsGuest(t *testing.T) {
 	g.Expect(uptime(g)).To(BeNumerically(">", booted), "the same guest, not a new boot")
 	g.Expect(volumeStatus(ctx, g, vm, "data", attached).DiskSerial).To(Equal(e.DiskSerial))
 
-	By("a detach: the guest lets the disk go, then the VolumeAttachment goes")
+	t.Log("a detach: the guest lets the disk go, then the VolumeAttachment goes")
 	detachAll(ctx, g, vm)
 	g.Eventually(func(g Gomega) {
 		g.Expect(c.Get(ctx, client.ObjectKeyFromObject(vm), vm)).To(Succeed())
 		g.Expect(vm.Status.Volumes).To(BeEmpty())
 		g.Expect(attachmentsOf(ctx, g, vm)).To(BeEmpty())
 	}).WithContext(ctx).WithTimeout(timeout).Should(Succeed())
-	g.Expect(inGuest(ctx, g, con, "ls /sys/block")).NotTo(ContainSubstring("vda"))
-	g.Expect(regexp.MustCompile(`\bvda\b`).MatchString(inGuest(ctx, g, con, "cat /proc/partitions"))).To(BeFalse())
+	g.Expect(run(g, "ls /sys/block")).NotTo(ContainSubstring("vda"))
+	g.Expect(regexp.MustCompile(`\bvda\b`).MatchString(run(g, "cat /proc/partitions"))).To(BeFalse())
 }

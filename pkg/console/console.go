@@ -62,6 +62,16 @@ func (c *Console) Expect(ctx context.Context, re *regexp.Regexp) ([]string, erro
 	}
 }
 
+// Output runs a shell command in the guest and returns its output without the surrounding
+// white space; an exit code other than 0 is an error that carries the output.
+func (c *Console) Output(ctx context.Context, command string) (string, error) {
+	out, rc, err := c.Run(ctx, command)
+	if err == nil && rc != 0 {
+		err = fmt.Errorf("%s: exit code %d: %s", command, rc, out)
+	}
+	return strings.TrimSpace(out), err
+}
+
 // Run runs a shell command in the guest and returns its output and exit code.
 func (c *Console) Run(ctx context.Context, command string) (string, int, error) {
 	c.tag++

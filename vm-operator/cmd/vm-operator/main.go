@@ -40,16 +40,16 @@ func main() {
 		"Host agent, local hypervisor: the directory holding one directory per VM, <root>/<namespace>/<name>.")
 	fs.StringVar(&opts.QEMU.RunDir, "qemu-run-dir", "/run/pvbridge/qemu",
 		"Host agent, qemu hypervisor: the directory holding each VM's QMP socket, pid file, QEMU's output and serial console log (at most 60 characters).")
-	fs.StringVar(&opts.QEMU.Binary, "qemu-binary", "qemu-system-x86_64",
-		"Host agent, qemu hypervisor: the QEMU system emulator, a path or a name looked up in PATH.")
+	fs.StringVar(&opts.QEMU.Binary, "qemu-binary", "",
+		"Host agent, qemu hypervisor: the QEMU system emulator, a path or a name looked up in PATH; empty is qemu-system-x86_64.")
 	fs.StringVar(&opts.QEMU.Accel, "qemu-accel", "",
 		`Host agent, qemu hypervisor: "kvm" or "tcg"; empty picks kvm when the CPU has vmx or svm and /dev/kvm exists, else tcg (emulation, about 10 times slower).`)
-	fs.IntVar(&opts.QEMU.CPUs, "qemu-cpus", 1,
-		"Host agent, qemu hypervisor: the vCPUs of a VirtualMachine whose spec.resources.cpu does not say.")
-	fs.IntVar(&opts.QEMU.MemoryMiB, "qemu-memory-mib", 256,
-		"Host agent, qemu hypervisor: the memory in MiB of a VirtualMachine whose spec.resources.memory does not say.")
+	fs.IntVar(&opts.QEMU.CPUs, "qemu-cpus", 0,
+		"Host agent, qemu hypervisor: the vCPUs of a VirtualMachine whose spec.resources.cpu does not say; 0 is the driver's default, 1.")
+	fs.IntVar(&opts.QEMU.MemoryMiB, "qemu-memory-mib", 0,
+		"Host agent, qemu hypervisor: the memory in MiB of a VirtualMachine whose spec.resources.memory does not say; 0 is the driver's default, 256.")
 	fs.StringVar(&opts.QEMU.Kernel, "qemu-kernel", "",
-		"Host agent, qemu hypervisor: a Linux kernel every VM boots directly (-kernel); empty boots the firmware, which boots what --qemu-arg adds (a boot disk).")
+		"Host agent, qemu hypervisor: a Linux kernel every VM boots directly (-kernel); empty boots the firmware, which boots the VM's overlay of --qemu-image.")
 	fs.StringVar(&opts.QEMU.Initrd, "qemu-initrd", "", "Host agent, qemu hypervisor: the initrd of --qemu-kernel (-initrd).")
 	fs.StringVar(&opts.QEMU.Append, "qemu-append", "", "Host agent, qemu hypervisor: the command line of --qemu-kernel (-append).")
 	fs.StringVar(&opts.QEMU.Image, "qemu-image", "",
@@ -57,7 +57,7 @@ func main() {
 	fs.StringVar(&opts.QEMU.Network, "qemu-network", "",
 		`Host agent, qemu hypervisor: "user" gives every VM a virtio NIC on QEMU's user-mode network (the host's 127.0.0.1 is 10.0.2.2 in the guest), its MAC derived from the VM's UID; empty gives none.`)
 	fs.StringArrayVar(&opts.QEMU.ExtraArgs, "qemu-arg", nil,
-		"Host agent, qemu hypervisor: an argument appended to every VM's QEMU command line (repeat the flag, one argument each), e.g. a NIC.")
+		"Host agent, qemu hypervisor: an argument appended to every VM's QEMU command line (repeat the flag, one argument each), e.g. a device the other flags do not make.")
 	fs.DurationVar(&opts.QEMU.ShutdownGracePeriod, "qemu-shutdown-grace-period", 0,
 		"Host agent, qemu hypervisor: how long a VM that is powered off has to shut down after its ACPI power button is pressed before QEMU is stopped; 0 stops it at once.")
 	fs.IntVar(&opts.Slots, "vm-slots", 0,
