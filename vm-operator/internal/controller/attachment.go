@@ -29,15 +29,12 @@ import (
 	"pvbridge.io/pkg/tenancy"
 )
 
-// Event reasons of the attachment reconciler.
-const (
-	// attachingEvent: a VolumeAttachment was created for a volume.
-	attachingEvent = "Attaching"
-	// detachedEvent: the VolumeAttachment of a volume that left the VirtualMachine was deleted.
-	detachedEvent = "Detached"
-	// volumeFailedEvent: a volume cannot be attached; the note says why.
-	volumeFailedEvent = "VolumeFailed"
-)
+// volumeFailedEvent is the Event reason of a volume that cannot be attached; the note says why.
+// The steps that go as planned (a VolumeAttachment created or deleted) are logged, not recorded:
+// the VolumeAttachments show them, and the host agent records the two a user waits for
+// (Attached, Detached: the disk in and out of the VM). Two more Events per volume were a third
+// of the management cluster's Events in a burst (issue 53).
+const volumeFailedEvent = "VolumeFailed"
 
 // attachmentReconciles bounds the VirtualMachines whose attachments are worked on at once.
 const attachmentReconciles = 4
@@ -393,8 +390,6 @@ func (r *AttachmentReconciler) createAttachment(ctx context.Context, vm *vmv1.Vi
 	}
 	ctrl.LoggerFrom(ctx).Info("Created VolumeAttachment", "volumeAttachment", va.Name, "volume", volume,
 		"persistentVolume", pv, "host", vm.Status.Host)
-	r.Recorder.Eventf(vm, va, corev1.EventTypeNormal, attachingEvent, "Attach",
-		"volume %s: created VolumeAttachment %s of PersistentVolume %s on host %s", volume, va.Name, pv, vm.Status.Host)
 	return nil
 }
 
@@ -439,10 +434,7 @@ func (r *AttachmentReconciler) deleteAttachments(ctx context.Context, vm *vmv1.V
 			failed = append(failed, fmt.Errorf("delete VolumeAttachment %s: %w", va.Name, err))
 			continue
 		}
-		volume := va.Annotations[vmv1.VolumeAnnotation]
-		log.Info("Deleted VolumeAttachment", "volumeAttachment", va.Name, "volume", volume)
-		r.Recorder.Eventf(vm, va, corev1.EventTypeNormal, detachedEvent, "Detach",
-			"volume %s: deleted VolumeAttachment %s", volume, va.Name)
+		log.Info("Deleted VolumeAttachment", "volumeAttachment", va.Name, "volume", va.Annotations[vmv1.VolumeAnnotation])
 	}
 	return errors.Join(failed...)
 }
