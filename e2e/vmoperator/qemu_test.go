@@ -19,7 +19,9 @@ import (
 
 	. "github.com/onsi/gomega"
 	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/api/meta"
 	"k8s.io/apimachinery/pkg/api/resource"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	"pvbridge.io/e2e/cluster"
@@ -82,15 +84,32 @@ func tail(path string) string {
 }
 
 // TestAQEMUVMGetsItsVolumeIntoItsGuest runs the volume's whole life through the shipped qemu
-// driver: the guest finds the disk by its serial and its writes reach the PMEM volume; the VM
-// keeps running with its disk while the host agent is killed, and the restarted agent grows the
-// disk in the guest when the claim is expanded; a detach waits for the guest to let it go.
+// driver, in a VM sized by its VirtualMachineClass (which it waits for): the guest finds the
+// disk by its serial and its writes reach the PMEM volume; the VM keeps running with its disk
+// while the host agent is killed, and the restarted agent grows the disk in the guest when the
+// claim is expanded; a detach waits for the guest to let it go.
 func TestAQEMUVMGetsItsVolumeIntoItsGuest(t *testing.T) {
 	g := NewWithT(t)
 	ctx, ns := t.Context(), namespace(t)
 	pv := blockClaim(ctx, g, ns, "data", qemuHost)
 	vm := virtualMachine(ns, "vm-q", qemuHost, "data")
+	vm.Spec.ClassName = "q-" + ns // cluster-scoped: one per test namespace
+
+	t.Log("a VM whose class does not exist waits for it, then boots with the class's size")
 	g.Expect(c.Create(ctx, vm)).To(Succeed())
+	g.Eventually(func(g Gomega) string {
+		g.Expect(c.Get(ctx, client.ObjectKeyFromObject(vm), vm)).To(Succeed())
+		ready := meta.FindStatusCondition(vm.Status.Conditions, vmv1.ReadyCondition)
+		g.Expect(ready).NotTo(BeNil())
+		return ready.Reason
+	}).WithContext(ctx).WithTimeout(timeout).Should(Equal(vmv1.ClassNotFoundReason))
+	// Not the driver's defaults (1 vCPU, 256 MiB).
+	class := &vmv1.VirtualMachineClass{
+		ObjectMeta: metav1.ObjectMeta{Name: vm.Spec.ClassName},
+		Spec:       vmv1.VirtualMachineClassSpec{CPUs: 2, Memory: resource.MustParse("192Mi")},
+	}
+	g.Expect(c.Create(ctx, class)).To(Succeed())
+	t.Cleanup(func() { _ = c.Delete(context.WithoutCancel(ctx), class) })
 	con := guestConsole(ctx, t, vm)
 	e := volumeStatus(ctx, g, vm, "data", attached)
 
@@ -99,6 +118,12 @@ func TestAQEMUVMGetsItsVolumeIntoItsGuest(t *testing.T) {
 		g.Expect(err).NotTo(HaveOccurred())
 		return out
 	}
+	g.Expect(run(g, "grep -c ^processor /proc/cpuinfo")).To(Equal("2"))
+	memTotal, err := strconv.Atoi(strings.Fields(run(g, "grep MemTotal /proc/meminfo"))[1])
+	g.Expect(err).NotTo(HaveOccurred())
+	// The kernel keeps some of the 192 MiB for itself (about 50 MiB here, the initramfs
+	// included); the driver's default of 256 MiB would show about 200.
+	g.Expect(memTotal).To(And(BeNumerically(">", 128<<10), BeNumerically("<=", 192<<10)), "MemTotal in kB")
 	t.Log("the guest sees the disk by its serial, and its writes reach the PMEM volume")
 	g.Eventually(func(g Gomega) {
 		g.Expect(run(g, "cat /sys/block/vda/serial")).To(Equal(e.DiskSerial))

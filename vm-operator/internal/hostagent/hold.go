@@ -252,7 +252,7 @@ func vmRef(vm *vmv1.VirtualMachine) hypervisor.VM {
 			ref.CPUs = int(res.CPU.Value())
 		}
 		if res.Memory != nil {
-			ref.MemoryMiB = int((res.Memory.Value() + 1<<20 - 1) >> 20)
+			ref.MemoryMiB = mib(res.Memory.Value())
 		}
 	}
 	return ref

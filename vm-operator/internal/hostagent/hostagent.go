@@ -151,6 +151,7 @@ func (r *Reconciler) SetupWithManager(mgr ctrl.Manager) error {
 		// them once the driver accepted the class or grew the volume): its disk's I/O limits
 		// and, as the hypervisor lists the disk (hypervisor.Driver.Disks), its size follow.
 		Watches(&corev1.PersistentVolume{}, handler.EnqueueRequestsFromMapFunc(r.vmsOfVolume)).
+		Watches(&vmv1.VirtualMachineClass{}, handler.EnqueueRequestsFromMapFunc(r.vmsOfClass)).
 		Complete(r)
 }
 
@@ -227,6 +228,14 @@ func (r *Reconciler) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Resu
 	wantOn := vm.DeletionTimestamp.IsZero() && vm.Spec.PowerState != vmv1.PowerStateOff
 	d := &decisions{set: map[string]vmv1.VirtualMachineVolumeStatus{}}
 	if wantOn {
+		if cond, err := r.sized(ctx, vm, &ref); err != nil {
+			return ctrl.Result{}, err
+		} else if cond != nil {
+			// A VM that runs already keeps the size it started with; one that does not waits.
+			if running, err := r.Hypervisor.Running(ctx, ref); err != nil || !running {
+				return ctrl.Result{}, r.writeStatus(ctx, vm, &decisions{}, cond)
+			}
+		}
 		if err := r.bootstrap(ctx, vm, &ref); err != nil {
 			cond := readyCondition(vm, metav1.ConditionFalse, vmv1.BootstrapDataUnavailableReason, err.Error())
 			return ctrl.Result{RequeueAfter: retryAfter}, errors.Join(err, r.writeStatus(ctx, vm, &decisions{}, cond))

@@ -87,6 +87,8 @@ type fakeHypervisor struct {
 	freezeErr map[string]error
 	// deleted are the VMs Delete stopped.
 	deleted []string
+	// started holds each VM as PowerOn started it, its size included.
+	started map[string]hypervisor.VM
 }
 
 func newFakeHypervisor() *fakeHypervisor {
@@ -98,6 +100,12 @@ func (h *fakeHypervisor) Name() string { return "fake" }
 func (h *fakeHypervisor) PowerOn(_ context.Context, vm hypervisor.VM) error {
 	h.mu.Lock()
 	defer h.mu.Unlock()
+	if !h.on[vm.Name] {
+		if h.started == nil {
+			h.started = map[string]hypervisor.VM{}
+		}
+		h.started[vm.Name] = vm
+	}
 	if !h.on[vm.Name] && vm.Bootstrap != nil {
 		if h.bootstraps == nil {
 			h.bootstraps = map[string]*hypervisor.Bootstrap{}

@@ -15,13 +15,14 @@ type PVBridgeMachineSpec struct {
 	// +kubebuilder:validation:MaxLength=512
 	ProviderID string `json:"providerID,omitempty"`
 
-	// className names the VirtualMachine class (size and hardware profile).
+	// className names the VirtualMachineClass (vm.pvbridge.io) of the machine's VirtualMachine:
+	// the size it boots with.
 	// +optional
 	// +kubebuilder:validation:MinLength=1
 	// +kubebuilder:validation:MaxLength=253
 	ClassName string `json:"className,omitempty"`
 
-	// resources overrides the CPU and memory of the class.
+	// resources overrides the CPU and memory of the class; with a class, each may only be less.
 	// +optional
 	Resources *MachineResources `json:"resources,omitempty"`
 }

@@ -23,7 +23,7 @@ var (
 )
 
 func addKnownTypes(s *runtime.Scheme) error {
-	s.AddKnownTypes(GroupVersion, &VirtualMachine{}, &VirtualMachineList{})
+	s.AddKnownTypes(GroupVersion, &VirtualMachine{}, &VirtualMachineList{}, &VirtualMachineClass{}, &VirtualMachineClassList{})
 	metav1.AddToGroupVersion(s, GroupVersion)
 	return nil
 }

@@ -54,6 +54,12 @@ const (
 	// InsufficientMemoryReason (Ready=False): the host has less memory available than the
 	// VirtualMachine would boot with; it is not started smaller, and is tried again.
 	InsufficientMemoryReason = "InsufficientMemory"
+	// ClassNotFoundReason (Ready=False): the VirtualMachineClass named by spec.className does not
+	// exist; the VirtualMachine starts once it does.
+	ClassNotFoundReason = "ClassNotFound"
+	// ClassExceededReason (Ready=False): spec.resources or spec.maxVolumes ask for more than the
+	// VirtualMachine's class gives.
+	ClassExceededReason = "ClassExceeded"
 	// BootstrapDataUnavailableReason (Ready=False): the Secret named by spec.bootstrap cannot be
 	// read, or has no key "value".
 	BootstrapDataUnavailableReason = "BootstrapDataUnavailable"
@@ -73,13 +79,14 @@ const (
 // +kubebuilder:validation:XValidation:rule="!has(oldSelf.host) || has(self.host)",message="host cannot be removed once set"
 // +kubebuilder:validation:XValidation:rule="!has(oldSelf.bootstrap) || has(self.bootstrap)",message="bootstrap cannot be removed once set"
 type VirtualMachineSpec struct {
-	// className names the class (size and hardware profile) of the VirtualMachine.
+	// className names the VirtualMachineClass, the size the VirtualMachine boots with. Without
+	// one it boots with spec.resources, or the defaults of its host's hypervisor driver.
 	// +optional
 	// +kubebuilder:validation:MinLength=1
 	// +kubebuilder:validation:MaxLength=253
 	ClassName string `json:"className,omitempty"`
 
-	// resources overrides the CPU and memory of the class.
+	// resources overrides the CPU and memory of the class; with a class, each may only be less.
 	// +optional
 	Resources *VirtualMachineResources `json:"resources,omitempty"`
 
@@ -103,8 +110,9 @@ type VirtualMachineSpec struct {
 	Bootstrap *VirtualMachineBootstrap `json:"bootstrap,omitempty"`
 
 	// maxVolumes is how many volumes the VirtualMachine can hold hot-plugged at once: the
-	// hot-plug slots of its virtual hardware (qemu: PCIe root ports). Empty means the default of
-	// its host's hypervisor driver. The qemu driver gives a VM its slots when it starts; the
+	// hot-plug slots of its virtual hardware (qemu: PCIe root ports). Empty means its class's,
+	// or without one the default of its host's hypervisor driver; with a class, at most the
+	// class's. The qemu driver gives a VM its slots when it starts; the
 	// local driver applies a change at once. status.maxVolumes is what the VM has.
 	// +optional
 	// +kubebuilder:validation:Minimum=1
