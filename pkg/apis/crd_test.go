@@ -56,11 +56,16 @@ func TestCRDsAreAcceptedByTheAPIServer(t *testing.T) {
 		shortNames []string
 		columns    []string
 		selectable []string
+		noStatus   bool // a kind without a status subresource
 	}{
 		{
 			file: "vm.pvbridge.io_virtualmachines.yaml", kind: "VirtualMachine", scope: apiextensionsv1.NamespaceScoped,
 			shortNames: []string{"vm"}, columns: []string{"Host", "Power", "Phase", "Age"},
 			selectable: []string{".status.host"},
+		},
+		{
+			file: "vm.pvbridge.io_virtualmachineclasses.yaml", kind: "VirtualMachineClass", scope: apiextensionsv1.ClusterScoped,
+			shortNames: []string{"vmclass"}, columns: []string{"CPUs", "Memory", "Volumes", "Age"}, noStatus: true,
 		},
 		{
 			file: "pmem.pvbridge.io_pmemvolumes.yaml", kind: "PmemVolume", scope: apiextensionsv1.ClusterScoped,
@@ -100,7 +105,11 @@ func TestCRDsAreAcceptedByTheAPIServer(t *testing.T) {
 			g.Expect(crd.Spec.Names.Categories).To(ConsistOf("pvbridge"))
 			g.Expect(crd.Spec.Versions).To(HaveLen(1))
 			v := crd.Spec.Versions[0]
-			g.Expect(v.Subresources.Status).NotTo(BeNil())
+			if tt.noStatus {
+				g.Expect(v.Subresources == nil || v.Subresources.Status == nil).To(BeTrue(), "no status subresource")
+			} else {
+				g.Expect(v.Subresources.Status).NotTo(BeNil())
+			}
 			var columns []string
 			for _, c := range v.AdditionalPrinterColumns {
 				columns = append(columns, c.Name)
@@ -271,6 +280,21 @@ func TestVirtualMachineValidation(t *testing.T) {
 
 func pmemVolume(name, spec string) string {
 	return "apiVersion: pmem.pvbridge.io/v1alpha1\nkind: PmemVolume\nmetadata: {name: " + name + "}\nspec:\n" + indent(spec)
+}
+
+func TestVirtualMachineClassValidation(t *testing.T) {
+	class := func(spec string) string {
+		return "apiVersion: vm.pvbridge.io/v1alpha1\nkind: VirtualMachineClass\nmetadata: {name: small}\nspec:\n" + indent(spec)
+	}
+	runValidationCases(t, "vm.pvbridge.io_virtualmachineclasses.yaml", []validationCase{
+		{name: "a size", obj: class("{cpus: 2, memory: 2Gi}")},
+		{name: "with hot-plug slots", obj: class("{cpus: 2, memory: 2Gi, maxVolumes: 16}")},
+		{name: "no CPU", obj: class("{cpus: 0, memory: 2Gi}"), wantErr: "spec.cpus"},
+		{name: "more than 64 CPUs", obj: class("{cpus: 65, memory: 2Gi}"), wantErr: "spec.cpus"},
+		{name: "less memory than a guest boots with", obj: class("{cpus: 1, memory: 32Mi}"), wantErr: "memory must be at least 64Mi"},
+		{name: "without memory", obj: class("{cpus: 1}"), wantErr: "spec.memory: Required value"},
+		{name: "more than 64 slots", obj: class("{cpus: 1, memory: 1Gi, maxVolumes: 65}"), wantErr: "spec.maxVolumes"},
+	})
 }
 
 func TestPmemVolumeValidation(t *testing.T) {
