@@ -19,7 +19,6 @@ import (
 
 	. "github.com/onsi/gomega"
 	corev1 "k8s.io/api/core/v1"
-	"k8s.io/apimachinery/pkg/api/meta"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"sigs.k8s.io/controller-runtime/pkg/client"
@@ -97,12 +96,8 @@ func TestAQEMUVMGetsItsVolumeIntoItsGuest(t *testing.T) {
 
 	t.Log("a VM whose class does not exist waits for it, then boots with the class's size")
 	g.Expect(c.Create(ctx, vm)).To(Succeed())
-	g.Eventually(func(g Gomega) string {
-		g.Expect(c.Get(ctx, client.ObjectKeyFromObject(vm), vm)).To(Succeed())
-		ready := meta.FindStatusCondition(vm.Status.Conditions, vmv1.ReadyCondition)
-		g.Expect(ready).NotTo(BeNil())
-		return ready.Reason
-	}).WithContext(ctx).WithTimeout(timeout).Should(Equal(vmv1.ClassNotFoundReason))
+	g.Eventually(func(g Gomega) string { return readyOf(ctx, g, vm).Reason }).
+		WithContext(ctx).WithTimeout(timeout).Should(Equal(vmv1.ClassNotFoundReason))
 	// Not the driver's defaults (1 vCPU, 256 MiB).
 	class := &vmv1.VirtualMachineClass{
 		ObjectMeta: metav1.ObjectMeta{Name: vm.Spec.ClassName},

@@ -177,6 +177,14 @@ func volumeStatus(ctx context.Context, g Gomega, vm *vmv1.VirtualMachine, name s
 
 func attached(e vmv1.VirtualMachineVolumeStatus) bool { return e.Attached && e.DiskSerial != "" }
 
+// readyOf reads vm afresh and returns its Ready condition, which must be there.
+func readyOf(ctx context.Context, g Gomega, vm *vmv1.VirtualMachine) *metav1.Condition {
+	g.Expect(c.Get(ctx, client.ObjectKeyFromObject(vm), vm)).To(Succeed())
+	ready := meta.FindStatusCondition(vm.Status.Conditions, vmv1.ReadyCondition)
+	g.Expect(ready).NotTo(BeNil())
+	return ready
+}
+
 // diskInVM checks that the VM's device tree shows the disk by serial, as the device of the
 // volume on its host.
 func diskInVM(g Gomega, host string, vm *vmv1.VirtualMachine, serial, volumeID string) {
@@ -320,10 +328,7 @@ func TestAVMWhoseGuestKeepsItsDiskIsForcedOffWhenDeleted(t *testing.T) {
 	g.Expect(c.Delete(ctx, vm)).To(Succeed())
 	// The host agent waits, and says until when ...
 	g.Eventually(func(g Gomega) {
-		g.Expect(c.Get(ctx, client.ObjectKeyFromObject(vm), vm)).To(Succeed())
-		ready := meta.FindStatusCondition(vm.Status.Conditions, vmv1.ReadyCondition)
-		g.Expect(ready).NotTo(BeNil())
-		g.Expect(ready.Message).To(MatchRegexp(`^detaching volumes before powering off; forced off at \S+ if the guest still holds them$`))
+		g.Expect(readyOf(ctx, g, vm).Message).To(MatchRegexp(`^detaching volumes before powering off; forced off at \S+ if the guest still holds them$`))
 	}).WithContext(ctx).WithTimeout(timeout).Should(Succeed())
 	// ... then forces the VM off: the guest's mount goes with it, the VM and its attachment go.
 	g.Eventually(func() error {

@@ -15,7 +15,7 @@ import (
 	"pvbridge.io/vm-operator/internal/hypervisor"
 )
 
-// sized gives ref the size of vm's VirtualMachineClass (spec.className), where vm asks for no
+// sized gives ref the size of vm's VirtualMachineClass (spec.className), but where vm asks for
 // less (spec.resources, spec.maxVolumes). It returns the Ready condition that keeps vm from
 // starting when its class does not exist or when vm asks for more than the class gives, and
 // nil when vm names no class (ref keeps what vmRef made of spec) or fits it.
@@ -43,26 +43,18 @@ func (r *Reconciler) sized(ctx context.Context, vm *vmv1.VirtualMachine, ref *hy
 // (vmRef), as the class's memory is, so that a VM never boots smaller than either says.
 func classSize(class *vmv1.VirtualMachineClass, ref *hypervisor.VM) []string {
 	var over []string
-	cpus, memory := int(class.Spec.CPUs), mib(class.Spec.Memory.Value())
-	switch {
-	case ref.CPUs > cpus:
-		over = append(over, fmt.Sprintf("%d CPUs (the class: %d)", ref.CPUs, cpus))
-	case ref.CPUs == 0:
-		ref.CPUs = cpus
-	}
-	switch {
-	case ref.MemoryMiB > memory:
-		over = append(over, fmt.Sprintf("%d MiB of memory (the class: %d MiB)", ref.MemoryMiB, memory))
-	case ref.MemoryMiB == 0:
-		ref.MemoryMiB = memory
-	}
-	if slots := int(ptr.Deref(class.Spec.MaxVolumes, 0)); slots > 0 {
+	fit := func(asked *int, limit int, format string) {
 		switch {
-		case ref.Slots > slots:
-			over = append(over, fmt.Sprintf("%d volumes (the class: %d)", ref.Slots, slots))
-		case ref.Slots == 0:
-			ref.Slots = slots
+		case *asked > limit:
+			over = append(over, fmt.Sprintf(format, *asked, limit))
+		case *asked == 0:
+			*asked = limit
 		}
+	}
+	fit(&ref.CPUs, int(class.Spec.CPUs), "%d CPUs (the class: %d)")
+	fit(&ref.MemoryMiB, mib(class.Spec.Memory.Value()), "%d MiB of memory (the class: %d MiB)")
+	if slots := int(ptr.Deref(class.Spec.MaxVolumes, 0)); slots > 0 {
+		fit(&ref.Slots, slots, "%d volumes (the class: %d)")
 	}
 	return over
 }
@@ -73,15 +65,5 @@ func mib(bytes int64) int { return int((bytes + 1<<20 - 1) >> 20) }
 // vmsOfClass maps a VirtualMachineClass to the VMs on this host that name it: one that waits for
 // its class starts once the class exists.
 func (r *Reconciler) vmsOfClass(ctx context.Context, obj client.Object) []reconcile.Request {
-	vms := &vmv1.VirtualMachineList{}
-	if err := r.Client.List(ctx, vms); err != nil {
-		return nil
-	}
-	var reqs []reconcile.Request
-	for i := range vms.Items {
-		if vms.Items[i].Spec.ClassName == obj.GetName() {
-			reqs = append(reqs, reconcile.Request{NamespacedName: client.ObjectKeyFromObject(&vms.Items[i])})
-		}
-	}
-	return reqs
+	return r.vmsWhere(ctx, func(vm *vmv1.VirtualMachine) bool { return vm.Spec.ClassName == obj.GetName() })
 }

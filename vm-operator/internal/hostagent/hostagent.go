@@ -161,34 +161,33 @@ func (r *Reconciler) vmsOfVolume(ctx context.Context, obj client.Object) []recon
 	if claim == nil {
 		return nil
 	}
-	vms := &vmv1.VirtualMachineList{}
-	if err := r.Client.List(ctx, vms, client.InNamespace(claim.Namespace)); err != nil {
-		return nil
-	}
-	var reqs []reconcile.Request
-	for i := range vms.Items {
-		if slices.ContainsFunc(vms.Items[i].Spec.Volumes, func(v vmv1.VirtualMachineVolume) bool { return v.PersistentVolumeClaim.ClaimName == claim.Name }) {
-			reqs = append(reqs, reconcile.Request{NamespacedName: client.ObjectKeyFromObject(&vms.Items[i])})
-		}
-	}
-	return reqs
+	return r.vmsWhere(ctx, func(vm *vmv1.VirtualMachine) bool {
+		return slices.ContainsFunc(vm.Spec.Volumes, func(v vmv1.VirtualMachineVolume) bool { return v.PersistentVolumeClaim.ClaimName == claim.Name })
+	}, client.InNamespace(claim.Namespace))
 }
 
 // vmsOfAttachment maps a VolumeAttachment to the VMs on this host whose labels it carries.
 func (r *Reconciler) vmsOfAttachment(ctx context.Context, obj client.Object) []reconcile.Request {
-	vms := &vmv1.VirtualMachineList{}
-	if err := r.Client.List(ctx, vms); err != nil {
-		return nil
-	}
-	var reqs []reconcile.Request
-	for i := range vms.Items {
-		vm := &vms.Items[i]
+	return r.vmsWhere(ctx, func(vm *vmv1.VirtualMachine) bool {
 		matches := true
 		for k, v := range vmv1.AttachmentLabels(vm) {
 			matches = matches && obj.GetLabels()[k] == v
 		}
-		if matches {
-			reqs = append(reqs, reconcile.Request{NamespacedName: client.ObjectKeyFromObject(vm)})
+		return matches
+	})
+}
+
+// vmsWhere maps the VMs on this host (the cache holds no others), listed with opts, for which
+// match holds to their requests.
+func (r *Reconciler) vmsWhere(ctx context.Context, match func(*vmv1.VirtualMachine) bool, opts ...client.ListOption) []reconcile.Request {
+	vms := &vmv1.VirtualMachineList{}
+	if err := r.Client.List(ctx, vms, opts...); err != nil {
+		return nil
+	}
+	var reqs []reconcile.Request
+	for i := range vms.Items {
+		if match(&vms.Items[i]) {
+			reqs = append(reqs, reconcile.Request{NamespacedName: client.ObjectKeyFromObject(&vms.Items[i])})
 		}
 	}
 	return reqs
