@@ -94,6 +94,18 @@ func (e *env) grow(t *testing.T, l loop, size int64) {
 	run(t, "losetup", "--set-capacity", l.device)
 }
 
+// detach detaches a loop device in use by the test and waits until the kernel has cleared it:
+// while another process has it open (see newEnv's cleanup) it keeps its capacity.
+func detach(t *testing.T, device string) {
+	t.Helper()
+	run(t, "losetup", "--detach", device)
+	size := filepath.Join("/sys/block", filepath.Base(device), "size")
+	NewWithT(t).Eventually(func() (string, error) {
+		b, err := os.ReadFile(size)
+		return strings.TrimSpace(string(b)), err
+	}).WithTimeout(10*time.Second).WithPolling(20*time.Millisecond).Should(Equal("0"), "%s is not cleared", device)
+}
+
 // staged returns a blank loop device staged with fsType at a new staging path.
 func (e *env) staged(t *testing.T, fsType string) (loop, string) {
 	t.Helper()

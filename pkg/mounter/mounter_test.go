@@ -619,7 +619,7 @@ func TestStats(t *testing.T) {
 			prepare: func(t *testing.T, e *env) (string, string) {
 				device, target := deviceAndTarget(t, e)
 				e.publishedBlock(t, device, target)
-				run(t, "losetup", "--detach", device)
+				detach(t, device)
 				return target, device
 			},
 			check: func(g Gomega, s Stats) {

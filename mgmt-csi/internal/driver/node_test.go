@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"testing"
 
@@ -12,6 +11,8 @@ import (
 	. "github.com/onsi/gomega"
 	"golang.org/x/sys/unix"
 	"google.golang.org/grpc/codes"
+
+	"pvbridge.io/pkg/csinode/csinodetest"
 )
 
 func TestNodeGetCapabilities(t *testing.T) {
@@ -836,9 +837,7 @@ func TestNodeGetVolumeHealth(t *testing.T) {
 			prepare: func(t *testing.T, e *nodeEnv) *csi.NodeGetVolumeHealthRequest {
 				_, target := e.published(t, "v", rawCap(), false)
 				device, _ := e.devices.Device(t.Context(), "v")
-				if out, err := exec.Command("losetup", "--detach", device).CombinedOutput(); err != nil {
-					t.Fatalf("losetup --detach: %v: %s", err, out)
-				}
+				csinodetest.DetachLoop(t, device)
 				return &csi.NodeGetVolumeHealthRequest{VolumeId: "v", VolumePublishPath: target}
 			},
 			want: inaccessible("DeviceGone"),

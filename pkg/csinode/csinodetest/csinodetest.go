@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"os"
 	"os/exec"
+	"path/filepath"
 	"strings"
 	"testing"
 	"time"
@@ -125,6 +126,22 @@ func DetachLoops(t *testing.T, file string) {
 	g.Eventually(func() []string { return LoopsOf(t, file) }).
 		WithTimeout(10*time.Second).WithPolling(20*time.Millisecond).
 		Should(gomega.BeEmpty(), "loop devices still attached to %s", file)
+}
+
+// DetachLoop detaches a loop device in use by the test and waits until the kernel has cleared it
+// (its size is 0). Another process that has it open at that moment (losetup --associated, run by
+// a parallel test, opens every loop device) only sets it to auto-clear until that process closes
+// it, and the device keeps its capacity until then.
+func DetachLoop(t *testing.T, device string) {
+	t.Helper()
+	if out, err := exec.Command("losetup", "--detach", device).CombinedOutput(); err != nil {
+		t.Fatalf("losetup --detach %s: %v: %s", device, err, out)
+	}
+	size := filepath.Join("/sys/block", filepath.Base(device), "size")
+	gomega.NewWithT(t).Eventually(func() (string, error) {
+		b, err := os.ReadFile(size)
+		return strings.TrimSpace(string(b)), err
+	}).WithTimeout(10*time.Second).WithPolling(20*time.Millisecond).Should(gomega.Equal("0"), "%s is not cleared", device)
 }
 
 // LoopDevices lists the loop devices attached to file, for helpers that run outside the
