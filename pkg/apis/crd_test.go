@@ -263,6 +263,11 @@ func TestVirtualMachineValidation(t *testing.T) {
 		{name: "host is set later", old: vm("{}"), obj: vm("host: host-a")},
 		{name: "host changes", old: vm("host: host-a"), obj: vm("host: host-b"), wantErr: "host is immutable once set"},
 		{name: "host is removed", old: vm("host: host-a"), obj: vm("{}"), wantErr: "host cannot be removed once set"},
+		{name: "image named by its Kubernetes version", obj: vm("image: node-v1.37.2")},
+		{name: "image named by a path", obj: vm("image: ../node-v1.37.2"), wantErr: "spec.image: Invalid value"},
+		{name: "image with capitals", obj: vm("image: Node"), wantErr: "spec.image: Invalid value"},
+		{name: "image changes", old: vm("image: node-v1.37.2"), obj: vm("image: node-v1.38.0"), wantErr: "image is immutable once set"},
+		{name: "image is removed", old: vm("image: node-v1.37.2"), obj: vm("{}"), wantErr: "image cannot be removed once set"},
 		{name: "volume is added and another removed", old: vm(volumes("a")), obj: vm(volumes("b"))},
 		{
 			name:    "claim of a volume changes",

@@ -49,11 +49,13 @@ func main() {
 	fs.IntVar(&opts.QEMU.MemoryMiB, "qemu-memory-mib", 0,
 		"Host agent, qemu hypervisor: the memory in MiB of a VirtualMachine whose spec.resources.memory does not say; 0 is the driver's default, 256.")
 	fs.StringVar(&opts.QEMU.Kernel, "qemu-kernel", "",
-		"Host agent, qemu hypervisor: a Linux kernel every VM boots directly (-kernel); empty boots the firmware, which boots the VM's overlay of --qemu-image.")
+		"Host agent, qemu hypervisor: a Linux kernel a VM that names no image (spec.image) boots directly (-kernel); empty boots the firmware, which boots the VM's overlay of --qemu-image.")
 	fs.StringVar(&opts.QEMU.Initrd, "qemu-initrd", "", "Host agent, qemu hypervisor: the initrd of --qemu-kernel (-initrd).")
 	fs.StringVar(&opts.QEMU.Append, "qemu-append", "", "Host agent, qemu hypervisor: the command line of --qemu-kernel (-append).")
 	fs.StringVar(&opts.QEMU.Image, "qemu-image", "",
-		"Host agent, qemu hypervisor: a qcow2 boot disk every VM boots from through a copy-on-write overlay of its own, made at its first power-on (needs qemu-img); the image is never written. Empty: no boot disk.")
+		"Host agent, qemu hypervisor: a qcow2 boot disk a VM that names no image (spec.image) boots from through a copy-on-write overlay of its own, made at its first power-on (needs qemu-img); the image is never written. Empty: no boot disk.")
+	fs.StringVar(&opts.QEMU.ImageDir, "qemu-image-dir", "",
+		"Host agent, qemu hypervisor: the host's image store, one directory per machine image named as VirtualMachine spec.image names it, holding disk.qcow2 and, for a direct kernel boot, vmlinuz, initrd.img and cmdline (make node-image builds one). A VM that names an image boots it instead of --qemu-image and --qemu-kernel; a VM whose image is not there does not start (Ready False, ImageNotFound).")
 	fs.StringVar(&opts.QEMU.Network, "qemu-network", "",
 		`Host agent, qemu hypervisor: "user" gives every VM a virtio NIC on QEMU's user-mode network (the host's 127.0.0.1 is 10.0.2.2 in the guest), its MAC derived from the VM's UID; empty gives none.`)
 	fs.StringArrayVar(&opts.QEMU.ExtraArgs, "qemu-arg", nil,

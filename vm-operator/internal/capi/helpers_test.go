@@ -82,7 +82,7 @@ func newFixtures() *fixtures {
 				Controller: ptr.To(true),
 			}},
 		},
-		Spec: infrav1.PVBridgeMachineSpec{ClassName: "small"},
+		Spec: infrav1.PVBridgeMachineSpec{ClassName: "small", Image: "node-v1.37.2"},
 	}
 	return &fixtures{cluster: cluster, ic: ic, machine: machine, pm: pm}
 }

@@ -215,6 +215,7 @@ func newVirtualMachine(pm *infrav1.PVBridgeMachine, clusterName, host, dataSecre
 		},
 		Spec: vmv1.VirtualMachineSpec{
 			ClassName:  pm.Spec.ClassName,
+			Image:      pm.Spec.Image,
 			Host:       host,
 			PowerState: vmv1.PowerStateOn,
 			Bootstrap:  &vmv1.VirtualMachineBootstrap{DataSecretName: dataSecret},

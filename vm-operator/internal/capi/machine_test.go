@@ -134,6 +134,7 @@ func TestMachineReconcile(t *testing.T) {
 			g.Expect(vm.Spec.Bootstrap).To(Equal(&vmv1.VirtualMachineBootstrap{DataSecretName: secretName}))
 			g.Expect(vm.Spec.PowerState).To(Equal(vmv1.PowerStateOn))
 			g.Expect(vm.Spec.ClassName).To(Equal("small"))
+			g.Expect(vm.Spec.Image).To(Equal("node-v1.37.2"))
 			if tt.wantReason != infrav1.ProvisionedReason {
 				g.Expect(pm.Spec.ProviderID).To(BeEmpty())
 				g.Expect(pm.Status.Initialization.Provisioned).To(BeNil())

@@ -245,7 +245,7 @@ func volumeNames(vm *vmv1.VirtualMachine, serials []string) []string {
 
 // vmRef is the hypervisor's view of vm.
 func vmRef(vm *vmv1.VirtualMachine) hypervisor.VM {
-	ref := hypervisor.VM{Namespace: vm.Namespace, Name: vm.Name, UID: vm.Status.UniqueID, Slots: int(ptr.Deref(vm.Spec.MaxVolumes, 0))}
+	ref := hypervisor.VM{Namespace: vm.Namespace, Name: vm.Name, UID: vm.Status.UniqueID, Slots: int(ptr.Deref(vm.Spec.MaxVolumes, 0)), Image: vm.Spec.Image}
 	if res := vm.Spec.Resources; res != nil {
 		// Rounded up: a VM never boots smaller than it asked.
 		if res.CPU != nil {

@@ -240,7 +240,12 @@ func (r *Reconciler) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Resu
 			return ctrl.Result{RequeueAfter: retryAfter}, errors.Join(err, r.writeStatus(ctx, vm, &decisions{}, cond))
 		}
 		if err := r.Hypervisor.PowerOn(ctx, ref); err != nil {
-			return ctrl.Result{}, errors.Join(err, r.writeStatus(ctx, vm, &decisions{}, hypervisorError(vm, "power on", err)))
+			cond := hypervisorError(vm, "power on", err)
+			if errors.Is(err, hypervisor.ErrImageNotFound) {
+				// An admin puts the image in the host's store; the VM starts soon after.
+				return ctrl.Result{RequeueAfter: retryAfter}, r.writeStatus(ctx, vm, &decisions{}, cond)
+			}
+			return ctrl.Result{}, errors.Join(err, r.writeStatus(ctx, vm, &decisions{}, cond))
 		}
 		r.slots(ctx, ref, d)
 		if err := r.claim(ctx, vm); err != nil {
@@ -449,8 +454,11 @@ func readyCondition(vm *vmv1.VirtualMachine, status metav1.ConditionStatus, reas
 // hypervisorError is the Ready condition of a VM whose hypervisor call op failed.
 func hypervisorError(vm *vmv1.VirtualMachine, op string, err error) *metav1.Condition {
 	reason := vmv1.HypervisorErrorReason
-	if errors.Is(err, hypervisor.ErrInsufficientMemory) {
+	switch {
+	case errors.Is(err, hypervisor.ErrInsufficientMemory):
 		reason = vmv1.InsufficientMemoryReason
+	case errors.Is(err, hypervisor.ErrImageNotFound):
+		reason = vmv1.ImageNotFoundReason
 	}
 	return readyCondition(vm, metav1.ConditionFalse, reason, op+": "+err.Error())
 }

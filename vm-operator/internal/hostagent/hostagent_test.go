@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"maps"
 	"path/filepath"
+	"slices"
 	"sync"
 	"testing"
 	"time"
@@ -89,6 +90,9 @@ type fakeHypervisor struct {
 	deleted []string
 	// started holds each VM as PowerOn started it, its size included.
 	started map[string]hypervisor.VM
+	// images is the host's image store: PowerOn of a VM that names another image is
+	// ErrImageNotFound.
+	images []string
 }
 
 func newFakeHypervisor() *fakeHypervisor {
@@ -100,6 +104,9 @@ func (h *fakeHypervisor) Name() string { return "fake" }
 func (h *fakeHypervisor) PowerOn(_ context.Context, vm hypervisor.VM) error {
 	h.mu.Lock()
 	defer h.mu.Unlock()
+	if vm.Image != "" && !slices.Contains(h.images, vm.Image) {
+		return fmt.Errorf("%w: %s", hypervisor.ErrImageNotFound, vm.Image)
+	}
 	if !h.on[vm.Name] {
 		if h.started == nil {
 			h.started = map[string]hypervisor.VM{}
@@ -751,6 +758,32 @@ func TestRefusedUnplugOfARunningVMBacksOff(t *testing.T) {
 	g.Expect(r.busy).To(BeEmpty(), "the next refusal starts over")
 }
 
+// A VM whose image is not in the host's store waits for it, tried again at a steady pace
+// rather than the backoff of a failure, and boots that image once it is there.
+func TestVMWaitsForItsImage(t *testing.T) {
+	g := NewWithT(t)
+	vm := virtualMachine(nil, nil)
+	vm.Spec.Image = "node-v1"
+	c := newClient(g, vm, false)
+	h := newFakeHypervisor()
+	r := &Reconciler{Client: c, Node: "host-a", Hypervisor: h, CSI: &fakeCSI{}, StateDir: t.TempDir()}
+	req := ctrl.Request{NamespacedName: client.ObjectKeyFromObject(vm)}
+
+	res, err := r.Reconcile(t.Context(), req)
+	g.Expect(err).NotTo(HaveOccurred())
+	g.Expect(res.RequeueAfter).To(Equal(retryAfter))
+	g.Expect(h.started).NotTo(HaveKey(vm.Name))
+	got := &vmv1.VirtualMachine{}
+	g.Expect(c.Get(t.Context(), req.NamespacedName, got)).To(Succeed())
+	g.Expect(meta.FindStatusCondition(got.Status.Conditions, vmv1.ReadyCondition)).To(And(
+		HaveField("Status", metav1.ConditionFalse), HaveField("Reason", vmv1.ImageNotFoundReason), HaveField("Message", ContainSubstring("node-v1"))))
+
+	h.images = []string{"node-v1"}
+	_, err = r.Reconcile(t.Context(), req)
+	g.Expect(err).NotTo(HaveOccurred())
+	g.Expect(h.started).To(HaveKeyWithValue(vm.Name, HaveField("Image", "node-v1")))
+}
+
 func TestHypervisorErrorNamesWhyTheVMIsNotReady(t *testing.T) {
 	tests := []struct {
 		err    error
@@ -758,6 +791,7 @@ func TestHypervisorErrorNamesWhyTheVMIsNotReady(t *testing.T) {
 	}{
 		{errors.New("QMP: connection reset"), vmv1.HypervisorErrorReason},
 		{fmt.Errorf("%w: VM ns/vm-1 boots with 512 MiB, the host has 200 MiB available", hypervisor.ErrInsufficientMemory), vmv1.InsufficientMemoryReason},
+		{fmt.Errorf("%w: VM ns/vm-1 boots image node-v1, and /images has no node-v1/disk.qcow2", hypervisor.ErrImageNotFound), vmv1.ImageNotFoundReason},
 	}
 	for _, tt := range tests {
 		t.Run(tt.reason, func(t *testing.T) {

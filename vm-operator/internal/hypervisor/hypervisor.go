@@ -33,6 +33,8 @@ var (
 	// ErrInsufficientMemory: PowerOn found less memory available on the host than the VM
 	// boots with; it does not start it smaller.
 	ErrInsufficientMemory = errors.New("not enough memory available on the host")
+	// ErrImageNotFound: PowerOn found no image of the name the VM boots (VM.Image) on the host.
+	ErrImageNotFound = errors.New("machine image not found on the host")
 	// ErrNoSlot: every hot-plug slot of the VM holds a disk; detach one first.
 	// Its text is the API's vmv1.NoFreeSlotError, which reaches the guest in status.volumes.
 	ErrNoSlot = errors.New(vmv1.NoFreeSlotError)
@@ -59,6 +61,10 @@ type VM struct {
 	// and MiB); 0 means the driver's default. The qemu driver gives a VM its size when it
 	// starts it; the local driver's VMs share the host's.
 	CPUs, MemoryMiB int
+	// Image names the machine image the VM boots (VirtualMachine spec.image), one of the
+	// host's image store; "" means the driver's default. The qemu driver boots a VM it starts
+	// from it; the local driver's VMs share the host's kernel and ignore it.
+	Image string
 	// Bootstrap, when set, is what the VM boots with (a Cluster API machine's bootstrap
 	// data); PowerOn hands it to a VM it starts.
 	Bootstrap *Bootstrap

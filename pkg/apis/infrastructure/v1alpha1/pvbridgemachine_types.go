@@ -25,6 +25,16 @@ type PVBridgeMachineSpec struct {
 	// resources overrides the CPU and memory of the class; with a class, each may only be less.
 	// +optional
 	Resources *MachineResources `json:"resources,omitempty"`
+
+	// image names the machine image of the machine's VirtualMachine (vm.pvbridge.io
+	// spec.image), an image of its host's image store: node-<Kubernetes version> for
+	// pvbridge's node images (make node-image), which the cluster template picks by the
+	// Machine's version.
+	// +optional
+	// +kubebuilder:validation:MinLength=1
+	// +kubebuilder:validation:MaxLength=253
+	// +kubebuilder:validation:Pattern=`^[a-z0-9]([-a-z0-9._]*[a-z0-9])?$`
+	Image string `json:"image,omitempty"`
 }
 
 // MachineResources are the CPU and memory of a machine.

@@ -60,6 +60,9 @@ const (
 	// ClassExceededReason (Ready=False): spec.resources or spec.maxVolumes ask for more than the
 	// VirtualMachine's class gives.
 	ClassExceededReason = "ClassExceeded"
+	// ImageNotFoundReason (Ready=False): the host's image store has no image named by
+	// spec.image; the VirtualMachine starts once it has.
+	ImageNotFoundReason = "ImageNotFound"
 	// BootstrapDataUnavailableReason (Ready=False): the Secret named by spec.bootstrap cannot be
 	// read, or has no key "value".
 	BootstrapDataUnavailableReason = "BootstrapDataUnavailable"
@@ -78,6 +81,7 @@ const (
 // VirtualMachineSpec is the desired state of a VirtualMachine.
 // +kubebuilder:validation:XValidation:rule="!has(oldSelf.host) || has(self.host)",message="host cannot be removed once set"
 // +kubebuilder:validation:XValidation:rule="!has(oldSelf.bootstrap) || has(self.bootstrap)",message="bootstrap cannot be removed once set"
+// +kubebuilder:validation:XValidation:rule="!has(oldSelf.image) || has(self.image)",message="image cannot be removed once set"
 type VirtualMachineSpec struct {
 	// className names the VirtualMachineClass, the size the VirtualMachine boots with. Without
 	// one it boots with spec.resources, or the defaults of its host's hypervisor driver.
@@ -89,6 +93,20 @@ type VirtualMachineSpec struct {
 	// resources overrides the CPU and memory of the class; with a class, each may only be less.
 	// +optional
 	Resources *VirtualMachineResources `json:"resources,omitempty"`
+
+	// image names the machine image the VirtualMachine boots: an image of its host's image
+	// store (qemu: the directory <--qemu-image-dir>/<image>, whose disk.qcow2 the VM boots a
+	// copy-on-write overlay of, with the image's own kernel if it has one). Images are named by
+	// what they hold and never changed in place, node-<Kubernetes version> for pvbridge's node
+	// images, so that a machine's image says what it runs. Without one the VM boots its
+	// host's default. It cannot change once set: a new image is a new machine. The local
+	// hypervisor, whose VMs share the host's kernel, ignores it.
+	// +optional
+	// +kubebuilder:validation:MinLength=1
+	// +kubebuilder:validation:MaxLength=253
+	// +kubebuilder:validation:Pattern=`^[a-z0-9]([-a-z0-9._]*[a-z0-9])?$`
+	// +kubebuilder:validation:XValidation:rule="self == oldSelf",message="image is immutable once set"
+	Image string `json:"image,omitempty"`
 
 	// host pins the VirtualMachine to a management host (a Node name). When empty the
 	// vm-operator places it. It cannot change once set: a VirtualMachine does not migrate.

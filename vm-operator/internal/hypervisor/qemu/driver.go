@@ -43,7 +43,7 @@ const (
 	seedDir = "seed"
 	// seedID is the QOM id and node name of that disk; Disks does not list it (not devicePrefix).
 	seedID = "pvb-seed"
-	// bootDisk is the VM's copy-on-write overlay of Options.Image, its boot disk, with QOM id
+	// bootDisk is the VM's copy-on-write overlay of its image, its boot disk, with QOM id
 	// and node name bootID.
 	bootDisk = "disk.qcow2"
 	bootID   = "pvb-boot"
@@ -81,6 +81,12 @@ type Options struct {
 	// its own, disk.qcow2 in its directory, made with qemu-img at its first power-on and kept
 	// while the VM exists (a restarted VM keeps what its guest wrote).
 	Image string
+	// ImageDir is the host's image store: one directory per image, named as VirtualMachine
+	// spec.image names it, holding disk.qcow2 and, for a direct kernel boot, vmlinuz with
+	// initrd.img and cmdline (hack/build-node-image.sh makes one). A VM that names an image
+	// boots it instead of Image, Kernel, Initrd and Append; one whose image is not there is not
+	// started (hypervisor.ErrImageNotFound).
+	ImageDir string
 	// Network, when "user", gives each VM a virtio NIC on QEMU's user-mode network, where the
 	// guest reaches the host's 127.0.0.1 at 10.0.2.2, with a MAC derived from its UID; "" gives
 	// it none.
@@ -145,9 +151,11 @@ func New(opts Options) (*Driver, error) {
 	if opts.Binary == "" {
 		opts.Binary = "qemu-system-x86_64"
 	}
-	if opts.Image != "" {
-		if opts.Image, err = filepath.Abs(opts.Image); err != nil {
-			return nil, fmt.Errorf("qemu: Image: %w", err)
+	for name, path := range map[string]*string{"Image": &opts.Image, "ImageDir": &opts.ImageDir} {
+		if *path != "" {
+			if *path, err = filepath.Abs(*path); err != nil {
+				return nil, fmt.Errorf("qemu: %s: %w", name, err)
+			}
 		}
 	}
 	if opts.Network != "" && opts.Network != "user" {

@@ -585,19 +585,26 @@ func TestPowerOnRefusesAVMLargerThanTheHostsAvailableMemory(t *testing.T) {
 	g.Expect(d.Running(t.Context(), small)).To(BeTrue(), "a VM that fits starts")
 }
 
-// A VM boots from an overlay of the image of its own, with a NIC whose MAC follows its UID;
-// Delete stops it and removes its files, overlay included, and never the image.
-func TestAVMBootsAnOverlayOfTheImageAndDeleteRemovesIt(t *testing.T) {
+// A VM boots from an overlay of its image, one of the host's image store, with a NIC whose MAC
+// follows its UID; Delete stops it and removes its files, overlay included, and never the image.
+func TestAVMBootsAnOverlayOfItsImageAndDeleteRemovesIt(t *testing.T) {
 	g := NewWithT(t)
-	image := filepath.Join(t.TempDir(), "node.qcow2")
+	store := t.TempDir()
+	g.Expect(os.Mkdir(filepath.Join(store, "node-v1"), 0o755)).To(Succeed())
+	image := filepath.Join(store, "node-v1", imageDisk)
 	out, err := exec.Command("qemu-img", "create", "-q", "-f", "qcow2", image, "64M").CombinedOutput()
 	g.Expect(err).NotTo(HaveOccurred(), "qemu-img (hack/install-deps.sh installs qemu-utils): %s", out)
 	imageBefore, err := os.ReadFile(image)
 	g.Expect(err).NotTo(HaveOccurred())
-	d := newDriver(t, Options{Image: image, Network: "user"})
-	startVM(t, d, testVM)
+	d := newDriver(t, Options{ImageDir: store, Network: "user"})
+	vm := testVM
+	vm.Image = "node-v2"
+	g.Expect(d.PowerOn(t.Context(), vm)).To(MatchError(hypervisor.ErrImageNotFound), "an image the store does not have")
+	g.Expect(d.Running(t.Context(), vm)).To(BeFalse(), "nor is it started with another")
+	vm.Image = "node-v1"
+	startVM(t, d, vm)
 
-	overlay := filepath.Join(d.Dir(testVM), bootDisk)
+	overlay := filepath.Join(d.Dir(vm), bootDisk)
 	out, err = exec.Command("qemu-img", "info", "--output=json", "-U", overlay).CombinedOutput()
 	g.Expect(err).NotTo(HaveOccurred(), "%s", out)
 	var info struct {
@@ -610,14 +617,14 @@ func TestAVMBootsAnOverlayOfTheImageAndDeleteRemovesIt(t *testing.T) {
 		Backing string `json:"full-backing-filename"`
 	}{"qcow2", image}))
 	var mac string
-	g.Expect(execute(t, d, testVM, "qom-get", map[string]string{"path": peripheral + nicID, "property": "mac"}, &mac)).To(Succeed())
-	g.Expect(mac).To(Equal(macFor(testVM)))
-	g.Expect(macFor(testVM)).To(MatchRegexp(`^52:54:00(:[0-9a-f]{2}){3}$`))
-	g.Expect(d.Disks(t.Context(), testVM)).To(BeEmpty(), "the boot disk is not a hot-plugged one")
+	g.Expect(execute(t, d, vm, "qom-get", map[string]string{"path": peripheral + nicID, "property": "mac"}, &mac)).To(Succeed())
+	g.Expect(mac).To(Equal(macFor(vm)))
+	g.Expect(macFor(vm)).To(MatchRegexp(`^52:54:00(:[0-9a-f]{2}){3}$`))
+	g.Expect(d.Disks(t.Context(), vm)).To(BeEmpty(), "the boot disk is not a hot-plugged one")
 
-	g.Expect(d.Delete(t.Context(), testVM)).To(Succeed())
-	g.Expect(d.Running(t.Context(), testVM)).To(BeFalse())
-	g.Expect(d.Dir(testVM)).NotTo(BeADirectory())
+	g.Expect(d.Delete(t.Context(), vm)).To(Succeed())
+	g.Expect(d.Running(t.Context(), vm)).To(BeFalse())
+	g.Expect(d.Dir(vm)).NotTo(BeADirectory())
 	g.Expect(os.ReadFile(image)).To(Equal(imageBefore), "the image is never written")
-	g.Expect(d.Delete(t.Context(), testVM)).To(Succeed(), "deleting what is gone is success")
+	g.Expect(d.Delete(t.Context(), vm)).To(Succeed(), "deleting what is gone is success")
 }

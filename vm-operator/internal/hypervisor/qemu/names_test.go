@@ -1,6 +1,8 @@
 package qemu
 
 import (
+	"errors"
+	"os"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -156,7 +158,9 @@ func TestArgs(t *testing.T) {
 			}
 			v, err := d.state(vm)
 			g.Expect(err).NotTo(HaveOccurred())
-			args := d.args(v, vm, 3)
+			b, err := d.bootOf(vm)
+			g.Expect(err).NotTo(HaveOccurred())
+			args := d.args(v, vm, b, 3)
 			line := strings.Join(args, "\n")
 			if tt.want != nil {
 				g.Expect(line).To(ContainSubstring(strings.Join(tt.want, "\n")))
@@ -165,6 +169,81 @@ func TestArgs(t *testing.T) {
 				g.Expect(args).NotTo(ContainElement(tt.notWant))
 			}
 			g.Expect(args).To(ContainElement("socket,id=qmp,fd=3,server=on,wait=off"))
+		})
+	}
+}
+
+func TestBootOf(t *testing.T) {
+	// store has node-full (a disk, a kernel, its initrd and command line), node-disk (a disk
+	// for the firmware to boot) and node-empty (no disk).
+	store := t.TempDir()
+	for _, f := range []string{"node-full/disk.qcow2", "node-full/vmlinuz", "node-full/initrd.img", "node-disk/disk.qcow2", "node-empty/vmlinuz"} {
+		path := filepath.Join(store, f)
+		if err := os.MkdirAll(filepath.Dir(path), 0o755); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.WriteFile(path, nil, 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := os.WriteFile(filepath.Join(store, "node-full", "cmdline"), []byte("root=LABEL=root console=ttyS0\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	hostDefault := Options{Image: "/default.qcow2", Kernel: "/k", Initrd: "/i", Append: "quiet"}
+	tests := []struct {
+		name    string
+		opts    Options // the store is added unless noStore
+		noStore bool
+		image   string
+		want    boot
+		// wantErr is in the error, which is ErrImageNotFound when notFound.
+		wantErr  string
+		notFound bool
+	}{{
+		name: "a VM that names no image boots the driver's",
+		opts: hostDefault, want: boot{image: "/default.qcow2", kernel: "/k", initrd: "/i", append: "quiet"},
+	}, {
+		name: "an image with a kernel boots it directly, with its initrd and command line",
+		opts: hostDefault, image: "node-full",
+		want: boot{
+			image: filepath.Join(store, "node-full", imageDisk), kernel: filepath.Join(store, "node-full", imageKernel),
+			initrd: filepath.Join(store, "node-full", imageInitrd), append: "root=LABEL=root console=ttyS0",
+		},
+	}, {
+		name: "an image of a disk alone is booted by the firmware, nothing of the driver's added",
+		opts: hostDefault, image: "node-disk",
+		want: boot{image: filepath.Join(store, "node-disk", imageDisk)},
+	}, {
+		name: "an image the store does not have is not found", image: "node-v9",
+		wantErr: "has no node-v9/disk.qcow2", notFound: true,
+	}, {
+		name: "an image without a disk is not found", image: "node-empty",
+		wantErr: "has no node-empty/disk.qcow2", notFound: true,
+	}, {
+		name: "a host without an image store has no image", noStore: true, image: "node-full",
+		wantErr: "no image store (--qemu-image-dir)", notFound: true,
+	}, {
+		name: "a path is no image name", image: "../node-full",
+		wantErr: "not a name of the image store",
+	}}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			g := NewWithT(t)
+			opts := tt.opts
+			opts.RunDir = "/run/vms"
+			if !tt.noStore {
+				opts.ImageDir = store
+			}
+			d, err := New(opts)
+			g.Expect(err).NotTo(HaveOccurred())
+			b, err := d.bootOf(hypervisor.VM{Namespace: "a", Name: "b", Image: tt.image})
+			if tt.wantErr != "" {
+				g.Expect(err).To(MatchError(ContainSubstring(tt.wantErr)))
+				g.Expect(errors.Is(err, hypervisor.ErrImageNotFound)).To(Equal(tt.notFound))
+				return
+			}
+			g.Expect(err).NotTo(HaveOccurred())
+			g.Expect(b).To(Equal(tt.want))
 		})
 	}
 }

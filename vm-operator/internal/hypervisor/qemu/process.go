@@ -39,13 +39,17 @@ type process struct {
 // can connect at once (the connection waits in the backlog until QEMU accepts it), so nothing
 // polls for the socket to appear, and a crash before QEMU is ready shows as a reset connection.
 func (d *Driver) start(ctx context.Context, v *vmState, vm hypervisor.VM) error {
+	b, err := d.bootOf(vm)
+	if err != nil {
+		return err
+	}
 	if err := d.checkMemory(v, vm); err != nil {
 		return err
 	}
 	if err := os.MkdirAll(v.dir, 0o750); err != nil {
 		return fmt.Errorf("VM %s: %w", v.name, err)
 	}
-	if err := d.makeBootDisk(ctx, v); err != nil {
+	if err := makeBootDisk(ctx, v, b.image); err != nil {
 		return err
 	}
 	sock := v.path(qmpSocket)
@@ -74,7 +78,7 @@ func (d *Driver) start(ctx context.Context, v *vmState, vm hypervisor.VM) error 
 
 	// Not CommandContext: the VM outlives this call, and in its own session it outlives the
 	// agent too.
-	cmd := exec.Command(d.opts.Binary, d.args(v, vm, 3)...)
+	cmd := exec.Command(d.opts.Binary, d.args(v, vm, b, 3)...)
 	cmd.ExtraFiles = []*os.File{lf} // descriptor 3
 	cmd.Stdout, cmd.Stderr = out, out
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
@@ -117,8 +121,9 @@ func (d *Driver) start(ctx context.Context, v *vmState, vm hypervisor.VM) error 
 	return nil
 }
 
-// args is QEMU's command line for vm, with its QMP listening socket at descriptor qmpFD.
-func (d *Driver) args(v *vmState, vm hypervisor.VM, qmpFD int) []string {
+// args is QEMU's command line for vm booting b, with its QMP listening socket at descriptor
+// qmpFD.
+func (d *Driver) args(v *vmState, vm hypervisor.VM, b boot, qmpFD int) []string {
 	o := d.opts
 	cpu := "max"
 	if o.Accel == "kvm" {
@@ -160,18 +165,18 @@ func (d *Driver) args(v *vmState, vm hypervisor.VM, qmpFD int) []string {
 		}
 		args = append(args, "-device", dev)
 	}
-	if o.Kernel != "" {
-		args = append(args, "-kernel", o.Kernel)
-		if o.Initrd != "" {
-			args = append(args, "-initrd", o.Initrd)
+	if b.kernel != "" {
+		args = append(args, "-kernel", b.kernel)
+		if b.initrd != "" {
+			args = append(args, "-initrd", b.initrd)
 		}
-		if o.Append != "" {
-			args = append(args, "-append", o.Append)
+		if b.append != "" {
+			args = append(args, "-append", b.append)
 		}
 	}
-	if o.Image != "" {
+	if b.image != "" {
 		disk := fmt.Sprintf("virtio-blk-pci,drive=%s,id=%s,bus=pcie.0", bootID, bootID)
-		if o.Kernel == "" {
+		if b.kernel == "" {
 			disk += ",bootindex=0" // the firmware boots it; a direct kernel boot has that index
 		}
 		args = append(args,
@@ -191,11 +196,11 @@ func (d *Driver) args(v *vmState, vm hypervisor.VM, qmpFD int) []string {
 	return append(args, o.ExtraArgs...)
 }
 
-// makeBootDisk makes the VM's overlay of Options.Image unless it has one: a new VM's first
-// power-on. The image is its backing file, read only; the overlay is written aside and renamed
-// in, so that an interrupted call leaves no half-made disk to boot from.
-func (d *Driver) makeBootDisk(ctx context.Context, v *vmState) error {
-	if d.opts.Image == "" {
+// makeBootDisk makes the VM's overlay of image unless it has one: a new VM's first power-on.
+// The image is its backing file, read only; the overlay is written aside and renamed in, so
+// that an interrupted call leaves no half-made disk to boot from.
+func makeBootDisk(ctx context.Context, v *vmState, image string) error {
+	if image == "" {
 		return nil
 	}
 	disk := v.path(bootDisk)
@@ -203,9 +208,9 @@ func (d *Driver) makeBootDisk(ctx context.Context, v *vmState) error {
 		return err
 	}
 	tmp := disk + ".new"
-	out, err := exec.CommandContext(ctx, "qemu-img", "create", "-q", "-f", "qcow2", "-F", "qcow2", "-b", d.opts.Image, tmp).CombinedOutput()
+	out, err := exec.CommandContext(ctx, "qemu-img", "create", "-q", "-f", "qcow2", "-F", "qcow2", "-b", image, tmp).CombinedOutput()
 	if err != nil {
-		return fmt.Errorf("VM %s: make its boot disk over %s: %w: %s", v.name, d.opts.Image, err, bytes.TrimSpace(out))
+		return fmt.Errorf("VM %s: make its boot disk over %s: %w: %s", v.name, image, err, bytes.TrimSpace(out))
 	}
 	return os.Rename(tmp, disk)
 }
