@@ -176,9 +176,9 @@ images: deps lab-tools ## Build the images the manifests name, without a contain
 	go run ./e2e/cmd/images
 
 .PHONY: node-image
-node-image: deps ## Build the node image of QEMU VMs (Debian, systemd, cloud-init, the pinned containerd, kubelet, kubeadm) into $(CACHE)/node-image.
+node-image: deps ## Build the node image of QEMU VMs (Debian, systemd, cloud-init, the pinned containerd, kubelet, kubeadm) into the image store $(CACHE)/node-images, as node-<Kubernetes version>.
 	hack/build-tools.sh kubernetes containerd
-	hack/build-node-image.sh $(CACHE)/node-image
+	hack/build-node-image.sh $(CACHE)/node-images
 
 .PHONY: node-vm
 node-vm: node-image ## Boot the node image as a QEMU VM with the qemu driver, and hot-plug a disk into it (minutes under TCG).

@@ -1,26 +1,31 @@
 #!/usr/bin/env bash
-# Builds the node image of pvbridge's QEMU VirtualMachines (issue 49) into OUTDIR, from Debian
-# packages and the pinned binaries of the tool cache, without a container engine:
+# Builds the node image of pvbridge's QEMU VirtualMachines (issue 49) into the image store STORE
+# (the qemu driver's --qemu-image-dir), as the image node-<kubelet version> (node-v1.37.2): the
+# name a cluster template's PVBridgeMachineTemplate gives from its Kubernetes version. From Debian
+# packages and the pinned binaries of the tool cache, without a container engine, it writes
+# STORE/node-<version>/:
 #   disk.qcow2            the root filesystem (ext4, label "root", compressed): Debian bookworm
 #                         with systemd, udev, cloud-init (NoCloud), runc, the CNI plugins, and
 #                         the tool cache's containerd, kubelet and kubeadm, enabled as units the
 #                         way kubeadm expects them. A VM boots a copy-on-write overlay of it;
-#   vmlinuz, initrd.img   Debian's cloud kernel and its initramfs, for a direct kernel boot
-#                         (root=LABEL=root);
+#   vmlinuz, initrd.img,  Debian's cloud kernel, its initramfs and its command line
+#   cmdline               (root=LABEL=root, the console on the serial port), a direct boot;
 #   manifest              what the image is: every Debian package with its version, and the
 #                         SHA-256 of each binary from the tool cache.
 # Reproducible: the same packages and binaries make the same bytes (every file dated
 # SOURCE_DATE_EPOCH, the filesystem's UUID, hash seed and times fixed), so that an image is
 # known by its manifest and its SHA-256.
-# Usage: build-node-image.sh OUTDIR
+# Usage: build-node-image.sh STORE
 # Needs root, mmdebstrap, e2fsprogs and qemu-img (hack/install-deps.sh) and the tool cache
 # ($PVBRIDGE_BIN, default ${XDG_CACHE_HOME:-~/.cache}/pvbridge/bin: `make tools`). Does
-# nothing when OUTDIR is complete and was built by this script from the same binaries; the
+# nothing when the image is complete and was built by this script from the same binaries; the
 # Debian packages are whatever the mirror serves that day (the manifest says which).
 set -euo pipefail
-out=${1:?usage: build-node-image.sh OUTDIR}
+store=${1:?usage: build-node-image.sh STORE}
 bin=${PVBRIDGE_BIN:-${XDG_CACHE_HOME:-$HOME/.cache}/pvbridge/bin}
 binaries="containerd containerd-shim-runc-v2 kubelet kubeadm"
+name=node-$("$bin/kubelet" --version | awk '{print $2}')
+out=$store/$name
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
 exec 9>"$out/.lock"
@@ -29,7 +34,8 @@ inputs="script=$(sha256sum "$0" | cut -c1-16)"
 for b in $binaries; do
 	inputs+=" $b=$(sha256sum "$bin/$b" | cut -c1-16)"
 done
-if [ -s "$out/disk.qcow2" ] && [ -s "$out/vmlinuz" ] && [ -s "$out/initrd.img" ] && [ "$(cat "$out/inputs" 2>/dev/null)" = "$inputs" ]; then
+if [ -s "$out/disk.qcow2" ] && [ -s "$out/vmlinuz" ] && [ -s "$out/initrd.img" ] && [ -s "$out/cmdline" ] && [ "$(cat "$out/inputs" 2>/dev/null)" = "$inputs" ]; then
+	echo "build-node-image: $name is built"
 	exit 0
 fi
 work=$(mktemp -d "$out/build.XXXXXX")
@@ -148,6 +154,7 @@ stamp=$(date -u -d "@$SOURCE_DATE_EPOCH" +%Y%m%d%H%M%S)
 E2FSPROGS_FAKE_TIME=$SOURCE_DATE_EPOCH debugfs -w -f "$work/times" "$work/root.img" >/dev/null 2>"$work/debugfs.log" ||
 	{ cat "$work/debugfs.log" >&2; exit 1; }
 qemu-img convert -c -O qcow2 "$work/root.img" "$work/disk.qcow2"
-mv "$work/vmlinuz" "$work/initrd.img" "$work/manifest" "$work/disk.qcow2" "$out/"
+echo "root=LABEL=root ro console=ttyS0 net.ifnames=0" >"$work/cmdline"
+mv "$work/vmlinuz" "$work/initrd.img" "$work/cmdline" "$work/manifest" "$work/disk.qcow2" "$out/"
 echo "$inputs" >"$out/inputs"
-echo "build-node-image: $(wc -l <"$out/manifest") packages and binaries, $(du -m "$out/disk.qcow2" | cut -f1) MiB compressed, in $(($(date +%s) - start)) s"
+echo "build-node-image: $name: $(wc -l <"$out/manifest") packages and binaries, $(du -m "$out/disk.qcow2" | cut -f1) MiB compressed, in $(($(date +%s) - start)) s"

@@ -33,22 +33,55 @@ import (
 // qemuHost is the host whose agent runs the qemu hypervisor.
 const qemuHost = "host-q"
 
-// qemuHosts builds the test guest (the kernel and initramfs the qemu driver's own tests boot)
-// and returns the qemu host's vm-operator flags that boot every VM of the host with it.
-func qemuHosts(bin *cluster.Binaries) (deploy.QEMUHosts, error) {
+// imageStore is the qemu host's image store (--qemu-image-dir), and guest the directory of the
+// test guest (the kernel and initramfs the qemu driver's own tests boot), which addImage puts in
+// the store.
+var imageStore, guest string
+
+// qemuHosts builds the test guest and returns the qemu host's vm-operator flags: an image store,
+// empty until a test adds an image, as a new host's.
+func qemuHosts(lab *cluster.Lab) (deploy.QEMUHosts, error) {
 	cache, err := os.UserCacheDir()
 	if err != nil {
 		return nil, err
 	}
-	guest := filepath.Join(cache, "pvbridge", "guest")
-	if out, err := exec.Command(filepath.Join(bin.Repo, "hack", "build-guest.sh"), guest).CombinedOutput(); err != nil {
+	guest = filepath.Join(cache, "pvbridge", "guest")
+	if out, err := exec.Command(filepath.Join(lab.Binaries().Repo, "hack", "build-guest.sh"), guest).CombinedOutput(); err != nil {
 		return nil, fmt.Errorf("build the test guest: %w: %s", err, out)
 	}
-	return deploy.QEMUHosts{qemuHost: {
-		"--qemu-kernel=" + filepath.Join(guest, "vmlinux"),
-		"--qemu-initrd=" + filepath.Join(guest, "initramfs.gz"),
-		"--qemu-append=console=ttyS0 quiet panic=-1",
-	}}, nil
+	imageStore = filepath.Join(lab.Root, "images")
+	if err := os.MkdirAll(imageStore, 0o755); err != nil {
+		return nil, err
+	}
+	return deploy.QEMUHosts{qemuHost: {"--qemu-image-dir=" + imageStore}}, nil
+}
+
+// addImage puts the test guest in the image store as image name, the way
+// hack/build-node-image.sh lays out a node image: a boot disk (blank here: the guest runs from
+// its initramfs), its kernel, initrd and command line. It is removed when the test ends.
+func addImage(t *testing.T, name string) {
+	t.Helper()
+	dir := filepath.Join(imageStore, name)
+	tmp := dir + ".new"
+	if err := os.Mkdir(tmp, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = os.RemoveAll(dir) })
+	if out, err := exec.Command("qemu-img", "create", "-q", "-f", "qcow2", filepath.Join(tmp, "disk.qcow2"), "16M").CombinedOutput(); err != nil {
+		t.Fatalf("qemu-img create: %v: %s", err, out)
+	}
+	for link, target := range map[string]string{"vmlinuz": "vmlinux", "initrd.img": "initramfs.gz"} {
+		if err := os.Symlink(filepath.Join(guest, target), filepath.Join(tmp, link)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := os.WriteFile(filepath.Join(tmp, "cmdline"), []byte("console=ttyS0 quiet panic=-1\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	// Whole or not at all, as an admin's copy should land.
+	if err := os.Rename(tmp, dir); err != nil {
+		t.Fatal(err)
+	}
 }
 
 // guestConsole connects to the serial console of vm on the qemu host once its guest has booted.
@@ -83,21 +116,23 @@ func tail(path string) string {
 }
 
 // TestAQEMUVMGetsItsVolumeIntoItsGuest runs the volume's whole life through the shipped qemu
-// driver, in a VM sized by its VirtualMachineClass (which it waits for): the guest finds the
-// disk by its serial and its writes reach the PMEM volume; the VM keeps running with its disk
-// while the host agent is killed, and the restarted agent grows the disk in the guest when the
-// claim is expanded; a detach waits for the guest to let it go.
+// driver, in a VM sized by its VirtualMachineClass and booting its image from the host's store
+// (it waits for each): the guest finds the disk by its serial and its writes reach the PMEM
+// volume; the VM keeps running with its disk while the host agent is killed, and the restarted
+// agent grows the disk in the guest when the claim is expanded; a detach waits for the guest to
+// let it go.
 func TestAQEMUVMGetsItsVolumeIntoItsGuest(t *testing.T) {
 	g := NewWithT(t)
 	ctx, ns := t.Context(), namespace(t)
 	pv := blockClaim(ctx, g, ns, "data", qemuHost)
 	vm := virtualMachine(ns, "vm-q", qemuHost, "data")
-	vm.Spec.ClassName = "q-" + ns // cluster-scoped: one per test namespace
+	// Cluster-scoped or host-wide: one per test namespace.
+	vm.Spec.ClassName, vm.Spec.Image = "q-"+ns, "guest-"+ns
+	readyReason := func(g Gomega) string { return readyOf(ctx, g, vm).Reason }
 
-	t.Log("a VM whose class does not exist waits for it, then boots with the class's size")
+	t.Log("a VM whose class and image do not exist waits for each, then boots its image with the class's size")
 	g.Expect(c.Create(ctx, vm)).To(Succeed())
-	g.Eventually(func(g Gomega) string { return readyOf(ctx, g, vm).Reason }).
-		WithContext(ctx).WithTimeout(timeout).Should(Equal(vmv1.ClassNotFoundReason))
+	g.Eventually(readyReason).WithContext(ctx).WithTimeout(timeout).Should(Equal(vmv1.ClassNotFoundReason))
 	// Not the driver's defaults (1 vCPU, 256 MiB).
 	class := &vmv1.VirtualMachineClass{
 		ObjectMeta: metav1.ObjectMeta{Name: vm.Spec.ClassName},
@@ -105,6 +140,8 @@ func TestAQEMUVMGetsItsVolumeIntoItsGuest(t *testing.T) {
 	}
 	g.Expect(c.Create(ctx, class)).To(Succeed())
 	t.Cleanup(func() { _ = c.Delete(context.WithoutCancel(ctx), class) })
+	g.Eventually(readyReason).WithContext(ctx).WithTimeout(timeout).Should(Equal(vmv1.ImageNotFoundReason))
+	addImage(t, vm.Spec.Image)
 	con := guestConsole(ctx, t, vm)
 	e := volumeStatus(ctx, g, vm, "data", attached)
 
@@ -120,10 +157,14 @@ func TestAQEMUVMGetsItsVolumeIntoItsGuest(t *testing.T) {
 	// included); the driver's default of 256 MiB would show about 200.
 	g.Expect(memTotal).To(And(BeNumerically(">", 128<<10), BeNumerically("<=", 192<<10)), "MemTotal in kB")
 	t.Log("the guest sees the disk by its serial, and its writes reach the PMEM volume")
+	// The image's boot disk is the guest's first virtio disk; the volume is whichever has its serial.
+	var disk string
 	g.Eventually(func(g Gomega) {
-		g.Expect(run(g, "cat /sys/block/vda/serial")).To(Equal(e.DiskSerial))
+		m := regexp.MustCompile(`^/sys/block/(vd[a-z]+)/serial$`).FindStringSubmatch(run(g, "grep -lx "+e.DiskSerial+" /sys/block/vd*/serial"))
+		g.Expect(m).NotTo(BeNil())
+		disk = m[1]
 	}).WithContext(ctx).WithTimeout(timeout).Should(Succeed())
-	run(g, "echo written-in-the-guest >/dev/vda && sync")
+	run(g, "echo written-in-the-guest >/dev/"+disk+" && sync")
 	pmv := &pmemv1.PmemVolume{}
 	g.Expect(c.Get(ctx, client.ObjectKey{Name: pv.Spec.CSI.VolumeHandle}, pmv)).To(Succeed())
 	g.Eventually(func(g Gomega) {
@@ -143,7 +184,7 @@ func TestAQEMUVMGetsItsVolumeIntoItsGuest(t *testing.T) {
 		return up
 	}
 	sectors := func(g Gomega) int {
-		n, err := strconv.Atoi(run(g, "cat /sys/block/vda/size"))
+		n, err := strconv.Atoi(run(g, "cat /sys/block/"+disk+"/size"))
 		g.Expect(err).NotTo(HaveOccurred())
 		return n
 	}
@@ -166,6 +207,6 @@ func TestAQEMUVMGetsItsVolumeIntoItsGuest(t *testing.T) {
 		g.Expect(vm.Status.Volumes).To(BeEmpty())
 		g.Expect(attachmentsOf(ctx, g, vm)).To(BeEmpty())
 	}).WithContext(ctx).WithTimeout(timeout).Should(Succeed())
-	g.Expect(run(g, "ls /sys/block")).NotTo(ContainSubstring("vda"))
-	g.Expect(regexp.MustCompile(`\bvda\b`).MatchString(run(g, "cat /proc/partitions"))).To(BeFalse())
+	g.Expect(run(g, "ls /sys/block")).NotTo(ContainSubstring(disk))
+	g.Expect(regexp.MustCompile(`\b` + disk + `\b`).MatchString(run(g, "cat /proc/partitions"))).To(BeFalse())
 }

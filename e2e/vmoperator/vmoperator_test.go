@@ -71,7 +71,7 @@ func run(m *testing.M) int {
 		}); err != nil {
 			return err
 		}
-		qemu, err := qemuHosts(lab.Binaries())
+		qemu, err := qemuHosts(lab)
 		if err != nil {
 			return err
 		}

@@ -38,8 +38,8 @@ func main() {
 		`Host agent: the hypervisor driver, "local" (a VM is a directory whose device tree receives the hot-plugged disks; the lab) or "qemu" (QEMU VMs started and hot-plugged over QMP).`)
 	fs.StringVar(&opts.VMRoot, "vm-root", "/var/lib/pvbridge/vms",
 		"Host agent, local hypervisor: the directory holding one directory per VM, <root>/<namespace>/<name>.")
-	fs.StringVar(&opts.QEMU.RunDir, "qemu-run-dir", "/run/pvbridge/qemu",
-		"Host agent, qemu hypervisor: the directory holding each VM's QMP socket, pid file, QEMU's output and serial console log (at most 60 characters).")
+	fs.StringVar(&opts.QEMU.RunDir, "qemu-run-dir", "/var/lib/pvbridge/qemu",
+		"Host agent, qemu hypervisor: the directory holding each VM's boot disk overlay, QMP socket, pid file, QEMU's output and serial console log (at most 60 characters). Keep it on a disk, not a tmpfs: a VM's overlay holds what its guest wrote, which a host's reboot must not lose.")
 	fs.StringVar(&opts.QEMU.Binary, "qemu-binary", "",
 		"Host agent, qemu hypervisor: the QEMU system emulator, a path or a name looked up in PATH; empty is qemu-system-x86_64.")
 	fs.StringVar(&opts.QEMU.Accel, "qemu-accel", "",
@@ -54,7 +54,7 @@ func main() {
 	fs.StringVar(&opts.QEMU.Append, "qemu-append", "", "Host agent, qemu hypervisor: the command line of --qemu-kernel (-append).")
 	fs.StringVar(&opts.QEMU.Image, "qemu-image", "",
 		"Host agent, qemu hypervisor: a qcow2 boot disk a VM that names no image (spec.image) boots from through a copy-on-write overlay of its own, made at its first power-on (needs qemu-img); the image is never written. Empty: no boot disk.")
-	fs.StringVar(&opts.QEMU.ImageDir, "qemu-image-dir", "",
+	fs.StringVar(&opts.QEMU.ImageDir, "qemu-image-dir", "/var/lib/pvbridge/images",
 		"Host agent, qemu hypervisor: the host's image store, one directory per machine image named as VirtualMachine spec.image names it, holding disk.qcow2 and, for a direct kernel boot, vmlinuz, initrd.img and cmdline (make node-image builds one). A VM that names an image boots it instead of --qemu-image and --qemu-kernel; a VM whose image is not there does not start (Ready False, ImageNotFound).")
 	fs.StringVar(&opts.QEMU.Network, "qemu-network", "",
 		`Host agent, qemu hypervisor: "user" gives every VM a virtio NIC on QEMU's user-mode network (the host's 127.0.0.1 is 10.0.2.2 in the guest), its MAC derived from the VM's UID; empty gives none.`)

@@ -2,7 +2,8 @@
 
 package qemu
 
-// The node image (hack/build-node-image.sh) booted by this driver as a host agent runs it:
+// The node image (hack/build-node-image.sh) booted from the image store by this driver as a host
+// agent runs it:
 // systemd, cloud-init from the VM's NoCloud seed, containerd up, and a hot-plugged disk that
 // udev names by its serial. Minutes under TCG, and the image's build needs the tool cache and
 // Debian's mirror: not part of `make test` yet, `make node-vm` runs it.
@@ -28,20 +29,18 @@ func TestNodeImageBootsAsAVMAndSeesAHotPluggedDisk(t *testing.T) {
 	defer cancel()
 	cache, err := os.UserCacheDir()
 	g.Expect(err).NotTo(HaveOccurred())
-	image := filepath.Join(cache, "pvbridge", "node-image")
+	store := filepath.Join(cache, "pvbridge", "node-images")
 	start := time.Now()
-	out, err := exec.CommandContext(ctx, "../../../../hack/build-node-image.sh", image).CombinedOutput()
+	out, err := exec.CommandContext(ctx, "../../../../hack/build-node-image.sh", store).CombinedOutput()
 	g.Expect(err).NotTo(HaveOccurred(), "build the node image: %s", out)
 	t.Logf("node image ready in %v: %s", time.Since(start).Round(time.Second), out)
+	image := regexp.MustCompile(`build-node-image: (node-\S+?):? `).FindStringSubmatch(string(out))
+	g.Expect(image).NotTo(BeNil(), "the script names the image it built")
 
-	d := newDriver(t, Options{
-		Kernel: filepath.Join(image, "vmlinuz"), Initrd: filepath.Join(image, "initrd.img"),
-		Append: "root=LABEL=root ro console=ttyS0 net.ifnames=0",
-		Image:  filepath.Join(image, "disk.qcow2"), Network: "user",
-		CPUs: 2, MemoryMiB: 1024, UnplugTimeout: time.Minute,
-	})
+	d := newDriver(t, Options{ImageDir: store, Network: "user", CPUs: 2, MemoryMiB: 1024, UnplugTimeout: time.Minute})
 	const serial = "PVB-NODE-DISK-0001"
 	vm := testVM
+	vm.Image = image[1]
 	vm.Bootstrap = &hypervisor.Bootstrap{
 		MetaData: []byte("instance-id: " + vm.UID + "\nlocal-hostname: node-q\n"),
 		// What a kubeadm bootstrap would do comes later; this says what the node has.
