@@ -15,6 +15,9 @@ import (
 	"path/filepath"
 	"slices"
 	"sync"
+	"time"
+
+	"pvbridge.io/pkg/cgroups"
 )
 
 // Lab owns a root directory and every process and mount below it.
@@ -79,6 +82,34 @@ func (l *Lab) atStop(f func() error) {
 	l.cleanups = append(l.cleanups, f)
 }
 
+// cgroupRoot is the machine's cgroup filesystem.
+const cgroupRoot = "/sys/fs/cgroup"
+
+// Cgroup is the path, below each cgroup hierarchy, of the lab's cgroup name: the lab's own
+// cgroups are below pvbridge-lab/<the root's name>, which Stop (or the reaper) empties and
+// removes.
+func (l *Lab) Cgroup(name string) string {
+	return filepath.Join(l.cgroups(), name)
+}
+
+func (l *Lab) cgroups() string { return filepath.Join("pvbridge-lab", filepath.Base(l.Root)) }
+
+// removeCgroups kills what is left in the lab's cgroups (a QEMU whose VM was not deleted) and
+// removes them once those processes have ended, within 10 s.
+func removeCgroups(path string) error {
+	if err := cgroups.Kill(cgroupRoot, path); err != nil {
+		return err
+	}
+	var err error
+	for range 100 {
+		if err = cgroups.Remove(cgroupRoot, path); err == nil {
+			return nil
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+	return err
+}
+
 // Processes returns every process the lab started, oldest first.
 func (l *Lab) Processes() []*Process {
 	l.mu.Lock()
@@ -109,6 +140,9 @@ func (l *Lab) Stop() error {
 		if err := f(); err != nil {
 			errs = append(errs, err)
 		}
+	}
+	if err := removeCgroups(l.cgroups()); err != nil {
+		errs = append(errs, err)
 	}
 	// Loop devices hold files of filesystems that are themselves mounted from loop devices (the
 	// PMEM emulation): detach, unmount, and detach what the unmounts released.

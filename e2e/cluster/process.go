@@ -11,6 +11,8 @@ import (
 	"sync/atomic"
 	"syscall"
 	"time"
+
+	"pvbridge.io/pkg/cgroups"
 )
 
 const (
@@ -36,6 +38,10 @@ type Command struct {
 	// Restart starts the process again whenever it ends until Stop, as kubelet restarts a
 	// container (restartPolicy: Always). A CSI sidecar, for one, exits when its driver does.
 	Restart bool
+	// Cgroup, when set, runs the process in the lab's cgroup of that name (Lab.Cgroup), as a
+	// container runs in its own: Kill then kills every process of the cgroup, as a container
+	// runtime stopping the container does, whatever session or process group they are in.
+	Cgroup string
 }
 
 // Process is a lab daemon running in its own process group, so that stopping it also stops
@@ -86,6 +92,13 @@ func (p *Process) spawn() error {
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
 	if err := cmd.Start(); err != nil {
 		return fmt.Errorf("start %s: %w", p.Name, err)
+	}
+	if p.Cgroup != "" {
+		if err := cgroups.Join(cgroupRoot, p.lab.Cgroup(p.Cgroup), cmd.Process.Pid); err != nil {
+			_ = syscall.Kill(-cmd.Process.Pid, syscall.SIGKILL)
+			_ = cmd.Wait()
+			return fmt.Errorf("start %s: %w", p.Name, err)
+		}
 	}
 	pidFile := filepath.Join(p.lab.pidDir, strconv.Itoa(cmd.Process.Pid))
 	if err := os.WriteFile(pidFile, []byte(p.Name+"\n"), 0o644); err != nil {
@@ -194,12 +207,18 @@ func (p *Process) Stop() error {
 	return nil
 }
 
-// Kill kills the current run with SIGKILL, as a crash would, and waits until it has ended. A
-// process with Restart set is then started again, as kubelet restarts a crashed container.
+// Kill kills the current run with SIGKILL, as a crash would (with Cgroup, every process of its
+// cgroup, as a container runtime stopping its container would), and waits until it has ended.
+// A process with Restart set is then started again, as kubelet restarts a crashed container.
 func (p *Process) Kill() error {
 	p.mu.Lock()
 	cmd, ran := p.cmd, p.ran
 	p.mu.Unlock()
+	if p.Cgroup != "" {
+		if err := cgroups.Kill(cgroupRoot, p.lab.Cgroup(p.Cgroup)); err != nil {
+			return err
+		}
+	}
 	if err := syscall.Kill(-cmd.Process.Pid, syscall.SIGKILL); err != nil && err != syscall.ESRCH {
 		return err
 	}

@@ -44,6 +44,20 @@ for i in $(seq 100); do
 	[ -z "$cgroups" ] && break
 	sleep 0.1
 done
+# The lab's own cgroups (Lab.Cgroup), pvbridge-lab/<the root's name> in each hierarchy: what is
+# left in them (a QEMU, in a session of its own) is killed, then they go, deepest first.
+for c in /sys/fs/cgroup/pvbridge-lab/"${root##*/}" /sys/fs/cgroup/*/pvbridge-lab/"${root##*/}"; do
+	[ -d "$c" ] && find "$c" -name cgroup.procs -exec cat {} + | xargs -r kill -KILL 2>/dev/null
+done
+for i in $(seq 100); do
+	left=""
+	for c in /sys/fs/cgroup/pvbridge-lab/"${root##*/}" /sys/fs/cgroup/*/pvbridge-lab/"${root##*/}"; do
+		[ -d "$c" ] || continue
+		find "$c" -depth -type d -exec rmdir {} + 2>/dev/null || left=1
+	done
+	[ -z "$left" ] && break
+	sleep 0.1
+done
 # Loop devices whose backing file is on a loop device below the root (a containerd node's
 # volumes on its PMEM filesystem, with the container's path) go first: they keep that
 # filesystem busy. Only devices whose file this namespace does not have are looked at: opening

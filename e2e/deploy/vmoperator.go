@@ -53,10 +53,16 @@ func StartVMOperator(lab *cluster.Lab, m *Management, qemuHosts QEMUHosts) (*VMO
 	for _, h := range m.Hosts {
 		name := h.Node.Name
 		hypervisor := []string{"--hypervisor=local"}
+		var cgroup string
 		if args, ok := qemuHosts[name]; ok {
 			// Below the lab's short root: the VMs' sockets are in it (the unix socket limit).
 			op.QEMURunDirs[name] = filepath.Join(lab.Root, "qemu-"+name)
-			hypervisor = append([]string{"--hypervisor=qemu", "--qemu-run-dir=" + op.QEMURunDirs[name]}, args...)
+			// As the shipped DaemonSet: the agent in a cgroup of its own (its container's),
+			// which its Kill kills whole; each VM's QEMU in one of its own beside it.
+			cgroup = "host-agent-" + name
+			hypervisor = append([]string{
+				"--hypervisor=qemu", "--qemu-run-dir=" + op.QEMURunDirs[name], "--qemu-cgroup-parent=" + lab.Cgroup("vms-"+name),
+			}, args...)
 		} else {
 			op.VMRoots[name] = filepath.Join(h.Node.Dir, "vms")
 			hypervisor = append(hypervisor, "--vm-root="+op.VMRoots[name])
@@ -70,7 +76,7 @@ func StartVMOperator(lab *cluster.Lab, m *Management, qemuHosts QEMUHosts) (*VMO
 				"--state-dir=" + filepath.Join(h.Node.Dir, "host-agent"),
 				"--unplug-timeout=" + UnplugTimeout.String(),
 			}, append(hypervisor, common...)...),
-			Restart: true,
+			Restart: true, Cgroup: cgroup,
 		})
 		if err != nil {
 			return nil, err

@@ -118,8 +118,9 @@ func tail(path string) string {
 // TestAQEMUVMGetsItsVolumeIntoItsGuest runs the volume's whole life through the shipped qemu
 // driver, in a VM sized by its VirtualMachineClass and booting its image from the host's store
 // (it waits for each): the guest finds the disk by its serial and its writes reach the PMEM
-// volume; the VM keeps running with its disk while the host agent is killed, and the restarted
-// agent grows the disk in the guest when the claim is expanded; a detach waits for the guest to
+// volume; the VM keeps running with its disk while the host agent is killed as its container
+// would be (every process of its cgroup), and the restarted agent grows the disk in the guest
+// when the claim is expanded; a detach waits for the guest to
 // let it go.
 func TestAQEMUVMGetsItsVolumeIntoItsGuest(t *testing.T) {
 	g := NewWithT(t)
@@ -177,7 +178,7 @@ func TestAQEMUVMGetsItsVolumeIntoItsGuest(t *testing.T) {
 		g.Expect(string(buf)).To(Equal("written-in-the-guest\n"))
 	}).WithContext(ctx).WithTimeout(timeout).Should(Succeed())
 
-	t.Log("the host agent killed; the restarted one takes up the running VM and grows its disk")
+	t.Log("the host agent's container killed, every process of its cgroup; the VM, in a cgroup of its own, runs on, and the restarted agent takes it up and grows its disk")
 	uptime := func(g Gomega) float64 {
 		up, err := strconv.ParseFloat(strings.Fields(run(g, "cat /proc/uptime"))[0], 64)
 		g.Expect(err).NotTo(HaveOccurred())
@@ -189,7 +190,7 @@ func TestAQEMUVMGetsItsVolumeIntoItsGuest(t *testing.T) {
 		return n
 	}
 	before, booted := sectors(g), uptime(g)
-	g.Expect(vmop.Agents[qemuHost].Kill()).To(Succeed()) // it restarts, as its container would
+	g.Expect(vmop.Agents[qemuHost].Kill()).To(Succeed()) // it restarts, as kubelet restarts a container
 	pvc := &corev1.PersistentVolumeClaim{}
 	g.Expect(c.Get(ctx, client.ObjectKey{Namespace: ns, Name: "data"}, pvc)).To(Succeed())
 	patch := client.MergeFrom(pvc.DeepCopy())

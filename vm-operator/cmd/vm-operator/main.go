@@ -62,6 +62,10 @@ func main() {
 		"Host agent, qemu hypervisor: an argument appended to every VM's QEMU command line (repeat the flag, one argument each), e.g. a device the other flags do not make.")
 	fs.DurationVar(&opts.QEMU.ShutdownGracePeriod, "qemu-shutdown-grace-period", 0,
 		"Host agent, qemu hypervisor: how long a VM that is powered off has to shut down after its ACPI power button is pressed before QEMU is stopped; 0 stops it at once.")
+	fs.StringVar(&opts.QEMU.CgroupParent, "qemu-cgroup-parent", "",
+		"Host agent, qemu hypervisor: run each VM's QEMU in a cgroup of its own, <parent>/<namespace>_<name>, in every hierarchy of --qemu-cgroup-root, rather than in the agent's: its memory is not charged to the agent's container, and stopping that container does not stop the VMs (with hostPID, as the shipped DaemonSet). Empty: QEMU stays in the agent's cgroup.")
+	fs.StringVar(&opts.QEMU.CgroupRoot, "qemu-cgroup-root", "/sys/fs/cgroup",
+		"Host agent, qemu hypervisor: where the host's cgroup filesystem is mounted, whole (in a container, the host's /sys/fs/cgroup mounted from a hostPath: the container's own shows only its cgroup).")
 	fs.IntVar(&opts.Slots, "vm-slots", 0,
 		"Host agent: how many disks a VirtualMachine holds hot-plugged at once when its spec.maxVolumes does not say (qemu: PCIe root ports per VM); 0 means the hypervisor driver's default, 16 for qemu, 64 for local. A guest node reports its VM's number as its CSI volume limit.")
 	fs.StringVar(&opts.CSIEndpoint, "csi-endpoint", "unix:///var/lib/kubelet/plugins/pmem.csi.pvbridge.io/csi.sock",

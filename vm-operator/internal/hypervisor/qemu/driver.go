@@ -100,6 +100,14 @@ type Options struct {
 	// ShutdownGracePeriod is how long PowerOff lets the guest shut down after pressing the ACPI
 	// power button; then, or at once when zero (the default), QEMU is stopped.
 	ShutdownGracePeriod time.Duration
+	// CgroupParent, when set, puts each VM's QEMU in a cgroup of its own,
+	// <CgroupParent>/<namespace>_<name>, in every hierarchy of the cgroup filesystem at
+	// CgroupRoot (default /sys/fs/cgroup), and removes it when the VM stops. Then the VM's
+	// memory is not charged to the agent's container, and a container runtime that kills every
+	// process of the agent's container (its cgroup) does not kill the VMs: the agent's pod must
+	// share the host's PID namespace too, whose end would kill them otherwise. Empty: QEMU
+	// stays in the agent's cgroup.
+	CgroupParent, CgroupRoot string
 	// StopTimeout bounds how long PowerOff waits for QEMU to exit after `quit` before it kills
 	// the process; default 10s.
 	StopTimeout time.Duration
@@ -133,6 +141,8 @@ type vmState struct {
 	// fixed for the life of a process, so read once per connection.
 	ports   int
 	portsOf *Monitor
+	// cgroupPid is the QEMU that joinCgroup moved into the VM's cgroup; guarded by mu.
+	cgroupPid int
 }
 
 // New returns a driver configured by opts.
@@ -188,6 +198,12 @@ func New(opts Options) (*Driver, error) {
 	}
 	if opts.StopTimeout == 0 {
 		opts.StopTimeout = 10 * time.Second
+	}
+	if opts.CgroupRoot == "" {
+		opts.CgroupRoot = "/sys/fs/cgroup"
+	}
+	if opts.CgroupParent != "" && (filepath.IsAbs(opts.CgroupParent) || !filepath.IsLocal(opts.CgroupParent)) {
+		return nil, fmt.Errorf("qemu: CgroupParent %q: want a path relative to the cgroup root", opts.CgroupParent)
 	}
 	return &Driver{opts: opts, meminfo: "/proc/meminfo", vms: map[string]*vmState{}}, nil
 }
@@ -318,8 +334,11 @@ func (d *Driver) PowerOn(ctx context.Context, vm hypervisor.VM) error {
 	v.mu.Lock()
 	defer v.mu.Unlock()
 	_, err = v.monitor(ctx)
+	if err == nil {
+		return d.joinCgroup(v, readPid(v.path(pidFile)))
+	}
 	if !errors.Is(err, hypervisor.ErrVMNotFound) {
-		return err // running (nil), or we cannot tell
+		return err // we cannot tell
 	}
 	return d.start(ctx, v, vm)
 }
@@ -348,6 +367,10 @@ func (d *Driver) Delete(ctx context.Context, vm hypervisor.VM) error {
 	case err == nil:
 		return nil
 	case !errors.Is(err, hypervisor.ErrVMNotFound):
+		return err
+	}
+	// A QEMU that ended on its own (its guest powered off) left its cgroup.
+	if err := d.removeCgroup(v); err != nil {
 		return err
 	}
 	if err := os.RemoveAll(v.dir); err != nil {
@@ -410,5 +433,5 @@ func (d *Driver) powerOff(ctx context.Context, vm hypervisor.VM, grace time.Dura
 	// QEMU does not remove a socket it was handed; a stale one only refuses connections, but
 	// clean up anyway.
 	_ = os.Remove(v.path(qmpSocket))
-	return nil
+	return d.removeCgroup(v)
 }

@@ -20,6 +20,7 @@ import (
 
 	. "github.com/onsi/gomega"
 
+	"pvbridge.io/pkg/cgroups"
 	"pvbridge.io/vm-operator/internal/hypervisor"
 )
 
@@ -491,6 +492,49 @@ func TestRestartedDriverSeesQEMUState(t *testing.T) {
 	g.Expect(second.PowerOff(ctx, testVM)).To(Succeed())
 	g.Expect(processGone(pid)).To(BeTrue())
 	g.Expect(first.Running(ctx, testVM)).To(BeFalse())
+}
+
+// With CgroupParent, QEMU runs in a cgroup of its own in every hierarchy, not the agent's: its
+// memory is not the agent's, and whoever kills the agent's cgroup (a container runtime stopping
+// the agent's container) does not kill it. A restarted agent moves a QEMU that its predecessor
+// started but did not move; the cgroup goes with the VM.
+func TestQEMURunsInACgroupOfItsOwn(t *testing.T) {
+	g := NewWithT(t)
+	ctx := t.Context()
+	const root = "/sys/fs/cgroup"
+	parent := fmt.Sprintf("pvbridge-test-%d", os.Getpid())
+	t.Cleanup(func() { _ = cgroups.Remove(root, parent) })
+	first := newDriver(t, Options{CgroupParent: parent})
+	startVM(t, first, testVM)
+	pid := readPid(filepath.Join(first.Dir(testVM), pidFile))
+	own := filepath.Join(parent, filepath.Base(first.Dir(testVM)))
+	cgroupsOf := func() []string {
+		data, err := os.ReadFile(fmt.Sprintf("/proc/%d/cgroup", pid))
+		g.Expect(err).NotTo(HaveOccurred())
+		var paths []string
+		for _, line := range strings.Split(strings.TrimSpace(string(data)), "\n") {
+			paths = append(paths, line[strings.LastIndex(line, ":")+1:])
+		}
+		return paths
+	}
+	g.Expect(cgroupsOf()).To(HaveEach("/"+own), "in its cgroup in every hierarchy")
+	g.Expect(cgroups.Pids(root, own)).To(Equal([]int{pid}))
+
+	// An agent that ended between QEMU's start and its move: QEMU is where the agent was.
+	g.Expect(cgroups.Join(root, ".", pid)).To(Succeed())
+	g.Expect(cgroupsOf()).To(HaveEach("/"))
+	g.Expect(first.Close()).To(Succeed())
+	second := newDriver(t, Options{RunDir: first.opts.RunDir, CgroupParent: parent})
+	g.Expect(second.PowerOn(ctx, testVM)).To(Succeed())
+	g.Expect(cgroupsOf()).To(HaveEach("/"+own), "the restarted agent moved it")
+
+	g.Expect(second.PowerOff(ctx, testVM)).To(Succeed())
+	g.Expect(processGone(pid)).To(BeTrue())
+	hierarchies, err := cgroups.Hierarchies(root)
+	g.Expect(err).NotTo(HaveOccurred())
+	for _, h := range hierarchies {
+		g.Expect(filepath.Join(h, own)).NotTo(BeADirectory(), "the VM's cgroup goes with it")
+	}
 }
 
 func TestDetachIsBusyWhileTheGuestHoldsTheDisk(t *testing.T) {

@@ -93,7 +93,14 @@ func (d *Driver) start(ctx context.Context, v *vmState, vm hypervisor.VM) error 
 	v.monMu.Lock()
 	v.proc = p
 	v.monMu.Unlock()
-	klog.FromContext(ctx).V(2).Info("Started QEMU", "vm", v.name, "pid", p.pid, "accel", d.opts.Accel)
+	if err := d.joinCgroup(v, p.pid); err != nil {
+		// Not a VM charged to the agent and killed with it.
+		_ = syscall.Kill(p.pid, syscall.SIGKILL)
+		<-p.done
+		v.forget()
+		return err
+	}
+	klog.FromContext(ctx).V(2).Info("Started QEMU", "vm", v.name, "pid", p.pid, "accel", d.opts.Accel, "cgroup", d.cgroupOf(v))
 
 	dialCtx, cancel := context.WithCancel(ctx)
 	defer cancel()
