@@ -8,7 +8,7 @@
 #                 (printing GUEST-DONE rc=<exit code> and powering off), else serves a shell on
 #                 ttyS0.
 # Usage: build-guest.sh OUTDIR [MODULE,...] [PROGRAM,...]
-#   default modules: virtio_pci,virtio_blk; programs (found on this host's PATH): none.
+#   default modules: virtio_pci,virtio_blk,virtio_net; programs (found on this host's PATH): none.
 # Nothing is installed: the kernel and busybox packages are downloaded and unpacked. Needs apt
 # (lists updated if the package is not found), dpkg-deb, xz, gzip and ldd. Does nothing if OUTDIR
 # is complete and was built from the same modules and programs; concurrent runs wait for each
@@ -17,7 +17,7 @@
 set -euo pipefail
 
 out=${1:?usage: build-guest.sh OUTDIR [MODULE,...] [PROGRAM,...]}
-modules=${2:-virtio_pci,virtio_blk}
+modules=${2:-virtio_pci,virtio_blk,virtio_net}
 programs=${3:-}
 mkdir -p "$out"
 out=$(cd "$out" && pwd)

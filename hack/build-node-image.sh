@@ -5,7 +5,8 @@
 # packages and the pinned binaries of the tool cache, without a container engine, it writes
 # STORE/node-<version>/:
 #   disk.qcow2            the root filesystem (ext4, label "root", compressed): Debian bookworm
-#                         with systemd, udev, cloud-init (NoCloud), runc, the CNI plugins, and
+#                         with systemd, udev, cloud-init (NoCloud), the QEMU guest agent (which
+#                         reports the VM's addresses), runc, the CNI plugins, and
 #                         the tool cache's containerd, kubelet and kubeadm, enabled as units the
 #                         way kubeadm expects them. A VM boots a copy-on-write overlay of it;
 #   vmlinuz, initrd.img,  Debian's cloud kernel, its initramfs and its command line
@@ -49,7 +50,7 @@ export SOURCE_DATE_EPOCH=${SOURCE_DATE_EPOCH:-1767225600}
 # cloud-init renders eni); the kernel's initramfs comes from initramfs-tools.
 packages=(
 	systemd-sysv udev dbus kmod linux-image-cloud-amd64 initramfs-tools
-	cloud-init cloud-guest-utils ifupdown isc-dhcp-client
+	cloud-init cloud-guest-utils ifupdown isc-dhcp-client qemu-guest-agent
 	runc containernetworking-plugins iptables iproute2 conntrack ethtool socat
 	ca-certificates e2fsprogs xfsprogs util-linux mount procps netbase
 )

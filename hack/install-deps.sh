@@ -23,6 +23,8 @@ declare -A need=(
 	[qemu-system-x86_64]=qemu-system-x86
 	# the qemu driver's boot disk overlays; the node image's build (hack/build-node-image.sh).
 	[qemu-img]=qemu-utils
+	# the guest agent of the node image, which the qemu driver's test runs on the host.
+	[qemu-ga]=qemu-guest-agent
 	[mmdebstrap]=mmdebstrap
 	# unpacks the test guest's kernel to a raw vmlinux for a fast PVH boot.
 	[xz]=xz-utils

@@ -57,7 +57,9 @@ func main() {
 	fs.StringVar(&opts.QEMU.ImageDir, "qemu-image-dir", "/var/lib/pvbridge/images",
 		"Host agent, qemu hypervisor: the host's image store, one directory per machine image named as VirtualMachine spec.image names it, holding disk.qcow2 and, for a direct kernel boot, vmlinuz, initrd.img and cmdline (make node-image builds one). A VM that names an image boots it instead of --qemu-image and --qemu-kernel; a VM whose image is not there does not start (Ready False, ImageNotFound).")
 	fs.StringVar(&opts.QEMU.Network, "qemu-network", "",
-		`Host agent, qemu hypervisor: "user" gives every VM a virtio NIC on QEMU's user-mode network (the host's 127.0.0.1 is 10.0.2.2 in the guest), its MAC derived from the VM's UID; empty gives none.`)
+		`Host agent, qemu hypervisor: every VM's virtio NIC, its MAC derived from the VM's UID: "user" on QEMU's user-mode network (the host's 127.0.0.1 is 10.0.2.2 in the guest, nothing reaches the guest); "bridge:<name>" a tap of its own on the host's Linux bridge <name>, a machine of that network (DHCP from it); empty gives none.`)
+	fs.StringVar(&opts.QEMU.NetNS, "qemu-netns", "",
+		"Host agent, qemu hypervisor: the network namespace QEMU runs in and makes its taps in, a /proc/<pid>/ns/net or /run/netns/<name> file; /proc/1/ns/net is the host's for an agent in a pod of its own network with the host's PID namespace (the shipped DaemonSet), whose network would go with the pod. Empty: the agent's.")
 	fs.StringArrayVar(&opts.QEMU.ExtraArgs, "qemu-arg", nil,
 		"Host agent, qemu hypervisor: an argument appended to every VM's QEMU command line (repeat the flag, one argument each), e.g. a device the other flags do not make.")
 	fs.DurationVar(&opts.QEMU.ShutdownGracePeriod, "qemu-shutdown-grace-period", 0,

@@ -254,6 +254,9 @@ func machineStatus(pm *infrav1.PVBridgeMachine, vm *vmv1.VirtualMachine) {
 		{Type: infrav1.MachineHostName, Address: pm.Name},
 		{Type: infrav1.MachineInternalDNS, Address: pm.Name},
 	}
+	for _, ip := range vm.Status.Addresses {
+		pm.Status.Addresses = append(pm.Status.Addresses, infrav1.MachineAddress{Type: infrav1.MachineInternalIP, Address: ip})
+	}
 	setCondition(&pm.Status.Conditions, pm.Generation, infrav1.VirtualMachineProvisionedCondition, metav1.ConditionTrue, infrav1.ProvisionedReason, "")
 	setCondition(&pm.Status.Conditions, pm.Generation, infrav1.ReadyCondition, metav1.ConditionTrue, infrav1.ProvisionedReason, "")
 }

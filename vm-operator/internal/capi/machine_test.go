@@ -21,7 +21,7 @@ import (
 )
 
 func TestMachineReconcile(t *testing.T) {
-	running := vmv1.VirtualMachineStatus{Host: "host-b", UniqueID: "vm-uid", Phase: vmv1.PhaseRunning}
+	running := vmv1.VirtualMachineStatus{Host: "host-b", UniqueID: "vm-uid", Phase: vmv1.PhaseRunning, Addresses: []string{"10.0.7.12"}}
 	tests := []struct {
 		name    string
 		prepare func(f *fixtures)
@@ -146,6 +146,7 @@ func TestMachineReconcile(t *testing.T) {
 			g.Expect(pm.Status.Addresses).To(ConsistOf(
 				infrav1.MachineAddress{Type: infrav1.MachineHostName, Address: machineName},
 				infrav1.MachineAddress{Type: infrav1.MachineInternalDNS, Address: machineName},
+				infrav1.MachineAddress{Type: infrav1.MachineInternalIP, Address: "10.0.7.12"}, // its guest's
 			))
 			g.Expect(meta.IsStatusConditionTrue(pm.Status.Conditions, infrav1.VirtualMachineProvisionedCondition)).To(BeTrue())
 		})

@@ -52,6 +52,10 @@ import (
 // busy CSI call) is tried again.
 const retryAfter = 2 * time.Second
 
+// guestPoll is how often the host agent asks a running VM's guest for its addresses until it
+// says.
+const guestPoll = 10 * time.Second
+
 // maxBusyRetry caps the backoff of the retries of an unplug that a running VM's guest refuses:
 // it may refuse for ever (nothing forces a running VM off), and each retry is a hypervisor call
 // on a host that other tenants share.
@@ -248,6 +252,7 @@ func (r *Reconciler) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Resu
 			return ctrl.Result{}, errors.Join(err, r.writeStatus(ctx, vm, &decisions{}, cond))
 		}
 		r.slots(ctx, ref, d)
+		r.addresses(ctx, vm, ref, d)
 		if err := r.claim(ctx, vm); err != nil {
 			return ctrl.Result{}, err
 		}
@@ -262,6 +267,9 @@ func (r *Reconciler) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Resu
 	ready := readyCondition(vm, metav1.ConditionTrue, vmv1.PoweredOnReason, "")
 	if !wantOn {
 		ready = r.powerOff(ctx, vm, ref, holding, d)
+		if ready.Reason == vmv1.PoweredOffReason {
+			d.addresses = &[]string{} // a new boot brings its own
+		}
 	}
 	if wantOn || !holding {
 		r.forgetStop(vm.UID)
@@ -270,8 +278,11 @@ func (r *Reconciler) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Resu
 		return ctrl.Result{}, err
 	}
 	delay := r.busyRetry(vm.UID, wantOn && d.busy)
-	if d.waiting {
+	switch {
+	case d.waiting:
 		return ctrl.Result{RequeueAfter: delay}, nil
+	case d.askGuest:
+		return ctrl.Result{RequeueAfter: guestPoll}, nil
 	}
 	return ctrl.Result{}, nil
 }
@@ -347,6 +358,9 @@ type decisions struct {
 	busy bool
 	// slots, when set, is the VM's status.maxVolumes: what its hypervisor says it holds.
 	slots *int32
+	// addresses, when set, are the VM's status.addresses; askGuest: the guest has not said yet.
+	addresses *[]string
+	askGuest  bool
 }
 
 // slots records how many disks the running VM can hold, as its hypervisor says: its guest
@@ -360,6 +374,25 @@ func (r *Reconciler) slots(ctx context.Context, ref hypervisor.VM, d *decisions)
 	}
 	if n > 0 && n <= hypervisor.MaxSlots {
 		d.slots = ptr.To(int32(n))
+	}
+}
+
+// addresses records the addresses of the running VM as its guest reports them, once: while
+// status.addresses is empty the guest is asked at each reconcile and, until it says (it boots),
+// again every guestPoll. A guest whose address changes later shows it after the VM's next
+// power-on.
+func (r *Reconciler) addresses(ctx context.Context, vm *vmv1.VirtualMachine, ref hypervisor.VM, d *decisions) {
+	if len(vm.Status.Addresses) > 0 {
+		return
+	}
+	addrs, err := r.Hypervisor.Addresses(ctx, ref)
+	switch {
+	case errors.Is(err, hypervisor.ErrGuestAgent):
+		d.askGuest = true
+	case err != nil:
+		ctrl.LoggerFrom(ctx).V(1).Info("Cannot read the VM's addresses", "err", err)
+	case len(addrs) > 0:
+		d.addresses = &addrs
 	}
 }
 
@@ -685,6 +718,9 @@ func (r *Reconciler) writeStatus(ctx context.Context, vm *vmv1.VirtualMachine, d
 		vm.Status.Volumes = applyDecisions(vm.Status.Volumes, d)
 		if d.slots != nil {
 			vm.Status.MaxVolumes = d.slots
+		}
+		if d.addresses != nil {
+			vm.Status.Addresses = *d.addresses
 		}
 		if ready != nil {
 			meta.SetStatusCondition(&vm.Status.Conditions, *ready)

@@ -93,6 +93,9 @@ type fakeHypervisor struct {
 	// images is the host's image store: PowerOn of a VM that names another image is
 	// ErrImageNotFound.
 	images []string
+	// addresses are what the guests of VMs report, by name; silent: no guest answers.
+	addresses map[string][]string
+	silent    bool
 }
 
 func newFakeHypervisor() *fakeHypervisor {
@@ -197,6 +200,15 @@ func (h *fakeHypervisor) Detach(_ context.Context, vm hypervisor.VM, serial stri
 	}
 	delete(h.disks[vm.Name], serial)
 	return nil
+}
+
+func (h *fakeHypervisor) Addresses(_ context.Context, vm hypervisor.VM) ([]string, error) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if h.silent {
+		return nil, hypervisor.ErrGuestAgent
+	}
+	return h.addresses[vm.Name], nil
 }
 
 func (h *fakeHypervisor) Slots(_ context.Context, vm hypervisor.VM) (int, error) {
@@ -756,6 +768,41 @@ func TestRefusedUnplugOfARunningVMBacksOff(t *testing.T) {
 	g.Expect(err).NotTo(HaveOccurred())
 	g.Expect(res.RequeueAfter).To(BeZero())
 	g.Expect(r.busy).To(BeEmpty(), "the next refusal starts over")
+}
+
+// A running VM's addresses are its guest's: asked every guestPoll while it does not answer (it
+// boots), recorded once it does, and dropped when the VM is powered off.
+func TestVMStatusHasTheAddressesItsGuestReports(t *testing.T) {
+	g := NewWithT(t)
+	vm := virtualMachine(nil, nil)
+	c := newClient(g, vm, false)
+	h := newFakeHypervisor()
+	h.silent = true
+	r := &Reconciler{Client: c, Node: "host-a", Hypervisor: h, CSI: &fakeCSI{}, StateDir: t.TempDir()}
+	req := ctrl.Request{NamespacedName: client.ObjectKeyFromObject(vm)}
+	addresses := func() []string {
+		got := &vmv1.VirtualMachine{}
+		g.Expect(c.Get(t.Context(), req.NamespacedName, got)).To(Succeed())
+		return got.Status.Addresses
+	}
+
+	res, err := r.Reconcile(t.Context(), req)
+	g.Expect(err).NotTo(HaveOccurred())
+	g.Expect(res.RequeueAfter).To(Equal(guestPoll))
+	g.Expect(addresses()).To(BeEmpty())
+
+	h.silent, h.addresses = false, map[string][]string{vm.Name: {"10.0.7.12", "fd00::12"}}
+	res, err = r.Reconcile(t.Context(), req)
+	g.Expect(err).NotTo(HaveOccurred())
+	g.Expect(res.RequeueAfter).To(BeZero())
+	g.Expect(addresses()).To(Equal([]string{"10.0.7.12", "fd00::12"}))
+
+	g.Expect(c.Get(t.Context(), req.NamespacedName, vm)).To(Succeed())
+	vm.Spec.PowerState = vmv1.PowerStateOff
+	g.Expect(c.Update(t.Context(), vm)).To(Succeed())
+	_, err = r.Reconcile(t.Context(), req)
+	g.Expect(err).NotTo(HaveOccurred())
+	g.Expect(addresses()).To(BeEmpty(), "a new boot brings its own")
 }
 
 // A VM whose image is not in the host's store waits for it, tried again at a steady pace

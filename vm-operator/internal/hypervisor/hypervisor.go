@@ -35,6 +35,8 @@ var (
 	ErrInsufficientMemory = errors.New("not enough memory available on the host")
 	// ErrImageNotFound: PowerOn found no image of the name the VM boots (VM.Image) on the host.
 	ErrImageNotFound = errors.New("machine image not found on the host")
+	// ErrGuestAgent: the guest does not answer for itself (not booted yet, or no guest agent).
+	ErrGuestAgent = errors.New("the guest agent does not answer")
 	// ErrNoSlot: every hot-plug slot of the VM holds a disk; detach one first.
 	// Its text is the API's vmv1.NoFreeSlotError, which reaches the guest in status.volumes.
 	ErrNoSlot = errors.New(vmv1.NoFreeSlotError)
@@ -137,6 +139,10 @@ type Driver interface {
 	// hot-plug ports it was started with; local: vm.Slots or the driver's default); 0 when vm
 	// does not run. An Attach of one more disk than that fails with ErrNoSlot.
 	Slots(ctx context.Context, vm VM) (int, error)
+	// Addresses lists the IP addresses of the running vm's NIC as its guest reports them, IPv4
+	// first: nil for a VM without a NIC, or a driver whose VMs have none of their own (local);
+	// ErrGuestAgent while the guest does not say (it boots, or runs no guest agent).
+	Addresses(ctx context.Context, vm VM) ([]string, error)
 	// Disks lists the disks attached to vm, those its guest sees (empty when it does not run),
 	// each with the limits the hypervisor enforces on it (nil for a disk attached without).
 	// A disk whose Attach was interrupted is not listed until Attach is repeated: the host

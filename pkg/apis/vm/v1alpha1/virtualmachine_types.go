@@ -227,6 +227,15 @@ type VirtualMachineStatus struct {
 	// +kubebuilder:validation:Maximum=64
 	MaxVolumes *int32 `json:"maxVolumes,omitempty"`
 
+	// addresses are the IP addresses of the VirtualMachine's NIC as its guest reports them
+	// (qemu: through the QEMU guest agent, which pvbridge's node image runs), IPv4 first. Empty
+	// while the guest has not said, and for a VirtualMachine without a NIC.
+	// +optional
+	// +listType=atomic
+	// +kubebuilder:validation:MaxItems=16
+	// +kubebuilder:validation:items:MaxLength=45
+	Addresses []string `json:"addresses,omitempty"`
+
 	// conditions describe the state of the VirtualMachine: Ready, Placed and VolumesAttached.
 	// +optional
 	// +listType=map

@@ -134,6 +134,10 @@ func New(opts Options) (*Driver, error) {
 	return &Driver{root: filepath.Clean(opts.Root), sysfs: opts.Sysfs, slots: opts.Slots, runDir: filepath.Clean(opts.RunDir)}, nil
 }
 
+// Addresses implements hypervisor.Driver: a local VM has no NIC of its own (the lab's VMs get
+// their network from whoever made their namespace).
+func (d *Driver) Addresses(context.Context, hypervisor.VM) ([]string, error) { return nil, nil }
+
 // Slots reports the VM's slots, vm.Slots or the driver's default, while it runs; 0 otherwise.
 // The local driver has no hardware to count: the number is configuration, enforced by Attach.
 func (d *Driver) Slots(ctx context.Context, vm hypervisor.VM) (int, error) {

@@ -1,9 +1,13 @@
 package qemu
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"path/filepath"
+	"time"
+
+	"k8s.io/apimachinery/pkg/util/wait"
 
 	"pvbridge.io/pkg/cgroups"
 )
@@ -33,15 +37,29 @@ func (d *Driver) joinCgroup(v *vmState, pid int) error {
 }
 
 // removeCgroup removes v's cgroup once its QEMU has ended, after killing what is left in it
-// (only the VM's processes are); an error leaves it for the next call. The caller holds v.mu.
-func (d *Driver) removeCgroup(v *vmState) error {
+// (only the VM's processes are). A process counts in its cgroup until its parent has reaped it
+// (the agent that started it, or init), which a stopped QEMU's has not always done when
+// PowerOff sees it gone: removal is tried for up to cgroupRemoveWait, then the error leaves it
+// for the next call. The caller holds v.mu.
+func (d *Driver) removeCgroup(ctx context.Context, v *vmState) error {
 	path := d.cgroupOf(v)
 	if path == "" {
 		return nil
 	}
 	v.cgroupPid = 0
-	if err := errors.Join(cgroups.Kill(d.opts.CgroupRoot, path), cgroups.Remove(d.opts.CgroupRoot, path)); err != nil {
+	if err := cgroups.Kill(d.opts.CgroupRoot, path); err != nil {
 		return fmt.Errorf("VM %s: %w", v.name, err)
+	}
+	ctx, cancel := context.WithTimeout(ctx, cgroupRemoveWait)
+	defer cancel()
+	err := wait.PollUntilContextCancel(ctx, 20*time.Millisecond, true, func(context.Context) (bool, error) {
+		return cgroups.Remove(d.opts.CgroupRoot, path) == nil, nil
+	})
+	if err != nil {
+		return fmt.Errorf("VM %s: %w", v.name, errors.Join(err, cgroups.Remove(d.opts.CgroupRoot, path)))
 	}
 	return nil
 }
+
+// cgroupRemoveWait bounds how long removeCgroup waits for the VM's processes to be reaped.
+const cgroupRemoveWait = 5 * time.Second

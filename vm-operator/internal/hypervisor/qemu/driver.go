@@ -37,7 +37,9 @@ const (
 	pidFile      = "qemu.pid"
 	logFile      = "qemu.log"
 	serialSocket = "serial.sock"
-	serialLog    = "serial.log"
+	// guestAgentSocket is QEMU's end of the guest agent's virtio-serial port.
+	guestAgentSocket = "qga.sock"
+	serialLog        = "serial.log"
 	// seedDir holds the VM's NoCloud seed (user-data, meta-data), which QEMU's vvfat driver
 	// shows the guest as a read-only FAT disk labelled CIDATA, where cloud-init looks.
 	seedDir = "seed"
@@ -87,10 +89,17 @@ type Options struct {
 	// boots it instead of Image, Kernel, Initrd and Append; one whose image is not there is not
 	// started (hypervisor.ErrImageNotFound).
 	ImageDir string
-	// Network, when "user", gives each VM a virtio NIC on QEMU's user-mode network, where the
-	// guest reaches the host's 127.0.0.1 at 10.0.2.2, with a MAC derived from its UID; "" gives
-	// it none.
+	// Network gives each VM a virtio NIC, its MAC derived from its UID: "user" on QEMU's
+	// user-mode network, where the guest reaches the host's 127.0.0.1 at 10.0.2.2 and nothing
+	// reaches the guest; "bridge:<name>" on the host's Linux bridge <name> through a tap device of
+	// its own (pvb + 12 hex digits of its UID's hash), where the guest is a machine of the
+	// bridge's network, addressed as that network addresses its machines (DHCP). "" gives none.
 	Network string
+	// NetNS, when set, is the network namespace QEMU runs in (and its tap is made in), a
+	// /proc/<pid>/ns/net or /run/netns/<name> file: /proc/1/ns/net, the host's, for an agent in a
+	// pod of its own network (with the host's PID namespace), whose network would go with the
+	// pod and leave the VMs without one. Empty: the agent's.
+	NetNS string
 	// ExtraArgs are appended to QEMU's command line, e.g. a network device of another kind.
 	ExtraArgs []string
 	// UnplugTimeout is how long Detach waits for the guest to release a disk before it returns
@@ -168,8 +177,8 @@ func New(opts Options) (*Driver, error) {
 			}
 		}
 	}
-	if opts.Network != "" && opts.Network != "user" {
-		return nil, fmt.Errorf("qemu: Network %q: want user or none", opts.Network)
+	if br := bridgeOf(opts.Network); opts.Network != "" && opts.Network != "user" && (br == "" || len(br) > 15) {
+		return nil, fmt.Errorf("qemu: Network %q: want user, bridge:<name of at most 15 characters> or none", opts.Network)
 	}
 	switch opts.Accel {
 	case "":
@@ -370,7 +379,7 @@ func (d *Driver) Delete(ctx context.Context, vm hypervisor.VM) error {
 		return err
 	}
 	// A QEMU that ended on its own (its guest powered off) left its cgroup.
-	if err := d.removeCgroup(v); err != nil {
+	if err := d.removeCgroup(ctx, v); err != nil {
 		return err
 	}
 	if err := os.RemoveAll(v.dir); err != nil {
@@ -433,5 +442,5 @@ func (d *Driver) powerOff(ctx context.Context, vm hypervisor.VM, grace time.Dura
 	// QEMU does not remove a socket it was handed; a stale one only refuses connections, but
 	// clean up anyway.
 	_ = os.Remove(v.path(qmpSocket))
-	return d.removeCgroup(v)
+	return d.removeCgroup(ctx, v)
 }

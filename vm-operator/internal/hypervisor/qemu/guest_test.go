@@ -7,6 +7,9 @@ package qemu
 import (
 	"bytes"
 	"context"
+	"fmt"
+	"io"
+	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -131,4 +134,73 @@ func TestGuestSeesTheDiskBySerial(t *testing.T) {
 	g.Expect(out).NotTo(ContainSubstring("vda"), "gone from the guest when Detach returns")
 	g.Expect(d.Disks(ctx, testVM)).To(BeEmpty())
 	g.Expect(hasNode(t, d, testVM, nodePrefix+disk.Serial)).To(BeFalse())
+}
+
+// On a bridge (Network "bridge:<name>") in the network namespace the driver is given (NetNS, as
+// the shipped agent is given the host's), the VM is a machine of the bridge's network: its NIC,
+// with the MAC of its UID, is a tap on the bridge of that namespace, the guest reaches the
+// address the namespace has there and is reached at its own (which user-mode networking cannot
+// do); the tap goes with QEMU.
+func TestAGuestOnABridgeIsAMachineOfItsNetwork(t *testing.T) {
+	g := NewWithT(t)
+	ctx, cancel := context.WithTimeout(t.Context(), 2*time.Minute)
+	defer cancel()
+	n := os.Getpid() % 200
+	netns, bridge := fmt.Sprintf("pvbt%d", os.Getpid()), "br0"
+	host, guest := fmt.Sprintf("10.254.%d.1", n), fmt.Sprintf("10.254.%d.2", n)
+	ip := func(args ...string) string {
+		t.Helper()
+		out, err := exec.Command("ip", append([]string{"-n", netns}, args...)...).CombinedOutput()
+		if err != nil {
+			t.Fatalf("ip %v: %v: %s", args, err, out)
+		}
+		return string(out)
+	}
+	if out, err := exec.Command("ip", "netns", "add", netns).CombinedOutput(); err != nil {
+		t.Fatalf("ip netns add: %v: %s", err, out)
+	}
+	t.Cleanup(func() { _ = exec.Command("ip", "netns", "del", netns).Run() })
+	ip("link", "add", bridge, "type", "bridge")
+	ip("addr", "add", host+"/24", "dev", bridge)
+	ip("link", "set", bridge, "up")
+
+	kernel, initrd := testGuest(t)
+	d := newDriver(t, Options{
+		Kernel: kernel, Initrd: initrd, Append: "console=ttyS0 quiet panic=-1",
+		Network: "bridge:" + bridge, NetNS: "/run/netns/" + netns,
+	})
+	startVM(t, d, testVM)
+	tap := tapName(testVM)
+	g.Expect(ip("-o", "link", "show", "dev", tap)).To(And(ContainSubstring("master "+bridge), MatchRegexp(`<[^>]*\bUP\b`)),
+		"the VM's tap, up on the namespace's bridge")
+	_, err := net.InterfaceByName(tap)
+	g.Expect(err).To(HaveOccurred(), "not in the driver's own namespace")
+
+	con, err := console.Dial(filepath.Join(d.Dir(testVM), serialSocket))
+	g.Expect(err).NotTo(HaveOccurred())
+	t.Cleanup(func() { _ = con.Close() })
+	if _, err := con.Expect(ctx, regexp.MustCompile(`GUEST-READY uptime=\S+`)); err != nil {
+		t.Fatalf("guest did not boot: %v\nserial.log: %s", err, tail(filepath.Join(d.Dir(testVM), serialLog), 4096))
+	}
+	g.Expect(con.Output(ctx, "cat /sys/class/net/eth0/address")).To(Equal(macFor(testVM)))
+	_, err = con.Output(ctx, "ip link set eth0 up && ip addr add "+guest+"/24 dev eth0 && ping -c 1 -W 10 "+host+" >/dev/null")
+	g.Expect(err).NotTo(HaveOccurred(), "the guest reaches the namespace's address on the bridge")
+	_, err = con.Output(ctx, "(echo reached | nc -l -p 7000 >/dev/null &)")
+	g.Expect(err).NotTo(HaveOccurred())
+	g.Eventually(func() (reply string, err error) {
+		err = inNetNS("/run/netns/"+netns, func() error {
+			c, err := net.DialTimeout("tcp", guest+":7000", 5*time.Second)
+			if err != nil {
+				return err
+			}
+			defer c.Close()
+			data, err := io.ReadAll(c)
+			reply = string(data)
+			return err
+		})
+		return reply, err
+	}).WithContext(ctx).WithTimeout(30*time.Second).Should(Equal("reached\n"), "the guest is reached at its address")
+
+	g.Expect(d.PowerOff(ctx, testVM)).To(Succeed())
+	g.Expect(exec.Command("ip", "-n", netns, "link", "show", "dev", tap).Run()).To(HaveOccurred(), "the tap goes with QEMU")
 }

@@ -141,6 +141,13 @@ func TestArgs(t *testing.T) {
 		want:    []string{"-device", "virtio-blk-pci,drive=pvb-boot,id=pvb-boot,bus=pcie.0"},
 		notWant: "virtio-blk-pci,drive=pvb-boot,id=pvb-boot,bus=pcie.0,bootindex=0",
 	}, {
+		name: "a NIC on a bridge is the tap handed over after the QMP socket",
+		opts: Options{Network: "bridge:br0"},
+		want: []string{"-netdev", "tap,id=pvb-nic0,fd=4", "-device", "virtio-net-pci,netdev=pvb-nic0,id=pvb-nic0,bus=pcie.0,mac=" + macFor(hypervisor.VM{Namespace: "a", Name: "b"})},
+	}, {
+		name: "every VM has the guest agent's port",
+		want: []string{"-device", "virtserialport,bus=pvb-vser.0,chardev=qga0,name=org.qemu.guest_agent.0"},
+	}, {
 		name: "direct kernel boot",
 		opts: Options{Kernel: "/k", Initrd: "/i", Append: "console=ttyS0"},
 		want: []string{"-kernel", "/k", "-initrd", "/i", "-append", "console=ttyS0"},
@@ -258,6 +265,11 @@ func TestNewRejectsBadOptions(t *testing.T) {
 		{"a run directory too long for sockets", Options{RunDir: "/" + strings.Repeat("d", 60)}, "longer than 60"},
 		{"an unknown accelerator", Options{RunDir: "/run/vms", Accel: "hvf"}, "want kvm or tcg"},
 		{"too many ports", Options{RunDir: "/run/vms", HotplugPorts: 65}, "want 1 to 64"},
+		{"a bridge without a name", Options{RunDir: "/run/vms", Network: "bridge:"}, "want user, bridge:"},
+		{"a bridge name longer than an interface's", Options{RunDir: "/run/vms", Network: "bridge:a-very-long-bridge"}, "want user, bridge:"},
+		{"an unknown network", Options{RunDir: "/run/vms", Network: "slirp"}, "want user, bridge:"},
+		{"an absolute cgroup parent", Options{RunDir: "/run/vms", CgroupParent: "/pvbridge-vms"}, "relative to the cgroup root"},
+		{"a cgroup parent out of the root", Options{RunDir: "/run/vms", CgroupParent: "../vms"}, "relative to the cgroup root"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {

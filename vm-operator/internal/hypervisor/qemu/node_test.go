@@ -73,6 +73,14 @@ runcmd:
 	g.Expect(m[2]).To(Equal("active"), "containerd runs")
 	g.Expect(m[3]).To(HavePrefix("Kubernetes v"))
 
+	// The guest agent, started by udev once the port shows, reports the NIC's address (QEMU's
+	// user-mode DHCP gives every guest 10.0.2.15; its router advertisements may add an IPv6 one).
+	var addresses []string
+	g.Eventually(func() (err error) { addresses, err = d.Addresses(ctx, vm); return err }).WithContext(ctx).
+		WithTimeout(time.Minute).WithPolling(time.Second).Should(Succeed())
+	t.Logf("the guest agent reports %v", addresses)
+	g.Expect(addresses[0]).To(Equal("10.0.2.15"))
+
 	loop, _ := newLoop(t)
 	start = time.Now()
 	g.Expect(d.Attach(ctx, vm, hypervisor.Disk{Serial: serial, Device: loop})).To(Succeed())

@@ -82,7 +82,17 @@ func (d *Driver) start(ctx context.Context, v *vmState, vm hypervisor.VM) error 
 	cmd.ExtraFiles = []*os.File{lf} // descriptor 3
 	cmd.Stdout, cmd.Stderr = out, out
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
-	if err := cmd.Start(); err != nil {
+	if err := inNetNS(d.opts.NetNS, func() error {
+		if br := bridgeOf(d.opts.Network); br != "" {
+			tap, err := openTap(tapName(vm), br)
+			if err != nil {
+				return err
+			}
+			defer tap.Close()                            // QEMU holds it
+			cmd.ExtraFiles = append(cmd.ExtraFiles, tap) // descriptor 4
+		}
+		return cmd.Start()
+	}); err != nil {
 		return fmt.Errorf("VM %s: start QEMU: %w", v.name, err)
 	}
 	p := &process{pid: cmd.Process.Pid, done: make(chan struct{})}
@@ -129,7 +139,7 @@ func (d *Driver) start(ctx context.Context, v *vmState, vm hypervisor.VM) error 
 }
 
 // args is QEMU's command line for vm booting b, with its QMP listening socket at descriptor
-// qmpFD.
+// qmpFD and, on a bridge, its tap at the next one.
 func (d *Driver) args(v *vmState, vm hypervisor.VM, b boot, qmpFD int) []string {
 	o := d.opts
 	cpu := "max"
@@ -190,11 +200,20 @@ func (d *Driver) args(v *vmState, vm hypervisor.VM, b boot, qmpFD int) []string 
 			"-blockdev", fmt.Sprintf("driver=qcow2,node-name=%s,file.driver=file,file.filename=%s", bootID, v.path(bootDisk)),
 			"-device", disk)
 	}
-	if o.Network == "user" {
-		args = append(args,
-			"-netdev", "user,id="+nicID,
-			"-device", fmt.Sprintf("virtio-net-pci,netdev=%s,id=%s,bus=pcie.0,mac=%s", nicID, nicID, macFor(vm)))
+	switch {
+	case o.Network == "user":
+		args = append(args, "-netdev", "user,id="+nicID)
+	case bridgeOf(o.Network) != "":
+		args = append(args, "-netdev", fmt.Sprintf("tap,id=%s,fd=%d", nicID, qmpFD+1))
 	}
+	if o.Network != "" {
+		args = append(args, "-device", fmt.Sprintf("virtio-net-pci,netdev=%s,id=%s,bus=pcie.0,mac=%s", nicID, nicID, macFor(vm)))
+	}
+	// The guest agent's channel (qemu-guest-agent in the guest): the guest's addresses.
+	args = append(args,
+		"-device", "virtio-serial-pci,id=pvb-vser,bus=pcie.0",
+		"-chardev", fmt.Sprintf("socket,id=qga0,path=%s,server=on,wait=off", v.path(guestAgentSocket)),
+		"-device", "virtserialport,bus=pvb-vser.0,chardev=qga0,name=org.qemu.guest_agent.0")
 	if vm.Bootstrap != nil {
 		args = append(args,
 			"-blockdev", fmt.Sprintf("driver=vvfat,node-name=%s,dir=%s,label=CIDATA,read-only=on", seedID, v.path(seedDir)),
@@ -225,9 +244,12 @@ func makeBootDisk(ctx context.Context, v *vmState, image string) error {
 // macFor is the MAC address of vm's NIC: QEMU's locally administered prefix 52:54:00 and three
 // bytes of the SHA-256 of its UID (of its name, when it has none), the same at every start.
 func macFor(vm hypervisor.VM) string {
-	sum := sha256.Sum256([]byte(cmp.Or(vm.UID, vm.Namespace+"/"+vm.Name)))
+	sum := sha256.Sum256([]byte(nicSeed(vm)))
 	return fmt.Sprintf("52:54:00:%02x:%02x:%02x", sum[0], sum[1], sum[2])
 }
+
+// nicSeed is what the names of vm's NIC derive from: its UID, or its name when it has none.
+func nicSeed(vm hypervisor.VM) string { return cmp.Or(vm.UID, vm.Namespace+"/"+vm.Name) }
 
 // checkMemory refuses to start vm when the host has less memory available (MemAvailable) than
 // the VM boots with: a VM is never started smaller than it asks, and one that would make the
