@@ -43,6 +43,24 @@ func testGuest(t *testing.T) (kernel, initrd string) {
 	return filepath.Join(dir, "vmlinux"), filepath.Join(dir, "initramfs.gz")
 }
 
+// guestShell connects to the console of testVM, which d runs, once its guest has booted and
+// its shell answers (the shell's banner comes after GUEST-READY).
+func guestShell(ctx context.Context, t *testing.T, d *Driver) *console.Console {
+	t.Helper()
+	con, err := console.Dial(filepath.Join(d.Dir(testVM), serialSocket))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = con.Close() })
+	if _, err := con.Expect(ctx, regexp.MustCompile(`GUEST-READY uptime=\S+`)); err != nil {
+		t.Fatalf("guest did not boot: %v\nserial.log: %s", err, tail(filepath.Join(d.Dir(testVM), serialLog), 4096))
+	}
+	if _, _, err := con.Run(ctx, "true"); err != nil {
+		t.Fatal(err)
+	}
+	return con
+}
+
 func TestGuestSeesTheDiskBySerial(t *testing.T) {
 	g := NewWithT(t)
 	ctx, cancel := context.WithTimeout(t.Context(), 2*time.Minute)
@@ -59,15 +77,8 @@ func TestGuestSeesTheDiskBySerial(t *testing.T) {
 
 	start := time.Now()
 	startVM(t, d, testVM)
-	con, err := console.Dial(filepath.Join(d.Dir(testVM), serialSocket))
-	g.Expect(err).NotTo(HaveOccurred())
-	t.Cleanup(func() { _ = con.Close() })
-	if _, err := con.Expect(ctx, regexp.MustCompile(`GUEST-READY uptime=\S+`)); err != nil {
-		t.Fatalf("guest did not boot: %v\nserial.log: %s", err, tail(filepath.Join(d.Dir(testVM), serialLog), 4096))
-	}
+	con := guestShell(ctx, t, d)
 	t.Logf("guest booted in %v", time.Since(start).Round(time.Millisecond))
-	_, _, err = con.Run(ctx, "true") // the shell is up
-	g.Expect(err).NotTo(HaveOccurred())
 
 	start = time.Now()
 	g.Expect(d.Attach(ctx, testVM, disk)).To(Succeed())
@@ -82,7 +93,7 @@ func TestGuestSeesTheDiskBySerial(t *testing.T) {
 	g.Expect(serial).To(Equal(disk.Serial))
 
 	// The guest's writes reach the loop device.
-	_, err = con.Output(ctx, "echo pvbridge-was-here >/dev/vda")
+	_, err := con.Output(ctx, "echo pvbridge-was-here >/dev/vda")
 	g.Expect(err).NotTo(HaveOccurred())
 	data, err := os.ReadFile(img)
 	g.Expect(err).NotTo(HaveOccurred())
@@ -176,12 +187,7 @@ func TestAGuestOnABridgeIsAMachineOfItsNetwork(t *testing.T) {
 	_, err := net.InterfaceByName(tap)
 	g.Expect(err).To(HaveOccurred(), "not in the driver's own namespace")
 
-	con, err := console.Dial(filepath.Join(d.Dir(testVM), serialSocket))
-	g.Expect(err).NotTo(HaveOccurred())
-	t.Cleanup(func() { _ = con.Close() })
-	if _, err := con.Expect(ctx, regexp.MustCompile(`GUEST-READY uptime=\S+`)); err != nil {
-		t.Fatalf("guest did not boot: %v\nserial.log: %s", err, tail(filepath.Join(d.Dir(testVM), serialLog), 4096))
-	}
+	con := guestShell(ctx, t, d)
 	g.Expect(con.Output(ctx, "cat /sys/class/net/eth0/address")).To(Equal(macFor(testVM)))
 	_, err = con.Output(ctx, "ip link set eth0 up && ip addr add "+guest+"/24 dev eth0 && ping -c 1 -W 10 "+host+" >/dev/null")
 	g.Expect(err).NotTo(HaveOccurred(), "the guest reaches the namespace's address on the bridge")
