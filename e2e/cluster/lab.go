@@ -94,22 +94,6 @@ func (l *Lab) Cgroup(name string) string {
 
 func (l *Lab) cgroups() string { return filepath.Join("pvbridge-lab", filepath.Base(l.Root)) }
 
-// removeCgroups kills what is left in the lab's cgroups (a QEMU whose VM was not deleted) and
-// removes them once those processes have ended, within 10 s.
-func removeCgroups(path string) error {
-	if err := cgroups.Kill(cgroupRoot, path); err != nil {
-		return err
-	}
-	var err error
-	for range 100 {
-		if err = cgroups.Remove(cgroupRoot, path); err == nil {
-			return nil
-		}
-		time.Sleep(100 * time.Millisecond)
-	}
-	return err
-}
-
 // Processes returns every process the lab started, oldest first.
 func (l *Lab) Processes() []*Process {
 	l.mu.Lock()
@@ -141,9 +125,12 @@ func (l *Lab) Stop() error {
 			errs = append(errs, err)
 		}
 	}
-	if err := removeCgroups(l.cgroups()); err != nil {
+	// What is left in the lab's cgroups (a QEMU whose VM was not deleted) is killed.
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	if err := cgroups.Destroy(ctx, cgroupRoot, l.cgroups()); err != nil {
 		errs = append(errs, err)
 	}
+	cancel()
 	// Loop devices hold files of filesystems that are themselves mounted from loop devices (the
 	// PMEM emulation): detach, unmount, and detach what the unmounts released.
 	// The loop devices over the throttled disks' exports, whose daemons ended with their nodes.

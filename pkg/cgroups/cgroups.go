@@ -6,6 +6,7 @@
 package cgroups
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"os"
@@ -13,6 +14,7 @@ import (
 	"strconv"
 	"strings"
 	"syscall"
+	"time"
 )
 
 // procs is the file of a cgroup that lists its processes, and moves one in when written.
@@ -165,6 +167,26 @@ func Kill(root, path string) error {
 		}
 		return nil
 	})
+}
+
+// Destroy kills every process of the cgroup path and of those below it, then removes them once
+// those processes are gone: a process counts in its cgroup until its parent has reaped it. It
+// tries until ctx ends, then returns the last error.
+func Destroy(ctx context.Context, root, path string) error {
+	if err := Kill(root, path); err != nil {
+		return err
+	}
+	for {
+		err := Remove(root, path)
+		if err == nil {
+			return nil
+		}
+		select {
+		case <-ctx.Done():
+			return err
+		case <-time.After(20 * time.Millisecond):
+		}
+	}
 }
 
 // Remove removes the cgroup path, and the cgroups below it, from every hierarchy at root. A

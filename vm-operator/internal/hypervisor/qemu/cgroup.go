@@ -2,12 +2,9 @@ package qemu
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"path/filepath"
 	"time"
-
-	"k8s.io/apimachinery/pkg/util/wait"
 
 	"pvbridge.io/pkg/cgroups"
 )
@@ -47,16 +44,10 @@ func (d *Driver) removeCgroup(ctx context.Context, v *vmState) error {
 		return nil
 	}
 	v.cgroupPid = 0
-	if err := cgroups.Kill(d.opts.CgroupRoot, path); err != nil {
-		return fmt.Errorf("VM %s: %w", v.name, err)
-	}
 	ctx, cancel := context.WithTimeout(ctx, cgroupRemoveWait)
 	defer cancel()
-	err := wait.PollUntilContextCancel(ctx, 20*time.Millisecond, true, func(context.Context) (bool, error) {
-		return cgroups.Remove(d.opts.CgroupRoot, path) == nil, nil
-	})
-	if err != nil {
-		return fmt.Errorf("VM %s: %w", v.name, errors.Join(err, cgroups.Remove(d.opts.CgroupRoot, path)))
+	if err := cgroups.Destroy(ctx, d.opts.CgroupRoot, path); err != nil {
+		return fmt.Errorf("VM %s: %w", v.name, err)
 	}
 	return nil
 }
