@@ -44,12 +44,13 @@ help: ## Show this help.
 		/^[a-zA-Z_-]+:.*?##/ { printf "  \033[36m%-10s\033[0m %s\n", $$1, $$2 } \
 		/^##@/ { printf "\n%s\n", substr($$0, 5) }' $(MAKEFILE_LIST)
 
-# RUNTIME=containerd: every node runs containerd, pvbridge installed from the overlays and images.
+# RUNTIME=containerd: every node runs containerd, pvbridge installed from the overlays and images;
+# capi: the guest made by Cluster API; qemu: that guest with a worker that is a QEMU VM.
 RUNTIME ?= process
 
 .PHONY: run
-run: deps lab-tools ## Start the lab (management + guest clusters on 127.0.0.1) until Ctrl-C; RUNTIME=containerd for real containers, RUNTIME=capi for a guest made by Cluster API.
-	$(if $(filter containerd capi,$(RUNTIME)),hack/phase.sh tools hack/build-tools.sh containerd prometheus $(if $(filter capi,$(RUNTIME)),cluster-api registry coredns))
+run: deps lab-tools ## Start the lab (management + guest clusters on 127.0.0.1) until Ctrl-C; RUNTIME=containerd for real containers, RUNTIME=capi for a guest made by Cluster API, RUNTIME=qemu for that guest with a worker that is a QEMU VM.
+	$(if $(filter containerd capi qemu,$(RUNTIME)),hack/phase.sh tools hack/build-tools.sh containerd prometheus $(if $(filter capi qemu,$(RUNTIME)),cluster-api registry coredns))
 	go build -o bin/lab ./e2e/cmd/lab
 	bin/lab --runtime=$(RUNTIME)
 

@@ -63,7 +63,9 @@ mmdebstrap --mode=root --variant=minbase --quiet \
 for b in $binaries; do
 	install -m 0755 "$bin/$b" "$tree/usr/local/bin/$b"
 done
-# containerd: systemd's cgroup driver, as kubelet's (the guest runs cgroup v2 under systemd).
+# containerd: systemd's cgroup driver, as kubelet's (the guest runs cgroup v2 under systemd), and
+# registry hosts (mirrors, credentials) from /etc/containerd/certs.d, where containerd's
+# documentation has them and a cluster template's files can put them.
 mkdir -p "$tree/etc/containerd"
 cat >"$tree/etc/containerd/config.toml" <<'EOF'
 version = 3
@@ -71,6 +73,8 @@ version = 3
   SystemdCgroup = true
 [plugins.'io.containerd.cri.v1.runtime'.cni]
   bin_dirs = ['/usr/lib/cni']
+[plugins.'io.containerd.cri.v1.images'.registry]
+  config_path = '/etc/containerd/certs.d'
 EOF
 cat >"$tree/etc/systemd/system/containerd.service" <<'EOF'
 [Unit]
@@ -126,12 +130,16 @@ printf 'overlay\nbr_netfilter\n' >"$tree/etc/modules-load.d/kubernetes.conf"
 printf 'net.ipv4.ip_forward = 1\nnet.bridge.bridge-nf-call-iptables = 1\n' >"$tree/etc/sysctl.d/90-kubernetes.conf"
 # cloud-init reads only the NoCloud seed (the qemu driver's CIDATA disk): no metadata service
 # is probed for minutes.
-printf 'datasource_list: [ NoCloud, None ]\n' >"$tree/etc/cloud/cloud.cfg.d/90-pvbridge.cfg"
+# Its hostname resolves (/etc/hosts, kubeadm's preflight looks it up), and no locale is generated
+# (seconds of a first boot under TCG, for a node that needs none).
+printf 'datasource_list: [ NoCloud, None ]\nmanage_etc_hosts: true\nlocale: false\n' >"$tree/etc/cloud/cloud.cfg.d/90-pvbridge.cfg"
 printf 'LABEL=root / ext4 defaults,discard 0 1\n' >"$tree/etc/fstab"
 # Each VM is a new machine: its own machine ID, host keys, hostname and resolver (the last two
-# mmdebstrap copied from this host) at first boot.
+# mmdebstrap copied from this host) at first boot. The resolver's file is there, empty, until
+# DHCP names a server: the kubelet gives every pod's sandbox the node's, and fails without one.
 : >"$tree/etc/machine-id"
-rm -f "$tree"/etc/ssh/ssh_host_* "$tree/etc/hostname" "$tree/etc/resolv.conf"
+rm -f "$tree"/etc/ssh/ssh_host_* "$tree/etc/hostname"
+: >"$tree/etc/resolv.conf"
 
 cp "$(ls "$tree"/boot/vmlinuz-* | head -1)" "$work/vmlinuz"
 cp "$(ls "$tree"/boot/initrd.img-* | head -1)" "$work/initrd.img"

@@ -30,6 +30,7 @@ func TestClusterAPIGuest(t *testing.T) {
 		name string
 		run  func(*testing.T)
 	}{
+		{"QEMUWorkerRunsAStatefulSet", qemuWorkerRunsAStatefulSet},
 		{"StatefulSetKeepsItsData", statefulSetKeepsItsData},
 		{"StorageOnTheGuest", storageOnTheGuest},
 		{"ScaleDownMovesVolumes", scaleDownMovesVolumes},

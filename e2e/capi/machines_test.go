@@ -57,7 +57,7 @@ func scaleDownMovesVolumes(t *testing.T) {
 	mc := mgmtClient(g)
 	g.Expect(mc.Create(ctx, machineDeployment(ctx, g, mc, 2))).To(Succeed())
 	start := time.Now()
-	waitPool(ctx, g, mc, 2)
+	waitPool(ctx, g, mc, poolName(), 2)
 	t.Logf("pool of 2 workers on %s: both Machines Running with guest-csi on their Nodes %.0f s after the MachineDeployment's creation", poolHost, time.Since(start).Seconds())
 
 	var err error
@@ -79,7 +79,7 @@ func scaleDownMovesVolumes(t *testing.T) {
 	waitGone(ctx, g, mc, victim)
 	readNamesBack(ctx, g, waitPodsRunning(ctx, g, dbNamespace, "db", 3))
 	t.Logf("scale-down: worker %s with %d volumes drained and deleted, its pods Running on the other worker with their data %.0f s after", victim, len(attached), time.Since(start).Seconds())
-	g.Expect(waitPool(ctx, g, mc, 1)).NotTo(ContainElement(victim))
+	g.Expect(waitPool(ctx, g, mc, poolName(), 1)).NotTo(ContainElement(victim))
 }
 
 // rollingReplacementMovesVolumes changes the pool's machine template, the way Cluster API
@@ -89,7 +89,7 @@ func rollingReplacementMovesVolumes(t *testing.T) {
 	g := NewWithT(t)
 	ctx := t.Context()
 	mc := mgmtClient(g)
-	old := waitPool(ctx, g, mc, 1)
+	old := waitPool(ctx, g, mc, poolName(), 1)
 	attached := guestAttachments(ctx, g, old[0])
 
 	template := &unstructured.Unstructured{}
@@ -107,7 +107,7 @@ func rollingReplacementMovesVolumes(t *testing.T) {
 	for _, name := range old {
 		waitGone(ctx, g, mc, name)
 	}
-	workers := waitPool(ctx, g, mc, 1)
+	workers := waitPool(ctx, g, mc, poolName(), 1)
 	pods := waitPodsRunning(ctx, g, dbNamespace, "db", 3)
 	readNamesBack(ctx, g, pods)
 	for _, p := range pods {
@@ -125,7 +125,7 @@ func workerDeletedWhileAPodWrites(t *testing.T) {
 	ctx := t.Context()
 	mc := mgmtClient(g)
 	c := in.Guest.Client()
-	victim := waitPool(ctx, g, mc, 1)[0]
+	victim := waitPool(ctx, g, mc, poolName(), 1)[0]
 
 	sts := deploy.StatefulSet(dbNamespace, "log", 1, "64Mi")
 	sts.Spec.Template.Spec.NodeSelector = map[string]string{poolLabel: poolName()}
@@ -232,11 +232,11 @@ func machines(ctx context.Context, g Gomega, mc client.Client, deployment string
 // waitPool waits until the pool is n Machines, none being deleted, all Running with a Ready
 // Node that has the pool's label and guest-csi registered, and returns their names (their
 // Nodes' and VMs').
-func waitPool(ctx context.Context, g Gomega, mc client.Client, n int) []string {
+func waitPool(ctx context.Context, g Gomega, mc client.Client, pool string, n int) []string {
 	var workers []string
 	g.Eventually(func(g Gomega) {
 		workers = nil
-		items := machines(ctx, g, mc, poolName())
+		items := machines(ctx, g, mc, pool)
 		g.Expect(items).To(HaveLen(n))
 		for _, m := range items {
 			g.Expect(m.GetDeletionTimestamp()).To(BeNil(), "Machine %s is being deleted", m.GetName())
@@ -244,14 +244,14 @@ func waitPool(ctx context.Context, g Gomega, mc client.Client, n int) []string {
 			g.Expect(phase).To(Equal("Running"), "Machine %s", m.GetName())
 			node, err := in.Guest.Client().CoreV1().Nodes().Get(ctx, m.GetName(), metav1.GetOptions{})
 			g.Expect(err).NotTo(HaveOccurred())
-			g.Expect(node.Labels).To(HaveKeyWithValue(poolLabel, poolName()))
+			g.Expect(node.Labels).To(HaveKeyWithValue(poolLabel, pool))
 			g.Expect(node.Spec.Taints).To(BeEmpty(), "Node %s", node.Name)
 			csiNode, err := in.Guest.Client().StorageV1().CSINodes().Get(ctx, node.Name, metav1.GetOptions{})
 			g.Expect(err).NotTo(HaveOccurred())
 			g.Expect(csiNode.Spec.Drivers).To(ContainElement(HaveField("Name", names.GuestDriver)), "guest-csi on %s", node.Name)
 			workers = append(workers, m.GetName())
 		}
-	}).WithContext(ctx).WithTimeout(10 * time.Minute).WithPolling(2 * time.Second).Should(Succeed())
+	}).WithContext(ctx).WithTimeout(15 * time.Minute).WithPolling(2 * time.Second).Should(Succeed())
 	return slices.Sorted(slices.Values(workers))
 }
 

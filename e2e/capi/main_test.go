@@ -37,8 +37,8 @@ func TestMain(m *testing.M) {
 		lab = l
 		var err error
 		in, err = deploy.Install(ctx, lab, deploy.InstalledOptions{
-			Hosts: []string{"host-a", "host-b"}, PmemSize: 16 << 30,
-			ClusterAPI: true, Workers: 2,
+			Hosts: []string{"host-a", "host-b", qemuHost}, PmemSize: 16 << 30,
+			ClusterAPI: true, Workers: 2, QEMUHost: qemuHost,
 			Guest: deploy.GuestOptions{Name: "alpha", Namespace: "tenant-a"},
 		})
 		return err

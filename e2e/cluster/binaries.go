@@ -1,9 +1,12 @@
 package cluster
 
 import (
+	"context"
 	"fmt"
 	"os"
+	"os/exec"
 	"path/filepath"
+	"regexp"
 	"runtime"
 	"sync"
 
@@ -95,4 +98,22 @@ func (b *Binaries) Own(pkg string) (string, error) {
 		}
 	})
 	return bd.path, bd.err
+}
+
+// NodeImages builds the node image of QEMU VMs for the lab's kubelet (hack/build-node-image.sh,
+// which does nothing when it is built) into the image store next to the binaries' directory,
+// <cache>/node-images, and returns the store and the image's name (node-<kubelet version>).
+func (b *Binaries) NodeImages(ctx context.Context) (store, image string, err error) {
+	store = filepath.Join(filepath.Dir(b.Dir), "node-images")
+	cmd := exec.CommandContext(ctx, filepath.Join(b.Repo, "hack", "build-node-image.sh"), store)
+	cmd.Env = append(os.Environ(), "PVBRIDGE_BIN="+b.Dir)
+	out, err := cmd.CombinedOutput()
+	if err != nil {
+		return "", "", fmt.Errorf("build the node image: %w\n%s", err, out)
+	}
+	m := regexp.MustCompile(`build-node-image: (node-\S+?):? `).FindSubmatch(out)
+	if m == nil {
+		return "", "", fmt.Errorf("build the node image: no image named in %q", out)
+	}
+	return store, string(m[1]), nil
 }

@@ -46,9 +46,6 @@ func (in *Installed) installClusterAPIGuest(ctx context.Context, lab *cluster.La
 	if err != nil {
 		return err
 	}
-	if in.Registry, err = lab.StartRegistry(ctx); err != nil {
-		return err
-	}
 	if err := in.Registry.Push(ctx, slices.Compact(slices.Sorted(slices.Values(append(slices.Clone(archives), kubeadmArchives...))))...); err != nil {
 		return err
 	}
@@ -157,7 +154,15 @@ func (in *Installed) installClusterAPIGuest(ctx context.Context, lab *cluster.La
 			return fmt.Errorf("guest %s: kubectl %s: %w: %s", opts.Name, strings.Join(args, " "), err, out)
 		}
 	}
-	if err := in.apply(ctx, lab, in.Guest, "guest", in.guestKustomization()); err != nil {
+	var shipped []*unstructured.Unstructured
+	if in.Options.QEMUHost != "" {
+		ds, err := shippedDaemonSet(ctx, lab, "guest", "guest-csi-node", nil)
+		if err != nil {
+			return err
+		}
+		shipped = append(shipped, ds)
+	}
+	if err := in.apply(ctx, lab, in.Guest, "guest", in.guestKustomization(), shipped...); err != nil {
 		return err
 	}
 	for _, vm := range workers {

@@ -17,6 +17,7 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"k8s.io/apimachinery/pkg/util/wait"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/utils/ptr"
@@ -77,6 +78,10 @@ type InstalledOptions struct {
 	// Helm installs the management side from its Helm chart (charts/pvbridge-management)
 	// rather than from its overlay.
 	Helm bool
+	// QEMUHost, one of Hosts (with ClusterAPI, from the overlays), runs pvbridge's host agent
+	// as shipped: its VMs are QEMU VMs that boot the node image on a QEMU network of the lab
+	// (qemu.go); QEMUPool makes workers of them.
+	QEMUHost string
 }
 
 // Installed is a lab whose pvbridge runs in containers, installed from the overlays (or the
@@ -98,7 +103,9 @@ type Installed struct {
 	// GuestReadyAfter is how long the Cluster API guest took from its template's objects
 	// applied to every Machine Running with a Ready Node and guest-csi registered on the workers.
 	GuestReadyAfter time.Duration
-	workers         []string
+	// QEMUNetwork is the QEMU host's network, with Options.QEMUHost.
+	QEMUNetwork *cluster.QEMUNetwork
+	workers     []string
 }
 
 // Install builds the images, starts both clusters on containerd nodes and installs pvbridge in
@@ -112,10 +119,33 @@ func Install(ctx context.Context, lab *cluster.Lab, opts InstalledOptions) (*Ins
 	}
 	archives = append(archives, opts.Images...)
 	in := &Installed{Options: opts}
+	if opts.ClusterAPI {
+		if in.Registry, err = lab.StartRegistry(ctx); err != nil {
+			return nil, err
+		}
+	}
+	hosts := opts.Hosts
+	var nodeImage errgroup.Group
+	var imageStore string
+	if opts.QEMUHost != "" {
+		if !opts.ClusterAPI || opts.Helm || !slices.Contains(opts.Hosts, opts.QEMUHost) {
+			return nil, fmt.Errorf("QEMU host %s: one of the hosts of a Cluster API lab installed from the overlays", opts.QEMUHost)
+		}
+		if in.QEMUNetwork, err = lab.StartQEMUNetwork(in.Registry); err != nil {
+			return nil, err
+		}
+		nodeImage.Go(func() (err error) {
+			imageStore, _, err = bin.NodeImages(ctx)
+			return err
+		})
+		// The QEMU host joins once the guest runs, so that its machines are placed on the
+		// others (addQEMUHost).
+		hosts = slices.DeleteFunc(slices.Clone(hosts), func(h string) bool { return h == opts.QEMUHost })
+	}
 	if in.Mgmt, err = lab.StartControlPlane(ctx, "mgmt"); err != nil {
 		return nil, err
 	}
-	in.Hosts, err = addNodes(ctx, in.Mgmt, opts.Hosts, func(string) cluster.NodeOptions {
+	in.Hosts, err = addNodes(ctx, in.Mgmt, hosts, func(string) cluster.NodeOptions {
 		return cluster.NodeOptions{Runtime: cluster.Containerd, Images: archives, Labels: VMHostLabels}
 	}, func(node *cluster.Node) error { return emulatePmem(ctx, node, opts.PmemSize) })
 	if err != nil {
@@ -124,14 +154,30 @@ func Install(ctx context.Context, lab *cluster.Lab, opts InstalledOptions) (*Ins
 	if opts.Helm {
 		err = in.helmInstall(ctx, lab)
 	} else {
-		err = in.apply(ctx, lab, in.Mgmt, "management", in.managementKustomization())
+		var shipped []*unstructured.Unstructured
+		if opts.QEMUHost != "" {
+			ds, err := shippedDaemonSet(ctx, lab, "management", "vm-operator-host-agent", map[string]string{
+				"--qemu-network": "bridge:" + in.QEMUNetwork.Bridge, "--qemu-cgroup-parent": lab.Cgroup("vms-" + opts.QEMUHost),
+			})
+			if err != nil {
+				return nil, err
+			}
+			shipped = append(shipped, ds)
+		}
+		err = in.apply(ctx, lab, in.Mgmt, "management", in.managementKustomization(), shipped...)
 	}
 	if err != nil {
 		return nil, err
 	}
 
 	if opts.ClusterAPI {
-		return in, in.installClusterAPIGuest(ctx, lab, archives)
+		if err := in.installClusterAPIGuest(ctx, lab, archives); err != nil || opts.QEMUHost == "" {
+			return in, err
+		}
+		if err := nodeImage.Wait(); err != nil {
+			return in, err
+		}
+		return in, in.addQEMUHost(ctx, archives, imageStore)
 	}
 	if in.Guest, err = lab.StartControlPlane(ctx, "guest"); err != nil {
 		return nil, err
@@ -240,6 +286,9 @@ patches:
 		for _, arg := range args[workload] {
 			k += "      - {op: add, path: /spec/template/spec/containers/0/args/-, value: " + strconv.Quote(arg) + "}\n"
 		}
+		if workload == "vm-operator-host-agent" && in.Options.QEMUHost != "" {
+			k += avoidQEMUNodes
+		}
 	}
 	return k
 }
@@ -272,7 +321,7 @@ func (in *Installed) helmInstall(ctx context.Context, lab *cluster.Lab) error {
 
 // guestKustomization is the guest overlay as the installed lab applies it.
 func (in *Installed) guestKustomization() string {
-	return `configMapGenerator:
+	k := `configMapGenerator:
   - name: pvbridge-cluster
     namespace: pvbridge-system
     behavior: merge
@@ -296,12 +345,16 @@ patches:
         path: /spec/template/spec/volumes/-
         value: {name: vm-device-tree, hostPath: {path: ` + VMDeviceRoot + `, type: Directory}}
 `
+	if in.Options.QEMUHost != "" {
+		k += avoidQEMUNodes
+	}
+	return k
 }
 
 // apply writes a kustomization of the overlay named overlay with more (generators and patches)
 // below the lab's root, applies it to cp as an admin would (server-side) and waits until every
 // workload of pvbridge-system is ready.
-func (in *Installed) apply(ctx context.Context, lab *cluster.Lab, cp *cluster.ControlPlane, overlay, more string) error {
+func (in *Installed) apply(ctx context.Context, lab *cluster.Lab, cp *cluster.ControlPlane, overlay, more string, shipped ...*unstructured.Unstructured) error {
 	dir := filepath.Join(lab.Root, "install", overlay)
 	if err := os.MkdirAll(dir, 0o755); err != nil {
 		return err
@@ -310,7 +363,18 @@ func (in *Installed) apply(ctx context.Context, lab *cluster.Lab, cp *cluster.Co
 	if err != nil {
 		return err
 	}
-	k := "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\nresources:\n  - " + base + "\n" + more
+	k := "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\nresources:\n  - " + base + "\n"
+	if len(shipped) > 0 {
+		data, err := marshalObjects(shipped...)
+		if err != nil {
+			return err
+		}
+		if err := os.WriteFile(filepath.Join(dir, "shipped-qemu.yaml"), data, 0o644); err != nil {
+			return err
+		}
+		k += "  - shipped-qemu.yaml\n"
+	}
+	k += more
 	if err := os.WriteFile(filepath.Join(dir, "kustomization.yaml"), []byte(k), 0o644); err != nil {
 		return err
 	}
@@ -392,8 +456,11 @@ func waitDriverRegistered(ctx context.Context, c kubernetes.Interface, node, dri
 func WaitWorkloadsReady(ctx context.Context, c kubernetes.Interface, ns string) error {
 	var problem string
 	err := wait.PollUntilContextTimeout(ctx, time.Second, 3*time.Minute, true, func(ctx context.Context) (bool, error) {
-		problem = workloadsNotReady(ctx, c, ns)
-		return problem == "", nil
+		p := workloadsNotReady(ctx, c, ns)
+		if ctx.Err() == nil { // not the last call's own deadline
+			problem = p
+		}
+		return p == "", nil
 	})
 	if err != nil {
 		return fmt.Errorf("workloads of %s not ready: %w: %s", ns, err, problem)
@@ -419,7 +486,9 @@ func workloadsNotReady(ctx context.Context, c kubernetes.Interface, ns string) s
 		}
 	}
 	for _, ds := range dss.Items {
-		if ds.Status.DesiredNumberScheduled == 0 || ds.Status.NumberReady != ds.Status.DesiredNumberScheduled {
+		// A DaemonSet on no Node is a mistake, but for the QEMU nodes' before they join.
+		none := ds.Status.DesiredNumberScheduled == 0 && ds.Spec.Template.Spec.NodeSelector[LabHypervisorLabel] == ""
+		if none || ds.Status.NumberReady != ds.Status.DesiredNumberScheduled {
 			s = append(s, fmt.Sprintf("DaemonSet %s: %d of %d ready", ds.Name, ds.Status.NumberReady, ds.Status.DesiredNumberScheduled))
 		}
 	}

@@ -11,6 +11,7 @@ import (
 	"os"
 	"os/signal"
 	"path/filepath"
+	"slices"
 	"syscall"
 	"time"
 
@@ -26,12 +27,13 @@ func main() {
 	dir := flag.String("dir", envOr("PVBRIDGE_LAB_DIR", "/tmp/pvbridge-lab"), "directory of the lab's state, logs and kubeconfigs (emptied on start; keep it short: unix socket paths are limited to 108 bytes)")
 	runtime := flag.String("runtime", envOr("PVBRIDGE_LAB_RUNTIME", "process"), "process: pvbridge runs as processes beside kubelets whose container runtime is a fake (the quicker lab); "+
 		"containerd: every node runs containerd, and pvbridge is installed in real containers with kubectl apply -k of the overlays and the images make images builds; "+
-		"capi: as containerd, with the guest made by Cluster API's controllers from the shipped cluster template (one control plane and two worker machines, VMs that boot kubeadm)")
+		"capi: as containerd, with the guest made by Cluster API's controllers from the shipped cluster template (one control plane and two worker machines, VMs that boot kubeadm); "+
+		"qemu: as capi, with a third host, host-q, whose host agent runs the shipped qemu hypervisor, and a worker there that is a QEMU VM booting the node image (make node-image; minutes under TCG)")
 	flag.Parse()
 	// The lab's own clients (controller-runtime's) log through klog, as the components do.
 	logf.SetLogger(klog.Background())
-	if *runtime != "process" && *runtime != "containerd" && *runtime != "capi" {
-		fmt.Fprintf(os.Stderr, "lab: --runtime=%s: want process, containerd or capi\n", *runtime)
+	if *runtime != "process" && *runtime != "containerd" && *runtime != "capi" && *runtime != "qemu" {
+		fmt.Fprintf(os.Stderr, "lab: --runtime=%s: want process, containerd, capi or qemu\n", *runtime)
 		os.Exit(2)
 	}
 	if err := run(*dir, *runtime); err != nil {
@@ -97,8 +99,8 @@ func run(dir, runtime string) error {
 	switch runtime {
 	case "containerd":
 		d, err = startInstalled(ctx, lab)
-	case "capi":
-		d, err = startClusterAPI(ctx, lab)
+	case "capi", "qemu":
+		d, err = startClusterAPI(ctx, lab, runtime == "qemu")
 	default:
 		d, err = startProcesses(ctx, lab)
 	}
@@ -181,18 +183,38 @@ func startInstalled(ctx context.Context, lab *cluster.Lab) (demoLab, error) {
 }
 
 // startClusterAPI starts the management cluster on containerd nodes with pvbridge and Cluster
-// API, and the guest through Cluster API from the shipped cluster template.
-func startClusterAPI(ctx context.Context, lab *cluster.Lab) (demoLab, error) {
+// API, and the guest through Cluster API from the shipped cluster template; with qemu, a third
+// host whose VMs are QEMU VMs, and a pool of one worker there, the demo's node.
+func startClusterAPI(ctx context.Context, lab *cluster.Lab, qemu bool) (demoLab, error) {
 	fmt.Println("building the images, starting the management cluster on containerd nodes (host-a, host-b) with pvbridge and Cluster API; guest alpha from the cluster template: one control plane and two worker machines as VirtualMachines that boot kubeadm ...")
-	in, err := deploy.Install(ctx, lab, deploy.InstalledOptions{
+	opts := deploy.InstalledOptions{
 		Hosts: mgmtHosts, PmemSize: pmemPerHost, ClusterAPI: true, Workers: 2,
 		Guest: deploy.GuestOptions{Name: guest.Name, Namespace: guest.Namespace},
-	})
+	}
+	if qemu {
+		opts.Hosts, opts.QEMUHost = append(slices.Clone(mgmtHosts), qemuHost), qemuHost
+	}
+	in, err := deploy.Install(ctx, lab, opts)
 	if err != nil {
 		return demoLab{}, err
 	}
-	return demoLab{mgmt: in.Mgmt, guest: in.Guest, guestNodes: in.GuestNodes, containers: true, vm: in.Workers()[0], capi: true, registry: in.Registry.Address}, nil
+	d := demoLab{mgmt: in.Mgmt, guest: in.Guest, guestNodes: in.GuestNodes, containers: true, vm: in.Workers()[0], capi: true, registry: in.Registry.Address}
+	if qemu {
+		fmt.Printf("host %s joined, its host agent the shipped qemu hypervisor on bridge %s; a MachineDeployment of one worker there, a QEMU VM booting the node image (TCG: minutes) ...\n", qemuHost, in.QEMUNetwork.Bridge)
+		start := time.Now()
+		workers, err := in.StartQEMUPool(ctx, guest.Name+"-pool-q", 1)
+		if err != nil {
+			return demoLab{}, err
+		}
+		fmt.Printf("QEMU worker %s: Node Ready with guest-csi after %.0fs (its console: %s)\n", workers[0], time.Since(start).Seconds(),
+			in.Hosts[qemuHost].HostPath(filepath.Join("/var/lib/pvbridge/qemu", guest.Namespace+"_"+workers[0], "serial.log")))
+		d.vm = workers[0]
+	}
+	return d, nil
 }
+
+// qemuHost is the host of RUNTIME=qemu whose VMs are QEMU VMs.
+const qemuHost = "host-q"
 
 // lock takes an exclusive lock on path, or says which lab holds it.
 func lock(path string) (func(), error) {

@@ -143,7 +143,7 @@ func TestArgs(t *testing.T) {
 	}, {
 		name: "a NIC on a bridge is the tap handed over after the QMP socket",
 		opts: Options{Network: "bridge:br0"},
-		want: []string{"-netdev", "tap,id=pvb-nic0,fd=4", "-device", "virtio-net-pci,netdev=pvb-nic0,id=pvb-nic0,bus=pcie.0,mac=" + macFor(hypervisor.VM{Namespace: "a", Name: "b"})},
+		want: []string{"-netdev", "tap,id=pvb-nic0,fd=4", "-device", "virtio-net-pci,netdev=pvb-nic0,id=pvb-nic0,bus=pcie.0,mac=" + macFor(hypervisor.VM{Namespace: "a", Name: "b"}) + ",romfile="},
 	}, {
 		name: "every VM has the guest agent's port",
 		want: []string{"-device", "virtserialport,bus=pvb-vser.0,chardev=qga0,name=org.qemu.guest_agent.0"},

@@ -207,7 +207,9 @@ func (d *Driver) args(v *vmState, vm hypervisor.VM, b boot, qmpFD int) []string 
 		args = append(args, "-netdev", fmt.Sprintf("tap,id=%s,fd=%d", nicID, qmpFD+1))
 	}
 	if o.Network != "" {
-		args = append(args, "-device", fmt.Sprintf("virtio-net-pci,netdev=%s,id=%s,bus=pcie.0,mac=%s", nicID, nicID, macFor(vm)))
+		// No option ROM (iPXE's efi-virtio.rom, another package): VMs boot their disk or kernel,
+		// never the network, and QEMU refuses to start without a ROM it is told to load.
+		args = append(args, "-device", fmt.Sprintf("virtio-net-pci,netdev=%s,id=%s,bus=pcie.0,mac=%s,romfile=", nicID, nicID, macFor(vm)))
 	}
 	// The guest agent's channel (qemu-guest-agent in the guest): the guest's addresses.
 	args = append(args,
