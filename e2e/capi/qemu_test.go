@@ -7,6 +7,7 @@ import (
 
 	. "github.com/onsi/gomega"
 	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"sigs.k8s.io/controller-runtime/pkg/client"
@@ -22,13 +23,14 @@ const qemuHost = "host-q"
 // qemuPoolName is the MachineDeployment of the QEMU host's workers.
 func qemuPoolName() string { return in.Options.Guest.Name + "-pool-q" }
 
-// qemuWorkerRunsAStatefulSet: a pool of one worker on the QEMU host (deploy.QEMUPool). Its VM
-// boots the node image under QEMU (TCG on this machine), cloud-init runs Cluster API's `kubeadm
-// join`, and the Node is Ready with the Machine's providerID, its address from the VM's guest
-// agent, and the shipped guest-csi node plugin. A StatefulSet pod on it writes to a PMEM volume
-// hot-plugged into the VM (a virtio disk the guest's udev names by its serial); the pod is
-// deleted and its successor reads the data back. The pool is deleted: Cluster API drains the
-// Node, the volume is unplugged, the VM powered off and deleted, and no QEMU is left on the host.
+// qemuWorkerRunsAStatefulSet: a pool of one worker on the QEMU host (deploy.StartQEMUPool). Its
+// VM boots the node image under QEMU (TCG on this machine), cloud-init runs Cluster API's
+// `kubeadm join`, and the Node is Ready with the Machine's providerID, its address from the VM's
+// guest agent, and the shipped guest-csi node plugin. A StatefulSet pod on it writes to a PMEM
+// volume hot-plugged into the VM (a virtio disk the guest's udev names by its serial), the
+// volume grows online, and the pod is deleted: its successor reads the data back. The pool is
+// deleted: Cluster API drains the Node, the volume is unplugged, the VM powered off and deleted,
+// and no QEMU is left on the host.
 func qemuWorkerRunsAStatefulSet(t *testing.T) {
 	g := NewWithT(t)
 	ctx := t.Context()
@@ -66,6 +68,22 @@ func qemuWorkerRunsAStatefulSet(t *testing.T) {
 	writeNames(ctx, g, ns, pods)
 	// The volume is a virtio disk of the VM, which the guest's udev names by its serial.
 	g.Expect(kubectl(ctx, "exec", "-n", ns, pods[0].Name, "--", "sh", "-c", "grep ' /data ' /proc/mounts | cut -d' ' -f1")).To(MatchRegexp(`^/dev/vd[a-z]+\n$`))
+
+	// Online expansion in the real guest: the claim grows, and so do the management volume, the
+	// VM's disk (the host agent's block_resize) and the pod's ext4 (guest-csi's node expansion).
+	before, err := fsKiB(ctx, ns, pods[0].Name)
+	g.Expect(err).NotTo(HaveOccurred())
+	claims := in.Guest.Client().CoreV1().PersistentVolumeClaims(ns)
+	pvc, err := claims.Get(ctx, "data-"+pods[0].Name, metav1.GetOptions{})
+	g.Expect(err).NotTo(HaveOccurred())
+	pvc.Spec.Resources.Requests[corev1.ResourceStorage] = resource.MustParse("128Mi")
+	start = time.Now()
+	_, err = claims.Update(ctx, pvc, metav1.UpdateOptions{})
+	g.Expect(err).NotTo(HaveOccurred())
+	g.Eventually(fsKiB).WithArguments(ctx, ns, pods[0].Name).WithContext(ctx).WithTimeout(3*time.Minute).WithPolling(2*time.Second).
+		Should(BeNumerically(">", before+40<<10), "the filesystem the pod sees grew")
+	t.Logf("online expansion 64 → 128 MiB: the pod's ext4 in the QEMU guest grew %.0f s after the claim's update", time.Since(start).Seconds())
+
 	g.Expect(in.Guest.Client().CoreV1().Pods(ns).Delete(ctx, pods[0].Name, metav1.DeleteOptions{})).To(Succeed())
 	start = time.Now()
 	g.Eventually(func() []any { return uids(waitPodsRunning(ctx, g, ns, "q", 1)) }).WithContext(ctx).

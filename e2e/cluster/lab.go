@@ -14,6 +14,8 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
+	"strconv"
+	"strings"
 	"sync"
 	"time"
 
@@ -59,7 +61,35 @@ func NewLab(root string, bin *Binaries) (*Lab, error) {
 	if l.reaper, err = startReaper(root, filepath.Join(root, "reaper.log")); err != nil {
 		return nil, err
 	}
+	if err := raiseInotifyLimits(); err != nil {
+		return nil, err
+	}
 	return l, nil
+}
+
+// inotifyLimits are the machine's inotify limits a lab needs, kind's recommendation (its "known
+// issues"): every kubelet, containerd's CRI plugin (its CNI configuration watch) and control
+// plane component holds inotify instances, and Debian's default of 128 per user is what two
+// labs of the Cluster API kind hold at once (containerd's CRI plugin then fails to load: "too
+// many open files", and kubeadm finds no CRI).
+var inotifyLimits = map[string]int{"max_user_instances": 512, "max_user_watches": 524288}
+
+// raiseInotifyLimits raises the machine's inotify limits to inotifyLimits, never lowering one.
+func raiseInotifyLimits() error {
+	for name, want := range inotifyLimits {
+		path := filepath.Join("/proc/sys/fs/inotify", name)
+		data, err := os.ReadFile(path)
+		if err != nil {
+			return err
+		}
+		if have, err := strconv.Atoi(strings.TrimSpace(string(data))); err == nil && have >= want {
+			continue
+		}
+		if err := os.WriteFile(path, []byte(strconv.Itoa(want)), 0o644); err != nil {
+			return fmt.Errorf("raise fs.inotify.%s to %d: %w", name, want, err)
+		}
+	}
+	return nil
 }
 
 // Context ends when the lab stops; helpers that run beside the lab's processes (as a kubelet's
