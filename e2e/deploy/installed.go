@@ -80,7 +80,7 @@ type InstalledOptions struct {
 	Helm bool
 	// QEMUHost, one of Hosts (with ClusterAPI, from the overlays), runs pvbridge's host agent
 	// as shipped: its VMs are QEMU VMs that boot the node image on a QEMU network of the lab
-	// (qemu.go); QEMUPool makes workers of them.
+	// (qemu.go); StartQEMUPool makes workers of them.
 	QEMUHost string
 }
 
@@ -352,8 +352,9 @@ patches:
 }
 
 // apply writes a kustomization of the overlay named overlay with more (generators and patches)
-// below the lab's root, applies it to cp as an admin would (server-side) and waits until every
-// workload of pvbridge-system is ready.
+// and the shipped objects the QEMU nodes run (shippedDaemonSet) below the lab's root, applies it
+// to cp as an admin would (server-side) and waits until every workload of pvbridge-system is
+// ready.
 func (in *Installed) apply(ctx context.Context, lab *cluster.Lab, cp *cluster.ControlPlane, overlay, more string, shipped ...*unstructured.Unstructured) error {
 	dir := filepath.Join(lab.Root, "install", overlay)
 	if err := os.MkdirAll(dir, 0o755); err != nil {

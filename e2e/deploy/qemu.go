@@ -2,6 +2,7 @@ package deploy
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"maps"
 	"os/exec"
@@ -28,7 +29,7 @@ import (
 // (one of the lab's, which its reaper removes). The lab's own variants of the two DaemonSets
 // (the local hypervisor, a lab VM's device tree) keep off the Nodes labelled
 // LabHypervisorLabel=qemu: the QEMU host, labelled by the lab, and the guest nodes of its VMs,
-// labelled by their kubelets (QEMUPool's bootstrap template).
+// labelled by their kubelets (StartQEMUPool's bootstrap template).
 const (
 	LabHypervisorLabel = "lab.pvbridge.io/hypervisor"
 	labQEMU            = "qemu"
@@ -110,19 +111,13 @@ func shippedDaemonSet(ctx context.Context, lab *cluster.Lab, overlay, name strin
 		}
 		list[i] = flag + "=" + value
 	}
-	c["args"] = stringsToAny(list)
+	if err := unstructured.SetNestedStringSlice(c, list, "args"); err != nil {
+		return nil, err
+	}
 	if err := unstructured.SetNestedSlice(ds.Object, containers, "spec", "template", "spec", "containers"); err != nil {
 		return nil, err
 	}
 	return ds, nil
-}
-
-func stringsToAny(s []string) []any {
-	a := make([]any, len(s))
-	for i, v := range s {
-		a[i] = v
-	}
-	return a
 }
 
 // StartQEMUPool makes a pool of the guest's workers on the QEMU host: a MachineDeployment name
@@ -240,8 +235,7 @@ func (in *Installed) qemuPool(ctx context.Context, mc client.Client, name string
 	registration := []string{"spec", "template", "spec", "joinConfiguration", "nodeRegistration"}
 	extra, _, _ := unstructured.NestedSlice(bootstrap.Object, append(registration, "kubeletExtraArgs")...)
 	extra = append(extra, map[string]any{"name": "node-labels", "value": LabHypervisorLabel + "=" + labQEMU})
-	var errs []error
-	errs = append(errs,
+	err = errors.Join(
 		unstructured.SetNestedSlice(bootstrap.Object, files, "spec", "template", "spec", "files"),
 		unstructured.SetNestedSlice(bootstrap.Object, extra, append(registration, "kubeletExtraArgs")...),
 		unstructured.SetNestedMap(machine.Object, map[string]any{"cpu": "1", "memory": "1536Mi"}, "spec", "template", "spec", "resources"),
@@ -249,10 +243,8 @@ func (in *Installed) qemuPool(ctx context.Context, mc client.Client, name string
 		unstructured.SetNestedField(md.Object, name, "spec", "template", "spec", "bootstrap", "configRef", "name"),
 		unstructured.SetNestedField(md.Object, name, "spec", "template", "spec", "infrastructureRef", "name"),
 	)
-	for _, err := range errs {
-		if err != nil {
-			return nil, err
-		}
+	if err != nil {
+		return nil, fmt.Errorf("QEMU pool %s: %w", name, err)
 	}
 	return []*unstructured.Unstructured{bootstrap, machine, md}, nil
 }
