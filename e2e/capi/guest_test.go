@@ -178,7 +178,7 @@ func waitPodsRunning(ctx context.Context, g Gomega, ns, app string, n int) []cor
 			g.Expect(p.Status.Phase).To(Equal(corev1.PodRunning), "pod %s", p.Name)
 		}
 		pods = list.Items
-	}).WithContext(ctx).WithTimeout(5 * time.Minute).WithPolling(time.Second).Should(Succeed())
+	}).WithContext(ctx).WithTimeout(10 * time.Minute).WithPolling(time.Second).Should(Succeed()) // a QEMU worker's pods emulate their CPU
 	return pods
 }
 

@@ -80,14 +80,14 @@ func qemuWorkerRunsAStatefulSet(t *testing.T) {
 	start = time.Now()
 	_, err = claims.Update(ctx, pvc, metav1.UpdateOptions{})
 	g.Expect(err).NotTo(HaveOccurred())
-	g.Eventually(fsKiB).WithArguments(ctx, ns, pods[0].Name).WithContext(ctx).WithTimeout(3*time.Minute).WithPolling(2*time.Second).
+	g.Eventually(fsKiB).WithArguments(ctx, ns, pods[0].Name).WithContext(ctx).WithTimeout(10*time.Minute).WithPolling(2*time.Second).
 		Should(BeNumerically(">", before+40<<10), "the filesystem the pod sees grew")
 	t.Logf("online expansion 64 → 128 MiB: the pod's ext4 in the QEMU guest grew %.0f s after the claim's update", time.Since(start).Seconds())
 
 	g.Expect(in.Guest.Client().CoreV1().Pods(ns).Delete(ctx, pods[0].Name, metav1.DeleteOptions{})).To(Succeed())
 	start = time.Now()
 	g.Eventually(func() []any { return uids(waitPodsRunning(ctx, g, ns, "q", 1)) }).WithContext(ctx).
-		WithTimeout(5 * time.Minute).WithPolling(time.Second).ShouldNot(ContainElement(pods[0].UID))
+		WithTimeout(10 * time.Minute).WithPolling(time.Second).ShouldNot(ContainElement(pods[0].UID))
 	readNamesBack(ctx, g, waitPodsRunning(ctx, g, ns, "q", 1))
 	t.Logf("the pod deleted: its successor Running on the QEMU worker with its data %.0f s after", time.Since(start).Seconds())
 

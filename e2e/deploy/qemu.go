@@ -11,6 +11,7 @@ import (
 	"strings"
 	"time"
 
+	storagev1 "k8s.io/api/storage/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"k8s.io/apimachinery/pkg/runtime/schema"
@@ -170,17 +171,19 @@ func (in *Installed) StartQEMUPool(ctx context.Context, name string, replicas in
 				problem = fmt.Sprintf("Node %s not Ready (%v)", m.GetName(), err)
 				return false, nil
 			}
+			// guest-csi registers once its images are pulled and unpacked by the emulated CPU:
+			// minutes on a loaded machine, within the same wait.
+			csiNode, err := in.Guest.Client().StorageV1().CSINodes().Get(ctx, m.GetName(), metav1.GetOptions{})
+			if err != nil || !slices.ContainsFunc(csiNode.Spec.Drivers, func(d storagev1.CSINodeDriver) bool { return d.Name == names.GuestDriver }) {
+				problem = fmt.Sprintf("guest-csi not registered on %s (%v)", m.GetName(), err)
+				return false, nil
+			}
 			workers = append(workers, m.GetName())
 		}
 		return true, nil
 	})
 	if err != nil {
 		return nil, fmt.Errorf("QEMU pool %s: %w: %s", name, err, problem)
-	}
-	for _, w := range workers {
-		if err := waitDriverRegistered(ctx, in.Guest.Client(), w, names.GuestDriver); err != nil {
-			return nil, err
-		}
 	}
 	return slices.Sorted(slices.Values(workers)), nil
 }
