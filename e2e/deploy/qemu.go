@@ -126,7 +126,8 @@ func shippedDaemonSet(ctx context.Context, lab *cluster.Lab, overlay, name strin
 // md-0 machine (the node image of the guest's Kubernetes version), sized for TCG (1 CPU and 1.5
 // GiB: a worker's kubelet, containerd and pods) and bootstrapped with the QEMU network's files and
 // the label the shipped DaemonSets look for. It returns the workers' names once each Machine
-// runs with a Ready Node on which guest-csi is registered.
+// runs with a Ready Node on which guest-csi is registered: within 30 minutes, for a worker whose
+// CPU QEMU emulates on a loaded machine (15 measured).
 func (in *Installed) StartQEMUPool(ctx context.Context, name string, replicas int64) ([]string, error) {
 	if in.QEMUNetwork == nil {
 		return nil, fmt.Errorf("the lab has no QEMU host")
@@ -150,7 +151,7 @@ func (in *Installed) StartQEMUPool(ctx context.Context, name string, replicas in
 	}
 	var workers []string
 	var problem string
-	err = wait.PollUntilContextTimeout(ctx, 2*time.Second, 15*time.Minute, true, func(ctx context.Context) (bool, error) {
+	err = wait.PollUntilContextTimeout(ctx, 2*time.Second, 30*time.Minute, true, func(ctx context.Context) (bool, error) {
 		machines := &unstructured.UnstructuredList{}
 		machines.SetGroupVersionKind(MachineGVK)
 		if err := mc.List(ctx, machines, client.InNamespace(in.Options.Guest.Namespace), client.MatchingLabels{"cluster.x-k8s.io/deployment-name": name}); err != nil {
