@@ -127,7 +127,7 @@ func shippedDaemonSet(ctx context.Context, lab *cluster.Lab, overlay, name strin
 // GiB: a worker's kubelet, containerd and pods) and bootstrapped with the QEMU network's files and
 // the label the shipped DaemonSets look for. It returns the workers' names once each Machine
 // runs with a Ready Node on which guest-csi is registered: within 30 minutes, for a worker whose
-// CPU QEMU emulates on a loaded machine (15 measured).
+// CPU QEMU emulates on a loaded machine (more than 11 beside e2e/suite, measured).
 func (in *Installed) StartQEMUPool(ctx context.Context, name string, replicas int64) ([]string, error) {
 	if in.QEMUNetwork == nil {
 		return nil, fmt.Errorf("the lab has no QEMU host")
