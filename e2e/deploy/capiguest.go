@@ -68,11 +68,7 @@ func (in *Installed) installClusterAPIGuest(ctx context.Context, lab *cluster.La
 	if err := LabCluster(objs, etcdTag); err != nil {
 		return err
 	}
-	scheme, err := MgmtScheme()
-	if err != nil {
-		return err
-	}
-	mc, err := client.New(in.Mgmt.RESTConfig(), client.Options{Scheme: scheme})
+	mc, err := MgmtClient(in.Mgmt)
 	if err != nil {
 		return err
 	}

@@ -92,6 +92,15 @@ func MgmtScheme() (*runtime.Scheme, error) {
 	return s, nil
 }
 
+// MgmtClient is a client of cp's management objects (MgmtScheme).
+func MgmtClient(cp *cluster.ControlPlane) (client.Client, error) {
+	scheme, err := MgmtScheme()
+	if err != nil {
+		return nil, err
+	}
+	return client.New(cp.RESTConfig(), client.Options{Scheme: scheme})
+}
+
 // StartGuest makes a guest cluster of gcp: in the management cluster its namespace, Cluster
 // object and VirtualMachines (placed on their hosts by vm-operator); in the guest cluster a
 // node per VM with the guest-csi node plugin looking at that VM's device tree, and the guest-csi
@@ -135,11 +144,7 @@ func StartGuestController(ctx context.Context, lab *cluster.Lab, m *Management, 
 		CP: gcp, Options: opts, Nodes: map[string]*cluster.Node{}, Plugins: map[string]*cluster.Process{},
 		DeviceRoots: map[string]string{},
 	}
-	scheme, err := MgmtScheme()
-	if err != nil {
-		return nil, err
-	}
-	mc, err := client.New(m.CP.RESTConfig(), client.Options{Scheme: scheme})
+	mc, err := MgmtClient(m.CP)
 	if err != nil {
 		return nil, err
 	}

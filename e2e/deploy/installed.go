@@ -21,7 +21,6 @@ import (
 	"k8s.io/apimachinery/pkg/util/wait"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/utils/ptr"
-	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	"pvbridge.io/e2e/cluster"
 	"pvbridge.io/e2e/images"
@@ -395,11 +394,7 @@ func (in *Installed) apply(ctx context.Context, lab *cluster.Lab, cp *cluster.Co
 // out of the tenants controller's install, and its VMs; it waits until the tenants controller
 // has delivered the guest's credential.
 func (in *Installed) createTenant(ctx context.Context) error {
-	scheme, err := MgmtScheme()
-	if err != nil {
-		return err
-	}
-	mc, err := client.New(in.Mgmt.RESTConfig(), client.Options{Scheme: scheme})
+	mc, err := MgmtClient(in.Mgmt)
 	if err != nil {
 		return err
 	}

@@ -132,11 +132,7 @@ func (in *Installed) StartQEMUPool(ctx context.Context, name string, replicas in
 	if in.QEMUNetwork == nil {
 		return nil, fmt.Errorf("the lab has no QEMU host")
 	}
-	scheme, err := MgmtScheme()
-	if err != nil {
-		return nil, err
-	}
-	mc, err := client.New(in.Mgmt.RESTConfig(), client.Options{Scheme: scheme})
+	mc, err := MgmtClient(in.Mgmt)
 	if err != nil {
 		return nil, err
 	}
