@@ -24,18 +24,20 @@ import (
 )
 
 // TestClusterAPIGuest runs its steps in order on the one guest, each on what the one before
-// left; the last deletes the guest.
+// left; the last deletes the guest. The QEMU worker, minutes of an emulated CPU's boot, boots
+// beside the steps between its creation and its own step.
 func TestClusterAPIGuest(t *testing.T) {
 	for _, step := range []struct {
 		name string
 		run  func(*testing.T)
 	}{
-		{"QEMUWorkerRunsAStatefulSet", qemuWorkerRunsAStatefulSet},
+		{"QEMUWorkerCreated", qemuWorkerCreated},
 		{"StatefulSetKeepsItsData", statefulSetKeepsItsData},
 		{"StorageOnTheGuest", storageOnTheGuest},
 		{"ScaleDownMovesVolumes", scaleDownMovesVolumes},
 		{"RollingReplacementMovesVolumes", rollingReplacementMovesVolumes},
 		{"WorkerDeletedWhileAPodWrites", workerDeletedWhileAPodWrites},
+		{"QEMUWorkerRunsAStatefulSet", qemuWorkerRunsAStatefulSet},
 		{"ClusterDeletionLeavesNothing", clusterDeletionLeavesNothing},
 	} {
 		if !t.Run(step.name, step.run) {

@@ -230,9 +230,9 @@ func machines(ctx context.Context, g Gomega, mc client.Client, deployment string
 }
 
 // waitPool waits until the pool is n Machines, none being deleted, all Running with a Ready
-// Node that has the pool's label and guest-csi registered, and returns their names (their
-// Nodes' and VMs').
-func waitPool(ctx context.Context, g Gomega, mc client.Client, pool string, n int) []string {
+// Node that has the pool's label, the pool's taints and no other (none of the kubelet's
+// not-ready ones) and guest-csi registered, and returns their names (their Nodes' and VMs').
+func waitPool(ctx context.Context, g Gomega, mc client.Client, pool string, n int, taints ...corev1.Taint) []string {
 	var workers []string
 	g.Eventually(func(g Gomega) {
 		workers = nil
@@ -245,7 +245,7 @@ func waitPool(ctx context.Context, g Gomega, mc client.Client, pool string, n in
 			node, err := in.Guest.Client().CoreV1().Nodes().Get(ctx, m.GetName(), metav1.GetOptions{})
 			g.Expect(err).NotTo(HaveOccurred())
 			g.Expect(node.Labels).To(HaveKeyWithValue(poolLabel, pool))
-			g.Expect(node.Spec.Taints).To(BeEmpty(), "Node %s", node.Name)
+			g.Expect(node.Spec.Taints).To(ConsistOf(taints), "Node %s", node.Name)
 			csiNode, err := in.Guest.Client().StorageV1().CSINodes().Get(ctx, node.Name, metav1.GetOptions{})
 			g.Expect(err).NotTo(HaveOccurred())
 			g.Expect(csiNode.Spec.Drivers).To(ContainElement(HaveField("Name", names.GuestDriver)), "guest-csi on %s", node.Name)

@@ -4,9 +4,10 @@
 // VirtualMachines that boot kubeadm in the lab, with pvbridge installed in real containers from
 // the overlays in both clusters: the Machine lifecycle with volumes attached, and the storage
 // features e2e/suite proves on the process lab. One test runs its steps in order on one such lab
-// (deploy.Install with ClusterAPI): two management hosts, guest cluster alpha of one control
-// plane machine and two workers, to which the Machine lifecycle steps add a pool of workers on
-// host-b.
+// (deploy.Install with ClusterAPI): two management hosts and a QEMU host, guest cluster alpha of
+// one control plane machine and two workers, to which the Machine lifecycle steps add a pool of
+// workers on host-b, and the QEMU steps a worker on host-q that boots the node image in a QEMU VM
+// beside the steps between them.
 package capi_test
 
 import (

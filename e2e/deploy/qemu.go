@@ -11,6 +11,7 @@ import (
 	"strings"
 	"time"
 
+	corev1 "k8s.io/api/core/v1"
 	storagev1 "k8s.io/api/storage/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
@@ -121,29 +122,17 @@ func shippedDaemonSet(ctx context.Context, lab *cluster.Lab, overlay, name strin
 	return ds, nil
 }
 
-// StartQEMUPool makes a pool of the guest's workers on the QEMU host: a MachineDeployment name
-// of replicas Machines whose Nodes are labelled node.cluster.x-k8s.io/pool=name, of the template's
-// md-0 machine (the node image of the guest's Kubernetes version), sized for TCG (1 CPU and 1.5
-// GiB: a worker's kubelet, containerd and pods) and bootstrapped with the QEMU network's files and
-// the label the shipped DaemonSets look for. It returns the workers' names once each Machine
-// runs with a Ready Node on which guest-csi is registered: within 30 minutes, for a worker whose
-// CPU QEMU emulates on a loaded machine (more than 11 beside e2e/suite, measured).
+// StartQEMUPool makes a pool of the guest's workers on the QEMU host (CreateQEMUPool, untainted)
+// and returns the workers' names once each Machine runs with a Ready Node on which guest-csi is
+// registered: within 30 minutes, for a worker whose CPU QEMU emulates on a loaded machine (more
+// than 11 beside e2e/suite, measured).
 func (in *Installed) StartQEMUPool(ctx context.Context, name string, replicas int64) ([]string, error) {
-	if in.QEMUNetwork == nil {
-		return nil, fmt.Errorf("the lab has no QEMU host")
+	if err := in.CreateQEMUPool(ctx, name, replicas); err != nil {
+		return nil, err
 	}
 	mc, err := MgmtClient(in.Mgmt)
 	if err != nil {
 		return nil, err
-	}
-	objs, err := in.qemuPool(ctx, mc, name, replicas)
-	if err != nil {
-		return nil, err
-	}
-	for _, o := range objs {
-		if err := mc.Create(ctx, o); err != nil {
-			return nil, fmt.Errorf("create %s %s: %w", o.GetKind(), o.GetName(), err)
-		}
 	}
 	var workers []string
 	var problem string
@@ -185,8 +174,34 @@ func (in *Installed) StartQEMUPool(ctx context.Context, name string, replicas in
 	return slices.Sorted(slices.Values(workers)), nil
 }
 
-// qemuPool returns the objects of StartQEMUPool's pool.
-func (in *Installed) qemuPool(ctx context.Context, mc client.Client, name string, replicas int64) ([]*unstructured.Unstructured, error) {
+// CreateQEMUPool creates a pool of the guest's workers on the QEMU host: a MachineDeployment name
+// of replicas Machines whose Nodes are labelled node.cluster.x-k8s.io/pool=name, of the
+// template's md-0 machine (the node image of the guest's Kubernetes version), sized for TCG (1
+// CPU and 1.5 GiB: a worker's kubelet, containerd and pods) and bootstrapped with the QEMU
+// network's files, the label the shipped DaemonSets look for and taints, which the kubelet
+// registers its Node with (a pool that boots beside other work keeps that work's pods off).
+func (in *Installed) CreateQEMUPool(ctx context.Context, name string, replicas int64, taints ...corev1.Taint) error {
+	if in.QEMUNetwork == nil {
+		return fmt.Errorf("the lab has no QEMU host")
+	}
+	mc, err := MgmtClient(in.Mgmt)
+	if err != nil {
+		return err
+	}
+	objs, err := in.qemuPool(ctx, mc, name, replicas, taints)
+	if err != nil {
+		return err
+	}
+	for _, o := range objs {
+		if err := mc.Create(ctx, o); err != nil {
+			return fmt.Errorf("create %s %s: %w", o.GetKind(), o.GetName(), err)
+		}
+	}
+	return nil
+}
+
+// qemuPool returns the objects of CreateQEMUPool's pool.
+func (in *Installed) qemuPool(ctx context.Context, mc client.Client, name string, replicas int64, taints []corev1.Taint) ([]*unstructured.Unstructured, error) {
 	ns, md0 := in.Options.Guest.Namespace, in.Options.Guest.Name+"-md-0"
 	get := func(gvk schema.GroupVersionKind) (*unstructured.Unstructured, error) {
 		o := &unstructured.Unstructured{}
@@ -235,6 +250,10 @@ func (in *Installed) qemuPool(ctx context.Context, mc client.Client, name string
 	registration := []string{"spec", "template", "spec", "joinConfiguration", "nodeRegistration"}
 	extra, _, _ := unstructured.NestedSlice(bootstrap.Object, append(registration, "kubeletExtraArgs")...)
 	extra = append(extra, map[string]any{"name": "node-labels", "value": LabHypervisorLabel + "=" + labQEMU})
+	taintList, _, _ := unstructured.NestedSlice(bootstrap.Object, append(registration, "taints")...)
+	for _, t := range taints {
+		taintList = append(taintList, map[string]any{"key": t.Key, "value": t.Value, "effect": string(t.Effect)})
+	}
 	err = errors.Join(
 		unstructured.SetNestedSlice(bootstrap.Object, files, "spec", "template", "spec", "files"),
 		unstructured.SetNestedSlice(bootstrap.Object, extra, append(registration, "kubeletExtraArgs")...),
@@ -243,6 +262,9 @@ func (in *Installed) qemuPool(ctx context.Context, mc client.Client, name string
 		unstructured.SetNestedField(md.Object, name, "spec", "template", "spec", "bootstrap", "configRef", "name"),
 		unstructured.SetNestedField(md.Object, name, "spec", "template", "spec", "infrastructureRef", "name"),
 	)
+	if err == nil && len(taintList) > 0 {
+		err = unstructured.SetNestedSlice(bootstrap.Object, taintList, append(registration, "taints")...)
+	}
 	if err != nil {
 		return nil, fmt.Errorf("QEMU pool %s: %w", name, err)
 	}
