@@ -14,7 +14,6 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
-	"k8s.io/apimachinery/pkg/runtime/schema"
 	"k8s.io/apimachinery/pkg/types"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
@@ -118,7 +117,7 @@ func clusterDeletionLeavesNothing(t *testing.T) {
 
 	start := time.Now()
 	capiCluster := &unstructured.Unstructured{}
-	capiCluster.SetGroupVersionKind(schema.GroupVersionKind{Group: "cluster.x-k8s.io", Version: "v1beta2", Kind: "Cluster"})
+	capiCluster.SetGroupVersionKind(clusterGVK)
 	capiCluster.SetNamespace(ns)
 	capiCluster.SetName(in.Options.Guest.Name)
 	g.Expect(mc.Delete(ctx, capiCluster)).To(Succeed())

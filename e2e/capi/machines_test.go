@@ -37,6 +37,7 @@ const (
 
 var (
 	mdGVK       = schema.GroupVersionKind{Group: "cluster.x-k8s.io", Version: "v1beta2", Kind: "MachineDeployment"}
+	clusterGVK  = schema.GroupVersionKind{Group: "cluster.x-k8s.io", Version: "v1beta2", Kind: "Cluster"}
 	templateGVK = schema.GroupVersionKind{Group: "infrastructure.cluster.x-k8s.io", Version: "v1alpha1", Kind: "PVBridgeMachineTemplate"}
 	// dbNamespace holds the StatefulSet db on the pool, which every lifecycle step moves.
 	dbNamespace string

@@ -7,6 +7,7 @@ import (
 	"testing"
 	"time"
 
+	groupsnapshotv1 "github.com/kubernetes-csi/external-snapshotter/client/v8/apis/volumegroupsnapshot/v1"
 	snapshotv1 "github.com/kubernetes-csi/external-snapshotter/client/v8/apis/volumesnapshot/v1"
 	. "github.com/onsi/gomega"
 	corev1 "k8s.io/api/core/v1"
@@ -327,11 +328,12 @@ func fsKiB(ctx context.Context, ns, pod string) (int, error) {
 	return strconv.Atoi(strings.TrimSpace(out))
 }
 
-// guestClient is a client of the guest that knows VolumeSnapshots.
+// guestClient is a client of the guest that knows VolumeSnapshots and VolumeGroupSnapshots.
 func guestClient(g Gomega) client.Client {
 	s := runtime.NewScheme()
 	g.Expect(clientgoscheme.AddToScheme(s)).To(Succeed())
 	g.Expect(snapshotv1.AddToScheme(s)).To(Succeed())
+	g.Expect(groupsnapshotv1.AddToScheme(s)).To(Succeed())
 	c, err := client.New(in.Guest.RESTConfig(), client.Options{Scheme: s})
 	g.Expect(err).NotTo(HaveOccurred())
 	return c

@@ -54,8 +54,8 @@ const (
 	VMDeviceRoot = "/var/lib/pvbridge/vm"
 	// guestInstallAnnotation opts a Cluster out of the tenants controller's guest install.
 	guestInstallAnnotation = "pvbridge.io/guest-install"
-	// installNamespace is the namespace of both overlays.
-	installNamespace = "pvbridge-system"
+	// InstallNamespace is the namespace of both overlays.
+	InstallNamespace = "pvbridge-system"
 	// capiProviderNamespace is the namespace of the Cluster API provider's overlay.
 	capiProviderNamespace = "pvbridge-capi-system"
 )
@@ -307,7 +307,7 @@ func (in *Installed) helmInstall(ctx context.Context, lab *cluster.Lab) error {
 		return err
 	}
 	cmd := exec.CommandContext(ctx, helm, "install", "pvbridge", filepath.Join(lab.Binaries().Repo, "charts", "pvbridge-management"),
-		"--kubeconfig", in.Mgmt.Kubeconfig, "--namespace", installNamespace, "--create-namespace",
+		"--kubeconfig", in.Mgmt.Kubeconfig, "--namespace", InstallNamespace, "--create-namespace",
 		"--set", "mgmtServer="+in.mgmtServer(), "--set-json", "extraArgs="+string(extraArgs))
 	// helm keeps its cache and configuration below $HOME unless told otherwise.
 	cmd.Env = append(os.Environ(), "HELM_CACHE_HOME="+filepath.Join(lab.Root, "helm", "cache"),
@@ -315,7 +315,7 @@ func (in *Installed) helmInstall(ctx context.Context, lab *cluster.Lab) error {
 	if out, err := cmd.CombinedOutput(); err != nil {
 		return fmt.Errorf("%s: helm install: %w\n%s", in.Mgmt.Name, err, out)
 	}
-	return WaitWorkloadsReady(ctx, in.Mgmt.Client(), installNamespace)
+	return WaitWorkloadsReady(ctx, in.Mgmt.Client(), InstallNamespace)
 }
 
 // guestKustomization is the guest overlay as the installed lab applies it.
@@ -386,7 +386,7 @@ func (in *Installed) apply(ctx context.Context, lab *cluster.Lab, cp *cluster.Co
 	if err != nil {
 		return fmt.Errorf("%s: apply %s: %w\n%s", cp.Name, dir, err, out)
 	}
-	return WaitWorkloadsReady(ctx, cp.Client(), installNamespace)
+	return WaitWorkloadsReady(ctx, cp.Client(), InstallNamespace)
 }
 
 // createTenant makes the guest a tenant of the management cluster (CreateTenant, with the

@@ -114,7 +114,7 @@ func prometheusConfig(clusters map[string]*cluster.ControlPlane) ([]byte, error)
 			"job_name": name, "honor_labels": true,
 			"kubernetes_sd_configs": []any{map[string]any{
 				"role": "endpointslice", "kubeconfig_file": cp.Kubeconfig,
-				"namespaces": map[string]any{"names": []string{installNamespace, capiProviderNamespace}},
+				"namespaces": map[string]any{"names": []string{InstallNamespace, capiProviderNamespace}},
 			}},
 			"relabel_configs": []any{
 				// The ServiceMonitor's selector and endpoints.

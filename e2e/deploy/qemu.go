@@ -62,7 +62,7 @@ func (in *Installed) addQEMUHost(ctx context.Context, archives []string, imageSt
 	if err := waitDriverRegistered(ctx, in.Mgmt.Client(), name, names.PmemDriver); err != nil {
 		return err
 	}
-	return WaitWorkloadsReady(ctx, in.Mgmt.Client(), installNamespace)
+	return WaitWorkloadsReady(ctx, in.Mgmt.Client(), InstallNamespace)
 }
 
 // avoidQEMUNodes is the JSON patch that keeps a lab variant of a DaemonSet off the QEMU nodes.
