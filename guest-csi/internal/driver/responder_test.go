@@ -216,8 +216,10 @@ func (r *responder) modify(ctx context.Context, pvc *corev1.PersistentVolumeClai
 		}}
 		return r.c.Status().Update(ctx, pvc)
 	}
+	// Live: the cache may not have the attach the driver waited for yet, and nothing brings
+	// the claim back here once its class is current.
 	vms := &vmv1.VirtualMachineList{}
-	if err := r.c.List(ctx, vms, client.InNamespace(pvc.Namespace)); err != nil {
+	if err := r.live.List(ctx, vms, client.InNamespace(pvc.Namespace)); err != nil {
 		return err
 	}
 	for i := range vms.Items {
@@ -372,7 +374,9 @@ func (r *responder) vm(ctx context.Context, req reconcile.Request) (reconcile.Re
 		if err != nil {
 			return reconcile.Result{}, err
 		}
-		entries = append(entries, vmv1.VirtualMachineVolumeStatus{Name: v.Name, Attached: true, DiskSerial: serial})
+		// The host agent attaches a disk with the limits of its claim's current class.
+		entries = append(entries, vmv1.VirtualMachineVolumeStatus{Name: v.Name, Attached: true, DiskSerial: serial,
+			VolumeAttributesClassName: ptr.Deref(pvc.Status.CurrentVolumeAttributesClassName, "")})
 	}
 	for _, e := range vm.Status.Volumes {
 		if !slices.ContainsFunc(vm.Spec.Volumes, func(v vmv1.VirtualMachineVolume) bool { return v.Name == e.Name }) {
