@@ -308,7 +308,7 @@ func attributesClassLimitsTheWriter(t *testing.T, g Gomega, writer corev1.Pod) {
 	onHost := seconds(in.Hosts[qemuHost].Command(ctx, "sh", "-c", fmt.Sprintf(write, filepath.Join(deploy.PmemDir, "host-write"))).CombinedOutput())
 	before := inPod()
 	claims := in.Guest.Client().CoreV1().PersistentVolumeClaims(writer.Namespace)
-	claim := writer.Spec.Volumes[0].PersistentVolumeClaim.ClaimName
+	claim := "data-" + writer.Name // the StatefulSet's
 	_, err = claims.Patch(ctx, claim, types.MergePatchType, []byte(`{"spec":{"volumeAttributesClassName":"`+guestClass+`"}}`), metav1.PatchOptions{})
 	g.Expect(err).NotTo(HaveOccurred())
 	start := time.Now()
