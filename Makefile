@@ -78,13 +78,13 @@ test-unit: deps
 .PHONY: test-e2e
 test-e2e: deps test-tools
 	@# go test starts test binaries in the order of its arguments on its -p (2) workers: the
-	@# longest first (fresh machine, seconds: suite 1097, capi 871, containers 496, vmoperator
-	@# 190, cluster 130, sanity 123; the rest under 75), so that the shorter ones fill whichever
-	@# worker frees first and the two end together. $(BESIDE_E2E) runs beside them (its output
-	@# follows).
+	@# longest first (fresh machine, seconds: capi 2087 with its QEMU worker, suite 1238,
+	@# containers 536, vmoperator 215, cluster 122, sanity 116; the rest under 75), so that the
+	@# shorter ones fill whichever worker frees first and the two end together. $(BESIDE_E2E)
+	@# runs beside them (its output follows).
 	hack/beside.sh '$(MAKE) --no-print-directory $(BESIDE_E2E)' \
 		hack/phase.sh e2e $(E2E_GO_TEST) -vet=off -count=1 -timeout $(TEST_TIMEOUT) \
-		./e2e/suite ./e2e/capi ./e2e/containers ./e2e/vmoperator ./e2e/cluster ./e2e/sanity ./e2e/...
+		./e2e/capi ./e2e/suite ./e2e/containers ./e2e/vmoperator ./e2e/cluster ./e2e/sanity ./e2e/...
 
 # Fuzz targets of every parser of tenant-controlled input: <module>:<package>:<target>,<target>...
 FUZZ_TARGETS := \
