@@ -174,19 +174,43 @@ func (in *Installed) installClusterAPIGuest(ctx context.Context, lab *cluster.La
 // guest's nodes and returns the workers' names.
 func (in *Installed) waitMachines(ctx context.Context, mc client.Client) ([]string, error) {
 	opts := in.Options.Guest
-	var problem string
+	machines, err := in.waitRunningMachines(ctx, mc, client.MatchingLabels{tenancy.CAPIClusterNameLabel: opts.Name}, 1+in.Options.Workers, 15*time.Minute, nil)
+	if err != nil {
+		return nil, fmt.Errorf("guest %s made by Cluster API: %w", opts.Name, err)
+	}
+	in.GuestNodes = map[string]*cluster.Node{}
 	var workers []string
-	err := wait.PollUntilContextTimeout(ctx, 2*time.Second, 15*time.Minute, true, func(ctx context.Context) (bool, error) {
+	for _, m := range machines {
+		name := m.GetName()
+		for _, vmm := range in.VMMs {
+			if vm, _ := vmm.VM(opts.Namespace, name); vm != nil {
+				in.GuestNodes[name] = vm.Node
+			}
+		}
+		if _, cp := m.GetLabels()["cluster.x-k8s.io/control-plane"]; !cp {
+			workers = append(workers, name)
+		}
+	}
+	return workers, nil
+}
+
+// waitRunningMachines waits, within timeout, until the guest's Machines that match selector are
+// n, each Running with a Ready Node of its name on which ready, if set, says nothing is missing
+// (it returns what is), and returns them.
+func (in *Installed) waitRunningMachines(ctx context.Context, mc client.Client, selector client.MatchingLabels, n int, timeout time.Duration,
+	ready func(ctx context.Context, node string) string) ([]unstructured.Unstructured, error) {
+	var problem string
+	var items []unstructured.Unstructured
+	err := wait.PollUntilContextTimeout(ctx, 2*time.Second, timeout, true, func(ctx context.Context) (bool, error) {
 		machines := &unstructured.UnstructuredList{}
 		machines.SetGroupVersionKind(MachineGVK)
-		if err := mc.List(ctx, machines, client.InNamespace(opts.Namespace), client.MatchingLabels{tenancy.CAPIClusterNameLabel: opts.Name}); err != nil {
+		if err := mc.List(ctx, machines, client.InNamespace(in.Options.Guest.Namespace), selector); err != nil {
 			return false, err
 		}
-		if len(machines.Items) != 1+in.Options.Workers {
+		if len(machines.Items) != n {
 			problem = fmt.Sprintf("%d Machines", len(machines.Items))
 			return false, nil
 		}
-		in.GuestNodes, workers = map[string]*cluster.Node{}, nil
 		for _, m := range machines.Items {
 			name := m.GetName()
 			if phase, _, _ := unstructured.NestedString(m.Object, "status", "phase"); phase != "Running" {
@@ -198,21 +222,19 @@ func (in *Installed) waitMachines(ctx context.Context, mc client.Client) ([]stri
 				problem = fmt.Sprintf("Node %s not Ready (%v)", name, err)
 				return false, nil
 			}
-			for _, vmm := range in.VMMs {
-				if vm, _ := vmm.VM(opts.Namespace, name); vm != nil {
-					in.GuestNodes[name] = vm.Node
+			if ready != nil {
+				if problem = ready(ctx, name); problem != "" {
+					return false, nil
 				}
 			}
-			if _, cp := m.GetLabels()["cluster.x-k8s.io/control-plane"]; !cp {
-				workers = append(workers, name)
-			}
 		}
+		items = machines.Items
 		return true, nil
 	})
 	if err != nil {
-		return nil, fmt.Errorf("guest %s made by Cluster API: %w: %s", opts.Name, err, problem)
+		return nil, fmt.Errorf("%w: %s", err, problem)
 	}
-	return workers, nil
+	return items, nil
 }
 
 // Workers are the names of the guest's worker nodes made by Cluster API, sorted.

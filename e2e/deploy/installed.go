@@ -15,6 +15,7 @@ import (
 
 	"golang.org/x/sync/errgroup"
 	corev1 "k8s.io/api/core/v1"
+	storagev1 "k8s.io/api/storage/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
@@ -430,21 +431,22 @@ func (in *Installed) createTenant(ctx context.Context) error {
 // waitDriverRegistered waits until the kubelet of node has registered the CSI driver.
 func waitDriverRegistered(ctx context.Context, c kubernetes.Interface, node, driver string) error {
 	err := wait.PollUntilContextTimeout(ctx, 200*time.Millisecond, 2*time.Minute, true, func(ctx context.Context) (bool, error) {
-		csiNode, err := c.StorageV1().CSINodes().Get(ctx, node, metav1.GetOptions{})
-		if err != nil {
-			return false, nil
-		}
-		for _, d := range csiNode.Spec.Drivers {
-			if d.Name == driver {
-				return true, nil
-			}
-		}
-		return false, nil
+		ok, _ := driverRegistered(ctx, c, node, driver)
+		return ok, nil
 	})
 	if err != nil {
 		return fmt.Errorf("node %s: CSI driver %s not registered: %w", node, driver, err)
 	}
 	return nil
+}
+
+// driverRegistered says whether node's CSINode lists driver.
+func driverRegistered(ctx context.Context, c kubernetes.Interface, node, driver string) (bool, error) {
+	csiNode, err := c.StorageV1().CSINodes().Get(ctx, node, metav1.GetOptions{})
+	if err != nil {
+		return false, err
+	}
+	return slices.ContainsFunc(csiNode.Spec.Drivers, func(d storagev1.CSINodeDriver) bool { return d.Name == driver }), nil
 }
 
 // WaitWorkloadsReady waits until every Deployment and DaemonSet of ns has all its pods ready,

@@ -12,11 +12,8 @@ import (
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
-	storagev1 "k8s.io/api/storage/v1"
-	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"k8s.io/apimachinery/pkg/runtime/schema"
-	"k8s.io/apimachinery/pkg/util/wait"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 	"sigs.k8s.io/yaml"
 
@@ -134,42 +131,21 @@ func (in *Installed) StartQEMUPool(ctx context.Context, name string, replicas in
 	if err != nil {
 		return nil, err
 	}
-	var workers []string
-	var problem string
-	err = wait.PollUntilContextTimeout(ctx, 2*time.Second, 30*time.Minute, true, func(ctx context.Context) (bool, error) {
-		machines := &unstructured.UnstructuredList{}
-		machines.SetGroupVersionKind(MachineGVK)
-		if err := mc.List(ctx, machines, client.InNamespace(in.Options.Guest.Namespace), client.MatchingLabels{"cluster.x-k8s.io/deployment-name": name}); err != nil {
-			return false, err
-		}
-		if int64(len(machines.Items)) != replicas {
-			problem = fmt.Sprintf("%d Machines", len(machines.Items))
-			return false, nil
-		}
-		workers = nil
-		for _, m := range machines.Items {
-			if phase, _, _ := unstructured.NestedString(m.Object, "status", "phase"); phase != "Running" {
-				problem = fmt.Sprintf("Machine %s is %q", m.GetName(), phase)
-				return false, nil
+	// guest-csi registers once its images are pulled and unpacked by the emulated CPU: minutes
+	// on a loaded machine, within the same wait.
+	machines, err := in.waitRunningMachines(ctx, mc, client.MatchingLabels{"cluster.x-k8s.io/deployment-name": name}, int(replicas), 30*time.Minute,
+		func(ctx context.Context, node string) string {
+			if ok, err := driverRegistered(ctx, in.Guest.Client(), node, names.GuestDriver); !ok {
+				return fmt.Sprintf("guest-csi not registered on %s (%v)", node, err)
 			}
-			node, err := in.Guest.Client().CoreV1().Nodes().Get(ctx, m.GetName(), metav1.GetOptions{})
-			if err != nil || !cluster.NodeReady(node) {
-				problem = fmt.Sprintf("Node %s not Ready (%v)", m.GetName(), err)
-				return false, nil
-			}
-			// guest-csi registers once its images are pulled and unpacked by the emulated CPU:
-			// minutes on a loaded machine, within the same wait.
-			csiNode, err := in.Guest.Client().StorageV1().CSINodes().Get(ctx, m.GetName(), metav1.GetOptions{})
-			if err != nil || !slices.ContainsFunc(csiNode.Spec.Drivers, func(d storagev1.CSINodeDriver) bool { return d.Name == names.GuestDriver }) {
-				problem = fmt.Sprintf("guest-csi not registered on %s (%v)", m.GetName(), err)
-				return false, nil
-			}
-			workers = append(workers, m.GetName())
-		}
-		return true, nil
-	})
+			return ""
+		})
 	if err != nil {
-		return nil, fmt.Errorf("QEMU pool %s: %w: %s", name, err, problem)
+		return nil, fmt.Errorf("QEMU pool %s: %w", name, err)
+	}
+	var workers []string
+	for _, m := range machines {
+		workers = append(workers, m.GetName())
 	}
 	return slices.Sorted(slices.Values(workers)), nil
 }
