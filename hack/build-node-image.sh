@@ -60,6 +60,12 @@ mmdebstrap --mode=root --variant=minbase --quiet \
 	--dpkgopt='path-exclude=/usr/share/locale/*' \
 	bookworm "$tree" http://deb.debian.org/debian
 
+# Python's byte code unchecked: with SOURCE_DATE_EPOCH set, Debian compiled it "checked" (each
+# import reads and hashes its source, the reproducible default), which cloud-init's four
+# processes pay for under TCG at every boot; unchecked byte code is as reproducible, and a
+# package's upgrade compiles its own again.
+chroot "$tree" python3 -m compileall -q -f --invalidation-mode unchecked-hash /usr/lib/python3/dist-packages /usr/lib/python3.11 >/dev/null
+
 for b in $binaries; do
 	install -m 0755 "$bin/$b" "$tree/usr/local/bin/$b"
 done
@@ -97,10 +103,13 @@ OOMScoreAdjust=-999
 [Install]
 WantedBy=multi-user.target
 EOF
-# kubelet as kubeadm's packages install it: it restarts until `kubeadm join` writes its config.
+# kubelet as kubeadm's packages install it, but not started until `kubeadm join` has written
+# its config (which then restarts it): the packages' kubelet fails and restarts every 10 s until
+# then, seconds of an emulated CPU each time under TCG.
 cat >"$tree/etc/systemd/system/kubelet.service" <<'EOF'
 [Unit]
 Description=kubelet: The Kubernetes Node Agent
+ConditionPathExists=/var/lib/kubelet/config.yaml
 Wants=network-online.target containerd.service
 After=network-online.target containerd.service
 
@@ -132,7 +141,18 @@ printf 'net.ipv4.ip_forward = 1\nnet.bridge.bridge-nf-call-iptables = 1\n' >"$tr
 # is probed for minutes.
 # Its hostname resolves (/etc/hosts, kubeadm's preflight looks it up), and no locale is generated
 # (seconds of a first boot under TCG, for a node that needs none).
-printf 'datasource_list: [ NoCloud, None ]\nmanage_etc_hosts: true\nlocale: false\n' >"$tree/etc/cloud/cloud.cfg.d/90-pvbridge.cfg"
+# Its modules are those of what Cluster API's kubeadm bootstrap writes (bootcmd, write_files,
+# disk_setup, fs_setup, mounts, users, ntp, runcmd) and the first boot's own (hostname, host
+# keys, the root's growth): Debian's list adds grub, apt, snap, byobu and the rest, whose loading
+# and running cost an emulated CPU seconds at every first boot (grub-dpkg alone 5 s).
+cat >"$tree/etc/cloud/cloud.cfg.d/90-pvbridge.cfg" <<'EOF'
+datasource_list: [ NoCloud, None ]
+manage_etc_hosts: true
+locale: false
+cloud_init_modules: [migrator, seed_random, bootcmd, write-files, growpart, resizefs, disk_setup, mounts, set_hostname, update_hostname, update_etc_hosts, ca-certs, users-groups, ssh]
+cloud_config_modules: [ntp, runcmd]
+cloud_final_modules: [write-files-deferred, scripts-vendor, scripts-per-once, scripts-per-boot, scripts-per-instance, scripts-user, final-message, power-state-change]
+EOF
 printf 'LABEL=root / ext4 defaults,discard 0 1\n' >"$tree/etc/fstab"
 # Each VM is a new machine: its own machine ID, host keys, hostname and resolver (the last two
 # mmdebstrap copied from this host) at first boot. The resolver's file is there, empty, until

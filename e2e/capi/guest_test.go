@@ -22,26 +22,39 @@ import (
 	vmv1 "pvbridge.io/pkg/apis/vm/v1alpha1"
 )
 
-// TestClusterAPIGuest runs its steps in order on the one guest, each on what the one before
-// left; the last deletes the guest. The QEMU worker, minutes of an emulated CPU's boot, boots
-// beside the steps between its creation and its own step.
+// TestClusterAPIGuest runs two tracks on the one guest at once, then deletes the guest: the
+// QEMU worker's (minutes of an emulated CPU's boot, then its step) beside the steps of the
+// Machines on the local hosts, which run in order, each on what the one before left.
 func TestClusterAPIGuest(t *testing.T) {
-	for _, step := range []struct {
-		name string
-		run  func(*testing.T)
-	}{
-		{"QEMUWorkerCreated", qemuWorkerCreated},
-		{"StatefulSetKeepsItsData", statefulSetKeepsItsData},
-		{"StorageOnTheGuest", storageOnTheGuest},
-		{"ScaleDownMovesVolumes", scaleDownMovesVolumes},
-		{"RollingReplacementMovesVolumes", rollingReplacementMovesVolumes},
-		{"WorkerDeletedWhileAPodWrites", workerDeletedWhileAPodWrites},
-		{"QEMUWorkerRunsAStatefulSet", qemuWorkerRunsAStatefulSet},
-		{"ClusterDeletionLeavesNothing", clusterDeletionLeavesNothing},
-	} {
-		if !t.Run(step.name, step.run) {
-			return // the next steps build on this one
-		}
+	t.Run("OnTheGuest", func(t *testing.T) {
+		t.Run("QEMUWorkerRunsAStatefulSet", beside(qemuWorkerRunsAStatefulSet))
+		t.Run("Steps", beside(func(t *testing.T) {
+			for _, step := range []struct {
+				name string
+				run  func(*testing.T)
+			}{
+				{"StatefulSetKeepsItsData", statefulSetKeepsItsData},
+				{"StorageOnTheGuest", storageOnTheGuest},
+				{"ScaleDownMovesVolumes", scaleDownMovesVolumes},
+				{"RollingReplacementMovesVolumes", rollingReplacementMovesVolumes},
+				{"WorkerDeletedWhileAPodWrites", workerDeletedWhileAPodWrites},
+			} {
+				if !t.Run(step.name, step.run) {
+					return // the next steps build on this one
+				}
+			}
+		}))
+	})
+	if !t.Failed() {
+		t.Run("ClusterDeletionLeavesNothing", clusterDeletionLeavesNothing)
+	}
+}
+
+// beside runs a track beside the other tracks of its parent test.
+func beside(track func(*testing.T)) func(*testing.T) {
+	return func(t *testing.T) {
+		t.Parallel()
+		track(t)
 	}
 }
 

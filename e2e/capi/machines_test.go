@@ -233,6 +233,8 @@ func machines(ctx context.Context, g Gomega, mc client.Client, deployment string
 // waitPool waits until the pool is n Machines, none being deleted, all Running with a Ready
 // Node that has the pool's label, the pool's taints and no other (none of the kubelet's
 // not-ready ones) and guest-csi registered, and returns their names (their Nodes' and VMs').
+// Its bound is the QEMU worker's boot under TCG beside the other track on a loaded machine (885 s
+// in a fresh `make test`).
 func waitPool(ctx context.Context, g Gomega, mc client.Client, pool string, n int, taints ...corev1.Taint) []string {
 	var workers []string
 	g.Eventually(func(g Gomega) {
@@ -252,7 +254,7 @@ func waitPool(ctx context.Context, g Gomega, mc client.Client, pool string, n in
 			g.Expect(csiNode.Spec.Drivers).To(ContainElement(HaveField("Name", names.GuestDriver)), "guest-csi on %s", node.Name)
 			workers = append(workers, m.GetName())
 		}
-	}).WithContext(ctx).WithTimeout(15 * time.Minute).WithPolling(2 * time.Second).Should(Succeed())
+	}).WithContext(ctx).WithTimeout(25 * time.Minute).WithPolling(2 * time.Second).Should(Succeed())
 	return slices.Sorted(slices.Values(workers))
 }
 

@@ -37,28 +37,17 @@ const qemuHost = "host-q"
 // qemuPoolName is the MachineDeployment of the QEMU host's workers.
 func qemuPoolName() string { return in.Options.Guest.Name + "-pool-q" }
 
-var (
-	// qemuTaint keeps the pods of the steps the QEMU worker boots beside off it.
-	qemuTaint = corev1.Taint{Key: deploy.LabHypervisorLabel, Value: "qemu", Effect: corev1.TaintEffectNoSchedule}
-	// qemuPoolCreated is when qemuWorkerCreated created the pool.
-	qemuPoolCreated time.Time
-)
+// qemuTaint keeps the pods of the other track's steps off the QEMU worker.
+var qemuTaint = corev1.Taint{Key: deploy.LabHypervisorLabel, Value: "qemu", Effect: corev1.TaintEffectNoSchedule}
 
-// qemuWorkerCreated creates a pool of one worker on the QEMU host (deploy.CreateQEMUPool),
-// tainted, which boots beside the steps up to qemuWorkerRunsAStatefulSet.
-func qemuWorkerCreated(t *testing.T) {
-	qemuPoolCreated = time.Now()
-	NewWithT(t).Expect(in.CreateQEMUPool(t.Context(), qemuPoolName(), 1, qemuTaint)).To(Succeed())
-}
-
-// qemuWorkerRunsAStatefulSet: the QEMU pool's worker (qemuWorkerCreated). Its VM boots the node
-// image under QEMU (TCG on this machine), cloud-init runs Cluster API's `kubeadm join`, and the
-// Node is Ready with the Machine's providerID, its address from the VM's guest agent, the
-// pool's taint and the shipped guest-csi node plugin. A StatefulSet pod on it appends to a PMEM
-// volume hot-plugged into the VM (a virtio disk the guest's udev names by its serial) while the
-// host agent is restarted and a group snapshot taken, a VolumeAttributesClass limits its
-// throughput, the volume grows online, and the pod is
-// deleted: its successor reads the data back and appends on. The pool is
+// qemuWorkerRunsAStatefulSet: a pool of one worker on the QEMU host (deploy.CreateQEMUPool),
+// tainted, beside the other track's steps. Its VM boots the node image under QEMU (TCG on this
+// machine), cloud-init runs Cluster API's `kubeadm join`, and the Node is Ready with the
+// Machine's providerID, its address from the VM's guest agent, the pool's taint and the shipped
+// guest-csi node plugin. A StatefulSet pod on it appends to a PMEM volume hot-plugged into the
+// VM (a virtio disk the guest's udev names by its serial) while the host agent is restarted and
+// a group snapshot taken, a VolumeAttributesClass limits its throughput, the volume grows
+// online, and the pod is deleted: its successor reads the data back and appends on. The pool is
 // deleted: Cluster API drains the Node, the volume is unplugged, the VM powered off and deleted,
 // and no QEMU is left on the host.
 func qemuWorkerRunsAStatefulSet(t *testing.T) {
@@ -66,9 +55,10 @@ func qemuWorkerRunsAStatefulSet(t *testing.T) {
 	ctx := t.Context()
 	mc := mgmtClient(g)
 	start := time.Now()
+	g.Expect(in.CreateQEMUPool(ctx, qemuPoolName(), 1, qemuTaint)).To(Succeed())
 	worker := waitPool(ctx, g, mc, qemuPoolName(), 1, qemuTaint)[0]
-	t.Logf("QEMU worker %s: MachineDeployment created → Machine Running, Node Ready with guest-csi in %.0f s (TCG, beside the steps between; %.0f s of them in this step)",
-		worker, time.Since(qemuPoolCreated).Seconds(), time.Since(start).Seconds())
+	t.Logf("QEMU worker %s: MachineDeployment created → Machine Running, Node Ready with guest-csi in %.0f s (TCG, beside the other track)",
+		worker, time.Since(start).Seconds())
 
 	vm := &vmv1.VirtualMachine{}
 	g.Expect(mc.Get(ctx, client.ObjectKey{Namespace: in.Options.Guest.Namespace, Name: worker}, vm)).To(Succeed())
