@@ -22,7 +22,7 @@ var (
 		Name: "pvbridge_guest_credential_renew_timestamp_seconds",
 		Help: "When the management credential in the guest cluster is due for renewal (Unix time); " +
 			"past it, the controller could not deliver a new token yet.",
-	}, []string{"namespace", "cluster"})
+	}, []string{"namespace", "guest_cluster"})
 	quotaUsedRatio = prometheus.NewGaugeVec(prometheus.GaugeOpts{
 		Name: "pvbridge_tenant_quota_used_ratio",
 		Help: "Used over hard of each resource of a ResourceQuota in a namespace that pvbridge's tenancy enforces; 1 is exhausted.",
