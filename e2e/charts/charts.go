@@ -9,12 +9,19 @@
 //   - the overlay's own settings: the management apiserver URL (mgmtServer) of the management
 //     chart; the guest cluster's name and UID (clusterName, clusterUID) of the guest chart.
 //
+// values.schema.json types every value and refuses what no install can run with: a value it does
+// not know (a typo), and the overlay's placeholders (the management server at .invalid, the
+// all-zero Cluster UID), which kustomize's users replace in their copy and helm's set.
+// NOTES.txt says what an install needs next: the namespace's Pod Security level for the
+// privileged node pods, and what the management chart's hosts need.
+//
 // The overlay's generated ConfigMap name (kustomize's hash of its data) becomes a hash of the
 // value in the chart, so that a changed value rolls the pods that read it, as with kustomize.
 package charts
 
 import (
 	"bytes"
+	"encoding/json"
 	"fmt"
 	"maps"
 	"os"
@@ -41,11 +48,29 @@ type Chart struct {
 	// kustomize hashes; HashOf the values its name is made from in the chart.
 	HashedConfigMap string
 	HashOf          []string
+	// Notes is the chart's NOTES.txt, a template.
+	Notes string
 }
 
-// Setting is a ConfigMap literal as a value.
+// privilegedNote begins each chart's NOTES.txt: both install privileged node pods.
+const privilegedNote = `pvbridge {{ .Chart.AppVersion }} is installed in namespace {{ .Release.Namespace }}.
+
+Its node pods are privileged (they mount volumes, and on management hosts carve PMEM and run the
+VMs). Where Pod Security Admission enforces a stricter level by default, they are refused until
+the namespace allows them:
+  kubectl label namespace {{ .Release.Namespace }} pod-security.kubernetes.io/enforce=privileged
+
+Helm installs the CRDs in crds/ but never upgrades them: before upgrading the release,
+  kubectl apply --server-side -f <the new chart>/crds
+
+`
+
+// Setting is a ConfigMap literal as a value: its JSON schema, and an example that the schema
+// takes (the overlay's placeholder it may refuse).
 type Setting struct {
 	Key, Value, Doc string
+	Schema          map[string]any
+	Example         string
 }
 
 // Charts are the charts of the two installs.
@@ -54,16 +79,35 @@ var Charts = []Chart{
 		Name: "pvbridge-management", Overlay: "management",
 		Description: "pvbridge in the management cluster: mgmt-csi, vm-operator, the tenants controller, the tenancy admission policy and the CSI snapshot controller",
 		Settings: []Setting{{Key: "mgmt-server", Value: "mgmtServer",
-			Doc: "Required: the management apiserver's https:// URL as guest clusters reach it, written into every guest's kubeconfig."}},
+			Doc: "Required: the management apiserver's https:// URL as guest clusters reach it, written into every guest's kubeconfig.",
+			Schema: map[string]any{
+				"type": "string", "pattern": `^https://[^/\s]+(/\S*)?$`,
+				"not":         map[string]any{"pattern": `\.invalid(:[0-9]+)?(/|$)`},
+				"description": "the management apiserver's https:// URL as guest clusters reach it (not the placeholder at .invalid)",
+			},
+			Example: "https://mgmt.example.com:6443"}},
+		Notes: privilegedNote + `Then label every PMEM host, and wait until each has a PmemNode with Ready=True:
+  kubectl label node <host> vm.pvbridge.io/host=true
+  kubectl get pmemnodes
+`,
 		HashedConfigMap: "pvbridge-tenants", HashOf: []string{"mgmtServer"},
 	},
 	{
 		Name: "pvbridge-guest", Overlay: "guest",
 		Description: "pvbridge in a guest cluster: guest-csi and the CSI snapshot controller",
 		Settings: []Setting{
-			{Key: "cluster-name", Value: "clusterName", Doc: "The guest cluster's name: its Cluster's in the management cluster."},
-			{Key: "cluster-uid", Value: "clusterUID", Doc: "The UID of the guest cluster's Cluster in the management cluster: its identity."},
+			{Key: "cluster-name", Value: "clusterName", Doc: "The guest cluster's name: its Cluster's in the management cluster.",
+				Schema:  map[string]any{"type": "string", "pattern": `^[a-z0-9]([-a-z0-9]*[a-z0-9])?$`, "maxLength": 63},
+				Example: "alpha"},
+			{Key: "cluster-uid", Value: "clusterUID", Doc: "The UID of the guest cluster's Cluster in the management cluster: its identity.",
+				Schema: map[string]any{
+					"type": "string", "pattern": `^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$`,
+					"not":         map[string]any{"const": "00000000-0000-0000-0000-000000000000"},
+					"description": "the UID of the guest's Cluster (kubectl -n <namespace> get cluster <name> -o jsonpath='{.metadata.uid}'), not the placeholder",
+				},
+				Example: "86d2c1e0-5a3b-4c1d-9e8f-0123456789ab"},
 		},
+		Notes: privilegedNote,
 	},
 }
 
@@ -129,6 +173,12 @@ version: %s
 appVersion: v%s
 `, c.Overlay, c.Name, c.Description, Version, Version))
 	files["values.yaml"] = c.values(images, settings)
+	schema, err := c.schema()
+	if err != nil {
+		return nil, err
+	}
+	files["values.schema.json"] = schema
+	files["templates/NOTES.txt"] = []byte(c.Notes)
 	files["templates/_helpers.tpl"] = []byte(helpers)
 	return files, nil
 }
@@ -242,6 +292,34 @@ func (c Chart) values(images, settings map[string]string) []byte {
 	return b.Bytes()
 }
 
+// schema is the chart's values.schema.json.
+func (c Chart) schema() ([]byte, error) {
+	properties := map[string]any{
+		"imageRegistry": map[string]any{"type": "string", "description": "a mirror's registry for every image"},
+		"images": map[string]any{
+			"type": "object", "additionalProperties": map[string]any{"type": "string", "minLength": 1},
+			"description": "each image by name",
+		},
+		"extraArgs": map[string]any{
+			"type": "object", "additionalProperties": map[string]any{"type": "array", "items": map[string]any{"type": "string"}},
+			"description": "more arguments of a workload's main container, by workload name",
+		},
+	}
+	required := []string{"images"}
+	for _, s := range c.Settings {
+		properties[s.Value] = s.Schema
+		required = append(required, s.Value)
+	}
+	out, err := json.MarshalIndent(map[string]any{
+		"$schema":              "https://json-schema.org/draft-07/schema#",
+		"type":                 "object",
+		"properties":           properties,
+		"required":             required,
+		"additionalProperties": false,
+	}, "", "  ")
+	return append(out, '\n'), err
+}
+
 // kustomize is kubectl kustomize of the overlay.
 func kustomize(kubectl, root, overlay string) (string, error) {
 	out, err := output(kubectl, "kustomize", filepath.Join(root, "manifests", "overlays", overlay))
@@ -274,10 +352,18 @@ func output(name string, args ...string) ([]byte, error) {
 // Check renders the chart in dir with helm (its default values and CRDs) and fails unless it
 // makes the objects of its overlay, the hashed ConfigMap's name aside, and helm lint passes it.
 func (c Chart) Check(helm, kubectl, root, dir string) error {
-	if out, err := exec.Command(helm, "lint", "--strict", "--namespace", Namespace, dir).CombinedOutput(); err != nil {
+	var examples []string
+	for _, s := range c.Settings {
+		examples = append(examples, "--set", s.Value+"="+s.Example)
+	}
+	if out, err := exec.Command(helm, append([]string{"lint", "--strict", "--namespace", Namespace, dir}, examples...)...).CombinedOutput(); err != nil {
 		return fmt.Errorf("helm lint %s: %w\n%s", dir, err, out)
 	}
-	rendered, err := output(helm, "template", "pvbridge", dir, "--include-crds", "--namespace", Namespace)
+	if err := c.checkSchema(helm, dir); err != nil {
+		return err
+	}
+	// The overlay's own values, its placeholders included, which the schema refuses.
+	rendered, err := output(helm, "template", "pvbridge", dir, "--include-crds", "--namespace", Namespace, "--skip-schema-validation")
 	if err != nil {
 		return err
 	}
@@ -312,6 +398,31 @@ func (c Chart) Check(helm, kubectl, root, dir string) error {
 	if len(diffs) > 0 {
 		slices.Sort(diffs)
 		return fmt.Errorf("chart %s does not make the objects of overlay %s:\n  %s", c.Name, c.Overlay, strings.Join(diffs, "\n  "))
+	}
+	return nil
+}
+
+// checkSchema fails unless the chart in dir refuses each setting's placeholder (its default)
+// where the schema says so, and takes the settings' examples.
+func (c Chart) checkSchema(helm, dir string) error {
+	var examples []string
+	for _, s := range c.Settings {
+		examples = append(examples, "--set", s.Value+"="+s.Example)
+	}
+	template := []string{"template", "pvbridge", dir, "--namespace", Namespace}
+	if _, err := output(helm, append(template, examples...)...); err != nil {
+		return fmt.Errorf("chart %s refuses the examples of its settings: %w", c.Name, err)
+	}
+	for i, s := range c.Settings {
+		if _, refuses := s.Schema["not"]; !refuses {
+			continue
+		}
+		// The others' examples, this one's default.
+		args := append(slices.Clone(template), slices.Delete(slices.Clone(examples), 2*i, 2*i+2)...)
+		_, err := output(helm, args...)
+		if err == nil || !strings.Contains(err.Error(), s.Value) {
+			return fmt.Errorf("chart %s takes the placeholder of %s (want an error naming it): %v", c.Name, s.Value, err)
+		}
 	}
 	return nil
 }
