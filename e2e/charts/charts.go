@@ -420,8 +420,11 @@ func (c Chart) checkSchema(helm, dir string) error {
 		// The others' examples, this one's default.
 		args := append(slices.Clone(template), slices.Delete(slices.Clone(examples), 2*i, 2*i+2)...)
 		_, err := output(helm, args...)
-		if err == nil || !strings.Contains(err.Error(), s.Value) {
-			return fmt.Errorf("chart %s takes the placeholder of %s (want an error naming it): %v", c.Name, s.Value, err)
+		if err == nil {
+			return fmt.Errorf("chart %s takes the placeholder of %s", c.Name, s.Value)
+		}
+		if !strings.Contains(err.Error(), s.Value) {
+			return fmt.Errorf("chart %s refuses the placeholder of %s with an error that does not name it: %w", c.Name, s.Value, err)
 		}
 	}
 	return nil
