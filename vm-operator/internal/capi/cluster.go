@@ -77,7 +77,9 @@ func (r *ClusterReconciler) allClusters(ctx context.Context, _ client.Object) []
 func hostChanged() predicate.Predicate {
 	return predicate.Funcs{
 		UpdateFunc: func(e event.UpdateEvent) bool {
-			return e.ObjectOld.GetLabels()[vmv1.HostLabel] != e.ObjectNew.GetLabels()[vmv1.HostLabel]
+			oldNode, ok1 := e.ObjectOld.(*corev1.Node)
+			newNode, ok2 := e.ObjectNew.(*corev1.Node)
+			return !ok1 || !ok2 || oldNode.Labels[vmv1.HostLabel] != newNode.Labels[vmv1.HostLabel] || domainEligible(oldNode) != domainEligible(newNode)
 		},
 		GenericFunc: func(event.GenericEvent) bool { return false },
 	}
@@ -131,8 +133,9 @@ func (r *ClusterReconciler) Reconcile(ctx context.Context, req ctrl.Request) (_ 
 }
 
 // failureDomains are a cluster's failure domains: those of its spec, each suitable for the
-// control plane unless it says otherwise; else every management host, all suitable for the
-// control plane. Sorted by name, so the status changes only when the hosts do.
+// control plane unless it says otherwise; else every management host that can take a new VM
+// (domainEligible), all suitable for the control plane. Sorted by name, so the status changes
+// only when the hosts do.
 func failureDomains(spec []infrav1.FailureDomain, hosts []corev1.Node) []infrav1.FailureDomain {
 	var out []infrav1.FailureDomain
 	if len(spec) > 0 {
@@ -144,12 +147,28 @@ func failureDomains(spec []infrav1.FailureDomain, hosts []corev1.Node) []infrav1
 			out = append(out, fd)
 		}
 	} else {
-		for _, n := range hosts {
-			if n.DeletionTimestamp.IsZero() {
-				out = append(out, infrav1.FailureDomain{Name: n.Name, ControlPlane: ptr.To(true)})
+		for i := range hosts {
+			if domainEligible(&hosts[i]) {
+				out = append(out, infrav1.FailureDomain{Name: hosts[i].Name, ControlPlane: ptr.To(true)})
 			}
 		}
 	}
 	slices.SortFunc(out, func(a, b infrav1.FailureDomain) int { return strings.Compare(a.Name, b.Name) })
 	return out
+}
+
+// domainEligible tells whether a host is a failure domain: Ready, not cordoned, not being
+// deleted and not lost (vmv1.HostLost). Cluster API spreads new Machines over the failure
+// domains, and a Machine sent to a host that cannot take its VM would wait there (a dead host
+// that stayed a domain got the replacement of its own Machine).
+func domainEligible(n *corev1.Node) bool {
+	if !n.DeletionTimestamp.IsZero() || n.Spec.Unschedulable || vmv1.HostLost(n) {
+		return false
+	}
+	for _, c := range n.Status.Conditions {
+		if c.Type == corev1.NodeReady {
+			return c.Status == corev1.ConditionTrue
+		}
+	}
+	return false
 }

@@ -4,6 +4,7 @@ import (
 	"testing"
 
 	. "github.com/onsi/gomega"
+	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/api/meta"
 	"k8s.io/utils/ptr"
 	clusterv1 "sigs.k8s.io/cluster-api/api/core/v1beta2"
@@ -52,7 +53,14 @@ func TestClusterReconcile(t *testing.T) {
 			if tt.prepare != nil {
 				tt.prepare(f)
 			}
-			c := newClient(t, append(f.objects(), host("host-a", true), host("host-c", true), host("not-a-host", false))...)
+			// Hosts that cannot take a new VM are no failure domain: cordoned, NotReady, lost.
+			cordoned := host("host-cordoned", true, func(n *corev1.Node) { n.Spec.Unschedulable = true })
+			notReady := host("host-not-ready", true, func(n *corev1.Node) { n.Status.Conditions[0].Status = corev1.ConditionUnknown })
+			lost := host("host-lost", true, func(n *corev1.Node) {
+				n.Status.Conditions[0].Status = corev1.ConditionUnknown
+				n.Spec.Taints = []corev1.Taint{{Key: corev1.TaintNodeOutOfService, Value: "nodeshutdown", Effect: corev1.TaintEffectNoExecute}}
+			})
+			c := newClient(t, append(f.objects(), host("host-a", true), host("host-c", true), host("not-a-host", false), cordoned, notReady, lost)...)
 			r := &ClusterReconciler{Client: c}
 
 			_, err := r.Reconcile(t.Context(), ctrl.Request{NamespacedName: client.ObjectKeyFromObject(f.ic)})

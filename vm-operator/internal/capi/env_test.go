@@ -50,6 +50,12 @@ func newEnvTest(t *testing.T, detachTimeout time.Duration) *envTest {
 	g.Expect(err).NotTo(HaveOccurred())
 	ns := &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{GenerateName: "capi-"}}
 	g.Expect(c.Create(t.Context(), ns)).To(Succeed())
+	// The management hosts the machines' VMs run on: a VM on a host without a Node is on a lost
+	// host, whose volumes no deletion waits for.
+	for _, name := range []string{"host-a", "host-b"} {
+		err := c.Create(t.Context(), host(name, true))
+		g.Expect(client.IgnoreAlreadyExists(err)).To(Succeed())
+	}
 	return &envTest{g: g, c: c, ns: ns.Name}
 }
 

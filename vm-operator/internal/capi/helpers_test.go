@@ -105,10 +105,17 @@ func newClient(t *testing.T, objs ...client.Object) client.WithWatch {
 		Build()
 }
 
-func host(name string, labelled bool) *corev1.Node {
-	n := &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: name}}
+// host is a Ready Node, a management host when labelled.
+func host(name string, labelled bool, mutate ...func(*corev1.Node)) *corev1.Node {
+	n := &corev1.Node{
+		ObjectMeta: metav1.ObjectMeta{Name: name},
+		Status:     corev1.NodeStatus{Conditions: []corev1.NodeCondition{{Type: corev1.NodeReady, Status: corev1.ConditionTrue}}},
+	}
 	if labelled {
 		n.Labels = map[string]string{vmv1.HostLabel: "true"}
+	}
+	for _, m := range mutate {
+		m(n)
 	}
 	return n
 }

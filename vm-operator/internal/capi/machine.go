@@ -16,6 +16,7 @@ import (
 	"k8s.io/utils/ptr"
 	clusterv1 "sigs.k8s.io/cluster-api/api/core/v1beta2"
 	ctrl "sigs.k8s.io/controller-runtime"
+	"sigs.k8s.io/controller-runtime/pkg/builder"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 	"sigs.k8s.io/controller-runtime/pkg/controller/controllerutil"
 	"sigs.k8s.io/controller-runtime/pkg/handler"
@@ -25,6 +26,7 @@ import (
 	infrav1 "pvbridge.io/pkg/apis/infrastructure/v1alpha1"
 	vmv1 "pvbridge.io/pkg/apis/vm/v1alpha1"
 	"pvbridge.io/pkg/tenancy"
+	"pvbridge.io/vm-operator/internal/hostloss"
 )
 
 // MachineReconciler reconciles PVBridgeMachines: one VirtualMachine each, of the same namespace
@@ -46,10 +48,11 @@ type MachineReconciler struct {
 // +kubebuilder:rbac:groups=infrastructure.cluster.x-k8s.io,resources=pvbridgemachines/finalizers,verbs=update
 // +kubebuilder:rbac:groups=cluster.x-k8s.io,resources=machines;clusters,verbs=get;list;watch
 // +kubebuilder:rbac:groups=vm.pvbridge.io,resources=virtualmachines,verbs=get;list;watch;create;patch;delete
+// +kubebuilder:rbac:groups="",resources=nodes,verbs=get;list;watch
 // +kubebuilder:rbac:groups=events.k8s.io,resources=events,verbs=create;patch
 
 // SetupWithManager registers the reconciler: a PVBridgeMachine is reconciled when it, its
-// VirtualMachine, its Machine or its Cluster changes.
+// VirtualMachine, its Machine or its Cluster changes, or its VirtualMachine's host is lost.
 func (r *MachineReconciler) SetupWithManager(mgr ctrl.Manager) error {
 	return ctrl.NewControllerManagedBy(mgr).
 		For(&infrav1.PVBridgeMachine{}).
@@ -57,6 +60,7 @@ func (r *MachineReconciler) SetupWithManager(mgr ctrl.Manager) error {
 		Owns(&vmv1.VirtualMachine{}).
 		Watches(&clusterv1.Machine{}, handler.EnqueueRequestsFromMapFunc(infraMachineOf)).
 		Watches(&clusterv1.Cluster{}, handler.EnqueueRequestsFromMapFunc(r.machinesOfCluster)).
+		Watches(&corev1.Node{}, handler.EnqueueRequestsFromMapFunc(r.machinesOnHost), builder.WithPredicates(hostloss.Changed())).
 		Complete(r)
 }
 
@@ -67,6 +71,23 @@ func infraMachineOf(_ context.Context, obj client.Object) []reconcile.Request {
 		return nil
 	}
 	return []reconcile.Request{{NamespacedName: client.ObjectKey{Namespace: m.Namespace, Name: m.Spec.InfrastructureRef.Name}}}
+}
+
+// machinesOnHost maps a host to the PVBridgeMachines of its VirtualMachines.
+func (r *MachineReconciler) machinesOnHost(ctx context.Context, node client.Object) []reconcile.Request {
+	vms := &vmv1.VirtualMachineList{}
+	if err := r.Client.List(ctx, vms); err != nil {
+		ctrl.LoggerFrom(ctx).Error(err, "List VirtualMachines")
+		return nil
+	}
+	var reqs []reconcile.Request
+	for i := range vms.Items {
+		vm := &vms.Items[i]
+		if owner := metav1.GetControllerOf(vm); owner != nil && owner.Kind == "PVBridgeMachine" && vm.Status.Host == node.GetName() {
+			reqs = append(reqs, reconcile.Request{NamespacedName: client.ObjectKey{Namespace: vm.Namespace, Name: owner.Name}})
+		}
+	}
+	return reqs
 }
 
 // machinesOfCluster maps a Cluster to its PVBridgeMachines (Cluster API labels them with it):

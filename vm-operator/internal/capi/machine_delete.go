@@ -16,6 +16,7 @@ import (
 
 	infrav1 "pvbridge.io/pkg/apis/infrastructure/v1alpha1"
 	vmv1 "pvbridge.io/pkg/apis/vm/v1alpha1"
+	"pvbridge.io/vm-operator/internal/hostloss"
 )
 
 // reconcileDelete takes a deleted PVBridgeMachine's VirtualMachine down in the order a guest's
@@ -41,9 +42,22 @@ func (r *MachineReconciler) reconcileDelete(ctx context.Context, pm *infrav1.PVB
 		return r.release(ctx, pm)
 	}
 	if vm.DeletionTimestamp.IsZero() {
-		if attached := attachedVolumes(vm); len(attached) > 0 && clusterGoing {
+		attached := attachedVolumes(vm)
+		lost := false
+		if len(attached) > 0 && vm.Status.Host != "" {
+			var err error
+			if lost, err = hostloss.Lost(ctx, r.Client, r.Client, vm.Status.Host); err != nil {
+				return ctrl.Result{}, err
+			}
+		}
+		switch {
+		case len(attached) > 0 && clusterGoing:
 			log.Info("The Cluster is being deleted: powering the VM off without waiting for its volumes", "vm", klog.KObj(vm), "volumes", attached)
-		} else if len(attached) > 0 {
+		case lost:
+			// Its host agent, which would unplug them, went with its host.
+			log.Info("The VM's host is lost: deleting the VM without waiting for its volumes", "vm", klog.KObj(vm), "host", vm.Status.Host, "volumes", attached)
+			r.event(pm, corev1.EventTypeWarning, "HostLost", "Host %s of VirtualMachine %s is lost: deleting it without waiting for volumes %v", vm.Status.Host, vm.Name, attached)
+		case len(attached) > 0:
 			wait, timedOut := r.detachWait(pm)
 			if !timedOut {
 				msg := fmt.Sprintf("waiting for %d volume(s) of VirtualMachine %s to detach: %v", len(attached), vm.Name, attached)

@@ -5,6 +5,7 @@ import (
 	"time"
 
 	. "github.com/onsi/gomega"
+	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/api/meta"
 	"k8s.io/apimachinery/pkg/api/resource"
@@ -179,6 +180,8 @@ func TestMachineDeletion(t *testing.T) {
 		prepare func(f *fixtures, vm *vmv1.VirtualMachine)
 		// noVM: the VirtualMachine is gone already.
 		noVM bool
+		// hostLost: the VM's host (host-b) is tainted out of service.
+		hostLost bool
 		// elapsed since the PVBridgeMachine's deletion.
 		elapsed        time.Duration
 		wantReason     string
@@ -223,6 +226,17 @@ func TestMachineDeletion(t *testing.T) {
 		wantReason:    infrav1.DeletingReason,
 		wantVMDeleted: true, wantPoweredOff: true,
 	}, {
+		name: "volumes in the VM on a lost host: no wait (its agent will never unplug them), powered off and deleted",
+		prepare: func(_ *fixtures, vm *vmv1.VirtualMachine) {
+			vm.Spec.Volumes = []vmv1.VirtualMachineVolume{volume}
+			vm.Status.Volumes = []vmv1.VirtualMachineVolumeStatus{{Name: "data", Attached: true, DiskSerial: "pvb1"}}
+		},
+		hostLost:      true,
+		elapsed:       time.Second,
+		wantReason:    infrav1.DeletingReason,
+		wantVMDeleted: true, wantPoweredOff: true,
+		wantEvent: "HostLost",
+	}, {
 		name:         "the VM is gone: the finalizer is removed",
 		noVM:         true,
 		wantReleased: true,
@@ -252,7 +266,11 @@ func TestMachineDeletion(t *testing.T) {
 			if tt.prepare != nil {
 				tt.prepare(f, vm)
 			}
-			objs := f.objects()
+			node := host("host-b", true)
+			if tt.hostLost {
+				node.Spec.Taints = []corev1.Taint{{Key: corev1.TaintNodeOutOfService, Value: "nodeshutdown", Effect: corev1.TaintEffectNoExecute}}
+			}
+			objs := append(f.objects(), node)
 			if !tt.noVM {
 				objs = append(objs, vm)
 			}

@@ -16,6 +16,7 @@ import (
 	"k8s.io/client-go/tools/events"
 	"k8s.io/klog/v2"
 	ctrl "sigs.k8s.io/controller-runtime"
+	"sigs.k8s.io/controller-runtime/pkg/builder"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 	"sigs.k8s.io/controller-runtime/pkg/controller"
 	"sigs.k8s.io/controller-runtime/pkg/controller/controllerutil"
@@ -27,6 +28,7 @@ import (
 	"pvbridge.io/pkg/listpatch"
 	"pvbridge.io/pkg/names"
 	"pvbridge.io/pkg/tenancy"
+	"pvbridge.io/vm-operator/internal/hostloss"
 )
 
 // volumeFailedEvent is the Event reason of a volume that cannot be attached; the note says why.
@@ -35,6 +37,10 @@ import (
 // (Attached, Detached: the disk in and out of the VM). Two more Events per volume were a third
 // of the management cluster's Events in a burst (issue 53).
 const volumeFailedEvent = "VolumeFailed"
+
+// hostLostEvent tells that a deleted VirtualMachine's volumes were released without its host
+// agent, whose host is lost (vmv1.HostLost).
+const hostLostEvent = "HostLost"
 
 // attachmentReconciles bounds the VirtualMachines whose attachments are worked on at once.
 const attachmentReconciles = 4
@@ -49,7 +55,9 @@ const attachmentReconciles = 4
 // is deleted only when its volume is neither in spec.volumes nor in status.volumes, that is
 // after the host agent has unplugged and unstaged it, and that decision is taken on a fresh read
 // of the VirtualMachine, never on the cache alone. The finalizer vm.pvbridge.io/volumes keeps a
-// deleted VirtualMachine until status.volumes is empty and its VolumeAttachments are gone.
+// deleted VirtualMachine until status.volumes is empty and its VolumeAttachments are gone; on a
+// lost host (hostloss.Lost), whose agent will never unplug anything, the
+// controller empties status.volumes itself: the disks went with the host.
 type AttachmentReconciler struct {
 	Client client.Client
 	// APIReader reads from the API server, bypassing the cache: the VirtualMachine before a
@@ -65,11 +73,12 @@ type AttachmentReconciler struct {
 // +kubebuilder:rbac:groups=vm.pvbridge.io,resources=virtualmachines/status,verbs=get;update;patch
 // +kubebuilder:rbac:groups=storage.k8s.io,resources=volumeattachments,verbs=get;list;watch;create;delete
 // +kubebuilder:rbac:groups="",resources=persistentvolumeclaims;persistentvolumes,verbs=get;list;watch
+// +kubebuilder:rbac:groups="",resources=nodes,verbs=get;list;watch
 // +kubebuilder:rbac:groups=events.k8s.io,resources=events,verbs=create;patch
 
 // SetupWithManager registers the reconciler. Besides VirtualMachines it watches the labelled
-// VolumeAttachments (attach results, deletions), and the claims and volumes that
-// VirtualMachines name (binding, deletion).
+// VolumeAttachments (attach results, deletions), the claims and volumes that VirtualMachines
+// name (binding, deletion), and the hosts that are lost.
 func (r *AttachmentReconciler) SetupWithManager(mgr ctrl.Manager) error {
 	return ctrl.NewControllerManagedBy(mgr).
 		For(&vmv1.VirtualMachine{}).
@@ -77,6 +86,7 @@ func (r *AttachmentReconciler) SetupWithManager(mgr ctrl.Manager) error {
 		Watches(&storagev1.VolumeAttachment{}, handler.EnqueueRequestsFromMapFunc(r.vmOfAttachment)).
 		Watches(&corev1.PersistentVolumeClaim{}, handler.EnqueueRequestsFromMapFunc(r.vmsOfClaim)).
 		Watches(&corev1.PersistentVolume{}, handler.EnqueueRequestsFromMapFunc(r.vmsOfPV)).
+		Watches(&corev1.Node{}, handler.EnqueueRequestsFromMapFunc(r.deletedVMsOnHost), builder.WithPredicates(hostloss.Changed())).
 		WithOptions(controller.Options{MaxConcurrentReconciles: attachmentReconciles}).
 		Complete(r)
 }
@@ -153,6 +163,22 @@ func (r *AttachmentReconciler) reconcileNormal(ctx context.Context, vm *vmv1.Vir
 // deleted VirtualMachine and removes its entries; the attachments go as their entries do; the
 // finalizer goes last.
 func (r *AttachmentReconciler) reconcileDelete(ctx context.Context, vm *vmv1.VirtualMachine) (ctrl.Result, error) {
+	if len(vm.Status.Volumes) > 0 && vm.Status.Host != "" {
+		lost, err := hostloss.Lost(ctx, r.Client, r.APIReader, vm.Status.Host)
+		if err != nil {
+			return ctrl.Result{}, err
+		}
+		if lost {
+			// Written first, on its own: the attachments go on the next pass, which reads the
+			// VirtualMachine afresh before deleting any.
+			ctrl.LoggerFrom(ctx).Info("Host lost: releasing the volumes its agent will never unplug", "host", vm.Status.Host, "volumes", len(vm.Status.Volumes))
+			r.Recorder.Eventf(vm, nil, corev1.EventTypeWarning, hostLostEvent, "Release",
+				"host %s is lost (its Node gone or tainted %s): its %d volume(s) released without its host agent", vm.Status.Host, corev1.TaintNodeOutOfService, len(vm.Status.Volumes))
+			vm.Status.Volumes = nil
+			meta.SetStatusCondition(&vm.Status.Conditions, volumesAttachedCondition(nil, nil))
+			return ctrl.Result{}, nil
+		}
+	}
 	in, unneeded, err := r.inputs(ctx, vm, true)
 	if err != nil {
 		return ctrl.Result{}, err
@@ -184,6 +210,22 @@ func (r *AttachmentReconciler) reconcileDelete(ctx context.Context, vm *vmv1.Vir
 	}
 	ctrl.LoggerFrom(ctx).Info("Every volume detached, VirtualMachine released")
 	return ctrl.Result{}, nil
+}
+
+// deletedVMsOnHost maps a lost host to the deleted VirtualMachines that still list volumes on it.
+func (r *AttachmentReconciler) deletedVMsOnHost(ctx context.Context, node client.Object) []reconcile.Request {
+	vms := &vmv1.VirtualMachineList{}
+	if err := r.Client.List(ctx, vms); err != nil {
+		ctrl.LoggerFrom(ctx).Error(err, "List VirtualMachines")
+		return nil
+	}
+	var reqs []reconcile.Request
+	for i := range vms.Items {
+		if vm := &vms.Items[i]; vm.Status.Host == node.GetName() && !vm.DeletionTimestamp.IsZero() && len(vm.Status.Volumes) > 0 {
+			reqs = append(reqs, reconcile.Request{NamespacedName: client.ObjectKeyFromObject(vm)})
+		}
+	}
+	return reqs
 }
 
 // inputs reads what the volumes of vm depend on, and returns the VirtualMachine's

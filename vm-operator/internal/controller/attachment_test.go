@@ -154,10 +154,37 @@ func TestAttachmentReconciler(t *testing.T) {
 		{
 			name:          "a deleted VirtualMachine is kept while status lists a volume",
 			vm:            newVM("vm-1", deleted, onHost("host-a"), withVolumes(a), withStatusVolumes(attachedA)),
-			objs:          append([]client.Object{vaA(attached)}, boundA...),
+			objs:          append([]client.Object{vaA(attached), newNode("host-a")}, boundA...),
 			wantVAs:       map[string]string{vmv1.AttachmentName(testNamespace, "vm-1", "a"): "pv-a"},
 			wantStatus:    []vmv1.VirtualMachineVolumeStatus{attachedA},
 			wantCondition: vmv1.AttachPendingReason, wantFinalizer: true,
+		},
+		{
+			name: "a deleted VirtualMachine on a host tainted out of service loses its volumes from status, without the host agent",
+			vm:   newVM("vm-1", deleted, onHost("host-a"), withVolumes(a), withStatusVolumes(attachedA)),
+			objs: append([]client.Object{vaA(attached), newNode("host-a", func(n *corev1.Node) {
+				n.Spec.Taints = []corev1.Taint{{Key: corev1.TaintNodeOutOfService, Value: "nodeshutdown", Effect: corev1.TaintEffectNoExecute}}
+			})}, boundA...),
+			// The attachment goes on the next pass, which reads the emptied status afresh.
+			wantVAs:       map[string]string{vmv1.AttachmentName(testNamespace, "vm-1", "a"): "pv-a"},
+			wantCondition: vmv1.AttachedReason, wantFinalizer: true,
+			wantEvents: []string{"Warning HostLost host host-a is lost (its Node gone or tainted node.kubernetes.io/out-of-service): its 1 volume(s) released without its host agent"},
+		},
+		{
+			name:          "a deleted VirtualMachine whose host's Node is gone loses its volumes from status",
+			vm:            newVM("vm-1", deleted, onHost("host-a"), withVolumes(a), withStatusVolumes(attachedA)),
+			objs:          append([]client.Object{vaA(attached)}, boundA...),
+			wantVAs:       map[string]string{vmv1.AttachmentName(testNamespace, "vm-1", "a"): "pv-a"},
+			wantCondition: vmv1.AttachedReason, wantFinalizer: true,
+			wantEvents: []string{"Warning HostLost host host-a is lost (its Node gone or tainted node.kubernetes.io/out-of-service): its 1 volume(s) released without its host agent"},
+		},
+		{
+			name:          "a VirtualMachine that is not deleted keeps its volumes on a lost host",
+			vm:            newVM("vm-1", withFinalizer, onHost("host-a"), withVolumes(a), withStatusVolumes(attachedA)),
+			objs:          append([]client.Object{vaA(attached)}, boundA...),
+			wantVAs:       map[string]string{vmv1.AttachmentName(testNamespace, "vm-1", "a"): "pv-a"},
+			wantStatus:    []vmv1.VirtualMachineVolumeStatus{attachedA},
+			wantCondition: vmv1.AttachedReason, wantFinalizer: true,
 		},
 		{
 			name:          "a deleted VirtualMachine whose volumes left status loses its attachments, then its finalizer",
@@ -297,6 +324,17 @@ func TestAttachmentReconcilerMapsWatchedObjectsToVirtualMachines(t *testing.T) {
 	longVA.Labels = vmv1.AttachmentLabels(newVM(long))
 	g.Expect(names(r.vmOfAttachment(ctx, longVA))).To(ConsistOf(long))
 	g.Expect(r.vmOfAttachment(ctx, &storagev1.VolumeAttachment{})).To(BeEmpty())
+
+	// A lost host maps to its deleted VirtualMachines that still list volumes.
+	attached := withStatusVolumes(vmv1.VirtualMachineVolumeStatus{Name: "a", Attached: true})
+	c = newFakeClient(g, nil,
+		newVM("going", deleted, onHost("host-a"), attached),
+		newVM("going-empty", deleted, onHost("host-a")),
+		newVM("running", withFinalizer, onHost("host-a"), attached),
+		newVM("elsewhere", deleted, onHost("host-b"), attached),
+	)
+	r = &AttachmentReconciler{Client: c, APIReader: c, Recorder: events.NewFakeRecorder(10)}
+	g.Expect(names(r.deletedVMsOnHost(ctx, newNode("host-a")))).To(ConsistOf("going"))
 }
 
 // countingReader counts the reads that bypass the cache.

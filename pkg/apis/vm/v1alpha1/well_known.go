@@ -1,5 +1,7 @@
 package v1alpha1
 
+import corev1 "k8s.io/api/core/v1"
+
 // Labels, annotations and finalizers that tie VirtualMachines to the objects around them. They
 // are read by several parts (the vm-operator controller and host agent, administrators' tools),
 // so they are part of the API.
@@ -37,4 +39,18 @@ const NoFreeSlotError = "no free hot-plug slot"
 // modification that is still optimizing; the entry and an Event say what holds meanwhile.
 func LimitsAtNextAttach(class string) string {
 	return "the I/O limits of VolumeAttributesClass " + class + " apply when the volume is next attached"
+}
+
+// HostLost tells whether a management host is declared lost, for good: its Node carries
+// Kubernetes' non-graceful shutdown taint (node.kubernetes.io/out-of-service, which an admin or
+// a fencing agent sets once the machine is off; a deleted Node is lost too). A lost host's agents
+// never act again, so what waited for them (the unplugging of its VMs' volumes) is released
+// without them. NotReady alone is not lost: a partitioned host may still run its VMs.
+func HostLost(node *corev1.Node) bool {
+	for _, t := range node.Spec.Taints {
+		if t.Key == corev1.TaintNodeOutOfService {
+			return true
+		}
+	}
+	return false
 }

@@ -1,0 +1,49 @@
+// Package hostloss tells the controllers that wait on a host's agents when that host is lost
+// for good (vmv1.HostLost, or its Node gone), so that they stop waiting for agents that will
+// never act: the attachment controller releases a deleted VirtualMachine's volumes, and the
+// infrastructure provider deletes a machine's VirtualMachine without waiting for them.
+package hostloss
+
+import (
+	"context"
+	"fmt"
+
+	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+	"sigs.k8s.io/controller-runtime/pkg/event"
+	"sigs.k8s.io/controller-runtime/pkg/predicate"
+
+	vmv1 "pvbridge.io/pkg/apis/vm/v1alpha1"
+)
+
+// Lost tells whether host is lost: its Node tainted out of service (vmv1.HostLost), or gone. A
+// miss of cached is confirmed with live, so that a cache not yet synced loses no host.
+func Lost(ctx context.Context, cached, live client.Reader, host string) (bool, error) {
+	node := &corev1.Node{}
+	err := cached.Get(ctx, client.ObjectKey{Name: host}, node)
+	if apierrors.IsNotFound(err) {
+		err = live.Get(ctx, client.ObjectKey{Name: host}, node)
+	}
+	switch {
+	case apierrors.IsNotFound(err):
+		return true, nil
+	case err != nil:
+		return false, fmt.Errorf("get Node %s: %w", host, err)
+	}
+	return vmv1.HostLost(node), nil
+}
+
+// Changed lets through the Node events that can make a host lost (its deletion, the
+// out-of-service taint's coming), not the routine updates of every Node.
+func Changed() predicate.Predicate {
+	return predicate.Funcs{
+		CreateFunc: func(event.CreateEvent) bool { return false },
+		UpdateFunc: func(e event.UpdateEvent) bool {
+			oldNode, ok1 := e.ObjectOld.(*corev1.Node)
+			newNode, ok2 := e.ObjectNew.(*corev1.Node)
+			return ok1 && ok2 && !vmv1.HostLost(oldNode) && vmv1.HostLost(newNode)
+		},
+		GenericFunc: func(event.GenericEvent) bool { return false },
+	}
+}
