@@ -56,8 +56,8 @@ const attachmentReconciles = 4
 // after the host agent has unplugged and unstaged it, and that decision is taken on a fresh read
 // of the VirtualMachine, never on the cache alone. The finalizer vm.pvbridge.io/volumes keeps a
 // deleted VirtualMachine until status.volumes is empty and its VolumeAttachments are gone; on a
-// lost host (hostloss.Lost), whose agent will never unplug anything, the
-// controller empties status.volumes itself: the disks went with the host.
+// lost host (hostloss.Lost), whose agent will never unplug anything, the controller empties
+// status.volumes itself: the disks went with the host.
 type AttachmentReconciler struct {
 	Client client.Client
 	// APIReader reads from the API server, bypassing the cache: the VirtualMachine before a
