@@ -75,15 +75,9 @@ func infraMachineOf(_ context.Context, obj client.Object) []reconcile.Request {
 
 // machinesOnHost maps a host to the PVBridgeMachines of its VirtualMachines.
 func (r *MachineReconciler) machinesOnHost(ctx context.Context, node client.Object) []reconcile.Request {
-	vms := &vmv1.VirtualMachineList{}
-	if err := r.Client.List(ctx, vms); err != nil {
-		ctrl.LoggerFrom(ctx).Error(err, "List VirtualMachines")
-		return nil
-	}
 	var reqs []reconcile.Request
-	for i := range vms.Items {
-		vm := &vms.Items[i]
-		if owner := metav1.GetControllerOf(vm); owner != nil && owner.Kind == "PVBridgeMachine" && vm.Status.Host == node.GetName() {
+	for _, vm := range hostloss.VMsOn(ctx, r.Client, node.GetName()) {
+		if owner := metav1.GetControllerOf(vm); owner != nil && owner.Kind == "PVBridgeMachine" {
 			reqs = append(reqs, reconcile.Request{NamespacedName: client.ObjectKey{Namespace: vm.Namespace, Name: owner.Name}})
 		}
 	}

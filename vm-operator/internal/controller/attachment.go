@@ -214,14 +214,9 @@ func (r *AttachmentReconciler) reconcileDelete(ctx context.Context, vm *vmv1.Vir
 
 // deletedVMsOnHost maps a lost host to the deleted VirtualMachines that still list volumes on it.
 func (r *AttachmentReconciler) deletedVMsOnHost(ctx context.Context, node client.Object) []reconcile.Request {
-	vms := &vmv1.VirtualMachineList{}
-	if err := r.Client.List(ctx, vms); err != nil {
-		ctrl.LoggerFrom(ctx).Error(err, "List VirtualMachines")
-		return nil
-	}
 	var reqs []reconcile.Request
-	for i := range vms.Items {
-		if vm := &vms.Items[i]; vm.Status.Host == node.GetName() && !vm.DeletionTimestamp.IsZero() && len(vm.Status.Volumes) > 0 {
+	for _, vm := range hostloss.VMsOn(ctx, r.Client, node.GetName()) {
+		if !vm.DeletionTimestamp.IsZero() && len(vm.Status.Volumes) > 0 {
 			reqs = append(reqs, reconcile.Request{NamespacedName: client.ObjectKeyFromObject(vm)})
 		}
 	}

@@ -10,6 +10,7 @@ import (
 
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	ctrl "sigs.k8s.io/controller-runtime"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 	"sigs.k8s.io/controller-runtime/pkg/event"
 	"sigs.k8s.io/controller-runtime/pkg/predicate"
@@ -32,6 +33,23 @@ func Lost(ctx context.Context, cached, live client.Reader, host string) (bool, e
 		return false, fmt.Errorf("get Node %s: %w", host, err)
 	}
 	return vmv1.HostLost(node), nil
+}
+
+// VMsOn lists the VirtualMachines that run on host (their status.host), for the watches that map
+// a lost host to what waits on it; nil, logged, when the list fails.
+func VMsOn(ctx context.Context, c client.Reader, host string) []*vmv1.VirtualMachine {
+	vms := &vmv1.VirtualMachineList{}
+	if err := c.List(ctx, vms); err != nil {
+		ctrl.LoggerFrom(ctx).Error(err, "List VirtualMachines")
+		return nil
+	}
+	var on []*vmv1.VirtualMachine
+	for i := range vms.Items {
+		if vms.Items[i].Status.Host == host {
+			on = append(on, &vms.Items[i])
+		}
+	}
+	return on
 }
 
 // Changed lets through the Node events that can make a host lost (its deletion, the
