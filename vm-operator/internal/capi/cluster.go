@@ -79,7 +79,7 @@ func hostChanged() predicate.Predicate {
 		UpdateFunc: func(e event.UpdateEvent) bool {
 			oldNode, ok1 := e.ObjectOld.(*corev1.Node)
 			newNode, ok2 := e.ObjectNew.(*corev1.Node)
-			return !ok1 || !ok2 || oldNode.Labels[vmv1.HostLabel] != newNode.Labels[vmv1.HostLabel] || domainEligible(oldNode) != domainEligible(newNode)
+			return !ok1 || !ok2 || oldNode.Labels[vmv1.HostLabel] != newNode.Labels[vmv1.HostLabel] || vmv1.HostTakesNewVMs(oldNode) != vmv1.HostTakesNewVMs(newNode)
 		},
 		GenericFunc: func(event.GenericEvent) bool { return false },
 	}
@@ -134,7 +134,7 @@ func (r *ClusterReconciler) Reconcile(ctx context.Context, req ctrl.Request) (_ 
 
 // failureDomains are a cluster's failure domains: those of its spec, each suitable for the
 // control plane unless it says otherwise; else every management host that can take a new VM
-// (domainEligible), all suitable for the control plane. Sorted by name, so the status changes
+// (vmv1.HostTakesNewVMs), all suitable for the control plane. Sorted by name, so the status changes
 // only when the hosts do.
 func failureDomains(spec []infrav1.FailureDomain, hosts []corev1.Node) []infrav1.FailureDomain {
 	var out []infrav1.FailureDomain
@@ -148,27 +148,11 @@ func failureDomains(spec []infrav1.FailureDomain, hosts []corev1.Node) []infrav1
 		}
 	} else {
 		for i := range hosts {
-			if domainEligible(&hosts[i]) {
+			if vmv1.HostTakesNewVMs(&hosts[i]) {
 				out = append(out, infrav1.FailureDomain{Name: hosts[i].Name, ControlPlane: ptr.To(true)})
 			}
 		}
 	}
 	slices.SortFunc(out, func(a, b infrav1.FailureDomain) int { return strings.Compare(a.Name, b.Name) })
 	return out
-}
-
-// domainEligible tells whether a host is a failure domain: Ready, not cordoned, not being
-// deleted and not lost (vmv1.HostLost). Cluster API spreads new Machines over the failure
-// domains, and a Machine sent to a host that cannot take its VM would wait there (a dead host
-// that stayed a domain got the replacement of its own Machine).
-func domainEligible(n *corev1.Node) bool {
-	if !n.DeletionTimestamp.IsZero() || n.Spec.Unschedulable || vmv1.HostLost(n) {
-		return false
-	}
-	for _, c := range n.Status.Conditions {
-		if c.Type == corev1.NodeReady {
-			return c.Status == corev1.ConditionTrue
-		}
-	}
-	return false
 }

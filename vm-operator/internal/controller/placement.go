@@ -182,7 +182,7 @@ func (r *PlacementReconciler) assume(uid types.UID, host string) {
 func leastLoaded(nodes []corev1.Node, load map[string]int) (string, int) {
 	var candidates []string
 	for i := range nodes {
-		if isCandidate(&nodes[i]) {
+		if vmv1.HostTakesNewVMs(&nodes[i]) {
 			candidates = append(candidates, nodes[i].Name)
 		}
 	}
@@ -193,19 +193,6 @@ func leastLoaded(nodes []corev1.Node, load map[string]int) (string, int) {
 		return cmp.Or(cmp.Compare(load[a], load[b]), cmp.Compare(a, b))
 	})
 	return best, len(candidates)
-}
-
-// isCandidate tells whether a Node can take new VirtualMachines.
-func isCandidate(node *corev1.Node) bool {
-	if node.Labels[vmv1.HostLabel] != "true" || node.Spec.Unschedulable || !node.DeletionTimestamp.IsZero() {
-		return false
-	}
-	for _, c := range node.Status.Conditions {
-		if c.Type == corev1.NodeReady {
-			return c.Status == corev1.ConditionTrue
-		}
-	}
-	return false
 }
 
 // recordPlacement remembers a placement just written and tells it in an Event.
@@ -252,7 +239,7 @@ func candidacyChanged() predicate.Predicate {
 		UpdateFunc: func(e event.UpdateEvent) bool {
 			oldNode, ok1 := e.ObjectOld.(*corev1.Node)
 			newNode, ok2 := e.ObjectNew.(*corev1.Node)
-			return !ok1 || !ok2 || isCandidate(oldNode) != isCandidate(newNode)
+			return !ok1 || !ok2 || vmv1.HostTakesNewVMs(oldNode) != vmv1.HostTakesNewVMs(newNode)
 		},
 		GenericFunc: func(event.GenericEvent) bool { return false },
 	}

@@ -54,3 +54,18 @@ func HostLost(node *corev1.Node) bool {
 	}
 	return false
 }
+
+// HostTakesNewVMs tells whether a Node can take new VirtualMachines: a host (HostLabel), Ready,
+// not cordoned, not being deleted and not lost. vm-operator places VMs only there, and the
+// infrastructure provider offers only those hosts as failure domains.
+func HostTakesNewVMs(node *corev1.Node) bool {
+	if node.Labels[HostLabel] != "true" || node.Spec.Unschedulable || !node.DeletionTimestamp.IsZero() || HostLost(node) {
+		return false
+	}
+	for _, c := range node.Status.Conditions {
+		if c.Type == corev1.NodeReady {
+			return c.Status == corev1.ConditionTrue
+		}
+	}
+	return false
+}
