@@ -21,6 +21,9 @@ declare -A need=(
 	[busybox]=busybox-static
 	# vm-operator's qemu hypervisor driver and its tests (software emulation, no KVM needed).
 	[qemu-system-x86_64]=qemu-system-x86
+	# the local hypervisor's throttled disks and mgmt-csi's replicated volumes (replica servers,
+	# targets).
+	[qemu-storage-daemon]=qemu-system-common
 	# the qemu driver's boot disk overlays; the node image's build (hack/build-node-image.sh).
 	[qemu-img]=qemu-utils
 	# the guest agent of the node image, which the qemu driver's test runs on the host.

@@ -105,8 +105,8 @@ func (l *Lab) track(p *Process) {
 	l.processes = append(l.processes, p)
 }
 
-// atStop makes Stop call f once every process has stopped.
-func (l *Lab) atStop(f func() error) {
+// AtStop makes Stop call f once every process has stopped.
+func (l *Lab) AtStop(f func() error) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	l.cleanups = append(l.cleanups, f)

@@ -105,7 +105,7 @@ func (cp *ControlPlane) AddNode(ctx context.Context, name string, opts NodeOptio
 		if err != nil {
 			return nil, err
 		}
-		cp.lab.atStop(pn.stop)
+		cp.lab.AtStop(pn.stop)
 		if err := os.WriteFile(filepath.Join(n.HostPath("/etc/cni/net.d"), "10-lab.conflist"), []byte(pn.cniConfig()), 0o644); err != nil {
 			return nil, err
 		}

@@ -46,7 +46,7 @@ func (l *Lab) StartQEMUNetwork(registry *Registry) (*QEMUNetwork, error) {
 	if err != nil {
 		return nil, fmt.Errorf("qemu network: %w", err)
 	}
-	l.atStop(func() error { return l.stopNetwork(pn) })
+	l.AtStop(func() error { return l.stopNetwork(pn) })
 	q.Bridge, q.Gateway = pn.Bridge, pn.Gateway
 
 	dir := filepath.Join(l.Root, "qemu-networks", pn.Bridge)

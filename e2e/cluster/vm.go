@@ -115,7 +115,7 @@ func (l *Lab) StartVM(ctx context.Context, name string, opts VMOptions) (*VM, er
 	if err := vm.startNamespace(ctx, opts.Binds); err != nil {
 		return nil, err
 	}
-	l.atStop(vm.Stop)
+	l.AtStop(vm.Stop)
 	if err := vm.startNetwork(opts.Addresses, opts.Registry); err != nil {
 		return nil, err
 	}
@@ -429,6 +429,6 @@ func (l *Lab) ControlPlaneEndpoint() (string, error) {
 	if err != nil {
 		return "", fmt.Errorf("control plane endpoint: %w", err)
 	}
-	l.atStop(func() error { return l.stopNetwork(pn) })
+	l.AtStop(func() error { return l.stopNetwork(pn) })
 	return address, nil
 }

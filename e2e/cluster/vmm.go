@@ -59,7 +59,7 @@ func (l *Lab) StartVMM(opts VMMOptions) *VMM {
 		defer close(m.done)
 		wait.UntilWithContext(ctx, m.sync, 250*time.Millisecond)
 	}()
-	l.atStop(m.Stop)
+	l.AtStop(m.Stop)
 	return m
 }
 

@@ -5,10 +5,14 @@ package deploy
 
 import (
 	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"errors"
 	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strconv"
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
@@ -24,6 +28,7 @@ import (
 	"pvbridge.io/e2e/cluster"
 	"pvbridge.io/pkg/names"
 	"pvbridge.io/pkg/qos"
+	"pvbridge.io/pkg/qsd"
 )
 
 const (
@@ -36,6 +41,9 @@ const (
 	// StorageClassPmemXFS formats xfs, which, unlike ext4, grows while mounted without
 	// CAP_SYS_RESOURCE.
 	StorageClassPmemXFS = "pmem-xfs"
+	// StorageClassPmemReplicated keeps two replicas on distinct hosts and binds at once: its
+	// volumes are served on every host.
+	StorageClassPmemReplicated = "pmem-replicated"
 	// SnapshotClassPmem is the VolumeSnapshotClass and VolumeGroupSnapshotClass of mgmt-csi.
 	SnapshotClassPmem = "pmem"
 	// CSINamespace is where csi-provisioner publishes CSIStorageCapacity objects.
@@ -66,6 +74,9 @@ type Management struct {
 	// Controller is the central mgmt-csi; Sidecars are keyed by name (csi-provisioner, …).
 	Controller *cluster.Process
 	Sidecars   map[string]*cluster.Process
+	// ReplicaKeys is the directory of the replica servers' pre-shared key, which every host's
+	// agent is given (in a real cluster, a Secret).
+	ReplicaKeys string
 }
 
 // Host is a management host: a kubelet, its PMEM region and its mgmt-csi node agent.
@@ -74,6 +85,9 @@ type Host struct {
 	// PmemDir is the mount point of the host's PMEM filesystem (xfs on a loop device).
 	PmemDir string
 	Agent   *cluster.Process
+	// ReplicaAddress is where the host's replica server listens; RunDir holds its
+	// qemu-storage-daemons.
+	ReplicaAddress, RunDir string
 }
 
 // StartManagement deploys mgmt-csi: the CSIDriver, the StorageClasses, the controller with its
@@ -84,7 +98,10 @@ func StartManagement(ctx context.Context, lab *cluster.Lab, cp *cluster.ControlP
 	if err != nil {
 		return nil, err
 	}
-	m := &Management{CP: cp, Sidecars: map[string]*cluster.Process{}}
+	m := &Management{CP: cp, Sidecars: map[string]*cluster.Process{}, ReplicaKeys: filepath.Join(cp.Dir, "replica-keys")}
+	if err := writeReplicaKeys(m.ReplicaKeys); err != nil {
+		return nil, err
+	}
 	if err := m.installObjects(ctx); err != nil {
 		return nil, err
 	}
@@ -113,18 +130,24 @@ func (m *Management) installObjects(ctx context.Context) error {
 		return err
 	}
 	for _, class := range []struct {
-		name   string
-		mode   storagev1.VolumeBindingMode
-		fsType string
+		name     string
+		mode     storagev1.VolumeBindingMode
+		fsType   string
+		replicas string
 	}{
-		{StorageClassPmem, storagev1.VolumeBindingWaitForFirstConsumer, "ext4"},
-		{StorageClassPmemImmediate, storagev1.VolumeBindingImmediate, "ext4"},
-		{StorageClassPmemXFS, storagev1.VolumeBindingWaitForFirstConsumer, "xfs"},
+		{StorageClassPmem, storagev1.VolumeBindingWaitForFirstConsumer, "ext4", ""},
+		{StorageClassPmemImmediate, storagev1.VolumeBindingImmediate, "ext4", ""},
+		{StorageClassPmemXFS, storagev1.VolumeBindingWaitForFirstConsumer, "xfs", ""},
+		{StorageClassPmemReplicated, storagev1.VolumeBindingImmediate, "ext4", "2"},
 	} {
+		params := map[string]string{"csi.storage.k8s.io/fstype": class.fsType}
+		if class.replicas != "" {
+			params["replicas"] = class.replicas
+		}
 		sc := &storagev1.StorageClass{
 			ObjectMeta:           metav1.ObjectMeta{Name: class.name},
 			Provisioner:          names.PmemDriver,
-			Parameters:           map[string]string{"csi.storage.k8s.io/fstype": class.fsType},
+			Parameters:           params,
 			ReclaimPolicy:        ptr.To(corev1.PersistentVolumeReclaimDelete),
 			VolumeBindingMode:    ptr.To(class.mode),
 			AllowVolumeExpansion: ptr.To(true),
@@ -286,6 +309,15 @@ func (m *Management) startHost(ctx context.Context, lab *cluster.Lab, bin, name 
 	if err := makePmemRegion(ctx, filepath.Join(node.Dir, "pmem.img"), h.PmemDir, opts.PmemSize); err != nil {
 		return nil, err
 	}
+	ports, err := cluster.FreePorts(1)
+	if err != nil {
+		return nil, err
+	}
+	h.ReplicaAddress = "127.0.0.1:" + strconv.Itoa(ports[0])
+	// Short: the daemons' sockets are below it (the lab's root is short). The daemons outlive
+	// the agent, as they do on a host: the lab stops them.
+	h.RunDir = filepath.Join(lab.Root, "q-"+name)
+	lab.AtStop(func() error { return stopDaemons(h.RunDir) })
 	socketDir := node.PluginDir(names.PmemDriver)
 	h.Agent, err = lab.Start(cluster.Command{
 		Name: m.CP.Name + "/" + name + "/mgmt-csi", Bin: bin, Dir: socketDir,
@@ -296,6 +328,7 @@ func (m *Management) startHost(ctx context.Context, lab *cluster.Lab, bin, name 
 			"--kubelet-registration-dir=" + node.PluginRegistryDir(),
 			"--kubeconfig=" + m.CP.Kubeconfig,
 			"--pmem-mode=file", "--pmem-dir=" + h.PmemDir,
+			"--replica-address=" + h.ReplicaAddress, "--replica-keys-dir=" + m.ReplicaKeys, "--run-dir=" + h.RunDir,
 			"--v=4",
 		},
 		Restart: true,
@@ -304,6 +337,32 @@ func (m *Management) startHost(ctx context.Context, lab *cluster.Lab, bin, name 
 		return nil, err
 	}
 	return h, m.waitHostReady(ctx, h)
+}
+
+// stopDaemons stops the qemu-storage-daemons of a host's agent below runDir: its replica
+// server and its targets.
+func stopDaemons(runDir string) error {
+	dirs, err := filepath.Glob(filepath.Join(runDir, "t", "*"))
+	if err != nil {
+		return err
+	}
+	var errs []error
+	for _, d := range append(dirs, filepath.Join(runDir, "server")) {
+		errs = append(errs, qsd.Stop(context.Background(), qsd.Dir(d)))
+	}
+	return errors.Join(errs...)
+}
+
+// writeReplicaKeys writes a keys file with a random pre-shared key into dir.
+func writeReplicaKeys(dir string) error {
+	key := make([]byte, 32)
+	if _, err := rand.Read(key); err != nil {
+		return err
+	}
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		return err
+	}
+	return os.WriteFile(filepath.Join(dir, "keys.psk"), []byte("pvbridge:"+hex.EncodeToString(key)+"\n"), 0o600)
 }
 
 // waitHostReady waits until kubelet has registered the node plugin (CSINode) and the agent

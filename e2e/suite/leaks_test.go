@@ -27,7 +27,7 @@ import (
 )
 
 // storageState is everything a volume leaves behind somewhere, one line per thing: management
-// PVCs, PVs, VolumeAttachments, VolumeSnapshots, PmemVolumes, PmemSnapshots, VM volume entries
+// PVCs, PVs, VolumeAttachments, VolumeSnapshots, PmemVolumes, PmemSnapshots, PmemReplicas, VM volume entries
 // (spec and status), each guest's PVs, VolumeAttachments and VolumeSnapshotContents, the loop
 // devices and mounts below the lab, and each host's free PMEM.
 func storageState(ctx context.Context) ([]string, error) {
@@ -47,6 +47,7 @@ func storageState(ctx context.Context) ([]string, error) {
 		"mgmt PVC": &corev1.PersistentVolumeClaimList{}, "mgmt PV": &corev1.PersistentVolumeList{},
 		"mgmt VolumeAttachment": &storagev1.VolumeAttachmentList{}, "mgmt VolumeSnapshot": &snapshotv1.VolumeSnapshotList{},
 		"PmemVolume": &pmemv1.PmemVolumeList{}, "PmemSnapshot": &pmemv1.PmemSnapshotList{},
+		"PmemReplica": &pmemv1.PmemReplicaList{},
 	} {
 		if err := each(mc, what, l); err != nil {
 			return nil, err
@@ -153,6 +154,7 @@ func dumpArtifacts(ctx context.Context, dir string) error {
 			"events": &corev1.EventList{}, "nodes": &corev1.NodeList{},
 			"volumesnapshots": &snapshotv1.VolumeSnapshotList{}, "volumesnapshotcontents": &snapshotv1.VolumeSnapshotContentList{},
 			"virtualmachines": &vmv1.VirtualMachineList{}, "pmemvolumes": &pmemv1.PmemVolumeList{}, "pmemnodes": &pmemv1.PmemNodeList{},
+			"pmemreplicas": &pmemv1.PmemReplicaList{},
 		} {
 			if err := c.List(ctx, l); err != nil {
 				continue // the kind is not served in this cluster, or the apiserver is down

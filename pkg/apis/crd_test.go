@@ -69,8 +69,13 @@ func TestCRDsAreAcceptedByTheAPIServer(t *testing.T) {
 		},
 		{
 			file: "pmem.pvbridge.io_pmemvolumes.yaml", kind: "PmemVolume", scope: apiextensionsv1.ClusterScoped,
-			shortNames: []string{"pmv"}, columns: []string{"Node", "Size", "Device", "Ready", "Reason", "Allocated", "Age"},
+			shortNames: []string{"pmv"}, columns: []string{"Node", "Replicas", "Size", "Device", "Ready", "Reason", "Allocated", "Age"},
 			selectable: []string{".spec.node"},
+		},
+		{
+			file: "pmem.pvbridge.io_pmemreplicas.yaml", kind: "PmemReplica", scope: apiextensionsv1.ClusterScoped,
+			shortNames: []string{"pmr"}, columns: []string{"Volume", "Node", "Size", "Ready", "Reason", "Device", "Address", "Age"},
+			selectable: []string{".spec.node", ".spec.volumeID"},
 		},
 		{
 			file: "pmem.pvbridge.io_pmemsnapshots.yaml", kind: "PmemSnapshot", scope: apiextensionsv1.ClusterScoped,
@@ -324,6 +329,38 @@ func TestPmemVolumeValidation(t *testing.T) {
 		{name: "source changes", old: vol("source: {snapshotID: snap-1}"), obj: vol("source: {snapshotID: snap-2}"), wantErr: "source is immutable"},
 		{name: "source added after creation", old: vol(""), obj: vol("source: {snapshotID: snap-1}"), wantErr: "source is immutable"},
 		{name: "source removed", old: vol("source: {snapshotID: snap-1}"), obj: vol(""), wantErr: "source is immutable"},
+		{name: "one replica, said", obj: vol("replicas: 1")},
+		{name: "replicated, without a node", obj: pmemVolume("pvc-1", "volumeID: pvc-1\nsize: 1Gi\nreplicas: 3")},
+		{name: "replicated with a node", obj: vol("replicas: 2"), wantErr: "a volume of one replica has a node"},
+		{name: "neither a node nor replicas", obj: pmemVolume("pvc-1", "volumeID: pvc-1\nsize: 1Gi"), wantErr: "a volume of one replica has a node"},
+		{name: "more than 3 replicas", obj: pmemVolume("pvc-1", "volumeID: pvc-1\nsize: 1Gi\nreplicas: 4"), wantErr: "spec.replicas"},
+		{
+			name: "replicas change", old: pmemVolume("pvc-1", "volumeID: pvc-1\nsize: 1Gi\nreplicas: 2"),
+			obj: pmemVolume("pvc-1", "volumeID: pvc-1\nsize: 1Gi\nreplicas: 3"), wantErr: "replicas is immutable",
+		},
+	})
+}
+
+func TestPmemVolumeDefaultsToOneReplica(t *testing.T) {
+	g := NewWithT(t)
+	obj, errs := newValidator(t, "pmem.pvbridge.io_pmemvolumes.yaml").write(t, pmemVolume("pvc-1", "node: host-a\nvolumeID: pvc-1\nsize: 1Gi"), "")
+	g.Expect(errs).To(BeEmpty())
+	g.Expect(obj["spec"]).To(HaveKeyWithValue("replicas", int64(1)))
+}
+
+func TestPmemReplicaValidation(t *testing.T) {
+	replica := func(spec string) string {
+		return "apiVersion: pmem.pvbridge.io/v1alpha1\nkind: PmemReplica\nmetadata: {name: pvc-1-r0}\nspec:\n" + indent(spec)
+	}
+	const spec = "volumeID: pvc-1\nnode: host-a\nsize: 1Gi"
+	runValidationCases(t, "pmem.pvbridge.io_pmemreplicas.yaml", []validationCase{
+		{name: "new replica", obj: replica(spec)},
+		{name: "without a volume", obj: replica("node: host-a\nsize: 1Gi"), wantErr: "spec.volumeID: Required value"},
+		{name: "without a node", obj: replica("volumeID: pvc-1\nsize: 1Gi"), wantErr: "spec.node: Required value"},
+		{name: "size grows", old: replica(spec), obj: replica("volumeID: pvc-1\nnode: host-a\nsize: 2Gi")},
+		{name: "size shrinks", old: replica(spec), obj: replica("volumeID: pvc-1\nnode: host-a\nsize: 512Mi"), wantErr: "size cannot shrink"},
+		{name: "node changes", old: replica(spec), obj: replica("volumeID: pvc-1\nnode: host-b\nsize: 1Gi"), wantErr: "node is immutable"},
+		{name: "volume changes", old: replica(spec), obj: replica("volumeID: pvc-2\nnode: host-a\nsize: 1Gi"), wantErr: "volumeID is immutable"},
 	})
 }
 

@@ -43,6 +43,8 @@ func TestSchemeKnowsEveryKind(t *testing.T) {
 		{obj: &pmemv1alpha1.PmemVolumeList{}, want: pmemv1alpha1.GroupVersion.WithKind("PmemVolumeList")},
 		{obj: &pmemv1alpha1.PmemSnapshot{}, want: pmemv1alpha1.GroupVersion.WithKind("PmemSnapshot")},
 		{obj: &pmemv1alpha1.PmemSnapshotList{}, want: pmemv1alpha1.GroupVersion.WithKind("PmemSnapshotList")},
+		{obj: &pmemv1alpha1.PmemReplica{}, want: pmemv1alpha1.GroupVersion.WithKind("PmemReplica")},
+		{obj: &pmemv1alpha1.PmemReplicaList{}, want: pmemv1alpha1.GroupVersion.WithKind("PmemReplicaList")},
 		{obj: &pmemv1alpha1.PmemNode{}, want: pmemv1alpha1.GroupVersion.WithKind("PmemNode")},
 		{obj: &pmemv1alpha1.PmemNodeList{}, want: pmemv1alpha1.GroupVersion.WithKind("PmemNodeList")},
 		{obj: &infrav1alpha1.PVBridgeCluster{}, want: infrav1alpha1.GroupVersion.WithKind("PVBridgeCluster")},

@@ -51,6 +51,12 @@ func main() {
 		"LVM mode: the volume groups to carve volumes from, one per PMEM region.")
 	fs.StringSliceVar(&opts.Pmem.Ndctl.Regions, "ndctl-regions", nil,
 		"ndctl mode: the PMEM regions to use (e.g. region0); empty means every PMEM region.")
+	fs.StringVar(&opts.Replication.Address, "replica-address", "",
+		"host:port on which this host's replica server serves its replicas of replicated volumes to the other hosts' agents; reachable from them, never from guests. Empty: the host holds no replica. Only with --mode=node.")
+	fs.StringVar(&opts.Replication.KeysDir, "replica-keys-dir", "",
+		`Directory holding keys.psk ("pvbridge:<hex key>"), the pre-shared key with which the hosts' agents reach each other's replica servers; mount it from a Secret that only the node agents read. Empty: the host takes no part in replicated volumes. Only with --mode=node.`)
+	fs.StringVar(&opts.Replication.RunDir, "run-dir", "/run/pvbridge/mgmt-csi",
+		"Directory of the host's qemu-storage-daemons (the replica server and the targets of replicated volumes attached here); short, for their sockets. Only with --mode=node.")
 	command.Main(fs, "mgmt-csi", fmt.Sprintf("CSI driver %s, version %s.", driver.Name, version), func(ctx context.Context) error {
 		ctrl.SetLogger(klog.NewKlogr())
 		d, err := driver.New(opts)

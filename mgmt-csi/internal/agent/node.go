@@ -29,6 +29,8 @@ type NodeReporter struct {
 	Interval time.Duration
 	// WaitForSync blocks until the API cache is ready (the manager starts runnables before).
 	WaitForSync func(context.Context) bool
+	// ReplicaAddress is the address of the node's replica server; empty when it has none.
+	ReplicaAddress string
 
 	once    sync.Once
 	trigger chan struct{}
@@ -83,6 +85,7 @@ func (r *NodeReporter) refresh(ctx context.Context) error {
 
 	patch := client.MergeFrom(node.DeepCopy())
 	node.Status.Mode = r.Backend.Mode()
+	node.Status.ReplicaAddress = r.ReplicaAddress
 	ready := metav1.Condition{Type: pmemv1.ReadyCondition, Status: metav1.ConditionTrue, Reason: pmemv1.BackendReadyReason}
 	if c, err := r.Backend.Capacity(ctx); err != nil {
 		ready.Status, ready.Reason, ready.Message = metav1.ConditionFalse, pmemv1.BackendUnavailableReason, err.Error()

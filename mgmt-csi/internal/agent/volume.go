@@ -71,45 +71,66 @@ func (r *VolumeReconciler) Reconcile(ctx context.Context, req ctrl.Request) (ctr
 }
 
 func (r *VolumeReconciler) reconcileNormal(ctx context.Context, vol *pmemv1.PmemVolume) (ctrl.Result, error) {
-	log := ctrl.LoggerFrom(ctx)
-	size := vol.Spec.Size.Value()
-	dev, err := r.Backend.GetVolume(ctx, vol.Name)
-	switch {
-	case errors.Is(err, pmem.ErrNotFound) && vol.Status.Device != "":
-		// The device existed and is gone: never hand out a new, empty volume under the old ID.
-		return ctrl.Result{}, r.setStatus(ctx, vol, nil, metav1.ConditionFalse, pmemv1.FailedReason,
-			fmt.Sprintf("the device %s of this volume has disappeared from the node", vol.Status.Device))
-	case errors.Is(err, pmem.ErrNotFound):
-		var src *pmem.Source
-		if s := vol.Spec.Source; s != nil {
-			src = &pmem.Source{SnapshotID: s.SnapshotID, VolumeID: s.VolumeID}
-		}
-		dev, err = r.Backend.CreateVolume(ctx, vol.Name, size, src)
-		if err != nil {
-			return r.failed(ctx, vol, err)
-		}
-		log.Info("Created volume", "device", dev.Device, "size", dev.Size)
-		r.Capacity.Refresh(ctx)
-	case err != nil:
+	var src *pmem.Source
+	if s := vol.Spec.Source; s != nil {
+		src = &pmem.Source{SnapshotID: s.SnapshotID, VolumeID: s.VolumeID}
+	}
+	dev, err := carve(ctx, r.Backend, r.Capacity, vol.Name, vol.Spec.Size.Value(), src, vol.Status.Device)
+	if errors.Is(err, errDisappeared) {
+		return ctrl.Result{}, r.setStatus(ctx, vol, nil, metav1.ConditionFalse, pmemv1.FailedReason, err.Error())
+	}
+	if err != nil {
 		return r.failed(ctx, vol, err)
 	}
+	return ctrl.Result{}, r.setStatus(ctx, vol, &dev, metav1.ConditionTrue, pmemv1.CreatedReason, "")
+}
+
+// errDisappeared is carve's error for a device that existed and is gone.
+var errDisappeared = errors.New("has disappeared from the node")
+
+// carve makes the back end's volume name exist with at least size bytes: it creates it (from
+// src), or grows it. known is the device the object reported last: if that is gone, carve
+// fails with errDisappeared rather than hand out a new, empty volume under the old name.
+func carve(ctx context.Context, b pmem.Backend, capacity *NodeReporter, name string, size int64, src *pmem.Source, known string) (pmem.Volume, error) {
+	log := ctrl.LoggerFrom(ctx)
+	dev, err := b.GetVolume(ctx, name)
+	switch {
+	case errors.Is(err, pmem.ErrNotFound) && known != "":
+		return pmem.Volume{}, fmt.Errorf("the device %s of %s %w", known, name, errDisappeared)
+	case errors.Is(err, pmem.ErrNotFound):
+		if dev, err = b.CreateVolume(ctx, name, size, src); err != nil {
+			return pmem.Volume{}, err
+		}
+		log.Info("Created volume", "device", dev.Device, "size", dev.Size)
+		capacity.Refresh(ctx)
+	case err != nil:
+		return pmem.Volume{}, err
+	}
 	if dev.Size < size {
-		grown, err := r.Backend.ExpandVolume(ctx, vol.Name, size)
+		grown, err := b.ExpandVolume(ctx, name, size)
 		if err != nil {
-			return r.failed(ctx, vol, err)
+			return pmem.Volume{}, err
 		}
 		log.Info("Expanded volume", "device", grown.Device, "from", dev.Size, "to", grown.Size)
 		dev = grown
-		r.Capacity.Refresh(ctx)
+		capacity.Refresh(ctx)
 	}
-	return ctrl.Result{}, r.setStatus(ctx, vol, &dev, metav1.ConditionTrue, pmemv1.CreatedReason, "")
+	return dev, nil
 }
 
 // failed reports a back-end error. Lack of space and a missing source are final for this
 // generation of the spec (the controller reacts); anything else is retried with backoff.
 func (r *VolumeReconciler) failed(ctx context.Context, vol *pmemv1.PmemVolume, err error) (ctrl.Result, error) {
+	return reportFailure(err, func(reason string) error {
+		return r.setStatus(ctx, vol, nil, metav1.ConditionFalse, reason, err.Error())
+	})
+}
+
+// reportFailure reports a back-end error with set, which writes the Ready condition of
+// reason, and asks for a retry when the error is not final (failureReason).
+func reportFailure(err error, set func(reason string) error) (ctrl.Result, error) {
 	reason, retry := failureReason(err)
-	if serr := r.setStatus(ctx, vol, nil, metav1.ConditionFalse, reason, err.Error()); serr != nil {
+	if serr := set(reason); serr != nil {
 		return ctrl.Result{}, serr
 	}
 	if retry {
@@ -122,9 +143,17 @@ func (r *VolumeReconciler) reconcileDelete(ctx context.Context, vol *pmemv1.Pmem
 	if !controllerutil.ContainsFinalizer(vol, Finalizer) {
 		return ctrl.Result{}, nil
 	}
-	err := r.Backend.DeleteVolume(ctx, vol.Name)
+	return release(ctx, r.Client, r.Backend, r.Capacity, vol, func(msg string) error {
+		return r.setStatus(ctx, vol, nil, metav1.ConditionFalse, pmemv1.InUseReason, msg)
+	})
+}
+
+// release removes the back end's volume named after obj and then obj's finalizer. While the
+// device is in use, it reports that with inUse and tries again after inUseRetry.
+func release(ctx context.Context, c client.Client, b pmem.Backend, capacity *NodeReporter, obj client.Object, inUse func(string) error) (ctrl.Result, error) {
+	err := b.DeleteVolume(ctx, obj.GetName())
 	if errors.Is(err, pmem.ErrInUse) {
-		if serr := r.setStatus(ctx, vol, nil, metav1.ConditionFalse, pmemv1.InUseReason, err.Error()); serr != nil {
+		if serr := inUse(err.Error()); serr != nil {
 			return ctrl.Result{}, serr
 		}
 		return ctrl.Result{RequeueAfter: inUseRetry}, nil
@@ -133,8 +162,8 @@ func (r *VolumeReconciler) reconcileDelete(ctx context.Context, vol *pmemv1.Pmem
 		return ctrl.Result{}, err
 	}
 	ctrl.LoggerFrom(ctx).Info("Deleted volume")
-	r.Capacity.Refresh(ctx)
-	return ctrl.Result{}, removeFinalizer(ctx, r.Client, vol)
+	capacity.Refresh(ctx)
+	return ctrl.Result{}, removeFinalizer(ctx, c, obj)
 }
 
 // setStatus writes the Ready condition, and the device when dev is set.

@@ -93,6 +93,10 @@ func (s *controllerServer) CreateVolume(ctx context.Context, req *csi.CreateVolu
 	if err != nil {
 		return nil, err
 	}
+	replicas, err := replicaCount(req.GetParameters())
+	if err != nil {
+		return nil, err
+	}
 	id := ids.For("pvc", req.GetName())
 	if !s.locks.TryLock(id) {
 		return nil, status.Errorf(codes.Aborted, "an operation on volume %s is in progress", id)
@@ -100,6 +104,13 @@ func (s *controllerServer) CreateVolume(ctx context.Context, req *csi.CreateVolu
 	defer s.locks.Unlock(id)
 	logger := klog.FromContext(ctx).WithValues("volumeID", id)
 	ctx = klog.NewContext(ctx, logger)
+	if replicas > 1 {
+		vol, err := s.createReplicated(ctx, req, id, replicas, size)
+		if err != nil {
+			return nil, err
+		}
+		return &csi.CreateVolumeResponse{Volume: csiVolume(vol, nil)}, nil
+	}
 
 	source, sourceNode, err := s.contentSource(ctx, req.GetVolumeContentSource(), size)
 	if err != nil {
@@ -135,6 +146,9 @@ func (s *controllerServer) CreateVolume(ctx context.Context, req *csi.CreateVolu
 	case err != nil:
 		return nil, csiserver.APIError(err, "get PmemVolume %s", id)
 	default:
+		if vol.Spec.Replicas > 1 {
+			return nil, status.Errorf(codes.AlreadyExists, "volume %s exists with %d replicas, not 1", id, vol.Spec.Replicas)
+		}
 		if err := compatibleVolume(vol, size, req.GetCapacityRange().GetLimitBytes(), source); err != nil {
 			return nil, err
 		}
@@ -168,6 +182,9 @@ func (s *controllerServer) contentSource(ctx context.Context, src *csi.VolumeCon
 		id := src.GetVolume().GetVolumeId()
 		vol := &pmemv1.PmemVolume{}
 		if err := s.getOrNotFound(ctx, id, vol, "volume"); err != nil {
+			return nil, "", err
+		}
+		if err := notReplicated(vol, "cloning"); err != nil {
 			return nil, "", err
 		}
 		if size < vol.Spec.Size.Value() {
@@ -329,6 +346,10 @@ func (s *controllerServer) DeleteVolume(ctx context.Context, req *csi.DeleteVolu
 		return nil, status.Errorf(codes.Aborted, "an operation on volume %s is in progress", id)
 	}
 	defer s.locks.Unlock(id)
+	// A replicated volume's replicas first: the volume is the record of what to delete.
+	if err := s.deleteReplicas(ctx, id); err != nil {
+		return nil, err
+	}
 	if err := s.deleteAndWait(ctx, kindVolume, id, &pmemv1.PmemVolume{}); err != nil {
 		return nil, err
 	}
@@ -401,7 +422,8 @@ func (s *controllerServer) ControllerPublishVolume(ctx context.Context, req *csi
 	if err := s.getOrNotFound(ctx, req.GetNodeId(), &pmemv1.PmemNode{}, "node"); err != nil {
 		return nil, err
 	}
-	if vol.Spec.Node != req.GetNodeId() {
+	// A replicated volume is served on any node, by a target over its replicas.
+	if vol.Spec.Replicas <= 1 && vol.Spec.Node != req.GetNodeId() {
 		return nil, status.Errorf(codes.FailedPrecondition, "volume %s lives in the PMEM of node %s and cannot be attached to node %s", vol.Name, vol.Spec.Node, req.GetNodeId())
 	}
 	// The node agent finds the device by volume ID; nothing needs to travel in the context.
@@ -491,6 +513,9 @@ func (s *controllerServer) ControllerExpandVolume(ctx context.Context, req *csi.
 	if err := s.getOrNotFound(ctx, id, vol, "volume"); err != nil {
 		return nil, err
 	}
+	if err := notReplicated(vol, "expansion"); err != nil {
+		return nil, err
+	}
 	if vol.Spec.Size.Value() < size {
 		patch := client.MergeFromWithOptions(vol.DeepCopy(), client.MergeFromWithOptimisticLock{})
 		vol.Spec.Size = *resource.NewQuantity(size, resource.BinarySI)
@@ -550,6 +575,9 @@ func (s *controllerServer) CreateSnapshot(ctx context.Context, req *csi.CreateSn
 	case apierrors.IsNotFound(err):
 		vol := &pmemv1.PmemVolume{}
 		if err := s.getOrNotFound(ctx, req.GetSourceVolumeId(), vol, "volume"); err != nil {
+			return nil, err
+		}
+		if err := notReplicated(vol, "a snapshot"); err != nil {
 			return nil, err
 		}
 		snap = &pmemv1.PmemSnapshot{
@@ -675,13 +703,14 @@ func readiness(conditions []metav1.Condition, gen int64, node string) (bool, err
 	return false, nil
 }
 
+// csiVolume is vol as CreateVolume answers it: accessible from its node, or from every node
+// when it is replicated (no topology).
 func csiVolume(vol *pmemv1.PmemVolume, src *csi.VolumeContentSource) *csi.Volume {
-	return &csi.Volume{
-		VolumeId:           vol.Name,
-		CapacityBytes:      allocated(vol),
-		AccessibleTopology: []*csi.Topology{{Segments: map[string]string{TopologyKey: vol.Spec.Node}}},
-		ContentSource:      src,
+	v := &csi.Volume{VolumeId: vol.Name, CapacityBytes: allocated(vol), ContentSource: src}
+	if vol.Spec.Node != "" {
+		v.AccessibleTopology = []*csi.Topology{{Segments: map[string]string{TopologyKey: vol.Spec.Node}}}
 	}
+	return v
 }
 
 func csiSnapshot(snap *pmemv1.PmemSnapshot) *csi.Snapshot {
@@ -731,12 +760,14 @@ func isReady(conditions []metav1.Condition) bool {
 	return meta.IsStatusConditionTrue(conditions, pmemv1.ReadyCondition)
 }
 
-// conditionsOf returns the Ready condition of a PmemVolume or PmemSnapshot.
+// conditionsOf returns the Ready condition of a PmemVolume, PmemSnapshot or PmemReplica.
 func conditionsOf(obj client.Object) *metav1.Condition {
 	switch o := obj.(type) {
 	case *pmemv1.PmemVolume:
 		return meta.FindStatusCondition(o.Status.Conditions, pmemv1.ReadyCondition)
 	case *pmemv1.PmemSnapshot:
+		return meta.FindStatusCondition(o.Status.Conditions, pmemv1.ReadyCondition)
+	case *pmemv1.PmemReplica:
 		return meta.FindStatusCondition(o.Status.Conditions, pmemv1.ReadyCondition)
 	}
 	return nil

@@ -64,7 +64,7 @@ func newTestController(t *testing.T, objs ...client.Object) *controllerServer {
 		t.Fatal(err)
 	}
 	c := fake.NewClientBuilder().WithScheme(scheme).WithObjects(objs...).
-		WithStatusSubresource(&pmemv1.PmemVolume{}, &pmemv1.PmemNode{}, &pmemv1.PmemSnapshot{}).Build()
+		WithStatusSubresource(&pmemv1.PmemVolume{}, &pmemv1.PmemNode{}, &pmemv1.PmemSnapshot{}, &pmemv1.PmemReplica{}).Build()
 	return newControllerServer(c, c, c, await.NewHub())
 }
 

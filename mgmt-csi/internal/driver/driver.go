@@ -6,6 +6,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"net"
 	"path/filepath"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
@@ -17,11 +18,13 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/metrics"
 
 	"pvbridge.io/mgmt-csi/internal/pmem"
+	"pvbridge.io/mgmt-csi/internal/replication"
 	pmemv1 "pvbridge.io/pkg/apis/pmem/v1alpha1"
 	"pvbridge.io/pkg/csiserver"
 	"pvbridge.io/pkg/hold"
 	"pvbridge.io/pkg/mounter"
 	"pvbridge.io/pkg/names"
+	"pvbridge.io/pkg/qsd"
 	"pvbridge.io/pkg/registration"
 )
 
@@ -69,6 +72,60 @@ type Options struct {
 	// PmemMode is the back end of the node agent (node mode only); Pmem configures it.
 	PmemMode pmemv1.Mode
 	Pmem     pmem.Options
+	// Replication configures the node's part in replicated volumes (node mode only).
+	Replication ReplicationOptions
+}
+
+// ReplicationOptions configure a node agent's replica server and targets. A node without
+// KeysDir takes no part in replicated volumes; one with KeysDir and no Address attaches them
+// (its targets reach the other nodes' replica servers) but holds no replica.
+type ReplicationOptions struct {
+	// Address is the host:port of the node's replica server, reachable from the other nodes'
+	// agents and not from guests.
+	Address string
+	// KeysDir holds keys.psk, the pre-shared key of the replica servers (a Secret that only the
+	// node agents mount).
+	KeysDir string
+	// RunDir holds the directories of the node's qemu-storage-daemons, short enough for their
+	// sockets.
+	RunDir string
+}
+
+// maxRunDirLen bounds ReplicationOptions.RunDir: a target's directory adds a "/t/" and a
+// volume ID to it.
+const maxRunDirLen = qsd.MaxDirLen - len("/t/") - 63
+
+// validate reports every problem with the replication options.
+func (o ReplicationOptions) validate() []error {
+	var errs []error
+	if o.Address != "" {
+		if o.KeysDir == "" {
+			errs = append(errs, errors.New("a replica server needs the directory of its keys"))
+		}
+		if _, _, err := net.SplitHostPort(o.Address); err != nil {
+			errs = append(errs, fmt.Errorf("replica server address %q: %w", o.Address, err))
+		}
+	}
+	if o.KeysDir != "" && (!filepath.IsAbs(o.RunDir) || len(filepath.Clean(o.RunDir)) > maxRunDirLen) {
+		errs = append(errs, fmt.Errorf("run directory %q must be an absolute path of at most %d bytes", o.RunDir, maxRunDirLen))
+	}
+	return errs
+}
+
+// targets returns the node's targets of replicated volumes, nil without keys.
+func (o ReplicationOptions) targets() *replication.Targets {
+	if o.KeysDir == "" {
+		return nil
+	}
+	return &replication.Targets{RunDir: filepath.Join(o.RunDir, "t"), KeysDir: o.KeysDir}
+}
+
+// server returns the node's replica server, nil without an address.
+func (o ReplicationOptions) server() *replication.Server {
+	if o.Address == "" {
+		return nil
+	}
+	return &replication.Server{Dir: qsd.Dir(filepath.Join(o.RunDir, "server")), Address: o.Address, KeysDir: o.KeysDir}
 }
 
 // Validate reports every problem with the options.
@@ -90,6 +147,9 @@ func (o *Options) Validate() error {
 		}
 		if o.PmemMode != "" {
 			errs = append(errs, errors.New("the PMEM back end is only used in node mode"))
+		}
+		if o.Replication.Address != "" || o.Replication.KeysDir != "" {
+			errs = append(errs, errors.New("replication is configured in node mode only"))
 		}
 	case ModeNode:
 		if o.NodeID == "" {
@@ -116,6 +176,7 @@ func (o *Options) Validate() error {
 		default:
 			errs = append(errs, fmt.Errorf("PMEM mode %q is none of file, lvm, ndctl", o.PmemMode))
 		}
+		errs = append(errs, o.Replication.validate()...)
 	default:
 		errs = append(errs, fmt.Errorf("mode %q is neither %q nor %q", o.Mode, ModeController, ModeNode))
 	}
@@ -179,10 +240,17 @@ func (d *Driver) Run(ctx context.Context) error {
 				return err
 			}
 		}
-		if err := setupAgent(mgr, d.backend, d.opts.NodeID, hold.SocketBeside(d.opts.Endpoint)); err != nil {
+		if err := setupAgent(mgr, d.backend, d.opts.NodeID, hold.SocketBeside(d.opts.Endpoint), d.opts.Replication); err != nil {
 			return err
 		}
-		csi.RegisterNodeServer(server, newNodeServer(d.opts.NodeID, d.opts.MaxVolumesPerNode, BackendDevices{Backend: d.backend}, mounter.New()))
+		devices := VolumeDevices{Backend: d.backend, Node: d.opts.NodeID, Reader: mgr.GetAPIReader(), Writer: mgr.GetClient(), Targets: d.opts.Replication.targets()}
+		if devices.Targets != nil {
+			devices.Targets.Faulted = devices.faultReplica
+			if err := mgr.Add(devices.Targets); err != nil {
+				return err
+			}
+		}
+		csi.RegisterNodeServer(server, newNodeServer(d.opts.NodeID, d.opts.MaxVolumesPerNode, devices, mounter.New()))
 	}
 
 	ctx, cancel := context.WithCancel(ctx)

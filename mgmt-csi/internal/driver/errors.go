@@ -14,6 +14,9 @@ var driverCodes = []csinode.ErrorCode{
 	{Err: pmem.ErrNoSpace, Code: codes.ResourceExhausted},
 	{Err: pmem.ErrInUse, Code: codes.FailedPrecondition},
 	{Err: pmem.ErrInvalid, Code: codes.InvalidArgument},
+	{Err: errReplicaNotReady, Code: codes.Aborted},
+	{Err: errNoReplica, Code: codes.FailedPrecondition},
+	{Err: errServedElsewhere, Code: codes.FailedPrecondition},
 }
 
 // statusError turns an error into the gRPC status an RPC returns (see csinode.StatusError).

@@ -114,6 +114,9 @@ func (s *groupControllerServer) createMembers(ctx context.Context, name, id stri
 		if err := s.getOrNotFound(ctx, src, vols[i], "volume"); err != nil {
 			return nil, err
 		}
+		if err := notReplicated(vols[i], "a group snapshot"); err != nil {
+			return nil, err
+		}
 		nodes[vols[i].Spec.Node] = append(nodes[vols[i].Spec.Node], src)
 	}
 	if len(nodes) > 1 {

@@ -59,6 +59,7 @@ func newManager(cfg *rest.Config, mode Mode, node, metricsAddress string) (ctrl.
 		opts.Cache.ByObject = map[client.Object]cache.ByObject{
 			&pmemv1.PmemVolume{}:   {Field: own},
 			&pmemv1.PmemSnapshot{}: {Field: own},
+			&pmemv1.PmemReplica{}:  {Field: own},
 			&pmemv1.PmemNode{}:     {Field: fields.OneTermEqualSelector("metadata.name", node)},
 		}
 	}
@@ -71,6 +72,7 @@ func setupController(ctx context.Context, mgr ctrl.Manager) (*controllerServer, 
 	for kind, obj := range map[string]client.Object{
 		kindVolume:   &pmemv1.PmemVolume{},
 		kindSnapshot: &pmemv1.PmemSnapshot{},
+		kindReplica:  &pmemv1.PmemReplica{},
 	} {
 		inf, err := mgr.GetCache().GetInformer(ctx, obj)
 		if err != nil {
@@ -84,17 +86,24 @@ func setupController(ctx context.Context, mgr ctrl.Manager) (*controllerServer, 
 }
 
 // setupAgent registers the node agent's reconcilers and capacity reporter. A group snapshot's
-// cut takes a lease on the host's writers at holdSocket.
-func setupAgent(mgr ctrl.Manager, backend pmem.Backend, node, holdSocket string) error {
+// cut takes a lease on the host's writers at holdSocket. A node with a replica server carves
+// and exports replicas.
+func setupAgent(mgr ctrl.Manager, backend pmem.Backend, node, holdSocket string, repl ReplicationOptions) error {
 	reporter := &agent.NodeReporter{
 		Client: mgr.GetClient(), Backend: backend, Node: node, Interval: capacityInterval,
-		WaitForSync: mgr.GetCache().WaitForCacheSync,
+		WaitForSync: mgr.GetCache().WaitForCacheSync, ReplicaAddress: repl.Address,
 	}
 	if err := mgr.Add(reporter); err != nil {
 		return err
 	}
 	if err := (&agent.VolumeReconciler{Client: mgr.GetClient(), Backend: backend, Node: node, Capacity: reporter}).SetupWithManager(mgr); err != nil {
 		return err
+	}
+	if server := repl.server(); server != nil {
+		r := &agent.ReplicaReconciler{Client: mgr.GetClient(), Backend: backend, Node: node, Server: server, Address: repl.Address, Capacity: reporter}
+		if err := r.SetupWithManager(mgr); err != nil {
+			return err
+		}
 	}
 	return (&agent.SnapshotReconciler{Client: mgr.GetClient(), Backend: backend, Node: node, Capacity: reporter, HoldSocket: holdSocket}).SetupWithManager(mgr)
 }

@@ -20,24 +20,14 @@ import (
 // Devices finds the block device of a volume on this node.
 type Devices interface {
 	// Device returns the path of volume volumeID's block device, or an error wrapping
-	// pmem.ErrNotFound when this node has no such volume.
+	// pmem.ErrNotFound when this node has no such volume. A replicated volume has one while
+	// it is staged on the node.
 	Device(ctx context.Context, volumeID string) (string, error)
-}
-
-// BackendDevices finds volumes' devices in a PMEM back end.
-type BackendDevices struct {
-	Backend pmem.Backend
-}
-
-var _ Devices = BackendDevices{}
-
-// Device returns the device of the back end's volume, which GetVolume makes sure is usable.
-func (b BackendDevices) Device(ctx context.Context, volumeID string) (string, error) {
-	vol, err := b.Backend.GetVolume(ctx, volumeID)
-	if err != nil {
-		return "", err
-	}
-	return vol.Device, nil
+	// Stage returns the device of volume volumeID, bringing up what it rests on: the target of
+	// a replicated volume.
+	Stage(ctx context.Context, volumeID string) (string, error)
+	// Unstage takes down what Stage brought up, if anything.
+	Unstage(ctx context.Context, volumeID string) error
 }
 
 // nodeServer is the CSI Node service of a host's node agent: it stages the host's PMEM volumes
@@ -105,9 +95,9 @@ func (n *nodeServer) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolu
 	}
 	defer unlock()
 
-	device, err := n.device(ctx, req.GetVolumeId())
+	device, err := n.devices.Stage(ctx, req.GetVolumeId())
 	if err != nil {
-		return nil, err
+		return nil, n.StatusError(fmt.Errorf("find the device of volume %s: %w", req.GetVolumeId(), err))
 	}
 	if capability.GetBlock() != nil {
 		if _, err := n.Mounter.DeviceSize(device); err != nil {
@@ -125,6 +115,24 @@ func (n *nodeServer) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolu
 		return nil, n.StatusError(err)
 	}
 	return &csi.NodeStageVolumeResponse{}, nil
+}
+
+// NodeUnstageVolume unmounts and removes the staging path, then takes down the target of a
+// replicated volume.
+func (n *nodeServer) NodeUnstageVolume(ctx context.Context, req *csi.NodeUnstageVolumeRequest) (*csi.NodeUnstageVolumeResponse, error) {
+	resp, err := n.Base.NodeUnstageVolume(ctx, req)
+	if err != nil {
+		return nil, err
+	}
+	ctx, unlock, err := n.Lock(ctx, req.GetVolumeId())
+	if err != nil {
+		return nil, err
+	}
+	defer unlock()
+	if err := n.devices.Unstage(ctx, req.GetVolumeId()); err != nil {
+		return nil, n.StatusError(fmt.Errorf("unstage volume %s: %w", req.GetVolumeId(), err))
+	}
+	return resp, nil
 }
 
 // stageOptions are the mount options of a staged filesystem: the capability's mount flags,

@@ -47,6 +47,12 @@ func (f *fakeDevices) Device(_ context.Context, volumeID string) (string, error)
 	return d, nil
 }
 
+func (f *fakeDevices) Stage(ctx context.Context, volumeID string) (string, error) {
+	return f.Device(ctx, volumeID)
+}
+
+func (f *fakeDevices) Unstage(context.Context, string) error { return nil }
+
 func (f *fakeDevices) set(volumeID, device string) {
 	f.mu.Lock()
 	defer f.mu.Unlock()

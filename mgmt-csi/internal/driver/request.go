@@ -50,7 +50,7 @@ func validateCapabilities(caps []*csi.VolumeCapability) error {
 // (csi.storage.k8s.io/*) are allowed.
 func validateParameters(params map[string]string) error {
 	for k := range params {
-		if !strings.HasPrefix(k, "csi.storage.k8s.io/") {
+		if k != replicasParameter && !strings.HasPrefix(k, "csi.storage.k8s.io/") {
 			return status.Errorf(codes.InvalidArgument, "parameter %q is not supported", k)
 		}
 	}

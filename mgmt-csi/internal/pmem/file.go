@@ -15,6 +15,7 @@ import (
 	"golang.org/x/sys/unix"
 	"k8s.io/klog/v2"
 
+	"pvbridge.io/mgmt-csi/internal/loop"
 	pmemv1 "pvbridge.io/pkg/apis/pmem/v1alpha1"
 )
 
@@ -321,13 +322,13 @@ func (f *File) reserveLocked(ctx context.Context, path string, size int64) (*os.
 func (f *File) copyInto(ctx context.Context, tmp *os.File, srcPath string, srcSize int64) (string, error) {
 	if filepath.Dir(srcPath) == f.volumes {
 		f.mu.Lock()
-		attached, err := loopAttachments()
+		attached, err := loop.Attachments()
 		f.mu.Unlock()
 		if err != nil {
 			return "", err
 		}
 		for _, dev := range attached[srcPath] {
-			if err := flushDevice(dev); err != nil {
+			if err := loop.Flush(dev); err != nil {
 				return "", fmt.Errorf("flush source: %w", err)
 			}
 		}
@@ -390,14 +391,14 @@ func syncDir(dir string) error {
 // volumeLocked returns volume id, bound to a loop device.
 func (f *File) volumeLocked(ctx context.Context, id string) (Volume, error) {
 	path := f.volumePath(id)
-	if dev, ok := f.bound[path]; ok && loopBacking(dev) == path {
+	if dev, ok := f.bound[path]; ok && loop.Backing(dev) == path {
 		st, err := os.Stat(path)
 		if err != nil {
 			return Volume{}, err
 		}
 		return Volume{ID: id, Size: st.Size(), Device: dev}, nil
 	}
-	attached, err := loopAttachments()
+	attached, err := loop.Attachments()
 	if err != nil {
 		return Volume{}, err
 	}
@@ -420,7 +421,7 @@ func (f *File) attachLocked(ctx context.Context, id string, attached map[string]
 		f.bound[path] = vol.Device
 		return vol, nil
 	}
-	if vol.Device, err = attachLoop(path); err != nil {
+	if vol.Device, err = loop.Attach(path); err != nil {
 		return Volume{}, err
 	}
 	f.bound[path] = vol.Device
@@ -446,7 +447,7 @@ func (f *File) ListVolumes(ctx context.Context) ([]Volume, error) {
 	if err != nil {
 		return nil, err
 	}
-	attached, err := loopAttachments()
+	attached, err := loop.Attachments()
 	if err != nil {
 		return nil, err
 	}
@@ -495,7 +496,7 @@ func (f *File) ExpandVolume(ctx context.Context, id string, size int64) (Volume,
 	if err := os.Truncate(f.volumePath(id), size); err != nil {
 		return Volume{}, fmt.Errorf("expand volume %s: %w", id, err)
 	}
-	if err := resizeLoop(vol.Device); err != nil {
+	if err := loop.Resize(vol.Device); err != nil {
 		return Volume{}, fmt.Errorf("expand volume %s: %w", id, err)
 	}
 	klog.FromContext(ctx).V(2).Info("Expanded volume", "volumeID", id, "size", size, "device", vol.Device)
@@ -516,12 +517,12 @@ func (f *File) DeleteVolume(ctx context.Context, id string) error {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	path := f.volumePath(id)
-	attached, err := loopAttachments()
+	attached, err := loop.Attachments()
 	if err != nil {
 		return err
 	}
 	for _, dev := range attached[path] {
-		if err := detachLoop(ctx, dev); err != nil {
+		if err := loop.Detach(ctx, dev); err != nil {
 			return fmt.Errorf("delete volume %s: %w", id, err)
 		}
 	}

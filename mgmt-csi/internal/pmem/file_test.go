@@ -18,6 +18,8 @@ import (
 
 	. "github.com/onsi/gomega"
 	"golang.org/x/sys/unix"
+
+	"pvbridge.io/mgmt-csi/internal/loop"
 )
 
 const mib = int64(1) << 20
@@ -535,7 +537,7 @@ func TestFileRestart(t *testing.T) {
 
 	// A reboot: loop devices are gone. A crash: a half-copied volume and the sidecar of a
 	// snapshot whose data never got in place.
-	g.Expect(detachLoop(ctx, vol.Device)).To(Succeed())
+	g.Expect(loop.Detach(ctx, vol.Device)).To(Succeed())
 	partial := filepath.Join(dir, volumesDir, ".half"+imageSuffix+partialSuffix)
 	g.Expect(os.WriteFile(partial, []byte("half"), 0o600)).To(Succeed())
 	orphan := filepath.Join(dir, snapshotsDir, "lost"+metaSuffix)
@@ -565,7 +567,7 @@ func TestFileRestart(t *testing.T) {
 	g.Expect(c.Free).To(Equal(48 * mib))
 
 	// After a reboot GetVolume binds the device as well.
-	g.Expect(detachLoop(ctx, got.Device)).To(Succeed())
+	g.Expect(loop.Detach(ctx, got.Device)).To(Succeed())
 	got, err = f.GetVolume(ctx, "keep")
 	g.Expect(err).NotTo(HaveOccurred())
 	g.Expect(loopsUnder(t, dir)).To(ConsistOf(got.Device))

@@ -19,6 +19,7 @@ import (
 
 	"k8s.io/apimachinery/pkg/util/validation"
 
+	"pvbridge.io/mgmt-csi/internal/loop"
 	pmemv1 "pvbridge.io/pkg/apis/pmem/v1alpha1"
 )
 
@@ -29,7 +30,7 @@ var (
 	// ErrNoSpace: not enough free PMEM, or no free extent large enough.
 	ErrNoSpace = errors.New("insufficient PMEM capacity")
 	// ErrInUse: the volume is opened or mounted and cannot be removed.
-	ErrInUse = errors.New("in use")
+	ErrInUse = loop.ErrInUse
 	// ErrInvalid: the request cannot be satisfied as asked (an ID the back end cannot store,
 	// a shrink, a source of another size than allowed).
 	ErrInvalid = errors.New("invalid request")

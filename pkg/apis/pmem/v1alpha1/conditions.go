@@ -27,6 +27,10 @@ const (
 	// hold the writers again: CreateVolumeGroupSnapshot answers ResourceExhausted until the
 	// group is deleted.
 	HoldExpiredReason = "HoldExpired"
+	// FaultedReason (False, on a PmemReplica): the replica may have missed writes (its node's
+	// replica server lost its export, as a restart does), so it is never served again: the
+	// volume's targets go on with its other replicas until it is replaced.
+	FaultedReason = "Faulted"
 	// FailedReason (False): the back end failed; the message says how.
 	FailedReason = "Failed"
 	// BackendReadyReason (True on a PmemNode): the back end is initialized and reports capacity.

@@ -30,6 +30,7 @@ var (
 func addKnownTypes(s *runtime.Scheme) error {
 	s.AddKnownTypes(GroupVersion,
 		&PmemVolume{}, &PmemVolumeList{},
+		&PmemReplica{}, &PmemReplicaList{},
 		&PmemSnapshot{}, &PmemSnapshotList{},
 		&PmemNode{}, &PmemNodeList{},
 	)

@@ -42,6 +42,13 @@ type PmemNodeStatus struct {
 	// +optional
 	Alignment *resource.Quantity `json:"alignment,omitempty"`
 
+	// replicaAddress is the host:port of the node's replica server, when its agent serves the
+	// replicas of replicated volumes: the controller places replicas only on such nodes.
+	// +optional
+	// +kubebuilder:validation:MinLength=1
+	// +kubebuilder:validation:MaxLength=261
+	ReplicaAddress string `json:"replicaAddress,omitempty"`
+
 	// conditions describe the node's back end; Ready is True when it serves.
 	// +optional
 	// +listType=map

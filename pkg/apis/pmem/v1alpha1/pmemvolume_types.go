@@ -5,15 +5,28 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 )
 
-// PmemVolumeSpec is the volume the mgmt-csi controller wants on a node.
+// PmemVolumeSpec is the volume the mgmt-csi controller wants: on a node, or replicated on
+// several.
 // +kubebuilder:validation:XValidation:rule="has(self.source) == has(oldSelf.source)",message="source is immutable"
+// +kubebuilder:validation:XValidation:rule="has(self.node) == (!has(self.replicas) || self.replicas == 1)",message="a volume of one replica has a node; a replicated one has PmemReplicas instead"
 type PmemVolumeSpec struct {
-	// node is the name of the Node whose PMEM holds the volume.
-	// +required
+	// node is the name of the Node whose PMEM holds the volume; not set on a replicated
+	// volume, whose PmemReplicas say where its copies are.
+	// +optional
 	// +kubebuilder:validation:MinLength=1
 	// +kubebuilder:validation:MaxLength=253
 	// +kubebuilder:validation:XValidation:rule="self == oldSelf",message="node is immutable"
-	Node string `json:"node"`
+	Node string `json:"node,omitempty"`
+
+	// replicas is how many copies of the volume exist, each in the PMEM of another node: 1, the
+	// volume on spec.node; 2 or 3, a PmemReplica each, every write acknowledged once every
+	// healthy replica has it.
+	// +optional
+	// +kubebuilder:default=1
+	// +kubebuilder:validation:Minimum=1
+	// +kubebuilder:validation:Maximum=3
+	// +kubebuilder:validation:XValidation:rule="self == oldSelf",message="replicas is immutable"
+	Replicas int32 `json:"replicas,omitempty"`
 
 	// volumeID is the CSI volume ID. The node agent writes it on the device (file name, LV tag,
 	// namespace name), which is how it finds its volumes again after a restart; that is why it
@@ -74,11 +87,21 @@ type PmemVolumeStatus struct {
 	// allocatedSize is the size of the device: spec.size rounded up to the alignment.
 	// +optional
 	AllocatedSize *resource.Quantity `json:"allocatedSize,omitempty"`
+
+	// target is the node whose agent serves a replicated volume (its target): the one node
+	// that writes to the replicas. Another node stages the volume only once this one has
+	// unstaged it, or is lost.
+	// +optional
+	// +kubebuilder:validation:MinLength=1
+	// +kubebuilder:validation:MaxLength=253
+	Target string `json:"target,omitempty"`
 }
 
-// PmemVolume is a volume carved from the PMEM of one node. The mgmt-csi controller creates it
-// in CreateVolume and deletes it in DeleteVolume; the node agent of spec.node creates, grows and
-// removes the device and reports it in status. Its name is the CSI volume ID. spec.node is a
+// PmemVolume is a volume carved from the PMEM of one node, or replicated on several. The
+// mgmt-csi controller creates it in CreateVolume and deletes it in DeleteVolume; the node agent
+// of spec.node creates, grows and removes the device and reports it in status. Of a replicated
+// volume, the node agents carve the PmemReplicas, and the controller reports in status what they
+// realized together. Its name is the CSI volume ID. spec.node is a
 // selectable field, so that a node agent lists and watches only its own volumes.
 //
 // +kubebuilder:object:root=true
@@ -87,6 +110,7 @@ type PmemVolumeStatus struct {
 // +kubebuilder:validation:XValidation:rule="self.metadata.name == self.spec.volumeID",message="metadata.name must equal spec.volumeID"
 // +kubebuilder:selectablefield:JSONPath=`.spec.node`
 // +kubebuilder:printcolumn:name="Node",type=string,JSONPath=`.spec.node`
+// +kubebuilder:printcolumn:name="Replicas",type=integer,JSONPath=`.spec.replicas`
 // +kubebuilder:printcolumn:name="Size",type=string,JSONPath=`.spec.size`
 // +kubebuilder:printcolumn:name="Device",type=string,JSONPath=`.status.device`
 // +kubebuilder:printcolumn:name="Ready",type=string,JSONPath=`.status.conditions[?(@.type=="Ready")].status`

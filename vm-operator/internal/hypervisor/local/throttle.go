@@ -1,26 +1,22 @@
 package local
 
 import (
-	"bytes"
 	"context"
 	"crypto/sha256"
 	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"fmt"
-	"io"
 	"io/fs"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"strconv"
 	"strings"
-	"syscall"
-	"time"
 
 	"golang.org/x/sys/unix"
 	"k8s.io/klog/v2"
 
+	"pvbridge.io/pkg/qsd"
 	"pvbridge.io/vm-operator/internal/hypervisor"
 )
 
@@ -37,16 +33,9 @@ import (
 // and the loop device by its backing file in sysfs. Neither is taken from the disk's record,
 // which lives in the VM's directory: the driver acts on no host object that a file there names.
 
-// qsdBinary is the daemon, looked up in PATH.
-const qsdBinary = "qemu-storage-daemon"
-
-// Files in a daemon's directory.
-const (
-	qmpSocket = "qmp.sock"
-	pidFile   = "qsd.pid"
-	// exportFile is the regular file over which the daemon mounts its FUSE export: the disk.
-	exportFile = "disk"
-)
+// exportFile, in a daemon's directory, is the regular file over which the daemon mounts its
+// FUSE export: the disk.
+const exportFile = "disk"
 
 // Names inside the daemon.
 const (
@@ -55,18 +44,14 @@ const (
 )
 
 // Bounds of Options.RunDir: the daemon's directory adds at most a serial, a dash and
-// daemonHashLen hexadecimal digits, and the QMP socket's path must fit the 107 bytes of a unix
-// socket address.
+// daemonHashLen hexadecimal digits.
 const (
 	daemonHashLen = 12
-	maxRunDirLen  = 107 - len("/") - hypervisor.MaxSerialLength - len("-") - daemonHashLen - len("/"+qmpSocket)
+	maxRunDirLen  = qsd.MaxDirLen - len("/") - hypervisor.MaxSerialLength - len("-") - daemonHashLen
 )
 
-// daemonStopTimeout is how long a daemon has to exit after SIGTERM before it is killed.
-const daemonStopTimeout = 10 * time.Second
-
 // daemonDir is the directory of a throttled disk's daemon.
-type daemonDir string
+type daemonDir = qsd.Dir
 
 // daemonDir returns the directory of the daemon of the disk with serial in vm:
 // <RunDir>/<serial>-<hash>, the hash being that of the driver's root and the VM, so that
@@ -75,8 +60,6 @@ func (d *Driver) daemonDir(vm hypervisor.VM, serial string) daemonDir {
 	sum := sha256.Sum256([]byte(d.root + "\x00" + vmKey(vm)))
 	return daemonDir(filepath.Join(d.runDir, serial+"-"+hex.EncodeToString(sum[:])[:daemonHashLen]))
 }
-
-func (dd daemonDir) path(name string) string { return filepath.Join(string(dd), name) }
 
 // throttle brings up what the guest's view of the throttled disk rec rests on: its daemon,
 // started with limits or set to them if it runs, and the loop device over its export, both
@@ -88,11 +71,11 @@ func (d *Driver) throttle(ctx context.Context, r *os.Root, vm hypervisor.VM, rec
 	if err != nil {
 		return record{}, err
 	}
-	defer q.close()
+	defer q.Close()
 	if err := setLimits(q, limits); err != nil {
 		return record{}, err
 	}
-	loop, err := d.loopOver(dd.path(exportFile))
+	loop, err := d.loopOver(dd.Path(exportFile))
 	if err != nil {
 		return record{}, err
 	}
@@ -112,8 +95,8 @@ func (d *Driver) throttle(ctx context.Context, r *os.Root, vm hypervisor.VM, rec
 
 // daemon returns a connection to the daemon of dd, which it starts, with device and limits,
 // if it does not run, after clearing away what a dead one left.
-func (d *Driver) daemon(ctx context.Context, dd daemonDir, device string, limits hypervisor.Limits) (*qmpConn, error) {
-	pid, err := daemonPid(dd)
+func (d *Driver) daemon(ctx context.Context, dd daemonDir, device string, limits hypervisor.Limits) (*qsd.Conn, error) {
+	pid, err := qsd.Pid(dd)
 	if err != nil {
 		return nil, err
 	}
@@ -126,16 +109,15 @@ func (d *Driver) daemon(ctx context.Context, dd daemonDir, device string, limits
 		}
 		klog.FromContext(ctx).V(2).Info("Started qemu-storage-daemon", "dir", string(dd), "device", device)
 	}
-	return dialQMP(ctx, dd.path(qmpSocket))
+	return qsd.Dial(ctx, dd)
 }
 
-// startDaemon starts the daemon of dd. qemu-storage-daemon --daemonize returns once the
-// daemon's export and monitor are up and its pid file written, or with the reason it failed.
+// startDaemon starts the daemon of dd over device, with limits, exporting it as FUSE.
 func startDaemon(ctx context.Context, dd daemonDir, device string, limits hypervisor.Limits) error {
 	if err := os.MkdirAll(string(dd), 0o700); err != nil {
 		return fmt.Errorf("create the daemon's directory: %w", err)
 	}
-	f, err := os.OpenFile(dd.path(exportFile), os.O_CREATE|os.O_WRONLY, 0o600)
+	f, err := os.OpenFile(dd.Path(exportFile), os.O_CREATE|os.O_WRONLY, 0o600)
 	if err != nil {
 		return fmt.Errorf("create the daemon's export file: %w", err)
 	}
@@ -144,28 +126,15 @@ func startDaemon(ctx context.Context, dd daemonDir, device string, limits hyperv
 	if err != nil {
 		return err
 	}
-	cmd := exec.CommandContext(ctx, qsdBinary,
-		"--daemonize", "--pidfile", dd.path(pidFile),
-		"--chardev", "socket,id=qmp,server=on,wait=off,path="+optValue(dd.path(qmpSocket)),
-		"--monitor", "chardev=qmp",
+	return qsd.Start(ctx, dd,
 		"--object", string(group),
 		// Direct I/O: what the guest wrote is on the device, not in the daemon's page cache,
 		// when the host reads the device (a snapshot).
-		"--blockdev", "driver=host_device,node-name=device,cache.direct=on,filename="+optValue(device),
+		"--blockdev", "driver=host_device,node-name=device,cache.direct=on,filename="+qsd.OptValue(device),
 		"--blockdev", "driver=throttle,node-name="+throttleNode+",throttle-group="+throttleGroup+",file=device",
-		"--export", "type=fuse,id=export,node-name="+throttleNode+",writable=on,mountpoint="+optValue(dd.path(exportFile)),
+		"--export", "type=fuse,id=export,node-name="+throttleNode+",writable=on,mountpoint="+qsd.OptValue(dd.Path(exportFile)),
 	)
-	// In a session of its own from the start: a signal to the agent's process group does not
-	// reach it even before it daemonizes.
-	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
-	if out, err := cmd.CombinedOutput(); err != nil {
-		return fmt.Errorf("start %s: %w: %s", qsdBinary, err, bytes.TrimSpace(out))
-	}
-	return nil
 }
-
-// optValue escapes a value for QEMU's option syntax, where a comma is written twice.
-func optValue(s string) string { return strings.ReplaceAll(s, ",", ",,") }
 
 // qmpLimits are limits as a throttle group's limits property takes them.
 func qmpLimits(l hypervisor.Limits) map[string]int64 {
@@ -174,30 +143,8 @@ func qmpLimits(l hypervisor.Limits) map[string]int64 {
 
 // setLimits sets the limits of the daemon's throttle group, which apply to the requests that
 // follow.
-func setLimits(q *qmpConn, l hypervisor.Limits) error {
-	return q.execute("qom-set", map[string]any{"path": "/objects/" + throttleGroup, "property": "limits", "value": qmpLimits(l)})
-}
-
-// daemonPid returns the pid of the daemon of dd; 0 if it does not run. qemu-storage-daemon
-// holds a lock on its pid file for its whole life, so the holder of that lock is the daemon,
-// never a process that reused the pid of a dead one.
-func daemonPid(dd daemonDir) (int, error) {
-	f, err := os.Open(dd.path(pidFile))
-	if errors.Is(err, fs.ErrNotExist) {
-		return 0, nil
-	}
-	if err != nil {
-		return 0, fmt.Errorf("open the daemon's pid file: %w", err)
-	}
-	defer f.Close()
-	lock := unix.Flock_t{Type: unix.F_WRLCK, Whence: io.SeekStart}
-	if err := unix.FcntlFlock(f.Fd(), unix.F_GETLK, &lock); err != nil {
-		return 0, fmt.Errorf("read the lock of the daemon's pid file: %w", err)
-	}
-	if lock.Type == unix.F_UNLCK {
-		return 0, nil
-	}
-	return int(lock.Pid), nil
+func setLimits(q *qsd.Conn, l hypervisor.Limits) error {
+	return q.Execute("qom-set", map[string]any{"path": "/objects/" + throttleGroup, "property": "limits", "value": qmpLimits(l)}, nil)
 }
 
 // stopThrottle releases whatever is left of what a throttled disk holds on the host, in this
@@ -205,106 +152,19 @@ func daemonPid(dd daemonDir) (int, error) {
 // when its last user closes it), the daemon, which unmounts its export as it exits, the
 // export's mount that a killed daemon left, and the directory.
 func (d *Driver) stopThrottle(ctx context.Context, dd daemonDir) error {
-	if err := d.detachLoops(dd.path(exportFile)); err != nil {
+	if err := d.detachLoops(dd.Path(exportFile)); err != nil {
 		return err
 	}
-	if err := stopDaemon(ctx, dd); err != nil {
+	if err := qsd.Stop(ctx, dd); err != nil {
 		return err
 	}
-	if err := unmountAll(dd.path(exportFile)); err != nil {
+	if err := qsd.UnmountAll(dd.Path(exportFile)); err != nil {
 		return err
 	}
 	if err := os.RemoveAll(string(dd)); err != nil {
 		return fmt.Errorf("remove the daemon's directory: %w", err)
 	}
 	return nil
-}
-
-// stopDaemon stops the daemon of dd, if it runs, and returns once it has exited: SIGTERM, on
-// which it closes and unmounts its export, then SIGKILL if it has not exited within
-// daemonStopTimeout.
-func stopDaemon(ctx context.Context, dd daemonDir) error {
-	pid, err := daemonPid(dd)
-	if err != nil || pid == 0 {
-		return err
-	}
-	fd, err := unix.PidfdOpen(pid, unix.PIDFD_NONBLOCK)
-	if errors.Is(err, unix.ESRCH) {
-		return nil
-	}
-	if err != nil {
-		return fmt.Errorf("open qemu-storage-daemon %d: %w", pid, err)
-	}
-	proc := os.NewFile(uintptr(fd), "pidfd") // pollable: non-blocking
-	defer proc.Close()
-	// The pidfd is the daemon's only if the daemon still holds its lock: the pid may have been
-	// reused since it was read.
-	switch again, err := daemonPid(dd); {
-	case err != nil:
-		return err
-	case again == 0:
-		return nil
-	case again != pid:
-		return fmt.Errorf("qemu-storage-daemon %d replaced by %d while stopping it", pid, again)
-	}
-	if err := unix.PidfdSendSignal(fd, unix.SIGTERM, nil, 0); err != nil && !errors.Is(err, unix.ESRCH) {
-		return fmt.Errorf("stop qemu-storage-daemon %d: %w", pid, err)
-	}
-	tctx, cancel := context.WithTimeout(ctx, daemonStopTimeout)
-	err = waitExit(tctx, proc)
-	cancel()
-	if err == nil || ctx.Err() != nil {
-		return wrapErr(fmt.Sprintf("wait for qemu-storage-daemon %d to exit", pid), err)
-	}
-	klog.FromContext(ctx).Info("Killing qemu-storage-daemon that did not exit", "pid", pid, "dir", string(dd))
-	if err := unix.PidfdSendSignal(fd, unix.SIGKILL, nil, 0); err != nil && !errors.Is(err, unix.ESRCH) {
-		return fmt.Errorf("kill qemu-storage-daemon %d: %w", pid, err)
-	}
-	return wrapErr(fmt.Sprintf("wait for qemu-storage-daemon %d to exit", pid), waitExit(ctx, proc))
-}
-
-// wrapErr wraps err, unless nil, with what was being done.
-func wrapErr(doing string, err error) error {
-	if err == nil {
-		return nil
-	}
-	return fmt.Errorf("%s: %w", doing, err)
-}
-
-// waitExit waits until the process of the pidfd proc has exited, which the pidfd reports by
-// becoming readable, or until ctx ends.
-func waitExit(ctx context.Context, proc *os.File) error {
-	rc, err := proc.SyscallConn()
-	if err != nil {
-		return err
-	}
-	if err := proc.SetReadDeadline(time.Time{}); err != nil {
-		return err
-	}
-	stop := context.AfterFunc(ctx, func() { _ = proc.SetReadDeadline(time.Now()) })
-	defer stop()
-	err = rc.Read(func(fd uintptr) bool {
-		fds := []unix.PollFd{{Fd: int32(fd), Events: unix.POLLIN}} //nolint:gosec // a descriptor fits
-		n, err := unix.Poll(fds, 0)
-		return n > 0 || err != nil
-	})
-	if ctx.Err() != nil {
-		return context.Cause(ctx)
-	}
-	return err
-}
-
-// unmountAll unmounts whatever is mounted on path.
-func unmountAll(path string) error {
-	for {
-		err := unix.Unmount(path, unix.MNT_DETACH)
-		switch {
-		case errors.Is(err, unix.EINVAL) || errors.Is(err, unix.ENOENT):
-			return nil // not a mount point (any more)
-		case err != nil:
-			return fmt.Errorf("unmount %s: %w", path, err)
-		}
-	}
 }
 
 // loopDevice is a loop device: its name in /dev and its number.
@@ -449,13 +309,13 @@ func detachLoop(l loopDevice) error {
 // daemon's export.
 func (d *Driver) throttled(vm hypervisor.VM, rec record) (loopDevice, bool, error) {
 	dd := d.daemonDir(vm, rec.Serial)
-	pid, err := daemonPid(dd)
+	pid, err := qsd.Pid(dd)
 	if err != nil || pid == 0 {
 		return loopDevice{}, false, err
 	}
 	sys := filepath.Join(d.sysfs, "dev", "block", rec.guestNumber())
 	backing, err := os.ReadFile(filepath.Join(sys, "loop", "backing_file"))
-	if err != nil || strings.TrimSuffix(string(backing), "\n") != dd.path(exportFile) {
+	if err != nil || strings.TrimSuffix(string(backing), "\n") != dd.Path(exportFile) {
 		return loopDevice{}, false, nil
 	}
 	target, err := os.Readlink(sys)
@@ -471,7 +331,7 @@ func (d *Driver) throttled(vm hypervisor.VM, rec record) (loopDevice, bool, erro
 // which a host device accepts up to its real size); then the kernel reads again the size of
 // the FUSE file, which it caches, and the loop device's capacity is set from it. q is a
 // connection to the daemon, or nil to make one if needed.
-func (d *Driver) followSize(ctx context.Context, q *qmpConn, dd daemonDir, rec record, loop loopDevice) error {
+func (d *Driver) followSize(ctx context.Context, q *qsd.Conn, dd daemonDir, rec record, loop loopDevice) error {
 	want, err := d.sectors(rec.number())
 	if errors.Is(err, fs.ErrNotExist) {
 		return nil // the device is gone: the guest keeps the last size
@@ -484,16 +344,16 @@ func (d *Driver) followSize(ctx context.Context, q *qmpConn, dd daemonDir, rec r
 		return err
 	}
 	if q == nil {
-		if q, err = dialQMP(ctx, dd.path(qmpSocket)); err != nil {
+		if q, err = qsd.Dial(ctx, dd); err != nil {
 			return err
 		}
-		defer q.close()
+		defer q.Close()
 	}
-	if err := q.execute("block_resize", map[string]any{"node-name": throttleNode, "size": want * 512}); err != nil {
+	if err := q.Execute("block_resize", map[string]any{"node-name": throttleNode, "size": want * 512}, nil); err != nil {
 		return err
 	}
 	var stx unix.Statx_t
-	if err := unix.Statx(unix.AT_FDCWD, dd.path(exportFile), unix.AT_STATX_FORCE_SYNC, unix.STATX_SIZE, &stx); err != nil {
+	if err := unix.Statx(unix.AT_FDCWD, dd.Path(exportFile), unix.AT_STATX_FORCE_SYNC, unix.STATX_SIZE, &stx); err != nil {
 		return fmt.Errorf("read the size of the daemon's export: %w", err)
 	}
 	f, err := os.Open("/dev/" + loop.name)
@@ -542,17 +402,17 @@ func (d *Driver) SetLimits(ctx context.Context, vm hypervisor.VM, serial string,
 		return wrap(fmt.Errorf("%w: it was attached without limits, its device passed straight to the guest", hypervisor.ErrNotLive))
 	}
 	dd := d.daemonDir(vm, serial)
-	switch pid, err := daemonPid(dd); {
+	switch pid, err := qsd.Pid(dd); {
 	case err != nil:
 		return wrap(err)
 	case pid == 0:
 		return wrap(errors.New("its qemu-storage-daemon does not run; attaching the disk again restarts it"))
 	}
-	q, err := dialQMP(ctx, dd.path(qmpSocket))
+	q, err := qsd.Dial(ctx, dd)
 	if err != nil {
 		return wrap(err)
 	}
-	defer q.close()
+	defer q.Close()
 	if err := setLimits(q, limits); err != nil {
 		return wrap(err)
 	}

@@ -14,6 +14,7 @@ import (
 	. "github.com/onsi/gomega"
 	"golang.org/x/sys/unix"
 
+	"pvbridge.io/pkg/qsd"
 	"pvbridge.io/vm-operator/internal/hypervisor"
 )
 
@@ -182,7 +183,7 @@ func TestInterruptedThrottledOperationsConverge(t *testing.T) {
 			name: "attach interrupted after starting the daemon",
 			interrupt: func(t *testing.T, e *env, vm hypervisor.VM, dd daemonDir) {
 				removeView(t, e.vmDir(vm), "vda", "disk-1")
-				NewWithT(t).Expect(e.d.detachLoops(dd.path(exportFile))).To(Succeed())
+				NewWithT(t).Expect(e.d.detachLoops(dd.Path(exportFile))).To(Succeed())
 			},
 			sameDaemon: true,
 		},
@@ -326,8 +327,8 @@ func TestForceOffReleasesAThrottledDiskTheGuestHolds(t *testing.T) {
 // the disk's daemon, which runs.
 func expectThrottledDisk(g Gomega, e *env, vm hypervisor.VM, name, serial, device string) {
 	dd := e.d.daemonDir(vm, serial)
-	g.Expect(daemonPid(dd)).NotTo(BeZero(), "the daemon runs")
-	loops, err := e.d.loopsOver(dd.path(exportFile))
+	g.Expect(qsd.Pid(dd)).NotTo(BeZero(), "the daemon runs")
+	loops, err := e.d.loopsOver(dd.Path(exportFile))
 	g.Expect(err).NotTo(HaveOccurred())
 	g.Expect(loops).To(HaveLen(1), "one loop device over the daemon's export")
 	loop := loops[0]
@@ -353,7 +354,7 @@ func expectNoThrottle(g Gomega, e *env, vm hypervisor.VM, serial string, pid int
 	dd := e.d.daemonDir(vm, serial)
 	_, err := os.Lstat(string(dd))
 	g.Expect(err).To(MatchError(os.ErrNotExist), "the daemon's directory is gone")
-	g.Expect(e.d.loopsOver(dd.path(exportFile))).To(BeEmpty(), "no loop device over the export")
+	g.Expect(e.d.loopsOver(dd.Path(exportFile))).To(BeEmpty(), "no loop device over the export")
 	data, err := os.ReadFile(mountInfo)
 	g.Expect(err).NotTo(HaveOccurred())
 	g.Expect(string(data)).NotTo(ContainSubstring(e.runDir), "no mount in the run directory")
@@ -361,7 +362,7 @@ func expectNoThrottle(g Gomega, e *env, vm hypervisor.VM, serial string, pid int
 
 // daemonPidOf returns the pid of the running daemon of the disk with serial.
 func daemonPidOf(g Gomega, e *env, vm hypervisor.VM, serial string) int {
-	pid, err := daemonPid(e.d.daemonDir(vm, serial))
+	pid, err := qsd.Pid(e.d.daemonDir(vm, serial))
 	g.Expect(err).NotTo(HaveOccurred())
 	g.Expect(pid).NotTo(BeZero(), "the daemon of %s runs", serial)
 	return pid
@@ -371,17 +372,8 @@ func daemonPidOf(g Gomega, e *env, vm hypervisor.VM, serial string) int {
 func killDaemon(t *testing.T, dd daemonDir) {
 	t.Helper()
 	g := NewWithT(t)
-	pid, err := daemonPid(dd)
-	g.Expect(err).NotTo(HaveOccurred())
-	g.Expect(pid).NotTo(BeZero())
-	fd, err := unix.PidfdOpen(pid, unix.PIDFD_NONBLOCK)
-	g.Expect(err).NotTo(HaveOccurred())
-	proc := os.NewFile(uintptr(fd), "pidfd")
-	defer proc.Close()
-	g.Expect(unix.PidfdSendSignal(fd, unix.SIGKILL, nil, 0)).To(Succeed())
-	ctx, cancel := context.WithTimeout(t.Context(), 10*time.Second)
-	defer cancel()
-	g.Expect(waitExit(ctx, proc)).To(Succeed())
+	g.Expect(qsd.Pid(dd)).NotTo(BeZero())
+	g.Expect(qsd.Kill(t.Context(), dd)).To(Succeed())
 }
 
 // processAlive reports whether pid runs (a zombie has exited).

@@ -1,4 +1,9 @@
-package pmem
+// Package loop binds loop devices to files and unbinds them, with ioctls rather than losetup:
+// LOOP_CONFIGURE (Linux 5.8) binds a free device in one call, and the kernel's answers tell an
+// open device from a free one, which losetup's exit codes do not. The file back end of the PMEM
+// agent keeps its volumes on loop devices; a replicated volume's target puts one over its FUSE
+// export.
+package loop
 
 import (
 	"context"
@@ -14,20 +19,19 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// Loop devices of the file back end, driven by ioctls rather than losetup: LOOP_CONFIGURE
-// (Linux 5.8) binds a free device in one call, and the kernel's answers tell an open device
-// from a free one, which losetup's exit codes do not.
+// ErrInUse is the error of Detach while the device is mounted, held or open elsewhere.
+var ErrInUse = errors.New("in use")
 
 const (
 	sysBlock    = "/sys/block"
 	loopControl = "/dev/loop-control"
 )
 
-// loopAttachments maps every backing file to the loop devices bound to it, from
+// Attachments maps every backing file to the loop devices bound to it, from
 // /sys/block/loop*/loop/backing_file. The kernel writes the path as the process that bound
 // the device opened it, so the file back end must see its directory under the same path in
 // every incarnation of the agent (true of a hostPath volume mounted at a fixed path).
-func loopAttachments() (map[string][]string, error) {
+func Attachments() (map[string][]string, error) {
 	entries, err := os.ReadDir(sysBlock)
 	if err != nil {
 		return nil, err
@@ -52,9 +56,9 @@ func loopAttachments() (map[string][]string, error) {
 	return attached, nil
 }
 
-// loopBacking returns the backing file of loop device dev (/dev/loopN), "" if it has none or
+// Backing returns the backing file of loop device dev (/dev/loopN), "" if it has none or
 // cannot be read.
-func loopBacking(dev string) string {
+func Backing(dev string) string {
 	data, err := os.ReadFile(filepath.Join(sysBlock, filepath.Base(dev), "loop", "backing_file"))
 	if err != nil {
 		return ""
@@ -62,8 +66,8 @@ func loopBacking(dev string) string {
 	return strings.TrimSuffix(string(data), "\n")
 }
 
-// attachLoop binds a free loop device to the file at path and returns the device.
-func attachLoop(path string) (string, error) {
+// Attach binds a free loop device to the file at path and returns the device.
+func Attach(path string) (string, error) {
 	ctl, err := os.OpenFile(loopControl, os.O_RDWR, 0)
 	if err != nil {
 		return "", err
@@ -130,12 +134,12 @@ func ensureDeviceNode(dev string) error {
 	return nil
 }
 
-// detachLoop unbinds a loop device. ErrInUse while it is mounted, held by another device or
+// Detach unbinds a loop device. ErrInUse while it is mounted, held by another device or
 // open elsewhere: the device then stays bound as it was. A short-lived opener (udev probing a
 // new device) is waited out for about a second.
-func detachLoop(ctx context.Context, dev string) error {
+func Detach(ctx context.Context, dev string) error {
 	for attempt := 0; ; attempt++ {
-		detached, err := tryDetachLoop(dev)
+		detached, err := tryDetach(dev)
 		if err != nil || detached {
 			if err == nil {
 				err = waitUnbound(ctx, dev)
@@ -153,7 +157,7 @@ func detachLoop(ctx context.Context, dev string) error {
 	}
 }
 
-func tryDetachLoop(dev string) (bool, error) {
+func tryDetach(dev string) (bool, error) {
 	// An exclusive open fails while a filesystem or a device mapper target holds the device.
 	f, err := os.OpenFile(dev, os.O_RDONLY|unix.O_EXCL, 0)
 	switch {
@@ -164,7 +168,7 @@ func tryDetachLoop(dev string) (bool, error) {
 	case err != nil:
 		return false, err
 	}
-	detached, err := clearLoop(f)
+	detached, err := clearFd(f)
 	if closeErr := f.Close(); err == nil {
 		err = closeErr
 	}
@@ -174,10 +178,10 @@ func tryDetachLoop(dev string) (bool, error) {
 	return detached, nil
 }
 
-// clearLoop asks the kernel to unbind the loop device open as f. When another process has it
-// open too, the kernel only marks it to be unbound on its last close (autoclear); clearLoop
+// clearFd asks the kernel to unbind the loop device open as f. When another process has it
+// open too, the kernel only marks it to be unbound on its last close (autoclear); clearFd
 // then takes the mark back and reports false, so the volume stays usable.
-func clearLoop(f *os.File) (bool, error) {
+func clearFd(f *os.File) (bool, error) {
 	fd := int(f.Fd())
 	if err := unix.IoctlSetInt(fd, unix.LOOP_CLR_FD, 0); err != nil {
 		if errors.Is(err, unix.ENXIO) {
@@ -217,8 +221,8 @@ func waitUnbound(ctx context.Context, dev string) error {
 	}
 }
 
-// resizeLoop makes a loop device take the new size of its backing file.
-func resizeLoop(dev string) error {
+// Resize makes a loop device take the new size of its backing file.
+func Resize(dev string) error {
 	f, err := os.Open(dev)
 	if err != nil {
 		return err
@@ -230,9 +234,9 @@ func resizeLoop(dev string) error {
 	return nil
 }
 
-// flushDevice writes what the page cache of dev holds to its backing store, so that a copy
+// Flush writes what the page cache of dev holds to its backing store, so that a copy
 // of the backing file sees every write made through the device.
-func flushDevice(dev string) error {
+func Flush(dev string) error {
 	f, err := os.Open(dev)
 	if err != nil {
 		return err

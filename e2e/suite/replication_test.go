@@ -1,0 +1,100 @@
+package suite_test
+
+import (
+	"context"
+	"os"
+	"path/filepath"
+
+	. "github.com/onsi/ginkgo/v2"
+	. "github.com/onsi/gomega"
+	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/api/meta"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+
+	"pvbridge.io/e2e/deploy"
+	pmemv1 "pvbridge.io/pkg/apis/pmem/v1alpha1"
+	"pvbridge.io/pkg/qsd"
+)
+
+var _ = Describe("Replicated volumes", Label("replication"), func() {
+	// A management claim of two replicas: served on either host through a target over both
+	// replicas, so a pod finds its data on the other host; and, once one host's replica
+	// server dies under a writer, the writes go on, that replica is faulted, and the volume is
+	// served from the surviving replica alone, never from the one that missed writes.
+	It("serves a volume on every host and goes on without a replica that missed writes", func(ctx SpecContext) {
+		ns := mgmtNamespace(ctx)
+		pvc := deploy.PVC(ns, "data", deploy.StorageClassPmemReplicated, "64Mi", false)
+		Expect(mc.Create(ctx, pvc)).To(Succeed())
+		Eventually(func(g Gomega) {
+			g.Expect(mc.Get(ctx, client.ObjectKeyFromObject(pvc), pvc)).To(Succeed())
+			g.Expect(pvc.Status.Phase).To(Equal(corev1.ClaimBound))
+		}).WithContext(ctx).WithTimeout(timeout).Should(Succeed())
+		pv := &corev1.PersistentVolume{}
+		Expect(mc.Get(ctx, client.ObjectKey{Name: pvc.Spec.VolumeName}, pv)).To(Succeed())
+		Expect(pv.Spec.NodeAffinity).To(BeNil(), "a replicated volume is bound to no host")
+		replicas := replicasOf(ctx, pv.Spec.CSI.VolumeHandle)
+		Expect(replicas).To(HaveLen(2))
+		Expect([]string{replicas[0].Spec.Node, replicas[1].Spec.Node}).To(ConsistOf("host-a", "host-b"))
+
+		By("a pod on host-a writes; a pod on host-b reads it from its own replica, once host-a let go of the volume")
+		first := mgmtPod(ctx, ns, "first", "host-a")
+		Expect(writeSynced(filepath.Join(mgmtVolumePath(first, pv.Name), "data"), []byte("before"))).To(Succeed())
+		deleteMgmtPod(ctx, first)
+		second := mgmtPod(ctx, ns, "second", "host-b")
+		Expect(os.ReadFile(filepath.Join(mgmtVolumePath(second, pv.Name), "data"))).To(BeEquivalentTo("before"))
+
+		By("host-a's replica server dies; the writer on host-b goes on")
+		server := qsd.Dir(filepath.Join(mgmtHost("host-a").RunDir, "server"))
+		Expect(qsd.Kill(ctx, server)).To(Succeed())
+		Expect(writeSynced(filepath.Join(mgmtVolumePath(second, pv.Name), "data"), []byte("after"))).To(Succeed())
+		Eventually(func(g Gomega) {
+			for _, r := range replicasOf(ctx, pv.Spec.CSI.VolumeHandle) {
+				ready := meta.FindStatusCondition(r.Status.Conditions, pmemv1.ReadyCondition)
+				g.Expect(ready).NotTo(BeNil())
+				if r.Spec.Node == "host-a" {
+					g.Expect(ready.Reason).To(Equal(pmemv1.FaultedReason), "host-a's replica missed a write")
+				} else {
+					g.Expect(ready.Status).To(Equal(metav1.ConditionTrue))
+				}
+			}
+		}).WithContext(ctx).WithTimeout(timeout).Should(Succeed())
+
+		By("back on host-a, the pod reads the write its local replica missed, from host-b's")
+		deleteMgmtPod(ctx, second)
+		third := mgmtPod(ctx, ns, "third", "host-a")
+		Expect(os.ReadFile(filepath.Join(mgmtVolumePath(third, pv.Name), "data"))).To(BeEquivalentTo("after"))
+	})
+})
+
+// replicasOf lists the PmemReplicas of volume id.
+func replicasOf(ctx context.Context, id string) []pmemv1.PmemReplica {
+	GinkgoHelper()
+	list := &pmemv1.PmemReplicaList{}
+	Expect(mc.List(ctx, list, client.MatchingLabels{pmemv1.VolumeLabel: id})).To(Succeed())
+	return list.Items
+}
+
+// mgmtPod runs a pod of claim "data" on management host node and waits until it runs.
+func mgmtPod(ctx context.Context, ns, name, node string) *corev1.Pod {
+	GinkgoHelper()
+	pod := deploy.Pod(ns, name, "data", node, false)
+	Expect(mc.Create(ctx, pod)).To(Succeed())
+	Eventually(func(g Gomega) {
+		g.Expect(mc.Get(ctx, client.ObjectKeyFromObject(pod), pod)).To(Succeed())
+		g.Expect(pod.Status.Phase).To(Equal(corev1.PodRunning))
+	}).WithContext(ctx).WithTimeout(timeout).Should(Succeed())
+	return pod
+}
+
+// deleteMgmtPod deletes a management pod and waits until it is gone, its volume unstaged.
+func deleteMgmtPod(ctx context.Context, pod *corev1.Pod) {
+	GinkgoHelper()
+	Expect(mc.Delete(ctx, pod)).To(Succeed())
+	gone(ctx, mc, pod)
+}
+
+// mgmtVolumePath is where kubelet mounted the volume of PV pv for a management pod.
+func mgmtVolumePath(pod *corev1.Pod, pv string) string {
+	return deploy.PodVolumePath(mgmtHost(pod.Spec.NodeName).Node, pod.UID, pv, false)
+}

@@ -1,0 +1,302 @@
+package driver
+
+import (
+	"context"
+	"fmt"
+	"slices"
+	"sort"
+	"strconv"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	"k8s.io/apimachinery/pkg/api/meta"
+	"k8s.io/apimachinery/pkg/api/resource"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/klog/v2"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+
+	"pvbridge.io/mgmt-csi/internal/agent"
+	"pvbridge.io/mgmt-csi/internal/ids"
+	pmemv1 "pvbridge.io/pkg/apis/pmem/v1alpha1"
+	"pvbridge.io/pkg/await"
+	"pvbridge.io/pkg/csiserver"
+)
+
+// A replicated volume (StorageClass parameter replicas, 2 or 3) is a PmemVolume without a node
+// and a PmemReplica per copy, each on another node with a replica server; the node agents
+// carve and export the replicas, and the node a volume is staged on writes to all of them
+// (package replication). The controller places the replicas, waits for them and reports the
+// volume Ready in its status; it deletes the replicas before the volume, which has no
+// finalizer since no agent owns it.
+
+const (
+	// replicasParameter is the StorageClass parameter of the number of replicas.
+	replicasParameter = "replicas"
+	maxReplicas       = 3
+	kindReplica       = "PmemReplica"
+)
+
+// replicaCount reads the replicas parameter: 1 when absent, else 1 to maxReplicas.
+func replicaCount(params map[string]string) (int32, error) {
+	v, ok := params[replicasParameter]
+	if !ok {
+		return 1, nil
+	}
+	n, err := strconv.Atoi(v)
+	if err != nil || n < 1 || n > maxReplicas {
+		return 0, status.Errorf(codes.InvalidArgument, "parameter %s: %q is not a number of replicas from 1 to %d", replicasParameter, v, maxReplicas)
+	}
+	return int32(n), nil //nolint:gosec // at most maxReplicas
+}
+
+// replicaName is the name of replica i of a volume: the object's, the device's and the
+// export's. It is derived like a volume ID, so it is a DNS label of at most 63 characters.
+func replicaName(volumeID string, i int) string {
+	return ids.For("replica", volumeID+"-r"+strconv.Itoa(i))
+}
+
+// notReplicated fails with FailedPrecondition for a replicated volume, which does not support
+// what yet.
+func notReplicated(vol *pmemv1.PmemVolume, what string) error {
+	if vol.Spec.Replicas <= 1 {
+		return nil
+	}
+	return status.Errorf(codes.FailedPrecondition, "volume %s has %d replicas, and %s is not supported for replicated volumes yet", vol.Name, vol.Spec.Replicas, what)
+}
+
+// createReplicated records the replicated volume id of n replicas, places the replicas that
+// are missing (a retried call finds those a previous one made) and waits until every one is
+// ready. preferred nodes (the accessibility requirements) get a replica first, so that a
+// WaitForFirstConsumer volume has one next to its consumer.
+func (s *controllerServer) createReplicated(ctx context.Context, req *csi.CreateVolumeRequest, id string, n int32, size int64) (*pmemv1.PmemVolume, error) {
+	if req.GetVolumeContentSource() != nil {
+		return nil, status.Errorf(codes.InvalidArgument, "volume %s: a replicated volume cannot start from a snapshot or a volume yet", id)
+	}
+	preferred, limit := topologyNodes(req.GetAccessibilityRequirements()), req.GetCapacityRange().GetLimitBytes()
+	vol := &pmemv1.PmemVolume{}
+	err := s.reader.Get(ctx, client.ObjectKey{Name: id}, vol)
+	switch {
+	case apierrors.IsNotFound(err):
+		vol = &pmemv1.PmemVolume{
+			ObjectMeta: metav1.ObjectMeta{Name: id, Annotations: map[string]string{pmemv1.NameAnnotation: req.GetName()}},
+			Spec:       pmemv1.PmemVolumeSpec{VolumeID: id, Replicas: n, Size: *resource.NewQuantity(size, resource.BinarySI)},
+		}
+		// Nothing is recorded for a volume that has not room enough.
+		if _, err := s.chooseReplicaNodes(ctx, vol, int(n), nil, preferred, limit); err != nil {
+			return nil, err
+		}
+		if err := s.client.Create(ctx, vol); apierrors.IsAlreadyExists(err) {
+			return nil, status.Errorf(codes.Aborted, "volume %s is being created concurrently", id)
+		} else if err != nil {
+			return nil, csiserver.APIError(err, "create PmemVolume %s", id)
+		}
+		klog.FromContext(ctx).V(2).Info("Recorded replicated volume", "replicas", n, "size", size)
+	case err != nil:
+		return nil, csiserver.APIError(err, "get PmemVolume %s", id)
+	default:
+		if vol.Spec.Replicas != n {
+			return nil, status.Errorf(codes.AlreadyExists, "volume %s exists with %d replicas, not %d", id, vol.Spec.Replicas, n)
+		}
+		if err := compatibleVolume(vol, size, req.GetCapacityRange().GetLimitBytes(), nil); err != nil {
+			return nil, err
+		}
+	}
+	replicas, err := s.placeReplicas(ctx, vol, preferred, limit)
+	if err != nil {
+		return nil, err
+	}
+	for _, r := range replicas {
+		if err := s.waitReplicaReady(ctx, r); err != nil {
+			return nil, err
+		}
+	}
+	return vol, s.reportReplicated(ctx, vol, replicas)
+}
+
+// placeReplicas returns the volume's replicas, creating those it lacks on nodes that hold
+// none of its replicas.
+func (s *controllerServer) placeReplicas(ctx context.Context, vol *pmemv1.PmemVolume, preferred []string, limit int64) ([]*pmemv1.PmemReplica, error) {
+	list := &pmemv1.PmemReplicaList{}
+	if err := s.reader.List(ctx, list, client.MatchingLabels{pmemv1.VolumeLabel: vol.Name}); err != nil {
+		return nil, csiserver.APIError(err, "list the PmemReplicas of volume %s", vol.Name)
+	}
+	byName := map[string]*pmemv1.PmemReplica{}
+	var taken []string
+	for i := range list.Items {
+		byName[list.Items[i].Name] = &list.Items[i]
+		taken = append(taken, list.Items[i].Spec.Node)
+	}
+	var missing []int
+	for i := range int(vol.Spec.Replicas) {
+		if byName[replicaName(vol.Name, i)] == nil {
+			missing = append(missing, i)
+		}
+	}
+	var nodes []string
+	if len(missing) > 0 {
+		var err error
+		if nodes, err = s.chooseReplicaNodes(ctx, vol, len(missing), taken, preferred, limit); err != nil {
+			return nil, err
+		}
+	}
+	replicas := make([]*pmemv1.PmemReplica, 0, vol.Spec.Replicas)
+	for i := range int(vol.Spec.Replicas) {
+		name := replicaName(vol.Name, i)
+		if r := byName[name]; r != nil {
+			replicas = append(replicas, r)
+			continue
+		}
+		node := nodes[0]
+		nodes = nodes[1:]
+		r := &pmemv1.PmemReplica{
+			ObjectMeta: metav1.ObjectMeta{
+				Name:       name,
+				Labels:     map[string]string{pmemv1.VolumeLabel: vol.Name, pmemv1.NodeLabel: node},
+				Finalizers: []string{agent.Finalizer},
+				// The garbage collector removes what a deleted volume left; DeleteVolume
+				// removes the replicas first.
+				OwnerReferences: []metav1.OwnerReference{{
+					APIVersion: pmemv1.GroupVersion.String(), Kind: kindVolume, Name: vol.Name, UID: vol.UID,
+				}},
+			},
+			Spec: pmemv1.PmemReplicaSpec{VolumeID: vol.Name, Node: node, Size: vol.Spec.Size},
+		}
+		if err := s.client.Create(ctx, r); err != nil {
+			if apierrors.IsAlreadyExists(err) {
+				return nil, status.Errorf(codes.Aborted, "replica %s of volume %s is being created concurrently", name, vol.Name)
+			}
+			return nil, csiserver.APIError(err, "create PmemReplica %s", name)
+		}
+		klog.FromContext(ctx).V(2).Info("Placed replica", "replica", name, "node", node)
+		replicas = append(replicas, r)
+	}
+	return replicas, nil
+}
+
+// chooseReplicaNodes picks n nodes for new replicas of vol: nodes with a replica server whose
+// PMEM is ready and has room, none of them in taken (the nodes of its other replicas); the
+// preferred ones first, then those with the most room.
+func (s *controllerServer) chooseReplicaNodes(ctx context.Context, vol *pmemv1.PmemVolume, n int, taken, preferred []string, limit int64) ([]string, error) {
+	list := &pmemv1.PmemNodeList{}
+	if err := s.reader.List(ctx, list); err != nil {
+		return nil, csiserver.APIError(err, "list PmemNodes")
+	}
+	nodes := list.Items
+	sort.SliceStable(nodes, func(i, j int) bool {
+		pi, pj := slices.Contains(preferred, nodes[i].Name), slices.Contains(preferred, nodes[j].Name)
+		if pi != pj {
+			return pi
+		}
+		return largest(&nodes[i]) > largest(&nodes[j])
+	})
+	size := vol.Spec.Size.Value()
+	var chosen, reasons []string
+	for i := range nodes {
+		node := &nodes[i]
+		need := alignUp(size, alignment(node))
+		switch {
+		case slices.Contains(taken, node.Name):
+			reasons = append(reasons, node.Name+": holds another replica")
+		case node.Status.ReplicaAddress == "":
+			reasons = append(reasons, node.Name+": no replica server")
+		case !isReady(node.Status.Conditions):
+			reasons = append(reasons, node.Name+": PMEM not ready")
+		case limit > 0 && need > limit:
+			reasons = append(reasons, fmt.Sprintf("%s: %d bytes aligned to %d exceed the limit", node.Name, size, alignment(node)))
+		case need > largest(node):
+			reasons = append(reasons, fmt.Sprintf("%s: %d bytes free in one extent", node.Name, largest(node)))
+		default:
+			chosen = append(chosen, node.Name)
+			if len(chosen) == n {
+				return chosen, nil
+			}
+		}
+	}
+	return nil, status.Errorf(codes.ResourceExhausted,
+		"volume %s needs %d replicas of %d bytes on distinct nodes, and %d more nodes have room for one (%d replicas placed before): %v",
+		vol.Name, vol.Spec.Replicas, size, len(chosen), len(taken), reasons)
+}
+
+// waitReplicaReady waits until the node agent reports replica r ready. A new replica its node
+// had no room for is removed again, so that the next call places it elsewhere, and reported
+// ResourceExhausted.
+func (s *controllerServer) waitReplicaReady(ctx context.Context, r *pmemv1.PmemReplica) error {
+	got := &pmemv1.PmemReplica{}
+	var failure error
+	err := csiserver.Await(ctx, s.hub, await.Key{Kind: kindReplica, Name: r.Name}, "replica "+r.Name, nil, func(ctx context.Context) (bool, error) {
+		if err := s.reader.Get(ctx, client.ObjectKeyFromObject(r), got); err != nil {
+			if apierrors.IsNotFound(err) {
+				return false, nil // the cache has not seen our create yet
+			}
+			return false, err
+		}
+		if got.DeletionTimestamp != nil {
+			failure = status.Errorf(codes.Aborted, "replica %s is being deleted", r.Name)
+			return true, nil
+		}
+		var ready bool
+		ready, failure = readiness(got.Status.Conditions, got.Generation, got.Spec.Node)
+		return ready || failure != nil, nil
+	})
+	if err != nil {
+		return err
+	}
+	if failure != nil && got.Status.Device == "" {
+		if err := s.deleteObject(ctx, got); err != nil {
+			return err
+		}
+	}
+	if failure == nil {
+		*r = *got
+	}
+	return failure
+}
+
+// reportReplicated writes in the volume's status that its replicas are ready, with the size
+// they all have.
+func (s *controllerServer) reportReplicated(ctx context.Context, vol *pmemv1.PmemVolume, replicas []*pmemv1.PmemReplica) error {
+	size := int64(-1)
+	for _, r := range replicas {
+		if a := r.Status.AllocatedSize; a != nil && (size < 0 || a.Value() < size) {
+			size = a.Value()
+		}
+	}
+	patch := client.MergeFrom(vol.DeepCopy())
+	changed := meta.SetStatusCondition(&vol.Status.Conditions, metav1.Condition{
+		Type: pmemv1.ReadyCondition, Status: metav1.ConditionTrue, Reason: pmemv1.CreatedReason,
+		Message: fmt.Sprintf("%d replicas ready", len(replicas)), ObservedGeneration: vol.Generation,
+	})
+	if size >= 0 && (vol.Status.AllocatedSize == nil || vol.Status.AllocatedSize.Value() != size) {
+		vol.Status.AllocatedSize = resource.NewQuantity(size, resource.BinarySI)
+		changed = true
+	}
+	if !changed {
+		return nil
+	}
+	if err := s.client.Status().Patch(ctx, vol, patch); err != nil {
+		return csiserver.APIError(err, "update status of PmemVolume %s", vol.Name)
+	}
+	return nil
+}
+
+// deleteReplicas deletes the replicas of volume id, all at once, and waits until their agents
+// removed them.
+func (s *controllerServer) deleteReplicas(ctx context.Context, id string) error {
+	list := &pmemv1.PmemReplicaList{}
+	if err := s.reader.List(ctx, list, client.MatchingLabels{pmemv1.VolumeLabel: id}); err != nil {
+		return csiserver.APIError(err, "list the PmemReplicas of volume %s", id)
+	}
+	for i := range list.Items {
+		if err := s.deleteObject(ctx, &list.Items[i]); err != nil {
+			return err
+		}
+	}
+	for _, r := range list.Items {
+		if err := s.deleteAndWait(ctx, kindReplica, r.Name, &pmemv1.PmemReplica{}); err != nil {
+			return err
+		}
+	}
+	return nil
+}

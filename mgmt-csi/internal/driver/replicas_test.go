@@ -1,0 +1,193 @@
+package driver
+
+import (
+	"context"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+	. "github.com/onsi/gomega"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+	"k8s.io/apimachinery/pkg/api/meta"
+	"k8s.io/apimachinery/pkg/api/resource"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/util/validation"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+
+	"pvbridge.io/mgmt-csi/internal/agent"
+	pmemv1 "pvbridge.io/pkg/apis/pmem/v1alpha1"
+)
+
+// replicaNode is a node whose agent runs a replica server.
+func replicaNode(name string, free int64) *pmemv1.PmemNode {
+	n := pmemNode(name, free, free, true)
+	n.Status.ReplicaAddress = name + ":10809"
+	return n
+}
+
+func replicated(name string, n string, size int64) *csi.CreateVolumeRequest {
+	return &csi.CreateVolumeRequest{
+		Name: name, VolumeCapabilities: []*csi.VolumeCapability{blockCap},
+		CapacityRange: &csi.CapacityRange{RequiredBytes: size},
+		Parameters:    map[string]string{replicasParameter: n},
+	}
+}
+
+// shortCall is a context for a call that answers DeadlineExceeded while the agents work.
+func shortCall(t *testing.T) context.Context {
+	ctx, cancel := context.WithTimeout(t.Context(), 100*time.Millisecond)
+	t.Cleanup(cancel)
+	return ctx
+}
+
+func replicasOf(t *testing.T, s *controllerServer, id string) []pmemv1.PmemReplica {
+	t.Helper()
+	list := &pmemv1.PmemReplicaList{}
+	if err := s.reader.List(t.Context(), list, client.MatchingLabels{pmemv1.VolumeLabel: id}); err != nil {
+		t.Fatal(err)
+	}
+	return list.Items
+}
+
+// agentsCarve does what the node agents do: reports every replica of id ready.
+func agentsCarve(t *testing.T, s *controllerServer, id string) {
+	t.Helper()
+	for _, r := range replicasOf(t, s, id) {
+		r.Status.Device, r.Status.Address = "/dev/loop9", r.Spec.Node+":10809"
+		r.Status.AllocatedSize = resource.NewQuantity(r.Spec.Size.Value(), resource.BinarySI)
+		meta.SetStatusCondition(&r.Status.Conditions, metav1.Condition{
+			Type: pmemv1.ReadyCondition, Status: metav1.ConditionTrue, Reason: pmemv1.CreatedReason, ObservedGeneration: r.Generation,
+		})
+		if err := s.client.Status().Update(t.Context(), &r); err != nil {
+			t.Fatal(err)
+		}
+	}
+}
+
+func TestReplicaCount(t *testing.T) {
+	for _, tc := range []struct {
+		params map[string]string
+		want   int32
+		code   codes.Code
+	}{
+		{params: nil, want: 1},
+		{params: map[string]string{replicasParameter: "1"}, want: 1},
+		{params: map[string]string{replicasParameter: "3"}, want: 3},
+		{params: map[string]string{replicasParameter: "0"}, code: codes.InvalidArgument},
+		{params: map[string]string{replicasParameter: "4"}, code: codes.InvalidArgument},
+		{params: map[string]string{replicasParameter: "two"}, code: codes.InvalidArgument},
+		{params: map[string]string{replicasParameter: ""}, code: codes.InvalidArgument},
+	} {
+		g := NewWithT(t)
+		got, err := replicaCount(tc.params)
+		g.Expect(status.Code(err)).To(Equal(tc.code), "%v: %v", tc.params, err)
+		g.Expect(got).To(Equal(tc.want))
+	}
+}
+
+func TestReplicaNamesAreLabels(t *testing.T) {
+	g := NewWithT(t)
+	g.Expect(replicaName("pvc-0b3f7c1e-2f7a-4d0c-9b1e-4c2e8f0a1d2c", 1)).To(Equal("pvc-0b3f7c1e-2f7a-4d0c-9b1e-4c2e8f0a1d2c-r1"))
+	long := strings.Repeat("v", 63)
+	g.Expect(validation.IsDNS1123Label(replicaName(long, 0))).To(BeEmpty())
+	g.Expect(replicaName(long, 0)).NotTo(Equal(replicaName(long, 1)))
+}
+
+func TestCreateReplicatedVolume(t *testing.T) {
+	g := NewWithT(t)
+	s := newTestController(t, replicaNode("a", 2*gi), replicaNode("b", 4*gi), replicaNode("c", 3*gi),
+		pmemNode("plain", 9*gi, 9*gi, true))
+	req := replicated("pvc-1", "2", gi)
+	req.AccessibilityRequirements = &csi.TopologyRequirement{Requisite: topology("a"), Preferred: topology("a")}
+
+	_, err := s.CreateVolume(shortCall(t), req)
+	g.Expect(status.Code(err)).To(Equal(codes.DeadlineExceeded), "the agents have not carved the replicas yet: %v", err)
+	vol := &pmemv1.PmemVolume{}
+	g.Expect(s.reader.Get(t.Context(), client.ObjectKey{Name: "pvc-1"}, vol)).To(Succeed())
+	g.Expect(vol.Spec.Replicas).To(BeEquivalentTo(2))
+	g.Expect(vol.Spec.Node).To(BeEmpty())
+	g.Expect(vol.Finalizers).To(BeEmpty(), "no agent owns a replicated volume")
+	replicas := replicasOf(t, s, "pvc-1")
+	g.Expect(replicas).To(HaveLen(2))
+	nodes := []string{replicas[0].Spec.Node, replicas[1].Spec.Node}
+	g.Expect(nodes).To(ConsistOf("a", "b"), "the preferred node, then the most room; never the node without a replica server")
+	for _, r := range replicas {
+		g.Expect(r.Finalizers).To(ContainElement(agent.Finalizer))
+		g.Expect(r.OwnerReferences).To(HaveLen(1))
+		g.Expect(r.OwnerReferences[0].Name).To(Equal("pvc-1"))
+		g.Expect(r.Spec.Size.Value()).To(Equal(gi))
+	}
+
+	_, err = s.CreateVolume(shortCall(t), req)
+	g.Expect(status.Code(err)).To(Equal(codes.DeadlineExceeded))
+	g.Expect(replicasOf(t, s, "pvc-1")).To(HaveLen(2), "a retry places nothing twice")
+
+	agentsCarve(t, s, "pvc-1")
+	resp, err := s.CreateVolume(t.Context(), req)
+	g.Expect(err).NotTo(HaveOccurred())
+	g.Expect(resp.GetVolume().GetAccessibleTopology()).To(BeEmpty(), "a replicated volume is served on every node")
+	g.Expect(resp.GetVolume().GetCapacityBytes()).To(Equal(gi))
+	g.Expect(s.reader.Get(t.Context(), client.ObjectKey{Name: "pvc-1"}, vol)).To(Succeed())
+	g.Expect(meta.IsStatusConditionTrue(vol.Status.Conditions, pmemv1.ReadyCondition)).To(BeTrue())
+
+	_, err = s.CreateVolume(t.Context(), replicated("pvc-1", "3", gi))
+	g.Expect(status.Code(err)).To(Equal(codes.AlreadyExists), "the same name with other replicas")
+}
+
+func TestCreateReplicatedVolumeRefusesWithoutSideEffects(t *testing.T) {
+	clone := replicated("pvc-1", "2", gi)
+	clone.VolumeContentSource = &csi.VolumeContentSource{Type: &csi.VolumeContentSource_Volume{
+		Volume: &csi.VolumeContentSource_VolumeSource{VolumeId: "pvc-src"}}}
+	for _, tc := range []struct {
+		name string
+		req  *csi.CreateVolumeRequest
+		code codes.Code
+	}{
+		{"more replicas than nodes with a replica server", replicated("pvc-1", "3", gi), codes.ResourceExhausted},
+		{"no two nodes with room", replicated("pvc-1", "2", 3*gi), codes.ResourceExhausted},
+		{"out of range", replicated("pvc-1", "4", gi), codes.InvalidArgument},
+		{"from a source", clone, codes.InvalidArgument},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			g := NewWithT(t)
+			s := newTestController(t, replicaNode("a", 2*gi), replicaNode("b", 4*gi), pmemNode("plain", 9*gi, 9*gi, true),
+				pmemVolume("pvc-src", "plain", gi))
+			_, err := s.CreateVolume(t.Context(), tc.req)
+			g.Expect(status.Code(err)).To(Equal(tc.code), "%v", err)
+			g.Expect(s.reader.Get(t.Context(), client.ObjectKey{Name: "pvc-1"}, &pmemv1.PmemVolume{})).NotTo(Succeed())
+			g.Expect(replicasOf(t, s, "pvc-1")).To(BeEmpty())
+		})
+	}
+}
+
+func TestReplicatedVolumeOperations(t *testing.T) {
+	g := NewWithT(t)
+	s := newTestController(t, replicaNode("a", 2*gi), replicaNode("b", 4*gi), pmemNode("plain", 9*gi, 9*gi, true))
+	_, err := s.CreateVolume(shortCall(t), replicated("pvc-1", "2", gi))
+	g.Expect(status.Code(err)).To(Equal(codes.DeadlineExceeded))
+	agentsCarve(t, s, "pvc-1")
+	_, err = s.CreateVolume(t.Context(), replicated("pvc-1", "2", gi))
+	g.Expect(err).NotTo(HaveOccurred())
+
+	_, err = s.ControllerPublishVolume(t.Context(), &csi.ControllerPublishVolumeRequest{VolumeId: "pvc-1", NodeId: "plain", VolumeCapability: blockCap})
+	g.Expect(err).NotTo(HaveOccurred(), "attached where it has no replica")
+	_, err = s.ControllerExpandVolume(t.Context(), &csi.ControllerExpandVolumeRequest{VolumeId: "pvc-1", CapacityRange: &csi.CapacityRange{RequiredBytes: 2 * gi}})
+	g.Expect(status.Code(err)).To(Equal(codes.FailedPrecondition))
+	_, err = s.CreateSnapshot(t.Context(), &csi.CreateSnapshotRequest{Name: "snap-1", SourceVolumeId: "pvc-1"})
+	g.Expect(status.Code(err)).To(Equal(codes.FailedPrecondition))
+
+	// Deletion: the replicas first, each waiting for its agent; then the volume.
+	_, err = s.DeleteVolume(shortCall(t), &csi.DeleteVolumeRequest{VolumeId: "pvc-1"})
+	g.Expect(status.Code(err)).To(Equal(codes.DeadlineExceeded))
+	g.Expect(s.reader.Get(t.Context(), client.ObjectKey{Name: "pvc-1"}, &pmemv1.PmemVolume{})).To(Succeed(), "the volume stays while a replica does")
+	for _, r := range replicasOf(t, s, "pvc-1") {
+		g.Expect(r.DeletionTimestamp).NotTo(BeNil())
+		r.Finalizers = nil // the agent removed the replica
+		g.Expect(s.client.Update(t.Context(), &r)).To(Succeed())
+	}
+	_, err = s.DeleteVolume(t.Context(), &csi.DeleteVolumeRequest{VolumeId: "pvc-1"})
+	g.Expect(err).NotTo(HaveOccurred())
+	g.Expect(s.reader.Get(t.Context(), client.ObjectKey{Name: "pvc-1"}, &pmemv1.PmemVolume{})).NotTo(Succeed())
+}

@@ -1,0 +1,253 @@
+package replication
+
+import (
+	"bytes"
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"fmt"
+	"io"
+	"net"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"testing"
+	"time"
+
+	. "github.com/onsi/gomega"
+	"golang.org/x/sys/unix"
+
+	"pvbridge.io/mgmt-csi/internal/loop"
+	"pvbridge.io/pkg/qsd"
+)
+
+// These tests run the data path for real, as root: qemu-storage-daemons on 127.0.0.1, loop
+// devices over sparse files standing for two hosts' replicas, a FUSE export.
+
+const mib = int64(1) << 20
+
+// sandbox is a test's directory, short enough for the daemons' sockets, with a keys file.
+type sandbox struct {
+	dir  string
+	keys string
+}
+
+func newSandbox(t testing.TB) *sandbox {
+	t.Helper()
+	if os.Geteuid() != 0 {
+		t.Fatal("these tests run qemu-storage-daemons over loop devices: they must run as root")
+	}
+	dir, err := os.MkdirTemp("", "repl-")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = os.RemoveAll(dir) })
+	s := &sandbox{dir: dir, keys: filepath.Join(dir, "keys")}
+	s.writeKeys(t, s.keys)
+	return s
+}
+
+// writeKeys writes a keys file of PSKUser with a random key into dir.
+func (s *sandbox) writeKeys(t testing.TB, dir string) {
+	t.Helper()
+	key := make([]byte, 32)
+	_, _ = rand.Read(key)
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(dir, "keys.psk"), []byte(PSKUser+":"+hex.EncodeToString(key)+"\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// replica returns a loop device over a new sparse file of size: a host's replica.
+func (s *sandbox) replica(t testing.TB, name string, size int64) string {
+	t.Helper()
+	file := filepath.Join(s.dir, name+".img")
+	if err := os.WriteFile(file, nil, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Truncate(file, size); err != nil {
+		t.Fatal(err)
+	}
+	dev, err := loop.Attach(file)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		if err := loop.Detach(context.Background(), dev); err != nil {
+			t.Error(err)
+		}
+	})
+	return dev
+}
+
+// server returns a replica server on a free port of 127.0.0.1, stopped at the test's end.
+func (s *sandbox) server(t testing.TB, name string) *Server {
+	t.Helper()
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr := l.Addr().String()
+	_ = l.Close()
+	srv := &Server{Dir: qsd.Dir(filepath.Join(s.dir, name)), Address: addr, KeysDir: s.keys}
+	t.Cleanup(func() {
+		// t.Context() is done when cleanups run.
+		if err := srv.Stop(context.Background()); err != nil {
+			t.Error(err)
+		}
+	})
+	return srv
+}
+
+func (s *sandbox) targets(t testing.TB) *Targets {
+	t.Helper()
+	targets := &Targets{RunDir: filepath.Join(s.dir, "t"), KeysDir: s.keys}
+	t.Cleanup(func() {
+		entries, _ := os.ReadDir(targets.RunDir)
+		for _, e := range entries {
+			t.Errorf("target left behind: %s", e.Name())
+			if err := targets.Close(context.Background(), e.Name()); err != nil {
+				t.Error(err)
+			}
+		}
+	})
+	return targets
+}
+
+// vol is a replica's name as the controller makes them: longer than QEMU's node names.
+const vol = "pvc-0b3f7c1e-2f7a-4d0c-9b1e-4c2e8f0a1d2c-r1"
+
+func TestTargetWritesEveryReplicaAndOutlivesALostOne(t *testing.T) {
+	g := NewWithT(t)
+	s := newSandbox(t)
+	local, remote := s.replica(t, "a", 64*mib), s.replica(t, "b", 64*mib)
+	srv := s.server(t, "server-b")
+	g.Expect(srv.Export(t.Context(), vol, remote)).To(Succeed())
+	g.Expect(srv.Export(t.Context(), vol, remote)).To(Succeed(), "exporting again changes nothing")
+	g.Expect(srv.Exports(t.Context())).To(Equal([]string{vol}))
+
+	targets := s.targets(t)
+	faulted := make(chan string, 4)
+	targets.Faulted = func(_ context.Context, replica, _ string) error {
+		faulted <- replica
+		return nil
+	}
+	go func() { _ = targets.Start(t.Context()) }()
+	replicas := []Replica{{Name: vol, Address: srv.Address}, {Name: "vol-a", Device: local}}
+	dev, err := targets.Open(t.Context(), "vol", replicas)
+	g.Expect(err).NotTo(HaveOccurred())
+	g.Expect(targets.Open(t.Context(), "vol", replicas)).To(Equal(dev), "opening again finds the running target")
+	g.Expect(targets.Device("vol")).To(Equal(dev))
+	g.Expect(size(g, dev)).To(Equal(size(g, local)), "the volume has its replicas' size")
+
+	first := writeSynced(g, dev, 4*mib, mib)
+	g.Expect(read(g, local, 4*mib, mib)).To(Equal(first), "the local replica has the write")
+	g.Expect(read(g, remote, 4*mib, mib)).To(Equal(first), "the remote replica has the write")
+
+	// The remote host dies: its server goes as a crash would.
+	g.Expect(qsd.Kill(t.Context(), srv.Dir)).To(Succeed())
+	second := writeSynced(g, dev, 8*mib, mib)
+	g.Expect(read(g, local, 8*mib, mib)).To(Equal(second), "the write is acknowledged from the surviving replica")
+	g.Expect(read(g, remote, 8*mib, mib)).NotTo(Equal(second), "the lost replica missed it")
+	g.Expect(read(g, dev, 4*mib, mib)).To(Equal(first), "reads go on from the local replica")
+	g.Eventually(faulted).WithTimeout(time.Minute).Should(Receive(Equal(vol)), "the watch reports the replica faulted")
+
+	// The server comes back with the replica: the target never writes to it again, so it
+	// cannot serve a mix of old and new data.
+	g.Expect(srv.Export(t.Context(), vol, remote)).To(Succeed())
+	third := writeSynced(g, dev, 12*mib, mib)
+	g.Expect(read(g, local, 12*mib, mib)).To(Equal(third))
+	g.Consistently(func() []byte { return read(g, remote, 12*mib, mib) }).WithTimeout(3*time.Second).ShouldNot(Equal(third), "out of the quorum for good")
+
+	g.Expect(targets.Close(t.Context(), "vol")).To(Succeed())
+	g.Expect(targets.Device("vol")).To(BeEmpty())
+	g.Expect(loop.Backing(dev)).NotTo(HaveSuffix("/vol/disk"), "its loop device is detached")
+	g.Expect(targets.Close(t.Context(), "vol")).To(Succeed(), "closing again changes nothing")
+}
+
+func TestTargetOfRemoteReplicasOnly(t *testing.T) {
+	g := NewWithT(t)
+	s := newSandbox(t)
+	b, c := s.replica(t, "b", 32*mib), s.replica(t, "c", 32*mib)
+	srvB, srvC := s.server(t, "server-b"), s.server(t, "server-c")
+	g.Expect(srvB.Export(t.Context(), vol, b)).To(Succeed())
+	g.Expect(srvC.Export(t.Context(), "vol-c", c)).To(Succeed())
+
+	targets := s.targets(t)
+	dev, err := targets.Open(t.Context(), "vol", []Replica{{Name: vol, Address: srvB.Address}, {Name: "vol-c", Address: srvC.Address}})
+	g.Expect(err).NotTo(HaveOccurred())
+	data := writeSynced(g, dev, 0, mib)
+	g.Expect(read(g, b, 0, mib)).To(Equal(data))
+	g.Expect(read(g, c, 0, mib)).To(Equal(data))
+	g.Expect(targets.Close(t.Context(), "vol")).To(Succeed())
+
+	// Ending an export drops its clients and closes the device; it is idempotent.
+	g.Expect(srvB.Unexport(t.Context(), vol)).To(Succeed())
+	g.Expect(srvB.Unexport(t.Context(), vol)).To(Succeed())
+	g.Expect(srvB.Exports(t.Context())).To(BeEmpty())
+	g.Expect(srvB.Export(t.Context(), vol, b)).To(Succeed(), "a replica can be exported again")
+}
+
+func TestServerServesOnlyClientsWithTheKey(t *testing.T) {
+	g := NewWithT(t)
+	s := newSandbox(t)
+	dev := s.replica(t, "b", 16*mib) // before the server, which is stopped first
+	srv := s.server(t, "server")
+	g.Expect(srv.Export(t.Context(), vol, dev)).To(Succeed())
+	other := filepath.Join(s.dir, "other-keys")
+	s.writeKeys(t, other)
+
+	info := func(tlsDir string) error {
+		host, port, _ := net.SplitHostPort(srv.Address)
+		opts := "driver=nbd,server.type=inet,server.host=" + host + ",server.port=" + port + ",export=" + vol
+		args := []string{"info", "--image-opts"}
+		if tlsDir != "" {
+			args = append(args, "--object", "tls-creds-psk,id=tls,endpoint=client,username="+PSKUser+",dir="+tlsDir)
+			opts += ",tls-creds=tls"
+		}
+		if out, err := exec.Command("qemu-img", append(args, opts)...).CombinedOutput(); err != nil {
+			return fmt.Errorf("%w: %s", err, out)
+		}
+		return nil
+	}
+	g.Expect(info(s.keys)).To(Succeed(), "a client with the key reads the export")
+	g.Expect(info("")).NotTo(Succeed(), "a client without TLS is refused")
+	g.Expect(info(other)).NotTo(Succeed(), "a client with another key is refused")
+}
+
+// writeSynced writes size random bytes at off through dev, fsyncs and returns them.
+func writeSynced(g Gomega, dev string, off, size int64) []byte {
+	data := make([]byte, size)
+	_, _ = rand.Read(data)
+	f, err := os.OpenFile(dev, os.O_RDWR, 0)
+	g.Expect(err).NotTo(HaveOccurred())
+	defer f.Close()
+	_, err = f.WriteAt(data, off)
+	g.Expect(err).NotTo(HaveOccurred())
+	g.Expect(f.Sync()).To(Succeed())
+	return data
+}
+
+// read reads size bytes at off from dev, past its page cache.
+func read(g Gomega, dev string, off, size int64) []byte {
+	f, err := os.Open(dev)
+	g.Expect(err).NotTo(HaveOccurred())
+	defer f.Close()
+	g.Expect(unix.IoctlSetInt(int(f.Fd()), unix.BLKFLSBUF, 0)).To(Succeed())
+	data := make([]byte, size)
+	_, err = f.ReadAt(data, off)
+	g.Expect(err).NotTo(HaveOccurred())
+	return bytes.Clone(data)
+}
+
+// size returns the size of dev in bytes.
+func size(g Gomega, dev string) int64 {
+	f, err := os.Open(dev)
+	g.Expect(err).NotTo(HaveOccurred())
+	defer f.Close()
+	n, err := f.Seek(0, io.SeekEnd)
+	g.Expect(err).NotTo(HaveOccurred())
+	return n
+}
