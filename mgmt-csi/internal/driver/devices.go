@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 
-	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/api/meta"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -15,7 +14,7 @@ import (
 	"pvbridge.io/mgmt-csi/internal/pmem"
 	"pvbridge.io/mgmt-csi/internal/replication"
 	pmemv1 "pvbridge.io/pkg/apis/pmem/v1alpha1"
-	vmv1 "pvbridge.io/pkg/apis/vm/v1alpha1"
+	"pvbridge.io/pkg/hostloss"
 )
 
 // errReplicaNotReady: a replicated volume is staged only once every replica is ready, so that
@@ -108,18 +107,9 @@ func (d VolumeDevices) claim(ctx context.Context, vol *pmemv1.PmemVolume) error 
 	return d.setTarget(ctx, vol, d.Node)
 }
 
-// nodeLost tells whether node is lost for good (vmv1.HostLost, or its Node gone): its agent
-// never acts again.
+// nodeLost tells whether node is lost for good (hostloss.Lost): its agent never acts again.
 func (d VolumeDevices) nodeLost(ctx context.Context, name string) (bool, error) {
-	node := &corev1.Node{}
-	err := d.Reader.Get(ctx, client.ObjectKey{Name: name}, node)
-	switch {
-	case apierrors.IsNotFound(err):
-		return true, nil
-	case err != nil:
-		return false, fmt.Errorf("get node %s: %w", name, err)
-	}
-	return vmv1.HostLost(node), nil
+	return hostloss.Lost(ctx, d.Reader, d.Reader, name)
 }
 
 // faultReplica marks the replica of that name Faulted, for good: its volume's target on this

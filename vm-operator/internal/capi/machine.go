@@ -26,7 +26,7 @@ import (
 	infrav1 "pvbridge.io/pkg/apis/infrastructure/v1alpha1"
 	vmv1 "pvbridge.io/pkg/apis/vm/v1alpha1"
 	"pvbridge.io/pkg/tenancy"
-	"pvbridge.io/vm-operator/internal/hostloss"
+	"pvbridge.io/pkg/hostloss"
 )
 
 // MachineReconciler reconciles PVBridgeMachines: one VirtualMachine each, of the same namespace

@@ -16,7 +16,7 @@ import (
 
 	infrav1 "pvbridge.io/pkg/apis/infrastructure/v1alpha1"
 	vmv1 "pvbridge.io/pkg/apis/vm/v1alpha1"
-	"pvbridge.io/vm-operator/internal/hostloss"
+	"pvbridge.io/pkg/hostloss"
 )
 
 // reconcileDelete takes a deleted PVBridgeMachine's VirtualMachine down in the order a guest's

@@ -28,7 +28,7 @@ import (
 	"pvbridge.io/pkg/listpatch"
 	"pvbridge.io/pkg/names"
 	"pvbridge.io/pkg/tenancy"
-	"pvbridge.io/vm-operator/internal/hostloss"
+	"pvbridge.io/pkg/hostloss"
 )
 
 // volumeFailedEvent is the Event reason of a volume that cannot be attached; the note says why.

@@ -1,7 +1,8 @@
 // Package hostloss tells the controllers that wait on a host's agents when that host is lost
 // for good (vmv1.HostLost, or its Node gone), so that they stop waiting for agents that will
-// never act: the attachment controller releases a deleted VirtualMachine's volumes, and the
-// infrastructure provider deletes a machine's VirtualMachine without waiting for them.
+// never act: the attachment controller releases a deleted VirtualMachine's volumes, the
+// infrastructure provider deletes a machine's VirtualMachine without waiting for them, and
+// mgmt-csi's node agent takes over a replicated volume that a lost host served.
 package hostloss
 
 import (
