@@ -25,8 +25,8 @@ import (
 
 	infrav1 "pvbridge.io/pkg/apis/infrastructure/v1alpha1"
 	vmv1 "pvbridge.io/pkg/apis/vm/v1alpha1"
-	"pvbridge.io/pkg/tenancy"
 	"pvbridge.io/pkg/hostloss"
+	"pvbridge.io/pkg/tenancy"
 )
 
 // MachineReconciler reconciles PVBridgeMachines: one VirtualMachine each, of the same namespace

@@ -25,10 +25,10 @@ import (
 
 	vmv1 "pvbridge.io/pkg/apis/vm/v1alpha1"
 	"pvbridge.io/pkg/budget"
+	"pvbridge.io/pkg/hostloss"
 	"pvbridge.io/pkg/listpatch"
 	"pvbridge.io/pkg/names"
 	"pvbridge.io/pkg/tenancy"
-	"pvbridge.io/pkg/hostloss"
 )
 
 // volumeFailedEvent is the Event reason of a volume that cannot be attached; the note says why.
