@@ -58,6 +58,9 @@ var _ = Describe("Replicated volumes", Label("replication"), func() {
 					g.Expect(ready.Status).To(Equal(metav1.ConditionTrue))
 				}
 			}
+			vol := &pmemv1.PmemVolume{}
+			g.Expect(mc.Get(ctx, client.ObjectKey{Name: pv.Spec.CSI.VolumeHandle}, vol)).To(Succeed())
+			g.Expect(meta.IsStatusConditionTrue(vol.Status.Conditions, pmemv1.DegradedCondition)).To(BeTrue(), "the volume says it runs degraded")
 		}).WithContext(ctx).WithTimeout(timeout).Should(Succeed())
 
 		By("back on host-a, the pod reads the write its local replica missed, from host-b's")

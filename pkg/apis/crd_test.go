@@ -69,7 +69,7 @@ func TestCRDsAreAcceptedByTheAPIServer(t *testing.T) {
 		},
 		{
 			file: "pmem.pvbridge.io_pmemvolumes.yaml", kind: "PmemVolume", scope: apiextensionsv1.ClusterScoped,
-			shortNames: []string{"pmv"}, columns: []string{"Node", "Replicas", "Size", "Device", "Ready", "Reason", "Allocated", "Age"},
+			shortNames: []string{"pmv"}, columns: []string{"Node", "Replicas", "Size", "Device", "Ready", "Reason", "Allocated", "Degraded", "Target", "Age"},
 			selectable: []string{".spec.node"},
 		},
 		{

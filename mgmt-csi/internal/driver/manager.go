@@ -14,10 +14,12 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/cache"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 	"sigs.k8s.io/controller-runtime/pkg/config"
+	"sigs.k8s.io/controller-runtime/pkg/metrics"
 	metricsserver "sigs.k8s.io/controller-runtime/pkg/metrics/server"
 
 	"pvbridge.io/mgmt-csi/internal/agent"
 	"pvbridge.io/mgmt-csi/internal/pmem"
+	"pvbridge.io/mgmt-csi/internal/replicated"
 	pmemv1 "pvbridge.io/pkg/apis/pmem/v1alpha1"
 	"pvbridge.io/pkg/await"
 )
@@ -66,8 +68,13 @@ func newManager(cfg *rest.Config, mode Mode, node, metricsAddress string) (ctrl.
 	return ctrl.NewManager(cfg, opts)
 }
 
-// setupController registers the waits of the controller service on the manager's informers.
+// setupController registers the waits of the controller service on the manager's informers,
+// and the reconciler of replicated volumes' Degraded condition.
 func setupController(ctx context.Context, mgr ctrl.Manager) (*controllerServer, error) {
+	degraded := &replicated.Reconciler{Client: mgr.GetClient(), Recorder: mgr.GetEventRecorder("mgmt-csi")}
+	if err := degraded.SetupWithManager(mgr, metrics.Registry); err != nil {
+		return nil, err
+	}
 	hub := await.NewHub()
 	for kind, obj := range map[string]client.Object{
 		kindVolume:   &pmemv1.PmemVolume{},

@@ -27,7 +27,7 @@ func replicaNode(name string, free int64) *pmemv1.PmemNode {
 	return n
 }
 
-func replicated(name string, n string, size int64) *csi.CreateVolumeRequest {
+func replicatedRequest(name string, n string, size int64) *csi.CreateVolumeRequest {
 	return &csi.CreateVolumeRequest{
 		Name: name, VolumeCapabilities: []*csi.VolumeCapability{blockCap},
 		CapacityRange: &csi.CapacityRange{RequiredBytes: size},
@@ -99,7 +99,7 @@ func TestCreateReplicatedVolume(t *testing.T) {
 	g := NewWithT(t)
 	s := newTestController(t, replicaNode("a", 2*gi), replicaNode("b", 4*gi), replicaNode("c", 3*gi),
 		pmemNode("plain", 9*gi, 9*gi, true))
-	req := replicated("pvc-1", "2", gi)
+	req := replicatedRequest("pvc-1", "2", gi)
 	req.AccessibilityRequirements = &csi.TopologyRequirement{Requisite: topology("a"), Preferred: topology("a")}
 
 	_, err := s.CreateVolume(shortCall(t), req)
@@ -132,12 +132,12 @@ func TestCreateReplicatedVolume(t *testing.T) {
 	g.Expect(s.reader.Get(t.Context(), client.ObjectKey{Name: "pvc-1"}, vol)).To(Succeed())
 	g.Expect(meta.IsStatusConditionTrue(vol.Status.Conditions, pmemv1.ReadyCondition)).To(BeTrue())
 
-	_, err = s.CreateVolume(t.Context(), replicated("pvc-1", "3", gi))
+	_, err = s.CreateVolume(t.Context(), replicatedRequest("pvc-1", "3", gi))
 	g.Expect(status.Code(err)).To(Equal(codes.AlreadyExists), "the same name with other replicas")
 }
 
 func TestCreateReplicatedVolumeRefusesWithoutSideEffects(t *testing.T) {
-	clone := replicated("pvc-1", "2", gi)
+	clone := replicatedRequest("pvc-1", "2", gi)
 	clone.VolumeContentSource = &csi.VolumeContentSource{Type: &csi.VolumeContentSource_Volume{
 		Volume: &csi.VolumeContentSource_VolumeSource{VolumeId: "pvc-src"}}}
 	for _, tc := range []struct {
@@ -145,9 +145,9 @@ func TestCreateReplicatedVolumeRefusesWithoutSideEffects(t *testing.T) {
 		req  *csi.CreateVolumeRequest
 		code codes.Code
 	}{
-		{"more replicas than nodes with a replica server", replicated("pvc-1", "3", gi), codes.ResourceExhausted},
-		{"no two nodes with room", replicated("pvc-1", "2", 3*gi), codes.ResourceExhausted},
-		{"out of range", replicated("pvc-1", "4", gi), codes.InvalidArgument},
+		{"more replicas than nodes with a replica server", replicatedRequest("pvc-1", "3", gi), codes.ResourceExhausted},
+		{"no two nodes with room", replicatedRequest("pvc-1", "2", 3*gi), codes.ResourceExhausted},
+		{"out of range", replicatedRequest("pvc-1", "4", gi), codes.InvalidArgument},
 		{"from a source", clone, codes.InvalidArgument},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
@@ -165,10 +165,10 @@ func TestCreateReplicatedVolumeRefusesWithoutSideEffects(t *testing.T) {
 func TestReplicatedVolumeOperations(t *testing.T) {
 	g := NewWithT(t)
 	s := newTestController(t, replicaNode("a", 2*gi), replicaNode("b", 4*gi), pmemNode("plain", 9*gi, 9*gi, true))
-	_, err := s.CreateVolume(shortCall(t), replicated("pvc-1", "2", gi))
+	_, err := s.CreateVolume(shortCall(t), replicatedRequest("pvc-1", "2", gi))
 	g.Expect(status.Code(err)).To(Equal(codes.DeadlineExceeded))
 	agentsCarve(t, s, "pvc-1")
-	_, err = s.CreateVolume(t.Context(), replicated("pvc-1", "2", gi))
+	_, err = s.CreateVolume(t.Context(), replicatedRequest("pvc-1", "2", gi))
 	g.Expect(err).NotTo(HaveOccurred())
 
 	_, err = s.ControllerPublishVolume(t.Context(), &csi.ControllerPublishVolumeRequest{VolumeId: "pvc-1", NodeId: "plain", VolumeCapability: blockCap})

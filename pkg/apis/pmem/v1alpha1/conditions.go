@@ -4,6 +4,19 @@ package v1alpha1
 // PmemSnapshot is Ready when its data exists on the node, a PmemNode when its back end serves.
 const ReadyCondition = "Ready"
 
+// DegradedCondition is a replicated PmemVolume's: True while one of its replicas is faulted and
+// the volume runs on the others.
+const DegradedCondition = "Degraded"
+
+// Reasons of the Degraded condition.
+const (
+	// AllReplicasReason (False): every replica serves.
+	AllReplicasReason = "AllReplicas"
+	// ReplicaFaultedReason (True): a replica is faulted; the message names it and why. Also the
+	// reason of the volume's Warning Event.
+	ReplicaFaultedReason = "ReplicaFaulted"
+)
+
 // Reasons of the Ready condition.
 const (
 	// PendingReason (False): the node agent has not realized the object yet.

@@ -116,6 +116,8 @@ type PmemVolumeStatus struct {
 // +kubebuilder:printcolumn:name="Ready",type=string,JSONPath=`.status.conditions[?(@.type=="Ready")].status`
 // +kubebuilder:printcolumn:name="Reason",type=string,JSONPath=`.status.conditions[?(@.type=="Ready")].reason`
 // +kubebuilder:printcolumn:name="Allocated",type=string,JSONPath=`.status.allocatedSize`,priority=1
+// +kubebuilder:printcolumn:name="Degraded",type=string,JSONPath=`.status.conditions[?(@.type=="Degraded")].status`,priority=1
+// +kubebuilder:printcolumn:name="Target",type=string,JSONPath=`.status.target`,priority=1
 // +kubebuilder:printcolumn:name="Age",type=date,JSONPath=`.metadata.creationTimestamp`
 type PmemVolume struct {
 	metav1.TypeMeta `json:",inline"`

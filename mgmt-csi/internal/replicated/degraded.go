@@ -1,0 +1,99 @@
+// Package replicated reports, in the mgmt-csi controller, how the replicated volumes stand: a
+// volume with a faulted replica runs degraded, and says so, never silently.
+package replicated
+
+import (
+	"context"
+	"fmt"
+	"slices"
+	"strings"
+
+	"github.com/prometheus/client_golang/prometheus"
+	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	"k8s.io/apimachinery/pkg/api/meta"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	ctrl "sigs.k8s.io/controller-runtime"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+	"sigs.k8s.io/controller-runtime/pkg/handler"
+	"sigs.k8s.io/controller-runtime/pkg/recorder"
+
+	pmemv1 "pvbridge.io/pkg/apis/pmem/v1alpha1"
+)
+
+// degradedVolumes counts the replicated volumes with a faulted replica: the alert
+// PvbridgeVolumeDegraded fires while it is above zero.
+var degradedVolumes = prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+	Name: "pvbridge_replicated_volumes_degraded",
+	Help: "Replicated volumes that run without one of their replicas (a PmemReplica Faulted): kubectl get pmemvolumes shows which.",
+}, func() float64 { return float64(degraded.count()) })
+
+// Reconciler keeps the Degraded condition of every replicated PmemVolume: True, with an Event
+// on the volume when it becomes so, while one of its PmemReplicas is Faulted.
+type Reconciler struct {
+	Client   client.Client
+	Recorder recorder.EventRecorder
+}
+
+// SetupWithManager registers the reconciler and its metric.
+func (r *Reconciler) SetupWithManager(mgr ctrl.Manager, reg prometheus.Registerer) error {
+	if err := reg.Register(degradedVolumes); err != nil {
+		if _, ok := err.(prometheus.AlreadyRegisteredError); !ok { //nolint:errorlint // a plain type switch in client_golang's own examples
+			return err
+		}
+	}
+	return ctrl.NewControllerManagedBy(mgr).
+		For(&pmemv1.PmemVolume{}).
+		Named("replicated-volume").
+		Watches(&pmemv1.PmemReplica{}, handler.EnqueueRequestsFromMapFunc(func(_ context.Context, o client.Object) []ctrl.Request {
+			return []ctrl.Request{{NamespacedName: client.ObjectKey{Name: o.(*pmemv1.PmemReplica).Spec.VolumeID}}}
+		})).
+		Complete(r)
+}
+
+// Reconcile sets the Degraded condition of a replicated volume from its replicas.
+func (r *Reconciler) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Result, error) {
+	vol := &pmemv1.PmemVolume{}
+	if err := r.Client.Get(ctx, req.NamespacedName, vol); err != nil {
+		if apierrors.IsNotFound(err) {
+			degraded.set(req.Name, false)
+		}
+		return ctrl.Result{}, client.IgnoreNotFound(err)
+	}
+	if vol.Spec.Replicas <= 1 || !vol.DeletionTimestamp.IsZero() {
+		degraded.set(vol.Name, false)
+		return ctrl.Result{}, nil
+	}
+	list := &pmemv1.PmemReplicaList{}
+	if err := r.Client.List(ctx, list, client.MatchingLabels{pmemv1.VolumeLabel: vol.Name}); err != nil {
+		return ctrl.Result{}, err
+	}
+	var faulted []string
+	for _, rep := range list.Items {
+		if c := meta.FindStatusCondition(rep.Status.Conditions, pmemv1.ReadyCondition); c != nil && c.Reason == pmemv1.FaultedReason {
+			faulted = append(faulted, fmt.Sprintf("%s on node %s (%s)", rep.Name, rep.Spec.Node, c.Message))
+		}
+	}
+	slices.Sort(faulted)
+	cond := metav1.Condition{
+		Type: pmemv1.DegradedCondition, Status: metav1.ConditionFalse, Reason: pmemv1.AllReplicasReason,
+		Message: fmt.Sprintf("%d replicas", vol.Spec.Replicas), ObservedGeneration: vol.Generation,
+	}
+	if len(faulted) > 0 {
+		cond.Status, cond.Reason = metav1.ConditionTrue, pmemv1.ReplicaFaultedReason
+		cond.Message = fmt.Sprintf("%d of %d replicas faulted: %s", len(faulted), vol.Spec.Replicas, strings.Join(faulted, "; "))
+	}
+	degraded.set(vol.Name, len(faulted) > 0)
+	patch := client.MergeFrom(vol.DeepCopy())
+	was := meta.FindStatusCondition(vol.Status.Conditions, pmemv1.DegradedCondition)
+	if !meta.SetStatusCondition(&vol.Status.Conditions, cond) {
+		return ctrl.Result{}, nil
+	}
+	if err := r.Client.Status().Patch(ctx, vol, patch); err != nil {
+		return ctrl.Result{}, client.IgnoreNotFound(err)
+	}
+	if cond.Status == metav1.ConditionTrue && (was == nil || was.Status != metav1.ConditionTrue || was.Message != cond.Message) && r.Recorder != nil {
+		r.Recorder.Eventf(vol, nil, corev1.EventTypeWarning, pmemv1.ReplicaFaultedReason, "Degrade", "%s", cond.Message)
+	}
+	return ctrl.Result{}, nil
+}

@@ -1,0 +1,97 @@
+package replicated
+
+import (
+	"testing"
+
+	. "github.com/onsi/gomega"
+	"k8s.io/apimachinery/pkg/api/meta"
+	"k8s.io/apimachinery/pkg/api/resource"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/client-go/tools/events"
+	ctrl "sigs.k8s.io/controller-runtime"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+	clientfake "sigs.k8s.io/controller-runtime/pkg/client/fake"
+
+	pmemv1 "pvbridge.io/pkg/apis/pmem/v1alpha1"
+)
+
+func replica(name, node, reason string) *pmemv1.PmemReplica {
+	r := &pmemv1.PmemReplica{
+		ObjectMeta: metav1.ObjectMeta{Name: name, Labels: map[string]string{pmemv1.VolumeLabel: "v"}},
+		Spec:       pmemv1.PmemReplicaSpec{VolumeID: "v", Node: node, Size: resource.MustParse("1Gi")},
+	}
+	st := metav1.ConditionFalse
+	if reason == pmemv1.CreatedReason {
+		st = metav1.ConditionTrue
+	}
+	meta.SetStatusCondition(&r.Status.Conditions, metav1.Condition{Type: pmemv1.ReadyCondition, Status: st, Reason: reason, Message: "node " + node + " said so"})
+	return r
+}
+
+func TestDegraded(t *testing.T) {
+	for _, tc := range []struct {
+		name       string
+		replicas   []*pmemv1.PmemReplica
+		wantStatus metav1.ConditionStatus
+		wantReason string
+		wantEvent  bool
+	}{
+		{
+			name:       "every replica serves",
+			replicas:   []*pmemv1.PmemReplica{replica("v-r0", "a", pmemv1.CreatedReason), replica("v-r1", "b", pmemv1.CreatedReason)},
+			wantStatus: metav1.ConditionFalse, wantReason: pmemv1.AllReplicasReason,
+		},
+		{
+			name:       "a replica being made is no fault",
+			replicas:   []*pmemv1.PmemReplica{replica("v-r0", "a", pmemv1.CreatedReason), replica("v-r1", "b", pmemv1.PendingReason)},
+			wantStatus: metav1.ConditionFalse, wantReason: pmemv1.AllReplicasReason,
+		},
+		{
+			name:       "a faulted replica degrades the volume, with an Event",
+			replicas:   []*pmemv1.PmemReplica{replica("v-r0", "a", pmemv1.CreatedReason), replica("v-r1", "b", pmemv1.FaultedReason)},
+			wantStatus: metav1.ConditionTrue, wantReason: pmemv1.ReplicaFaultedReason, wantEvent: true,
+		},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			g := NewWithT(t)
+			scheme := runtime.NewScheme()
+			g.Expect(pmemv1.AddToScheme(scheme)).To(Succeed())
+			vol := &pmemv1.PmemVolume{
+				ObjectMeta: metav1.ObjectMeta{Name: "v"},
+				Spec:       pmemv1.PmemVolumeSpec{VolumeID: "v", Replicas: 2, Size: resource.MustParse("1Gi")},
+			}
+			objs := []client.Object{vol}
+			for _, r := range tc.replicas {
+				objs = append(objs, r)
+			}
+			c := clientfake.NewClientBuilder().WithScheme(scheme).WithObjects(objs...).WithStatusSubresource(vol).Build()
+			rec := events.NewFakeRecorder(4)
+			r := &Reconciler{Client: c, Recorder: rec}
+			before := degraded.count()
+
+			for range 2 { // the second pass changes nothing and says nothing again
+				_, err := r.Reconcile(t.Context(), ctrl.Request{NamespacedName: client.ObjectKeyFromObject(vol)})
+				g.Expect(err).NotTo(HaveOccurred())
+			}
+			g.Expect(c.Get(t.Context(), client.ObjectKeyFromObject(vol), vol)).To(Succeed())
+			cond := meta.FindStatusCondition(vol.Status.Conditions, pmemv1.DegradedCondition)
+			g.Expect(cond).NotTo(BeNil())
+			g.Expect(cond.Status).To(Equal(tc.wantStatus))
+			g.Expect(cond.Reason).To(Equal(tc.wantReason))
+			if tc.wantEvent {
+				g.Expect(cond.Message).To(ContainSubstring("v-r1 on node b (node b said so)"))
+				g.Expect(rec.Events).To(HaveLen(1))
+				g.Expect(<-rec.Events).To(ContainSubstring("ReplicaFaulted"))
+				g.Expect(degraded.count()).To(Equal(before + 1))
+			} else {
+				g.Expect(rec.Events).To(BeEmpty())
+			}
+
+			g.Expect(c.Delete(t.Context(), vol)).To(Succeed())
+			_, err := r.Reconcile(t.Context(), ctrl.Request{NamespacedName: client.ObjectKeyFromObject(vol)})
+			g.Expect(err).NotTo(HaveOccurred())
+			g.Expect(degraded.count()).To(Equal(0), "a deleted volume is degraded no more")
+		})
+	}
+}
