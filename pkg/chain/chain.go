@@ -137,6 +137,9 @@ func (t *Tracer) management(ctx context.Context, handle string) []Step {
 		return append(steps, step)
 	}
 	c := meta.FindStatusCondition(vol.Status.Conditions, pmemv1.ReadyCondition)
+	if vol.Spec.Replicas > 1 {
+		return append(steps, replicatedStep(step, vol, c))
+	}
 	switch {
 	case c != nil && c.Status == metav1.ConditionTrue:
 		step.State, step.Detail = Done, fmt.Sprintf("Ready: %s on host %s", vol.Status.Device, vol.Spec.Node)
@@ -148,10 +151,27 @@ func (t *Tracer) management(ctx context.Context, handle string) []Step {
 	return append(steps, step)
 }
 
-// hostOf is the host of a PMEM PV's node affinity.
+// replicatedStep fills step of a replicated volume, whose Ready condition is ready: how many
+// replicas, the host that serves it, and whether it runs degraded.
+func replicatedStep(step Step, vol *pmemv1.PmemVolume, ready *metav1.Condition) Step {
+	if ready == nil || ready.Status != metav1.ConditionTrue {
+		step.State, step.Why = Waiting, fmt.Sprintf("its %d replicas are not all made yet (kubectl get pmemreplicas -l %s=%s)", vol.Spec.Replicas, pmemv1.VolumeLabel, vol.Name)
+		return step
+	}
+	step.State, step.Detail = Done, fmt.Sprintf("Ready: %d replicas", vol.Spec.Replicas)
+	if vol.Status.Target != "" {
+		step.Detail += ", served by host " + vol.Status.Target
+	}
+	if d := meta.FindStatusCondition(vol.Status.Conditions, pmemv1.DegradedCondition); d != nil && d.Status == metav1.ConditionTrue {
+		step.Detail += "; degraded: " + d.Message
+	}
+	return step
+}
+
+// hostOf is the host of a PMEM PV's node affinity; a replicated volume's PV has none.
 func hostOf(pv *corev1.PersistentVolume) string {
 	if pv.Spec.NodeAffinity == nil || pv.Spec.NodeAffinity.Required == nil {
-		return "?"
+		return "any (replicated)"
 	}
 	for _, term := range pv.Spec.NodeAffinity.Required.NodeSelectorTerms {
 		for _, e := range term.MatchExpressions {

@@ -161,3 +161,38 @@ func TestTrace(t *testing.T) {
 		})
 	}
 }
+
+func TestReplicatedVolumeStep(t *testing.T) {
+	ready := &metav1.Condition{Type: pmemv1.ReadyCondition, Status: metav1.ConditionTrue}
+	vol := func(target string, degraded bool) *pmemv1.PmemVolume {
+		v := &pmemv1.PmemVolume{ObjectMeta: metav1.ObjectMeta{Name: "pvc-1"}, Spec: pmemv1.PmemVolumeSpec{Replicas: 2}, Status: pmemv1.PmemVolumeStatus{Target: target}}
+		if degraded {
+			v.Status.Conditions = []metav1.Condition{{Type: pmemv1.DegradedCondition, Status: metav1.ConditionTrue, Message: "1 of 2 replicas faulted: pvc-1-r0 on node host-a"}}
+		}
+		return v
+	}
+	for _, tc := range []struct {
+		name   string
+		vol    *pmemv1.PmemVolume
+		ready  *metav1.Condition
+		state  State
+		detail string
+		why    string
+	}{
+		{name: "replicas being made", vol: vol("", false), state: Waiting, why: "its 2 replicas are not all made yet (kubectl get pmemreplicas -l pmem.pvbridge.io/volume=pvc-1)"},
+		{name: "ready, staged nowhere", vol: vol("", false), ready: ready, state: Done, detail: "Ready: 2 replicas"},
+		{name: "ready, served by a host", vol: vol("host-b", false), ready: ready, state: Done, detail: "Ready: 2 replicas, served by host host-b"},
+		{
+			name: "degraded", vol: vol("host-b", true), ready: ready, state: Done,
+			detail: "Ready: 2 replicas, served by host host-b; degraded: 1 of 2 replicas faulted: pvc-1-r0 on node host-a",
+		},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			g := NewWithT(t)
+			got := replicatedStep(Step{Object: "PmemVolume pvc-1"}, tc.vol, tc.ready)
+			g.Expect(got.State).To(Equal(tc.state))
+			g.Expect(got.Detail).To(Equal(tc.detail))
+			g.Expect(got.Why).To(Equal(tc.why))
+		})
+	}
+}
