@@ -36,6 +36,9 @@ type Base struct {
 	Locks   keylock.Locks
 	// Codes maps the driver's own sentinel errors to gRPC codes, before the common ones.
 	Codes []ErrorCode
+	// Unstaged, when set, takes down what the driver's stage brought up besides the mount; it
+	// is called under the volume's lock once the staging path is unmounted.
+	Unstaged func(ctx context.Context, volumeID string) error
 }
 
 // Capabilities is a NodeGetCapabilities answer listing types.
@@ -59,8 +62,8 @@ func (b *Base) Lock(ctx context.Context, volumeID string) (context.Context, func
 	return ctx, func() { b.Locks.Unlock(volumeID) }, nil
 }
 
-// NodeUnstageVolume unmounts and removes the staging path. It needs no device, so it succeeds
-// for a volume that is gone or detached already.
+// NodeUnstageVolume unmounts and removes the staging path, then calls Unstaged. It needs no
+// device, so it succeeds for a volume that is gone or detached already.
 func (b *Base) NodeUnstageVolume(ctx context.Context, req *csi.NodeUnstageVolumeRequest) (*csi.NodeUnstageVolumeResponse, error) {
 	switch {
 	case req.GetVolumeId() == "":
@@ -68,7 +71,7 @@ func (b *Base) NodeUnstageVolume(ctx context.Context, req *csi.NodeUnstageVolume
 	case req.GetStagingTargetPath() == "":
 		return nil, status.Error(codes.InvalidArgument, "staging_target_path is required")
 	}
-	if err := b.unmount(ctx, req.GetVolumeId(), req.GetStagingTargetPath()); err != nil {
+	if err := b.unmount(ctx, req.GetVolumeId(), req.GetStagingTargetPath(), b.Unstaged); err != nil {
 		return nil, err
 	}
 	return &csi.NodeUnstageVolumeResponse{}, nil
@@ -83,19 +86,26 @@ func (b *Base) NodeUnpublishVolume(ctx context.Context, req *csi.NodeUnpublishVo
 	case req.GetTargetPath() == "":
 		return nil, status.Error(codes.InvalidArgument, "target_path is required")
 	}
-	if err := b.unmount(ctx, req.GetVolumeId(), req.GetTargetPath()); err != nil {
+	if err := b.unmount(ctx, req.GetVolumeId(), req.GetTargetPath(), nil); err != nil {
 		return nil, err
 	}
 	return &csi.NodeUnpublishVolumeResponse{}, nil
 }
 
-func (b *Base) unmount(ctx context.Context, volumeID, path string) error {
+// unmount unmounts and removes path, then calls after (when set), under the volume's lock.
+func (b *Base) unmount(ctx context.Context, volumeID, path string, after func(context.Context, string) error) error {
 	ctx, unlock, err := b.Lock(ctx, volumeID)
 	if err != nil {
 		return err
 	}
 	defer unlock()
-	return b.StatusError(b.Mounter.Unmount(ctx, path))
+	if err := b.Mounter.Unmount(ctx, path); err != nil {
+		return b.StatusError(err)
+	}
+	if after != nil {
+		return b.StatusError(after(ctx, volumeID))
+	}
+	return nil
 }
 
 // Publish bind-mounts a staged filesystem at the request's target path, or device, for a

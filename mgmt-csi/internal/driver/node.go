@@ -54,7 +54,8 @@ var _ csi.NodeServer = (*nodeServer)(nil)
 // devices and mounts them with m. maxVolumes limits the volumes the scheduler places on the
 // node (0: no limit).
 func newNodeServer(nodeID string, maxVolumes int64, devices Devices, m *mounter.Mounter) *nodeServer {
-	return &nodeServer{Base: csinode.Base{Mounter: m, Codes: driverCodes}, nodeID: nodeID, maxVolumes: maxVolumes, devices: devices}
+	// Unstaging takes down what staging brought up: a replicated volume's target.
+	return &nodeServer{Base: csinode.Base{Mounter: m, Codes: driverCodes, Unstaged: devices.Unstage}, nodeID: nodeID, maxVolumes: maxVolumes, devices: devices}
 }
 
 func (n *nodeServer) NodeGetCapabilities(context.Context, *csi.NodeGetCapabilitiesRequest) (*csi.NodeGetCapabilitiesResponse, error) {
@@ -115,24 +116,6 @@ func (n *nodeServer) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolu
 		return nil, n.StatusError(err)
 	}
 	return &csi.NodeStageVolumeResponse{}, nil
-}
-
-// NodeUnstageVolume unmounts and removes the staging path, then takes down the target of a
-// replicated volume.
-func (n *nodeServer) NodeUnstageVolume(ctx context.Context, req *csi.NodeUnstageVolumeRequest) (*csi.NodeUnstageVolumeResponse, error) {
-	resp, err := n.Base.NodeUnstageVolume(ctx, req)
-	if err != nil {
-		return nil, err
-	}
-	ctx, unlock, err := n.Lock(ctx, req.GetVolumeId())
-	if err != nil {
-		return nil, err
-	}
-	defer unlock()
-	if err := n.devices.Unstage(ctx, req.GetVolumeId()); err != nil {
-		return nil, n.StatusError(fmt.Errorf("unstage volume %s: %w", req.GetVolumeId(), err))
-	}
-	return resp, nil
 }
 
 // stageOptions are the mount options of a staged filesystem: the capability's mount flags,

@@ -13,12 +13,12 @@ import (
 	"context"
 	"crypto/sha256"
 	"encoding/hex"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"net"
 	"slices"
 	"strings"
-	"time"
 
 	"k8s.io/klog/v2"
 
@@ -30,10 +30,6 @@ import (
 // not check the user against an authorization list (docs/replication-research.md §6), so the
 // key itself is the secret: only the hosts' agents hold it, never a guest.
 const PSKUser = "pvbridge"
-
-// pollInterval is how often a change that QEMU makes asynchronously (an export's deletion) is
-// checked.
-const pollInterval = 20 * time.Millisecond
 
 // Server is the replica server of a host.
 type Server struct {
@@ -82,12 +78,8 @@ func (s *Server) Export(ctx context.Context, name, device string) error {
 // Unexport ends the export name, dropping its clients, and closes its device. It is done when
 // the server does not run.
 func (s *Server) Unexport(ctx context.Context, name string) error {
-	pid, err := qsd.Pid(s.Dir)
-	if err != nil || pid == 0 {
-		return err
-	}
-	q, err := qsd.Dial(ctx, s.Dir)
-	if err != nil {
+	q, err := s.running(ctx)
+	if err != nil || q == nil {
 		return err
 	}
 	defer q.Close()
@@ -95,32 +87,41 @@ func (s *Server) Unexport(ctx context.Context, name string) error {
 	if err != nil && !isNotFound(err) {
 		return fmt.Errorf("end the export of replica %s: %w", name, err)
 	}
-	// The export goes once its clients are gone, asynchronously.
+	// The export goes once its clients are gone, asynchronously, and says so in an event.
 	for {
 		exports, err := exports(q)
 		if err != nil {
 			return err
 		}
 		if !slices.Contains(exports, name) {
-			break
+			return deleteNode(q, name)
 		}
-		select {
-		case <-ctx.Done():
-			return fmt.Errorf("wait for the export of replica %s to end: %w", name, context.Cause(ctx))
-		case <-time.After(pollInterval):
+		if err := deleted(q, name); err != nil {
+			return fmt.Errorf("wait for the export of replica %s to end: %w", name, err)
 		}
 	}
-	return deleteNode(q, name)
+}
+
+// deleted waits for the event that says the export name is gone.
+func deleted(q *qsd.Conn, name string) error {
+	for {
+		e, err := q.NextEvent()
+		if err != nil {
+			return err
+		}
+		var data struct {
+			ID string `json:"id"`
+		}
+		if e.Event == "BLOCK_EXPORT_DELETED" && json.Unmarshal(e.Data, &data) == nil && data.ID == name {
+			return nil
+		}
+	}
 }
 
 // Exports lists the names the server exports; none when it does not run.
 func (s *Server) Exports(ctx context.Context) ([]string, error) {
-	pid, err := qsd.Pid(s.Dir)
-	if err != nil || pid == 0 {
-		return nil, err
-	}
-	q, err := qsd.Dial(ctx, s.Dir)
-	if err != nil {
+	q, err := s.running(ctx)
+	if err != nil || q == nil {
 		return nil, err
 	}
 	defer q.Close()
@@ -131,6 +132,15 @@ func (s *Server) Exports(ctx context.Context) ([]string, error) {
 func (s *Server) Exported(ctx context.Context, name string) (bool, error) {
 	exports, err := s.Exports(ctx)
 	return slices.Contains(exports, name), err
+}
+
+// running returns a connection to the server; nil when it does not run.
+func (s *Server) running(ctx context.Context) (*qsd.Conn, error) {
+	pid, err := qsd.Pid(s.Dir)
+	if err != nil || pid == 0 {
+		return nil, err
+	}
+	return qsd.Dial(ctx, s.Dir)
 }
 
 // Stop stops the server, which ends every export.

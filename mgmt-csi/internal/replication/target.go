@@ -23,6 +23,8 @@ const (
 	quorumNode = "quorum"
 	// exportFile is the regular file over which the daemon mounts its FUSE export.
 	exportFile = "disk"
+	// deviceFile names the loop device over the export.
+	deviceFile = "device"
 	// reconnectDelay is how long, in seconds, a request to a replica whose server went away
 	// waits for it to come back before it fails and the quorum goes on without that replica:
 	// the stall a dead host costs a writer (docs/replication-research.md §6).
@@ -97,7 +99,29 @@ func (t *Targets) Open(ctx context.Context, volumeID string, replicas []Replica)
 		klog.FromContext(ctx).Info("Started target", "volumeID", volumeID, "replicas", len(replicas))
 	}
 	t.watch(volumeID)
+	dev, err := loopOf(dd)
+	if err != nil || dev != "" {
+		return dev, err
+	}
+	// Not with direct I/O: QEMU 7.2's FUSE export corrupts concurrent writes, which a loop
+	// device with direct I/O sends (vm-operator's throttled disks, attachLoop, say more).
+	if dev, err = loop.Attach(dd.Path(exportFile)); err != nil {
+		return "", err
+	}
+	if err := os.WriteFile(dd.Path(deviceFile), []byte(dev), 0o600); err != nil {
+		return "", fmt.Errorf("record the target's loop device: %w", err)
+	}
+	return dev, nil
+}
+
+// loopOf returns the loop device over the export of the target of dd, "" if there is none:
+// the one its directory names while that is still over the export (one sysfs read; kubelet
+// asks for a staged volume's device every minute), else found among every loop device.
+func loopOf(dd qsd.Dir) (string, error) {
 	file := dd.Path(exportFile)
+	if data, err := os.ReadFile(dd.Path(deviceFile)); err == nil && loop.Backing(string(data)) == file {
+		return string(data), nil
+	}
 	attached, err := loop.Attachments()
 	if err != nil {
 		return "", err
@@ -105,9 +129,7 @@ func (t *Targets) Open(ctx context.Context, volumeID string, replicas []Replica)
 	if devs := attached[file]; len(devs) > 0 {
 		return devs[0], nil
 	}
-	// Not with direct I/O: QEMU 7.2's FUSE export corrupts concurrent writes, which a loop
-	// device with direct I/O sends (vm-operator's throttled disks, attachLoop, say more).
-	return loop.Attach(file)
+	return "", nil
 }
 
 // ordered returns replicas with the local one first: the quorum reads from it.
@@ -176,14 +198,7 @@ func (t *Targets) Device(volumeID string) (string, error) {
 	if err != nil || pid == 0 {
 		return "", err
 	}
-	attached, err := loop.Attachments()
-	if err != nil {
-		return "", err
-	}
-	if devs := attached[dd.Path(exportFile)]; len(devs) > 0 {
-		return devs[0], nil
-	}
-	return "", nil
+	return loopOf(dd)
 }
 
 // Close takes the target of volumeID down: its loop device (loop.ErrInUse while it is
