@@ -14,7 +14,9 @@ import (
 
 	"pvbridge.io/e2e/deploy"
 	pmemv1 "pvbridge.io/pkg/apis/pmem/v1alpha1"
+	"pvbridge.io/pkg/names"
 	"pvbridge.io/pkg/qsd"
+	"pvbridge.io/pkg/tenancy"
 )
 
 var _ = Describe("Replicated volumes", Label("replication"), func() {
@@ -67,6 +69,34 @@ var _ = Describe("Replicated volumes", Label("replication"), func() {
 		deleteMgmtPod(ctx, second)
 		third := mgmtPod(ctx, ns, "third", "host-a")
 		Expect(os.ReadFile(filepath.Join(mgmtVolumePath(third, pv.Name), "data"))).To(BeEquivalentTo("after"))
+	})
+
+	// A guest class of a replicated management class (parameter replicated, as the tenants
+	// controller installs it): its guest PVs have no host topology, so a pod moves to a VM of
+	// another host and finds its data there.
+	It("moves a guest pod with its volume to a VM of another host", func(ctx SpecContext) {
+		allowClass(ctx, alpha, tenancy.StorageClassesAnnotation, tenancy.ParamStorageClasses, deploy.StorageClassPmemReplicated)
+		storageClass(ctx, alpha.c, "pvbridge-replicated", names.GuestDriver, corev1.PersistentVolumeReclaimDelete,
+			map[string]string{names.MgmtStorageClassParam: deploy.StorageClassPmemReplicated, names.ReplicatedParam: "true"})
+		ns := alpha.namespace(ctx)
+		alpha.create(ctx, deploy.PVC(ns, "data", "pvbridge-replicated", "64Mi", false))
+		first := alpha.runPod(ctx, ns, "first", "data", "vm-1", false) // on host-a
+		_, pv := alpha.bound(ctx, ns, "data")
+		Expect(pv.Spec.NodeAffinity).To(BeNil(), "a guest volume of a replicated class is bound to no host")
+		mpv := &corev1.PersistentVolume{}
+		Expect(mc.Get(ctx, client.ObjectKey{Name: mgmtClaim(ctx, alpha, pv).Spec.VolumeName}, mpv)).To(Succeed())
+		replicas := replicasOf(ctx, mpv.Spec.CSI.VolumeHandle)
+		Expect(replicas).To(HaveLen(2))
+		Expect([]string{replicas[0].Spec.Node, replicas[1].Spec.Node}).To(ConsistOf("host-a", "host-b"))
+		sum := alpha.writeBlob(first, pv.Name, 5)
+
+		By("the pod moves to vm-2, on host-b")
+		alpha.deletePod(ctx, first)
+		second := alpha.runPod(ctx, ns, "second", "data", "vm-2", false)
+		Expect(alpha.readBlob(second, pv.Name)).To(Equal(sum))
+		vol := &pmemv1.PmemVolume{}
+		Expect(mc.Get(ctx, client.ObjectKey{Name: mpv.Spec.CSI.VolumeHandle}, vol)).To(Succeed())
+		Expect(vol.Status.Target).To(Equal("host-b"), "host-b serves the volume now")
 	})
 })
 

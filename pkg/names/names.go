@@ -27,4 +27,12 @@ const (
 	// names the management VolumeGroupSnapshotClass of a guest group snapshot's management
 	// VolumeGroupSnapshot.
 	MgmtVolumeGroupSnapshotClassParam = "mgmtVolumeGroupSnapshotClass"
+
+	// ReplicasParam is the management StorageClass parameter of the number of copies of a PMEM
+	// volume, each on another host (mgmt-csi).
+	ReplicasParam = "replicas"
+	// ReplicatedParam "true" on a guest StorageClass says that its management class keeps
+	// replicas on several hosts: its guest volumes have no host topology, so that a pod can move
+	// to a VM of any host. The tenants controller sets it on the classes it installs.
+	ReplicatedParam = "replicated"
 )

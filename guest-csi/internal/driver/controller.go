@@ -207,7 +207,9 @@ func (s *controllerServer) CreateVolume(ctx context.Context, req *csi.CreateVolu
 		return nil, status.Errorf(codes.AlreadyExists, "management PVC %s/%s is bound with %d bytes, more than limit_bytes %d", c.Namespace, name, capacityOf(pvc), limit)
 	}
 	vol := &csi.Volume{VolumeId: name, CapacityBytes: capacityOf(pvc), ContentSource: req.GetVolumeContentSource()}
-	if h := pvc.Annotations[selectedNodeAnnotation]; h != "" {
+	// A replicated volume is served by whichever host runs the VM it is attached to; the
+	// selected host only places its first replica.
+	if h := pvc.Annotations[selectedNodeAnnotation]; h != "" && !params.Replicated {
 		vol.AccessibleTopology = []*csi.Topology{{Segments: map[string]string{TopologyKey: h}}}
 	}
 	return &csi.CreateVolumeResponse{Volume: vol}, nil

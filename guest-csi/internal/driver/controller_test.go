@@ -109,6 +109,23 @@ func TestCreateVolumeMirrorsTheGuestPVC(t *testing.T) {
 	g.Expect(err).NotTo(HaveOccurred(), "DeleteVolume is idempotent")
 }
 
+// A volume of a replicated class is made near the VM the guest scheduler chose (its management
+// PVC names that host) and has no host topology: any VM may use it.
+func TestCreateVolumeOfAReplicatedClassHasNoTopology(t *testing.T) {
+	g := NewWithT(t)
+	e := newGuestEnv(t, envOptions{})
+	req := createReq("data-"+e.ns, envHost, envMountSize)
+	req.Parameters[request.ParamReplicated] = "true"
+
+	resp, err := retried(t, e.ctrl.CreateVolume, req)
+	g.Expect(err).NotTo(HaveOccurred())
+	g.Expect(resp.GetVolume().GetAccessibleTopology()).To(BeEmpty())
+	g.Expect(e.claimOf(t, resp.GetVolume().GetVolumeId()).Annotations).To(HaveKeyWithValue(selectedNodeAnnotation, envHost))
+	again, err := call(t, e.ctrl.CreateVolume, req)
+	g.Expect(err).NotTo(HaveOccurred(), "CreateVolume is idempotent")
+	g.Expect(again.GetVolume()).To(Equal(resp.GetVolume()))
+}
+
 func TestCreateVolumeOnAFullHostLeavesNothing(t *testing.T) {
 	g := NewWithT(t)
 	e := newGuestEnv(t, envOptions{fullHosts: []string{envFullHost}})

@@ -26,6 +26,10 @@ import (
 const (
 	// ParamMgmtStorageClass names the management StorageClass of the management PVC.
 	ParamMgmtStorageClass = names.MgmtStorageClassParam
+	// ParamReplicated "true" says that the management class keeps a volume on several hosts:
+	// the guest volume then has no host topology (any VM may use it); "false" or absent, it is
+	// used only on the VMs of the host it was made on.
+	ParamReplicated = names.ReplicatedParam
 	// ParamMgmtSnapshotClass names the management VolumeSnapshotClass of the management
 	// VolumeSnapshot.
 	ParamMgmtSnapshotClass = "mgmtSnapshotClass"
@@ -58,6 +62,8 @@ type VolumeParams struct {
 	AttributesClass string
 	GuestPVC        types.NamespacedName
 	GuestPV         string
+	// Replicated is ParamReplicated.
+	Replicated bool
 }
 
 // SnapshotParams are the parameters of a CreateSnapshot or CreateVolumeGroupSnapshot call.
@@ -95,9 +101,17 @@ func ParseVolumeParameters(params map[string]string, defaultClass string) (Volum
 			p.GuestPVC.Namespace = v
 		case ParamPVName:
 			p.GuestPV = v
+		case ParamReplicated:
+			switch v {
+			case "true":
+				p.Replicated = true
+			case "false":
+			default:
+				return p, status.Errorf(codes.InvalidArgument, "parameter %s %q is neither \"true\" nor \"false\"", ParamReplicated, v)
+			}
 		default:
 			if !strings.HasPrefix(k, "csi.storage.k8s.io/") {
-				return p, status.Errorf(codes.InvalidArgument, "parameter %q is not supported (only %s)", k, ParamMgmtStorageClass)
+				return p, status.Errorf(codes.InvalidArgument, "parameter %q is not supported (only %s and %s)", k, ParamMgmtStorageClass, ParamReplicated)
 			}
 		}
 	}

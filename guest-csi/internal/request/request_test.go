@@ -78,6 +78,10 @@ func TestParseVolumeParameters(t *testing.T) {
 			ParamMgmtStorageClass: "pmem-xfs", ParamPVCName: "data", ParamPVCNamespace: "db", ParamPVName: "pvc-1",
 			"csi.storage.k8s.io/fstype": "xfs",
 		}, VolumeParams{Class: "pmem-xfs", GuestPVC: types.NamespacedName{Namespace: "db", Name: "data"}, GuestPV: "pvc-1"}, ""},
+		{"replicated", map[string]string{ParamMgmtStorageClass: "pmem-replicated", ParamReplicated: "true"},
+			VolumeParams{Class: "pmem-replicated", Replicated: true}, ""},
+		{"not replicated", map[string]string{ParamReplicated: "false"}, VolumeParams{Class: "pmem"}, ""},
+		{"replicated neither true nor false", map[string]string{ParamReplicated: "yes"}, VolumeParams{}, `parameter replicated "yes" is neither "true" nor "false"`},
 		{"unknown parameter", map[string]string{"mgmtStorageClas": "x"}, VolumeParams{}, `parameter "mgmtStorageClas" is not supported`},
 		{"class that is no name", map[string]string{ParamMgmtStorageClass: "../premium"}, VolumeParams{}, "is no StorageClass name"},
 	} {

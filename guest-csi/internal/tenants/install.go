@@ -9,11 +9,13 @@ import (
 	"io"
 	"maps"
 	"slices"
+	"strconv"
 	"strings"
 	"sync"
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
+	storagev1 "k8s.io/api/storage/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/api/meta"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
@@ -126,10 +128,11 @@ var (
 
 // renderInstall is the install for cluster: the ConfigMap pvbridge-cluster with its name and
 // UID, the pod templates that read it annotated with them (so that a changed identity restarts
-// the pods), the StorageClasses' mgmtStorageClass set to mgmtClass — or, when mgmtClass is
-// empty, the StorageClasses left out and named in skipped —, every image moved to registry
-// when it is set, and every object labelled as managed by this controller. base is not changed.
-func renderInstall(base []*unstructured.Unstructured, cluster *clusterv1.Cluster, mgmtClass, registry string) (objs []*unstructured.Unstructured, skipped []string, err error) {
+// the pods), the StorageClasses' mgmtStorageClass set to mgmtClass (and replicated "true" when
+// that class keeps replicas on several hosts) — or, when mgmtClass is empty, the StorageClasses
+// left out and named in skipped —, every image moved to registry when it is set, and every
+// object labelled as managed by this controller. base is not changed.
+func renderInstall(base []*unstructured.Unstructured, cluster *clusterv1.Cluster, mgmtClass string, replicated bool, registry string) (objs []*unstructured.Unstructured, skipped []string, err error) {
 	for _, b := range base {
 		u := b.DeepCopy()
 		labels := u.GetLabels()
@@ -149,6 +152,9 @@ func renderInstall(base []*unstructured.Unstructured, cluster *clusterv1.Cluster
 				continue
 			}
 			err = unstructured.SetNestedField(u.Object, mgmtClass, "parameters", names.MgmtStorageClassParam)
+			if err == nil && replicated {
+				err = unstructured.SetNestedField(u.Object, "true", "parameters", names.ReplicatedParam)
+			}
 		case readsClusterConfigMap(u):
 			annotations, _, _ := unstructured.NestedStringMap(u.Object, "spec", "template", "metadata", "annotations")
 			if annotations == nil {
@@ -267,6 +273,7 @@ type installState struct {
 }
 
 // +kubebuilder:rbac:groups="",resources=namespaces,verbs=get;list;watch
+// +kubebuilder:rbac:groups=storage.k8s.io,resources=storageclasses,verbs=get;list;watch
 
 // SetupWithManager watches opted-in Clusters, Cluster API's kubeconfig Secrets and the
 // Namespaces' allow-lists.
@@ -347,13 +354,17 @@ func (r *InstallReconciler) Reconcile(ctx context.Context, req ctrl.Request) (ct
 		return ctrl.Result{}, err
 	}
 	var mgmtClass, skipReason string
+	replicated := false
 	if classes := allowedClasses(cluster, namespace); len(classes) > 0 {
 		mgmtClass = classes[0]
+		if replicated, err = r.replicated(ctx, mgmtClass); err != nil {
+			return ctrl.Result{}, err
+		}
 	} else {
 		skipReason = fmt.Sprintf("the cluster may use no management StorageClass (annotation %s of the Cluster, else of its Namespace, names none)",
 			tenancy.StorageClassesAnnotation)
 	}
-	objs, skipped, err := renderInstall(base, cluster, mgmtClass, r.Registry)
+	objs, skipped, err := renderInstall(base, cluster, mgmtClass, replicated, r.Registry)
 	if err != nil {
 		return ctrl.Result{}, err
 	}
@@ -382,6 +393,18 @@ func (r *InstallReconciler) Reconcile(ctx context.Context, req ctrl.Request) (ct
 	}
 	r.report(ctx, cluster, mgmtClass, versions, strings.Join(skips, "; "))
 	return ctrl.Result{RequeueAfter: r.Resync}, nil
+}
+
+// replicated reports whether management StorageClass name keeps replicas of its volumes on
+// several hosts (mgmt-csi's parameter replicas above 1). A class that does not exist (yet) does
+// not; the next resync looks again.
+func (r *InstallReconciler) replicated(ctx context.Context, name string) (bool, error) {
+	class := &storagev1.StorageClass{}
+	if err := r.Client.Get(ctx, client.ObjectKey{Name: name}, class); err != nil {
+		return false, client.IgnoreNotFound(err)
+	}
+	n, err := strconv.Atoi(class.Parameters[names.ReplicasParam])
+	return err == nil && n > 1, nil
 }
 
 // apply applies obj to the guest by server-side apply, forcing ownership. A StorageClass whose

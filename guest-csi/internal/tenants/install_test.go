@@ -88,15 +88,17 @@ func TestRenderInstall(t *testing.T) {
 	cluster := &clusterv1.Cluster{ObjectMeta: metav1.ObjectMeta{Namespace: "tenant-a", Name: "alpha", UID: "1234-uid"}}
 	for _, tc := range []struct {
 		name, class string
+		replicated  bool
 		classes     []string // names of the StorageClasses rendered
 		skipped     []string
 	}{
 		{name: "allowed class", class: "fast", classes: []string{"pvbridge", "pvbridge-xfs"}},
+		{name: "replicated class", class: "fast", replicated: true, classes: []string{"pvbridge", "pvbridge-xfs"}},
 		{name: "no allowed class", class: "", skipped: []string{"StorageClass pvbridge", "StorageClass pvbridge-xfs"}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			g := NewWithT(t)
-			objs, skipped, err := renderInstall(base, cluster, tc.class, "")
+			objs, skipped, err := renderInstall(base, cluster, tc.class, tc.replicated, "")
 			g.Expect(err).NotTo(HaveOccurred())
 			g.Expect(skipped).To(Equal(tc.skipped))
 			g.Expect(objs).To(HaveLen(len(base) - len(tc.skipped)))
@@ -118,6 +120,9 @@ func TestRenderInstall(t *testing.T) {
 					classes = append(classes, obj.GetName())
 					param, _, _ := unstructured.NestedString(obj.Object, "parameters", names.MgmtStorageClassParam)
 					g.Expect(param).To(Equal(tc.class))
+					replicated, found, _ := unstructured.NestedString(obj.Object, "parameters", names.ReplicatedParam)
+					g.Expect(found).To(Equal(tc.replicated), "only a replicated class says so: the others stay as they were installed")
+					g.Expect(replicated == "true").To(Equal(tc.replicated))
 				}
 			}
 			g.Expect(classes).To(Equal(tc.classes))
@@ -204,7 +209,7 @@ func TestAllowedClasses(t *testing.T) {
 // TestGuestInstall, against the two apiservers: an opted-in Cluster's guest gets the install with
 // the cluster's name, UID and first allowed class (here the Namespace's), written by
 // server-side apply as pvbridge-tenants; a changed Deployment and a deleted CSIDriver are put
-// back; a new allow-list replaces the StorageClasses; an empty one leaves them out with an
+// back; a new allow-list (of a replicated class) replaces the StorageClasses; an empty one leaves them out with an
 // Event; the opt-out annotation leaves the guest alone; and deleting the Cluster removes
 // nothing from the guest.
 func TestGuestInstall(t *testing.T) {
@@ -219,7 +224,7 @@ func TestGuestInstall(t *testing.T) {
 	reasons := func(ctx context.Context) ([]string, error) { return eventReasons(ctx, c) }
 
 	// Installed, with the cluster's values.
-	expected, skipped, err := renderInstall(must(guestInstall()), c, "fast", "")
+	expected, skipped, err := renderInstall(must(guestInstall()), c, "fast", false, "")
 	g.Expect(err).NotTo(HaveOccurred())
 	g.Expect(skipped).To(BeEmpty())
 	eventually(g, func(g Gomega, ctx context.Context) {
@@ -266,8 +271,12 @@ func TestGuestInstall(t *testing.T) {
 		g.Expect(guestAdmin.Get(ctx, client.ObjectKey{Name: names.GuestDriver}, &storagev1.CSIDriver{})).To(Succeed())
 	}).WithContext(ctx).Should(Succeed())
 
-	// A new allow-list on the Cluster: the StorageClasses, whose parameters cannot change, are
-	// replaced.
+	// A new allow-list on the Cluster that names a replicated management class first: the
+	// StorageClasses, whose parameters cannot change, are replaced, and say that it is replicated.
+	replicatedClass := &storagev1.StorageClass{ObjectMeta: metav1.ObjectMeta{Name: "pmem"}, Provisioner: names.PmemDriver,
+		Parameters: map[string]string{names.ReplicasParam: "2"}}
+	g.Expect(mgmtClient.Create(ctx, replicatedClass)).To(Succeed())
+	t.Cleanup(func() { _ = mgmtClient.Delete(context.Background(), replicatedClass) })
 	old := &storagev1.StorageClass{}
 	g.Expect(guestAdmin.Get(ctx, defaultClassKey, old)).To(Succeed())
 	annotateCluster(t, c, tenancy.StorageClassesAnnotation, "pmem,fast")
@@ -276,6 +285,7 @@ func TestGuestInstall(t *testing.T) {
 			sc := &storagev1.StorageClass{}
 			g.Expect(guestAdmin.Get(ctx, key, sc)).To(Succeed())
 			g.Expect(sc.Parameters).To(HaveKeyWithValue(names.MgmtStorageClassParam, "pmem"))
+			g.Expect(sc.Parameters).To(HaveKeyWithValue(names.ReplicatedParam, "true"))
 		}
 	}).WithContext(ctx).Should(Succeed())
 	replaced := &storagev1.StorageClass{}
@@ -393,7 +403,7 @@ func TestMirrorImage(t *testing.T) {
 func TestRenderInstallMirrorsEveryImage(t *testing.T) {
 	g := NewWithT(t)
 	cluster := &clusterv1.Cluster{ObjectMeta: metav1.ObjectMeta{Namespace: "tenant-a", Name: "alpha", UID: "1234-uid"}}
-	objs, _, err := renderInstall(must(guestInstall()), cluster, "fast", "mirror.test")
+	objs, _, err := renderInstall(must(guestInstall()), cluster, "fast", false, "mirror.test")
 	g.Expect(err).NotTo(HaveOccurred())
 	var images []string
 	for _, u := range objs {

@@ -22,6 +22,7 @@ import (
 	pmemv1 "pvbridge.io/pkg/apis/pmem/v1alpha1"
 	"pvbridge.io/pkg/await"
 	"pvbridge.io/pkg/csiserver"
+	"pvbridge.io/pkg/names"
 )
 
 // A replicated volume (StorageClass parameter replicas, 2 or 3) is a PmemVolume without a node
@@ -33,7 +34,7 @@ import (
 
 const (
 	// replicasParameter is the StorageClass parameter of the number of replicas.
-	replicasParameter = "replicas"
+	replicasParameter = names.ReplicasParam
 	maxReplicas       = 3
 	kindReplica       = "PmemReplica"
 )
