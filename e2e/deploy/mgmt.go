@@ -41,8 +41,10 @@ const (
 	// StorageClassPmemXFS formats xfs, which, unlike ext4, grows while mounted without
 	// CAP_SYS_RESOURCE.
 	StorageClassPmemXFS = "pmem-xfs"
-	// StorageClassPmemReplicated keeps two replicas on distinct hosts and binds at once: its
-	// volumes are served on every host.
+	// StorageClassPmemReplicated keeps two replicas on distinct hosts, the first next to the
+	// volume's consumer (WaitForFirstConsumer, as StorageClassPmem: csi-provisioner publishes
+	// the capacity the guests' schedulers need only for late binding classes); its volumes are
+	// served on every host.
 	StorageClassPmemReplicated = "pmem-replicated"
 	// SnapshotClassPmem is the VolumeSnapshotClass and VolumeGroupSnapshotClass of mgmt-csi.
 	SnapshotClassPmem = "pmem"
@@ -138,7 +140,7 @@ func (m *Management) installObjects(ctx context.Context) error {
 		{StorageClassPmem, storagev1.VolumeBindingWaitForFirstConsumer, "ext4", ""},
 		{StorageClassPmemImmediate, storagev1.VolumeBindingImmediate, "ext4", ""},
 		{StorageClassPmemXFS, storagev1.VolumeBindingWaitForFirstConsumer, "xfs", ""},
-		{StorageClassPmemReplicated, storagev1.VolumeBindingImmediate, "ext4", "2"},
+		{StorageClassPmemReplicated, storagev1.VolumeBindingWaitForFirstConsumer, "ext4", "2"},
 	} {
 		params := map[string]string{"csi.storage.k8s.io/fstype": class.fsType}
 		if class.replicas != "" {

@@ -28,19 +28,16 @@ var _ = Describe("Replicated volumes", Label("replication"), func() {
 		ns := mgmtNamespace(ctx)
 		pvc := deploy.PVC(ns, "data", deploy.StorageClassPmemReplicated, "64Mi", false)
 		Expect(mc.Create(ctx, pvc)).To(Succeed())
-		Eventually(func(g Gomega) {
-			g.Expect(mc.Get(ctx, client.ObjectKeyFromObject(pvc), pvc)).To(Succeed())
-			g.Expect(pvc.Status.Phase).To(Equal(corev1.ClaimBound))
-		}).WithContext(ctx).WithTimeout(timeout).Should(Succeed())
+
+		By("a pod on host-a writes; a pod on host-b reads it from its own replica, once host-a let go of the volume")
+		first := mgmtPod(ctx, ns, "first", "host-a")
+		Expect(mc.Get(ctx, client.ObjectKeyFromObject(pvc), pvc)).To(Succeed())
 		pv := &corev1.PersistentVolume{}
 		Expect(mc.Get(ctx, client.ObjectKey{Name: pvc.Spec.VolumeName}, pv)).To(Succeed())
 		Expect(pv.Spec.NodeAffinity).To(BeNil(), "a replicated volume is bound to no host")
 		replicas := replicasOf(ctx, pv.Spec.CSI.VolumeHandle)
 		Expect(replicas).To(HaveLen(2))
 		Expect([]string{replicas[0].Spec.Node, replicas[1].Spec.Node}).To(ConsistOf("host-a", "host-b"))
-
-		By("a pod on host-a writes; a pod on host-b reads it from its own replica, once host-a let go of the volume")
-		first := mgmtPod(ctx, ns, "first", "host-a")
 		Expect(writeSynced(filepath.Join(mgmtVolumePath(first, pv.Name), "data"), []byte("before"))).To(Succeed())
 		deleteMgmtPod(ctx, first)
 		second := mgmtPod(ctx, ns, "second", "host-b")
