@@ -29,6 +29,7 @@ TEST_TIMEOUT ?= 45m
 # The end-to-end tests are built as the lab builds the binaries they start (static, -trimpath:
 # e2e/images.GoBuild), so that the libraries both import compile once.
 E2E_GO_TEST := env CGO_ENABLED=0 go test -trimpath
+E2E_PARALLEL ?= 3
 # Every go command of the Makefile, and the lab's builds it starts, builds with the flags of the
 # pinned tools (hack/goflags: their build tags, no DWARF): the Go build cache keys a package's
 # compile by them, and with the same flags client-go, controller-runtime, grpc and the rest
@@ -83,7 +84,7 @@ test-e2e: deps test-tools
 	@# shorter ones fill whichever worker frees first and the two end together. $(BESIDE_E2E)
 	@# runs beside them (its output follows).
 	hack/beside.sh '$(MAKE) --no-print-directory $(BESIDE_E2E)' \
-		hack/phase.sh e2e $(E2E_GO_TEST) -vet=off -count=1 -timeout $(TEST_TIMEOUT) \
+		hack/phase.sh e2e $(E2E_GO_TEST) -p $(E2E_PARALLEL) -vet=off -count=1 -timeout $(TEST_TIMEOUT) \
 		./e2e/capi ./e2e/suite ./e2e/containers ./e2e/vmoperator ./e2e/cluster ./e2e/sanity ./e2e/...
 
 # Fuzz targets of every parser of tenant-controlled input: <module>:<package>:<target>,<target>...

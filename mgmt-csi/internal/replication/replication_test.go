@@ -167,6 +167,70 @@ func TestTargetWritesEveryReplicaAndOutlivesALostOne(t *testing.T) {
 	g.Expect(targets.Close(t.Context(), "vol")).To(Succeed(), "closing again changes nothing")
 }
 
+// A replica server that stops answering but keeps its connections (here a stopped process,
+// whose kernel still acknowledges): the writer stalls until the guard cuts the connection,
+// then the replica is faulted as a dead one and the writes go on.
+func TestTargetCutsOffAReplicaThatStopsAnswering(t *testing.T) {
+	g := NewWithT(t)
+	s := newSandbox(t)
+	local, remote := s.replica(t, "a", 32*mib), s.replica(t, "b", 32*mib)
+	srv := s.server(t, "server-b")
+	g.Expect(srv.Export(t.Context(), vol, remote)).To(Succeed())
+	targets := s.targets(t)
+	targets.StallBound = 2 * time.Second
+	faulted := make(chan string, 4)
+	targets.Faulted = func(_ context.Context, replica, _ string) error {
+		faulted <- replica
+		return nil
+	}
+	go func() { _ = targets.Start(t.Context()) }()
+	dev, err := targets.Open(t.Context(), "vol", []Replica{{Name: vol, Address: srv.Address}, {Name: "vol-a", Device: local}})
+	g.Expect(err).NotTo(HaveOccurred())
+	first := writeSynced(g, dev, 0, mib)
+	g.Expect(read(g, remote, 0, mib)).To(Equal(first))
+
+	pid, err := qsd.Pid(srv.Dir)
+	g.Expect(err).NotTo(HaveOccurred())
+	g.Expect(unix.Kill(pid, unix.SIGSTOP)).To(Succeed())
+	t.Cleanup(func() { _ = unix.Kill(pid, unix.SIGCONT) }) // before the server stops
+	written := make(chan []byte, 1)
+	go func() { written <- writeSynced(g, dev, mib, mib) }()
+	var second []byte
+	g.Eventually(written).WithTimeout(time.Minute).Should(Receive(&second), "the guard ends the stall")
+	g.Expect(read(g, local, mib, mib)).To(Equal(second))
+	g.Eventually(faulted).WithTimeout(time.Minute).Should(Receive(Equal(vol)), "the silent replica is faulted")
+	third := writeSynced(g, dev, 2*mib, mib)
+	g.Expect(read(g, local, 2*mib, mib)).To(Equal(third), "writes go on without it")
+
+	g.Expect(unix.Kill(pid, unix.SIGCONT)).To(Succeed())
+	g.Expect(targets.Close(t.Context(), "vol")).To(Succeed())
+}
+
+func TestParseLoopCounters(t *testing.T) {
+	for _, tc := range []struct {
+		name, stat string
+		want       loopCounters
+		wantErr    bool
+	}{
+		{"kernel 5.5 and later", "  10 0 80 3  20 0 160 9  2  12 12  1 0 8 0  4 1", loopCounters{done: 35, inFlight: 2}, false},
+		{"kernel 4.18", "10 0 80 3 20 0 160 9 0 12 12 1 0 8 0", loopCounters{done: 31}, false},
+		{"before 4.18", "10 0 80 3 20 0 160 9 1 12 12", loopCounters{done: 30, inFlight: 1}, false},
+		{"too short", "10 0 80", loopCounters{}, true},
+		{"not a number", "x 0 80 3 20 0 160 9 1 12 12", loopCounters{}, true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			g := NewWithT(t)
+			got, err := parseLoopCounters(tc.stat)
+			if tc.wantErr {
+				g.Expect(err).To(HaveOccurred())
+				return
+			}
+			g.Expect(err).NotTo(HaveOccurred())
+			g.Expect(got).To(Equal(tc.want))
+		})
+	}
+}
+
 func TestTargetOfRemoteReplicasOnly(t *testing.T) {
 	g := NewWithT(t)
 	s := newSandbox(t)

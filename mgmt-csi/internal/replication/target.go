@@ -11,6 +11,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"time"
 
 	"k8s.io/klog/v2"
 
@@ -53,6 +54,9 @@ type Targets struct {
 	// Faulted is told of each replica that a target's quorum gave up on, once it is out of the
 	// quorum for good, and why.
 	Faulted func(ctx context.Context, replica, why string) error
+	// StallBound is how long a target's requests may be in flight without one completing
+	// before the replicas that did not answer are cut off (stall.go); zero: DefaultStallBound.
+	StallBound time.Duration
 
 	mu       sync.Mutex
 	ctx      context.Context // of the watches, once started

@@ -60,6 +60,9 @@ func (t *Targets) watch(volumeID string) {
 	t.watching[volumeID] = true
 	ctx := klog.NewContext(t.ctx, klog.FromContext(t.ctx).WithValues("volumeID", volumeID))
 	go func() {
+		guarded, stop := context.WithCancel(ctx)
+		defer stop()
+		go t.guard(guarded, volumeID)
 		defer func() {
 			t.mu.Lock()
 			delete(t.watching, volumeID)
