@@ -23,9 +23,13 @@ type Conn struct {
 
 // Dial connects to the QMP socket of the daemon of d and negotiates capabilities. Every read
 // and write fails once ctx ends, so that a daemon that does not answer cannot hang the caller.
-func Dial(ctx context.Context, d Dir) (*Conn, error) {
+func Dial(ctx context.Context, d Dir) (*Conn, error) { return DialSocket(ctx, d.Path(SocketName)) }
+
+// DialSocket connects to a QMP socket of a daemon at path, as Dial does: a daemon started with
+// a second monitor (--chardev and --monitor in Start's args) serves one connection on each.
+func DialSocket(ctx context.Context, path string) (*Conn, error) {
 	var dialer net.Dialer
-	conn, err := dialer.DialContext(ctx, "unix", d.Path(SocketName))
+	conn, err := dialer.DialContext(ctx, "unix", path)
 	if err != nil {
 		return nil, fmt.Errorf("connect to the QMP socket of qemu-storage-daemon: %w", err)
 	}

@@ -206,6 +206,70 @@ func TestTargetCutsOffAReplicaThatStopsAnswering(t *testing.T) {
 	g.Expect(targets.Close(t.Context(), "vol")).To(Succeed())
 }
 
+// A rebuild brings a degraded volume back to two replicas while a writer goes on: the new
+// replica ends byte-identical to the surviving one, gets every later write, and is watched as
+// the others are.
+func TestTargetRebuildsAReplicaUnderAWriter(t *testing.T) {
+	g := NewWithT(t)
+	s := newSandbox(t)
+	local, lost, fresh := s.replica(t, "a", 32*mib), s.replica(t, "b", 32*mib), s.replica(t, "c", 32*mib)
+	srvB, srvC := s.server(t, "server-b"), s.server(t, "server-c")
+	g.Expect(srvB.Export(t.Context(), vol, lost)).To(Succeed())
+	g.Expect(srvC.Export(t.Context(), "vol-c", fresh)).To(Succeed())
+	targets := s.targets(t)
+	faulted := make(chan string, 4)
+	targets.Faulted = func(_ context.Context, replica, _ string) error {
+		faulted <- replica
+		return nil
+	}
+	go func() { _ = targets.Start(t.Context()) }()
+	dev, err := targets.Open(t.Context(), "vol", []Replica{{Name: vol, Address: srvB.Address}, {Name: "vol-a", Device: local}})
+	g.Expect(err).NotTo(HaveOccurred())
+	writeSynced(g, dev, 0, 8*mib)
+	g.Expect(qsd.Kill(t.Context(), srvB.Dir)).To(Succeed())
+	writeSynced(g, dev, 8*mib, mib)
+	g.Eventually(faulted).WithTimeout(time.Minute).Should(Receive(Equal(vol)))
+
+	// A writer goes on through the rebuild: synced writes of 64 KiB all over the volume.
+	stop, stopped := make(chan struct{}), make(chan error, 1)
+	go func() {
+		f, err := os.OpenFile(dev, os.O_RDWR|os.O_SYNC, 0)
+		if err != nil {
+			stopped <- err
+			return
+		}
+		defer f.Close()
+		buf := make([]byte, 64<<10)
+		for i := int64(0); ; i++ {
+			select {
+			case <-stop:
+				stopped <- nil
+				return
+			default:
+			}
+			_, _ = rand.Read(buf)
+			if _, err := f.WriteAt(buf, (i*7919*int64(len(buf)))%(32*mib)); err != nil {
+				stopped <- err
+				return
+			}
+		}
+	}()
+	c := Replica{Name: "vol-c", Address: srvC.Address}
+	g.Expect(targets.Rebuild(t.Context(), "vol", c)).To(Succeed())
+	close(stop)
+	g.Expect(<-stopped).To(Succeed(), "the writer saw no error")
+	g.Expect(read(g, fresh, 0, 32*mib)).To(Equal(read(g, local, 0, 32*mib)), "the rebuilt replica is the volume")
+	g.Expect(targets.Rebuild(t.Context(), "vol", c)).To(Succeed(), "rebuilding again: done already")
+	after := writeSynced(g, dev, 20*mib, mib)
+	g.Expect(read(g, fresh, 20*mib, mib)).To(Equal(after), "the rebuilt replica gets every write")
+
+	// It is a replica as the others: its server dies, it is faulted.
+	g.Expect(qsd.Kill(t.Context(), srvC.Dir)).To(Succeed())
+	writeSynced(g, dev, 24*mib, mib)
+	g.Eventually(faulted).WithTimeout(time.Minute).Should(Receive(Equal("vol-c")))
+	g.Expect(targets.Close(t.Context(), "vol")).To(Succeed())
+}
+
 func TestParseLoopCounters(t *testing.T) {
 	for _, tc := range []struct {
 		name, stat string

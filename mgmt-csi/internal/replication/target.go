@@ -2,6 +2,7 @@ package replication
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"net"
@@ -26,6 +27,9 @@ const (
 	exportFile = "disk"
 	// deviceFile names the loop device over the export.
 	deviceFile = "device"
+	// controlSocket is the daemon's second QMP socket, for commands while a watch holds the
+	// first.
+	controlSocket = "ctl.sock"
 	// reconnectDelay is how long, in seconds, a request to a replica whose server went away
 	// waits for it to come back before it fails and the quorum goes on without that replica:
 	// the stall a dead host costs a writer (docs/replication-research.md §6).
@@ -164,9 +168,12 @@ func names(replicas []Replica) string {
 // child i of the quorum), the local one first, a quorum over them, and its FUSE export.
 func (t *Targets) args(dd qsd.Dir, replicas []Replica) ([]string, error) {
 	replicas = ordered(replicas)
-	var args, children []string
-	if !replicas[len(replicas)-1].local() {
-		args = append(args, "--object", "tls-creds-psk,id=tls,endpoint=client,username="+PSKUser+",dir="+qsd.OptValue(t.KeysDir))
+	var children []string
+	args := []string{
+		// A second monitor for commands (Rebuild): the watch holds the first for its events.
+		"--chardev", "socket,id=ctl,server=on,wait=off,path=" + qsd.OptValue(dd.Path(controlSocket)), "--monitor", "chardev=ctl",
+		// The key of the replica servers, for the remote replicas and those a rebuild adds.
+		"--object", "tls-creds-psk,id=tls,endpoint=client,username=" + PSKUser + ",dir=" + qsd.OptValue(t.KeysDir),
 	}
 	for i, r := range replicas {
 		node := "replica" + strconv.Itoa(i)
@@ -176,14 +183,15 @@ func (t *Targets) args(dd qsd.Dir, replicas []Replica) ([]string, error) {
 			args = append(args, "--blockdev", "driver=host_device,node-name="+node+",cache.direct=on,locking=off,filename="+qsd.OptValue(r.Device))
 			continue
 		}
-		host, port, err := net.SplitHostPort(r.Address)
+		opts, err := nbdNode(node, r)
 		if err != nil {
-			return nil, fmt.Errorf("address %q of replica %s: %w", r.Address, r.Name, err)
+			return nil, err
 		}
-		args = append(args, "--blockdev", strings.Join([]string{
-			"driver=nbd", "node-name=" + node, "server.type=inet", "server.host=" + qsd.OptValue(host), "server.port=" + port,
-			"export=" + qsd.OptValue(r.Name), "tls-creds=tls", "reconnect-delay=" + strconv.Itoa(reconnectDelay),
-		}, ","))
+		arg, err := json.Marshal(opts)
+		if err != nil {
+			return nil, err
+		}
+		args = append(args, "--blockdev", string(arg))
 	}
 	// vote-threshold=1: one replica that has a write is enough to go on when the others fail,
 	// but a write is acknowledged only once every replica has answered. read-pattern=fifo:
@@ -193,6 +201,19 @@ func (t *Targets) args(dd qsd.Dir, replicas []Replica) ([]string, error) {
 		"--export", "type=fuse,id=export,node-name="+quorumNode+",writable=on,mountpoint="+qsd.OptValue(dd.Path(exportFile)),
 	)
 	return args, nil
+}
+
+// nbdNode is the block node, named node, of remote replica r: an NBD client of its server, with
+// the servers' key, that waits reconnectDelay for a server that went away.
+func nbdNode(node string, r Replica) (map[string]any, error) {
+	host, port, err := net.SplitHostPort(r.Address)
+	if err != nil {
+		return nil, fmt.Errorf("address %q of replica %s: %w", r.Address, r.Name, err)
+	}
+	return map[string]any{
+		"driver": "nbd", "node-name": node, "server": map[string]any{"type": "inet", "host": host, "port": port},
+		"export": r.Name, "tls-creds": "tls", "reconnect-delay": reconnectDelay,
+	}, nil
 }
 
 // Device returns the loop device of the target of volumeID; "" if it does not run.

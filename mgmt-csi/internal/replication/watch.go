@@ -86,11 +86,6 @@ func (t *Targets) watch(volumeID string) {
 // watchOnce follows the events of the target of volumeID until its connection breaks.
 func (t *Targets) watchOnce(ctx context.Context, volumeID string) error {
 	dd := t.dir(volumeID)
-	data, err := os.ReadFile(dd.Path(replicasFile))
-	if err != nil {
-		return fmt.Errorf("read the target's replicas: %w", err)
-	}
-	names := strings.Fields(string(data))
 	events, err := qsd.Dial(ctx, dd)
 	if err != nil {
 		return err
@@ -113,12 +108,17 @@ func (t *Targets) watchOnce(ctx context.Context, volumeID string) error {
 		if err := json.Unmarshal(e.Data, &bad); err != nil {
 			return fmt.Errorf("decode %s: %w", e.Event, err)
 		}
+		// Read at every report: a rebuild adds replicas.
+		names, err := lines(dd.Path(replicasFile))
+		if err != nil {
+			return fmt.Errorf("read the target's replicas: %w", err)
+		}
 		i, err := strconv.Atoi(strings.TrimPrefix(bad.NodeName, "replica"))
 		if err != nil || i < 0 || i >= len(names) || dropped[i] {
 			continue // not a replica of ours, or one out already
 		}
 		why := fmt.Sprintf("the target on this volume's node failed a %s on it: %s", bad.Type, bad.Error)
-		if err := drop(events, i); err != nil {
+		if err := drop(events, bad.NodeName); err != nil {
 			klog.FromContext(ctx).Error(err, "Cannot take a failed replica out of the quorum", "replica", names[i])
 			continue
 		}
@@ -132,13 +132,17 @@ func (t *Targets) watchOnce(ctx context.Context, volumeID string) error {
 	}
 }
 
-// drop takes child i out of the quorum of the target q is connected to; done when it is out
-// already.
-func drop(q *qsd.Conn, i int) error {
-	err := q.Execute("x-blockdev-change", map[string]any{"parent": quorumNode, "child": "children." + strconv.Itoa(i)}, nil)
-	var cerr *qsd.CommandError
-	if errors.As(err, &cerr) && strings.Contains(cerr.Desc, "does not have child") {
+// drop takes block node node out of the quorum of the target q is connected to; done when it
+// is out already. The quorum names its children by the order they joined (children.<n>, and
+// a child that leaves last gives its number to the next), so the child is found by its node.
+func drop(q *qsd.Conn, node string) error {
+	g, err := blockGraph(q)
+	if err != nil {
+		return err
+	}
+	child, in := g.child(quorumNode, node)
+	if !in {
 		return nil
 	}
-	return err
+	return q.Execute("x-blockdev-change", map[string]any{"parent": quorumNode, "child": child}, nil)
 }
