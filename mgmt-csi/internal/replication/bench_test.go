@@ -23,7 +23,8 @@ import (
 // the latency of a synced 4 KiB write (written then fsync'd, at random 4 KiB offsets) p50 and
 // p99, the throughput of 64 MiB written in 1 MiB pieces and fsync'd, and the stall a writer
 // sees when a replica's server is killed under it (the nbd client's reconnect delay, then the
-// quorum goes on without the replica).
+// quorum goes on without the replica), and the throughput of a rebuild of the whole volume
+// into a new replica on another host.
 func BenchmarkReplicatedWrites(b *testing.B) {
 	const size = 256 * mib
 	g := NewWithT(b)
@@ -54,6 +55,10 @@ func BenchmarkReplicatedWrites(b *testing.B) {
 		}
 		stall := killedUnder(g, open(2), servers[0].Dir)
 		fmt.Printf("BENCH replicated_kill_stall %.2f s\n", stall.Seconds())
+		// The degraded volume gets a new replica: the whole volume copied over NBD.
+		start := time.Now()
+		g.Expect(targets.Rebuild(b.Context(), "vol", Replica{Name: "vol-c", Address: servers[1].Address})).To(Succeed())
+		fmt.Printf("BENCH replicated_rebuild %.1f MB/s\n", float64(size)/time.Since(start).Seconds()/1e6)
 		g.Expect(targets.Close(context.Background(), "vol")).To(Succeed())
 	}
 }

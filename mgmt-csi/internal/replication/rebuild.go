@@ -70,14 +70,8 @@ func (t *Targets) Rebuild(ctx context.Context, volumeID string, r Replica) error
 		return err
 	}
 	if _, in := graph.child(quorumNode, node); !in {
-		if !graph.has(node) {
-			opts, err := nbdNode(node, r)
-			if err != nil {
-				return err
-			}
-			if err := q.Execute("blockdev-add", opts, nil); err != nil {
-				return err
-			}
+		if err := addNBD(q, graph, node, r); err != nil {
+			return err
 		}
 		if err := q.Execute("x-blockdev-change", map[string]any{"parent": quorumNode, "node": node}, nil); err != nil {
 			return err
@@ -97,14 +91,8 @@ func (t *Targets) Rebuild(ctx context.Context, volumeID string, r Replica) error
 		running = running || j.ID == job
 	}
 	if !running {
-		if !graph.has(copyNode) {
-			opts, err := nbdNode(copyNode, r)
-			if err != nil {
-				return err
-			}
-			if err := q.Execute("blockdev-add", opts, nil); err != nil {
-				return err
-			}
+		if err := addNBD(q, graph, copyNode, r); err != nil {
+			return err
 		}
 		if err := q.Execute("blockdev-backup", map[string]any{
 			"job-id": job, "device": quorumNode, "target": copyNode, "sync": "full", "auto-dismiss": true,
@@ -121,6 +109,18 @@ func (t *Targets) Rebuild(ctx context.Context, volumeID string, r Replica) error
 	}
 	log.Info("Rebuilt the replica")
 	return appendLine(dd.Path(rebuiltFile), r.Name)
+}
+
+// addNBD adds block node node, an NBD client of remote replica r, unless graph has it.
+func addNBD(q *qsd.Conn, graph *graph, node string, r Replica) error {
+	if graph.has(node) {
+		return nil
+	}
+	opts, err := nbdNode(node, r)
+	if err != nil {
+		return err
+	}
+	return q.Execute("blockdev-add", opts, nil)
 }
 
 // awaitJob waits for the BLOCK_JOB_COMPLETED event of job and returns its error.

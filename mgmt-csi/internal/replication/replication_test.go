@@ -116,6 +116,23 @@ func (s *sandbox) targets(t testing.TB) *Targets {
 	return targets
 }
 
+// watchedTargets returns targets whose watches run (until the test ends) and report each
+// faulted replica on the channel; configure changes them before the watches start.
+func (s *sandbox) watchedTargets(t *testing.T, configure ...func(*Targets)) (*Targets, chan string) {
+	t.Helper()
+	targets := s.targets(t)
+	faulted := make(chan string, 4)
+	targets.Faulted = func(_ context.Context, replica, _ string) error {
+		faulted <- replica
+		return nil
+	}
+	for _, c := range configure {
+		c(targets)
+	}
+	go func() { _ = targets.Start(t.Context()) }()
+	return targets, faulted
+}
+
 // vol is a replica's name as the controller makes them: longer than QEMU's node names.
 const vol = "pvc-0b3f7c1e-2f7a-4d0c-9b1e-4c2e8f0a1d2c-r1"
 
@@ -128,13 +145,7 @@ func TestTargetWritesEveryReplicaAndOutlivesALostOne(t *testing.T) {
 	g.Expect(srv.Export(t.Context(), vol, remote)).To(Succeed(), "exporting again changes nothing")
 	g.Expect(srv.Exports(t.Context())).To(Equal([]string{vol}))
 
-	targets := s.targets(t)
-	faulted := make(chan string, 4)
-	targets.Faulted = func(_ context.Context, replica, _ string) error {
-		faulted <- replica
-		return nil
-	}
-	go func() { _ = targets.Start(t.Context()) }()
+	targets, faulted := s.watchedTargets(t)
 	replicas := []Replica{{Name: vol, Address: srv.Address}, {Name: "vol-a", Device: local}}
 	dev, err := targets.Open(t.Context(), "vol", replicas)
 	g.Expect(err).NotTo(HaveOccurred())
@@ -176,14 +187,7 @@ func TestTargetCutsOffAReplicaThatStopsAnswering(t *testing.T) {
 	local, remote := s.replica(t, "a", 32*mib), s.replica(t, "b", 32*mib)
 	srv := s.server(t, "server-b")
 	g.Expect(srv.Export(t.Context(), vol, remote)).To(Succeed())
-	targets := s.targets(t)
-	targets.StallBound = 2 * time.Second
-	faulted := make(chan string, 4)
-	targets.Faulted = func(_ context.Context, replica, _ string) error {
-		faulted <- replica
-		return nil
-	}
-	go func() { _ = targets.Start(t.Context()) }()
+	targets, faulted := s.watchedTargets(t, func(t *Targets) { t.StallBound = 2 * time.Second })
 	dev, err := targets.Open(t.Context(), "vol", []Replica{{Name: vol, Address: srv.Address}, {Name: "vol-a", Device: local}})
 	g.Expect(err).NotTo(HaveOccurred())
 	first := writeSynced(g, dev, 0, mib)
@@ -216,13 +220,7 @@ func TestTargetRebuildsAReplicaUnderAWriter(t *testing.T) {
 	srvB, srvC := s.server(t, "server-b"), s.server(t, "server-c")
 	g.Expect(srvB.Export(t.Context(), vol, lost)).To(Succeed())
 	g.Expect(srvC.Export(t.Context(), "vol-c", fresh)).To(Succeed())
-	targets := s.targets(t)
-	faulted := make(chan string, 4)
-	targets.Faulted = func(_ context.Context, replica, _ string) error {
-		faulted <- replica
-		return nil
-	}
-	go func() { _ = targets.Start(t.Context()) }()
+	targets, faulted := s.watchedTargets(t)
 	dev, err := targets.Open(t.Context(), "vol", []Replica{{Name: vol, Address: srvB.Address}, {Name: "vol-a", Device: local}})
 	g.Expect(err).NotTo(HaveOccurred())
 	writeSynced(g, dev, 0, 8*mib)
