@@ -124,6 +124,37 @@ func (l *Lab) Cgroup(name string) string {
 
 func (l *Lab) cgroups() string { return filepath.Join("pvbridge-lab", filepath.Base(l.Root)) }
 
+// CPUWeight gives the lab's cgroup name, and each of its ancestors, the CPU weight of n
+// processes (cgroup v1 cpu.shares, v2 cpu.weight, where the cpu controller is on), making them
+// where they are missing. Under group scheduling a cgroup competes with each process beside it
+// as one process does: a VM's QEMU, alone in its cgroup, would get one process's share of a
+// machine loaded with the other labs' processes, while its emulated CPU (TCG) wants a core.
+func (l *Lab) CPUWeight(name string, n int) error {
+	if err := cgroups.Make(cgroupRoot, l.Cgroup(name)); err != nil {
+		return err
+	}
+	hierarchies, err := cgroups.Hierarchies(cgroupRoot)
+	if err != nil {
+		return err
+	}
+	for _, h := range hierarchies {
+		file, weight := "cpu.shares", n*1024
+		if _, err := os.Stat(filepath.Join(h, file)); err != nil {
+			file, weight = "cpu.weight", n*100
+		}
+		for p := l.Cgroup(name); p != "."; p = filepath.Dir(p) {
+			dir := filepath.Join(h, p)
+			if _, err := os.Stat(filepath.Join(dir, file)); err != nil {
+				continue // not the cpu hierarchy, or the controller is off there
+			}
+			if err := os.WriteFile(filepath.Join(dir, file), []byte(strconv.Itoa(weight)), 0); err != nil {
+				return fmt.Errorf("cgroup %s: %w", dir, err)
+			}
+		}
+	}
+	return nil
+}
+
 // Processes returns every process the lab started, oldest first.
 func (l *Lab) Processes() []*Process {
 	l.mu.Lock()

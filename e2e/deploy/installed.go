@@ -156,6 +156,11 @@ func Install(ctx context.Context, lab *cluster.Lab, opts InstalledOptions) (*Ins
 	} else {
 		var shipped []*unstructured.Unstructured
 		if opts.QEMUHost != "" {
+			// The QEMU worker's boot and steps are the longest path of the lab's test: its
+			// VMs' cgroup gets the CPU weight of four processes.
+			if err := lab.CPUWeight("vms-"+opts.QEMUHost, 4); err != nil {
+				return nil, err
+			}
 			ds, err := shippedDaemonSet(ctx, lab, "management", "vm-operator-host-agent", map[string]string{
 				"--qemu-network": "bridge:" + in.QEMUNetwork.Bridge, "--qemu-cgroup-parent": lab.Cgroup("vms-" + opts.QEMUHost),
 			})

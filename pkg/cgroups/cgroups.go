@@ -64,6 +64,21 @@ func Join(root, path string, pid int) error {
 	return nil
 }
 
+// Make makes the cgroup path (relative to each hierarchy) in every hierarchy at root where it
+// is missing, as Join does.
+func Make(root, path string) error {
+	hierarchies, err := Hierarchies(root)
+	if err != nil {
+		return err
+	}
+	for _, h := range hierarchies {
+		if _, err := makeCgroup(h, path); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
 // makeCgroup makes the cgroup path below hierarchy h, level by level, and returns its directory.
 // A new v1 cpuset cgroup takes its parent's CPUs and memory nodes (it has none, and refuses
 // processes, until set); a new v2 cgroup's parent passes its controllers down when it may.
