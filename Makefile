@@ -78,11 +78,12 @@ test-unit: deps
 
 .PHONY: test-e2e
 test-e2e: deps test-tools
-	@# go test starts test binaries in the order of its arguments on its -p (2) workers: the
-	@# longest first (fresh machine, seconds: capi 2087 with its QEMU worker, suite 1238,
-	@# containers 536, vmoperator 215, cluster 122, sanity 116; the rest under 75), so that the
-	@# shorter ones fill whichever worker frees first and the two end together. $(BESIDE_E2E)
-	@# runs beside them (its output follows).
+	@# go test starts test binaries in the order of its arguments on its -p workers
+	@# (E2E_PARALLEL, 3: the labs mostly wait, and two at a time left a third of the machine
+	@# idle): the longest first (warm, three at a time, seconds: capi 1732 with its QEMU worker,
+	@# suite 1303, containers 916, vmoperator 248, cluster 131, sanity 121; the rest under 75),
+	@# so that the shorter ones fill whichever worker frees first. $(BESIDE_E2E) runs beside
+	@# them (its output follows).
 	hack/beside.sh '$(MAKE) --no-print-directory $(BESIDE_E2E)' \
 		hack/phase.sh e2e $(E2E_GO_TEST) -p $(E2E_PARALLEL) -vet=off -count=1 -timeout $(TEST_TIMEOUT) \
 		./e2e/capi ./e2e/suite ./e2e/containers ./e2e/vmoperator ./e2e/cluster ./e2e/sanity ./e2e/...
