@@ -22,9 +22,9 @@ import (
 var _ = Describe("Replicated volumes", Label("replication"), func() {
 	// A management claim of two replicas: served on either host through a target over both
 	// replicas, so a pod finds its data on the other host; and, once one host's replica
-	// server dies under a writer, the writes go on, that replica is faulted, and the volume is
-	// served from the surviving replica alone, never from the one that missed writes.
-	It("serves a volume on every host and goes on without a replica that missed writes", func(ctx SpecContext) {
+	// server dies under a writer, the writes go on, that replica is faulted, never served
+	// again, and replaced by one that the serving host copies the volume into.
+	It("serves a volume on every host, goes on without a replica that missed writes, and rebuilds one", func(ctx SpecContext) {
 		ns := mgmtNamespace(ctx)
 		pvc := deploy.PVC(ns, "data", deploy.StorageClassPmemReplicated, "64Mi", false)
 		Expect(mc.Create(ctx, pvc)).To(Succeed())
@@ -62,7 +62,24 @@ var _ = Describe("Replicated volumes", Label("replication"), func() {
 			g.Expect(meta.IsStatusConditionTrue(vol.Status.Conditions, pmemv1.DegradedCondition)).To(BeTrue(), "the volume says it runs degraded")
 		}).WithContext(ctx).WithTimeout(timeout).Should(Succeed())
 
-		By("back on host-a, the pod reads the write its local replica missed, from host-b's")
+		By("the faulted replica is replaced, and host-b, which serves the volume, copies the volume into the new one")
+		Eventually(func(g Gomega) {
+			var nodes []string
+			for _, r := range replicasOf(ctx, pv.Spec.CSI.VolumeHandle) {
+				g.Expect(meta.FindStatusCondition(r.Status.Conditions, pmemv1.ReadyCondition)).To(HaveField("Reason", Not(Equal(pmemv1.FaultedReason))),
+					"the faulted replica is deleted")
+				if r.Spec.Rebuild {
+					g.Expect(meta.IsStatusConditionTrue(r.Status.Conditions, pmemv1.InSyncCondition)).To(BeTrue(), "rebuilt")
+				}
+				nodes = append(nodes, r.Spec.Node)
+			}
+			g.Expect(nodes).To(ConsistOf("host-a", "host-b"), "the only host without a live replica takes the new one")
+			vol := &pmemv1.PmemVolume{}
+			g.Expect(mc.Get(ctx, client.ObjectKey{Name: pv.Spec.CSI.VolumeHandle}, vol)).To(Succeed())
+			g.Expect(meta.FindStatusCondition(vol.Status.Conditions, pmemv1.DegradedCondition)).To(HaveField("Status", metav1.ConditionFalse), "whole again")
+		}).WithContext(ctx).WithTimeout(timeout).Should(Succeed())
+
+		By("back on host-a, the pod reads the write the faulted replica missed, from the rebuilt one")
 		deleteMgmtPod(ctx, second)
 		third := mgmtPod(ctx, ns, "third", "host-a")
 		Expect(os.ReadFile(filepath.Join(mgmtVolumePath(third, pv.Name), "data"))).To(BeEquivalentTo("after"))

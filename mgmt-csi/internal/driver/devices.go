@@ -180,7 +180,9 @@ func (d VolumeDevices) replicas(ctx context.Context, volumeID string) (*pmemv1.P
 	if err := d.Reader.List(ctx, list, client.MatchingLabels{pmemv1.VolumeLabel: volumeID}); err != nil {
 		return nil, nil, fmt.Errorf("list the PmemReplicas of volume %s: %w", volumeID, err)
 	}
-	if len(list.Items) != int(vol.Spec.Replicas) {
+	// Fewer than spec.replicas: still being made (a replacement is made before the faulted
+	// replica it replaces is deleted, so a volume being repaired has them all).
+	if len(list.Items) < int(vol.Spec.Replicas) {
 		return nil, nil, fmt.Errorf("volume %s: %w: %d of %d exist", volumeID, errReplicaNotReady, len(list.Items), vol.Spec.Replicas)
 	}
 	replicas := make([]replication.Replica, 0, len(list.Items))
@@ -188,6 +190,9 @@ func (d VolumeDevices) replicas(ctx context.Context, volumeID string) (*pmemv1.P
 		ready := meta.FindStatusCondition(r.Status.Conditions, pmemv1.ReadyCondition)
 		if ready != nil && ready.Reason == pmemv1.FaultedReason {
 			continue
+		}
+		if r.Spec.Rebuild && !meta.IsStatusConditionTrue(r.Status.Conditions, pmemv1.InSyncCondition) {
+			continue // empty, or partly copied: the serving node's Rebuilder brings it in
 		}
 		if r.Spec.Node != d.Node {
 			lost, err := d.nodeLost(ctx, r.Spec.Node)

@@ -35,6 +35,15 @@ func replicaOn(i int, node, reason string) *pmemv1.PmemReplica {
 	return r
 }
 
+// toRebuild makes r a replica made after its volume (spec.rebuild), in sync or not.
+func toRebuild(r *pmemv1.PmemReplica, inSync bool) *pmemv1.PmemReplica {
+	r.Spec.Rebuild = true
+	if inSync {
+		meta.SetStatusCondition(&r.Status.Conditions, metav1.Condition{Type: pmemv1.InSyncCondition, Status: metav1.ConditionTrue, Reason: pmemv1.RebuiltReason})
+	}
+	return r
+}
+
 func TestReplicasOfAStagedVolume(t *testing.T) {
 	// The fake back end's first device, which the local replica gets.
 	const localDevice = "/dev/fake1"
@@ -81,6 +90,19 @@ func TestReplicasOfAStagedVolume(t *testing.T) {
 			name: "a replica not recorded yet is waited for",
 			objs: []client.Object{vol, replicaOn(1, "c", pmemv1.CreatedReason)},
 			code: codes.Aborted,
+		},
+		{
+			name: "a replica to rebuild is left out until it is in sync: the serving node copies it in",
+			objs: []client.Object{vol, replicaOn(0, "b", pmemv1.FaultedReason), toRebuild(replicaOn(2, "c", pmemv1.CreatedReason), false), replicaOn(1, "a", pmemv1.CreatedReason)},
+			want: []replication.Replica{{Name: replicaName("v", 1), Address: "a:10809", Device: localDevice}},
+		},
+		{
+			name: "a rebuilt replica in sync is one as the others",
+			objs: []client.Object{vol, toRebuild(replicaOn(2, "c", pmemv1.CreatedReason), true), replicaOn(1, "a", pmemv1.CreatedReason)},
+			want: []replication.Replica{
+				{Name: replicaName("v", 2), Address: "c:10809"},
+				{Name: replicaName("v", 1), Address: "a:10809", Device: localDevice},
+			},
 		},
 		{
 			name: "every replica faulted",
@@ -166,6 +188,33 @@ func TestOneNodeServesAReplicatedVolume(t *testing.T) {
 			} else {
 				g.Expect(vol.Status.Target).To(Equal(tc.want), "another node's claim is not this node's to release")
 			}
+		})
+	}
+}
+
+// The serving node rebuilds a replica made to replace another once its agent exports it, not
+// before, and not again once it is in sync; never a faulted one, nor one made with its volume.
+func TestAwaitsRebuild(t *testing.T) {
+	deleting := toRebuild(replicaOn(2, "c", pmemv1.CreatedReason), false)
+	now := metav1.Now()
+	deleting.DeletionTimestamp = &now
+	stale := toRebuild(replicaOn(2, "c", pmemv1.CreatedReason), false)
+	stale.Generation = 2 // its agent has not seen the last change
+	for _, tc := range []struct {
+		name string
+		r    *pmemv1.PmemReplica
+		want bool
+	}{
+		{"exported, not in sync", toRebuild(replicaOn(2, "c", pmemv1.CreatedReason), false), true},
+		{"in sync", toRebuild(replicaOn(2, "c", pmemv1.CreatedReason), true), false},
+		{"not exported yet", toRebuild(replicaOn(2, "c", pmemv1.PendingReason), false), false},
+		{"faulted", toRebuild(replicaOn(2, "c", pmemv1.FaultedReason), false), false},
+		{"being deleted", deleting, false},
+		{"reported for an older generation", stale, false},
+		{"made with its volume", replicaOn(1, "c", pmemv1.CreatedReason), false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			NewWithT(t).Expect(awaitsRebuild(tc.r)).To(Equal(tc.want))
 		})
 	}
 }

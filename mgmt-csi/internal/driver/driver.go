@@ -246,7 +246,7 @@ func (d *Driver) Run(ctx context.Context) error {
 		devices := VolumeDevices{Backend: d.backend, Node: d.opts.NodeID, Reader: mgr.GetAPIReader(), Writer: mgr.GetClient(), Targets: d.opts.Replication.targets()}
 		if devices.Targets != nil {
 			devices.Targets.Faulted = devices.faultReplica
-			if err := mgr.Add(devices.Targets); err != nil {
+			if err := errors.Join(mgr.Add(devices.Targets), mgr.Add(Rebuilder{Devices: devices})); err != nil {
 				return err
 			}
 		}

@@ -69,12 +69,8 @@ func newManager(cfg *rest.Config, mode Mode, node, metricsAddress string) (ctrl.
 }
 
 // setupController registers the waits of the controller service on the manager's informers,
-// and the reconciler of replicated volumes' Degraded condition.
+// and the reconciler of replicated volumes' Degraded condition and faulted replicas.
 func setupController(ctx context.Context, mgr ctrl.Manager) (*controllerServer, error) {
-	degraded := &replicated.Reconciler{Client: mgr.GetClient(), Recorder: mgr.GetEventRecorder("mgmt-csi")}
-	if err := degraded.SetupWithManager(mgr, metrics.Registry); err != nil {
-		return nil, err
-	}
 	hub := await.NewHub()
 	for kind, obj := range map[string]client.Object{
 		kindVolume:   &pmemv1.PmemVolume{},
@@ -89,7 +85,12 @@ func setupController(ctx context.Context, mgr ctrl.Manager) (*controllerServer, 
 			return nil, fmt.Errorf("watch %s: %w", kind, err)
 		}
 	}
-	return newControllerServer(mgr.GetClient(), mgr.GetCache(), mgr.GetAPIReader(), hub), nil
+	cs := newControllerServer(mgr.GetClient(), mgr.GetCache(), mgr.GetAPIReader(), hub)
+	degraded := &replicated.Reconciler{Client: mgr.GetClient(), Recorder: mgr.GetEventRecorder("mgmt-csi"), Replacer: cs}
+	if err := degraded.SetupWithManager(mgr, metrics.Registry); err != nil {
+		return nil, err
+	}
+	return cs, nil
 }
 
 // setupAgent registers the node agent's reconcilers and capacity reporter. A group snapshot's

@@ -151,19 +151,7 @@ func (s *controllerServer) placeReplicas(ctx context.Context, vol *pmemv1.PmemVo
 		}
 		node := nodes[0]
 		nodes = nodes[1:]
-		r := &pmemv1.PmemReplica{
-			ObjectMeta: metav1.ObjectMeta{
-				Name:       name,
-				Labels:     map[string]string{pmemv1.VolumeLabel: vol.Name, pmemv1.NodeLabel: node},
-				Finalizers: []string{agent.Finalizer},
-				// The garbage collector removes what a deleted volume left; DeleteVolume
-				// removes the replicas first.
-				OwnerReferences: []metav1.OwnerReference{{
-					APIVersion: pmemv1.GroupVersion.String(), Kind: kindVolume, Name: vol.Name, UID: vol.UID,
-				}},
-			},
-			Spec: pmemv1.PmemReplicaSpec{VolumeID: vol.Name, Node: node, Size: vol.Spec.Size},
-		}
+		r := newReplica(vol, name, node, false)
 		if err := s.client.Create(ctx, r); err != nil {
 			if apierrors.IsAlreadyExists(err) {
 				return nil, status.Errorf(codes.Aborted, "replica %s of volume %s is being created concurrently", name, vol.Name)
@@ -174,6 +162,24 @@ func (s *controllerServer) placeReplicas(ctx context.Context, vol *pmemv1.PmemVo
 		replicas = append(replicas, r)
 	}
 	return replicas, nil
+}
+
+// newReplica is replica name of vol on node; rebuild for one made after the volume's first
+// write.
+func newReplica(vol *pmemv1.PmemVolume, name, node string, rebuild bool) *pmemv1.PmemReplica {
+	return &pmemv1.PmemReplica{
+		ObjectMeta: metav1.ObjectMeta{
+			Name:       name,
+			Labels:     map[string]string{pmemv1.VolumeLabel: vol.Name, pmemv1.NodeLabel: node},
+			Finalizers: []string{agent.Finalizer},
+			// The garbage collector removes what a deleted volume left; DeleteVolume removes
+			// the replicas first.
+			OwnerReferences: []metav1.OwnerReference{{
+				APIVersion: pmemv1.GroupVersion.String(), Kind: kindVolume, Name: vol.Name, UID: vol.UID,
+			}},
+		},
+		Spec: pmemv1.PmemReplicaSpec{VolumeID: vol.Name, Node: node, Size: vol.Spec.Size, Rebuild: rebuild},
+	}
 }
 
 // chooseReplicaNodes picks n nodes for new replicas of vol: nodes with a replica server whose

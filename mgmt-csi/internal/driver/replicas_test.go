@@ -10,9 +10,11 @@ import (
 	. "github.com/onsi/gomega"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
+	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/api/meta"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/apimachinery/pkg/util/validation"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
@@ -190,4 +192,57 @@ func TestReplicatedVolumeOperations(t *testing.T) {
 	_, err = s.DeleteVolume(t.Context(), &csi.DeleteVolumeRequest{VolumeId: "pvc-1"})
 	g.Expect(err).NotTo(HaveOccurred())
 	g.Expect(s.reader.Get(t.Context(), client.ObjectKey{Name: "pvc-1"}, &pmemv1.PmemVolume{})).NotTo(Succeed())
+}
+
+// A faulted replica is replaced by one to rebuild, on a node without a live replica of the
+// volume and not lost, and deleted; a retry makes no second one; a lost node's faulted
+// replica, whose agent never acts again, is released.
+func TestReplaceFaulted(t *testing.T) {
+	g := NewWithT(t)
+	node := func(name string) *corev1.Node { return &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: name}} }
+	lost := node("lost")
+	lost.Spec.Taints = []corev1.Taint{{Key: corev1.TaintNodeOutOfService, Effect: corev1.TaintEffectNoExecute}}
+	s := newTestController(t, replicaNode("a", 8*gi), replicaNode("b", 4*gi), replicaNode("lost", 9*gi), replicaNode("c", 2*gi),
+		node("a"), node("b"), node("c"), lost)
+	vol := &pmemv1.PmemVolume{
+		ObjectMeta: metav1.ObjectMeta{Name: "pvc-1", UID: "vol-uid"},
+		Spec:       pmemv1.PmemVolumeSpec{VolumeID: "pvc-1", Replicas: 2, Size: *resource.NewQuantity(gi, resource.BinarySI)},
+	}
+	g.Expect(s.client.Create(t.Context(), vol)).To(Succeed())
+	fault := func(name, node string) {
+		r := newReplica(vol, name, node, false)
+		r.UID = types.UID(name + "-uid")
+		g.Expect(s.client.Create(t.Context(), r)).To(Succeed())
+		meta.SetStatusCondition(&r.Status.Conditions, metav1.Condition{Type: pmemv1.ReadyCondition, Status: metav1.ConditionFalse, Reason: pmemv1.FaultedReason})
+		g.Expect(s.client.Status().Update(t.Context(), r)).To(Succeed())
+	}
+	g.Expect(s.client.Create(t.Context(), newReplica(vol, "pvc-1-r0", "a", false))).To(Succeed())
+	fault("pvc-1-r1", "b")
+
+	g.Expect(s.ReplaceFaulted(t.Context(), vol)).To(Succeed())
+	g.Expect(s.ReplaceFaulted(t.Context(), vol)).To(Succeed(), "again: nothing more")
+	var live []pmemv1.PmemReplica
+	for _, r := range replicasOf(t, s, "pvc-1") {
+		if r.Name == "pvc-1-r1" {
+			g.Expect(r.DeletionTimestamp).NotTo(BeNil(), "the faulted replica is deleted; its agent frees it")
+			continue
+		}
+		live = append(live, r)
+	}
+	g.Expect(live).To(HaveLen(2))
+	g.Expect(live).To(ContainElement(And(
+		HaveField("Spec.Rebuild", BeTrue()), HaveField("Spec.Node", Equal("b")),
+		HaveField("Labels", HaveKeyWithValue(pmemv1.NodeLabel, "b")), HaveField("Finalizers", ContainElement(agent.Finalizer)),
+	)), "the node with the most room that holds no live replica, never the lost one")
+
+	// A replica faulted on a lost node: released, since no agent will.
+	fault("pvc-1-r9", "lost")
+	g.Expect(s.ReplaceFaulted(t.Context(), vol)).To(Succeed())
+	names := []string{}
+	for _, r := range replicasOf(t, s, "pvc-1") {
+		names = append(names, r.Name)
+		g.Expect(r.Spec.Node).NotTo(Equal("lost"))
+	}
+	g.Expect(names).NotTo(ContainElement("pvc-1-r9"), "gone: its finalizer removed")
+	g.Expect(names).To(HaveLen(4), "r0, the deleting r1, and a replacement for each")
 }

@@ -25,14 +25,23 @@ import (
 // PvbridgeVolumeDegraded fires while it is above zero.
 var degradedVolumes = prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 	Name: "pvbridge_replicated_volumes_degraded",
-	Help: "Replicated volumes that run without one of their replicas (a PmemReplica Faulted): kubectl get pmemvolumes shows which.",
+	Help: "Replicated volumes that run without one of their replicas (a PmemReplica Faulted, being rebuilt, or deleted): kubectl get pmemvolumes shows which.",
 }, func() float64 { return float64(degraded.count()) })
 
 // Reconciler keeps the Degraded condition of every replicated PmemVolume: True, with an Event
-// on the volume when it becomes so, while one of its PmemReplicas is Faulted.
+// on the volume when it becomes so, while one of its PmemReplicas is Faulted, or fewer than
+// spec.replicas have its data (one is being rebuilt, or was deleted).
 type Reconciler struct {
 	Client   client.Client
 	Recorder recorder.EventRecorder
+	// Replacer, unless nil, replaces the faulted replicas of a volume that is Ready.
+	Replacer Replacer
+}
+
+// Replacer gives a replicated volume a new replica for each faulted one and deletes the
+// faulted ones (mgmt-csi's controller service, which places replicas).
+type Replacer interface {
+	ReplaceFaulted(ctx context.Context, vol *pmemv1.PmemVolume) error
 }
 
 // SetupWithManager registers the reconciler and its metric.
@@ -68,32 +77,60 @@ func (r *Reconciler) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Resu
 	if err := r.Client.List(ctx, list, client.MatchingLabels{pmemv1.VolumeLabel: vol.Name}); err != nil {
 		return ctrl.Result{}, err
 	}
-	var faulted []string
+	var faulted, rebuilding []string
+	synced := 0
 	for _, rep := range list.Items {
-		if c := meta.FindStatusCondition(rep.Status.Conditions, pmemv1.ReadyCondition); c != nil && c.Reason == pmemv1.FaultedReason {
+		switch c := meta.FindStatusCondition(rep.Status.Conditions, pmemv1.ReadyCondition); {
+		case c != nil && c.Reason == pmemv1.FaultedReason:
 			faulted = append(faulted, fmt.Sprintf("%s on node %s (%s)", rep.Name, rep.Spec.Node, c.Message))
+		case rep.Spec.Rebuild && !meta.IsStatusConditionTrue(rep.Status.Conditions, pmemv1.InSyncCondition):
+			rebuilding = append(rebuilding, fmt.Sprintf("%s on node %s", rep.Name, rep.Spec.Node))
+		case rep.DeletionTimestamp.IsZero():
+			synced++
 		}
 	}
 	slices.Sort(faulted)
+	slices.Sort(rebuilding)
 	cond := metav1.Condition{
 		Type: pmemv1.DegradedCondition, Status: metav1.ConditionFalse, Reason: pmemv1.AllReplicasReason,
 		Message: fmt.Sprintf("%d replicas", vol.Spec.Replicas), ObservedGeneration: vol.Generation,
 	}
-	if len(faulted) > 0 {
+	switch {
+	case len(faulted) > 0:
 		cond.Status, cond.Reason = metav1.ConditionTrue, pmemv1.ReplicaFaultedReason
 		cond.Message = fmt.Sprintf("%d of %d replicas faulted: %s", len(faulted), vol.Spec.Replicas, strings.Join(faulted, "; "))
+	case synced < int(vol.Spec.Replicas) && meta.IsStatusConditionTrue(vol.Status.Conditions, pmemv1.ReadyCondition):
+		// (Not while CreateVolume makes the replicas: the volume is Ready once they are.)
+		cond.Status, cond.Reason = metav1.ConditionTrue, pmemv1.ReplicasMissingReason
+		cond.Message = fmt.Sprintf("%d of %d replicas have the volume's data", synced, vol.Spec.Replicas)
+		if len(rebuilding) > 0 {
+			cond.Message += "; rebuilding: " + strings.Join(rebuilding, "; ")
+		}
 	}
-	degraded.set(vol.Name, len(faulted) > 0)
+	degraded.set(vol.Name, cond.Status == metav1.ConditionTrue)
+	if err := r.setDegraded(ctx, vol, cond); err != nil {
+		return ctrl.Result{}, err
+	}
+	if len(faulted) > 0 && r.Replacer != nil && meta.IsStatusConditionTrue(vol.Status.Conditions, pmemv1.ReadyCondition) {
+		// Retried with backoff on failure (no node with room, say).
+		return ctrl.Result{}, r.Replacer.ReplaceFaulted(ctx, vol)
+	}
+	return ctrl.Result{}, nil
+}
+
+// setDegraded writes cond, the Degraded condition, into vol's status, with a Warning Event when
+// it becomes True or says something else.
+func (r *Reconciler) setDegraded(ctx context.Context, vol *pmemv1.PmemVolume, cond metav1.Condition) error {
 	patch := client.MergeFrom(vol.DeepCopy())
 	was := meta.FindStatusCondition(vol.Status.Conditions, pmemv1.DegradedCondition)
 	if !meta.SetStatusCondition(&vol.Status.Conditions, cond) {
-		return ctrl.Result{}, nil
+		return nil
 	}
 	if err := r.Client.Status().Patch(ctx, vol, patch); err != nil {
-		return ctrl.Result{}, client.IgnoreNotFound(err)
+		return client.IgnoreNotFound(err)
 	}
 	if cond.Status == metav1.ConditionTrue && (was == nil || was.Status != metav1.ConditionTrue || was.Message != cond.Message) && r.Recorder != nil {
-		r.Recorder.Eventf(vol, nil, corev1.EventTypeWarning, pmemv1.ReplicaFaultedReason, "Degrade", "%s", cond.Message)
+		r.Recorder.Eventf(vol, nil, corev1.EventTypeWarning, cond.Reason, "Degrade", "%s", cond.Message)
 	}
-	return ctrl.Result{}, nil
+	return nil
 }

@@ -1,6 +1,7 @@
 package replicated
 
 import (
+	"context"
 	"testing"
 
 	. "github.com/onsi/gomega"
@@ -29,13 +30,33 @@ func replica(name, node, reason string) *pmemv1.PmemReplica {
 	return r
 }
 
+// rebuilt makes r a replica made after its volume, in sync or not.
+func rebuilt(r *pmemv1.PmemReplica, inSync bool) *pmemv1.PmemReplica {
+	r.Spec.Rebuild = true
+	if inSync {
+		meta.SetStatusCondition(&r.Status.Conditions, metav1.Condition{Type: pmemv1.InSyncCondition, Status: metav1.ConditionTrue, Reason: pmemv1.RebuiltReason})
+	}
+	return r
+}
+
+// replacer records the volumes whose faulted replicas it was asked to replace.
+type replacer struct{ volumes []string }
+
+func (r *replacer) ReplaceFaulted(_ context.Context, vol *pmemv1.PmemVolume) error {
+	r.volumes = append(r.volumes, vol.Name)
+	return nil
+}
+
 func TestDegraded(t *testing.T) {
 	for _, tc := range []struct {
 		name       string
 		replicas   []*pmemv1.PmemReplica
+		notReady   bool // the volume is still being made
 		wantStatus metav1.ConditionStatus
 		wantReason string
-		wantEvent  bool
+		wantEvent  string // its message's part
+		// wantReplaced: the faulted replicas are replaced (in each of the two passes)
+		wantReplaced bool
 	}{
 		{
 			name:       "every replica serves",
@@ -45,12 +66,42 @@ func TestDegraded(t *testing.T) {
 		{
 			name:       "a replica being made is no fault",
 			replicas:   []*pmemv1.PmemReplica{replica("v-r0", "a", pmemv1.CreatedReason), replica("v-r1", "b", pmemv1.PendingReason)},
+			notReady:   true,
 			wantStatus: metav1.ConditionFalse, wantReason: pmemv1.AllReplicasReason,
 		},
 		{
-			name:       "a faulted replica degrades the volume, with an Event",
+			name:       "replicas not all made yet: no replica is missing",
+			replicas:   []*pmemv1.PmemReplica{replica("v-r0", "a", pmemv1.PendingReason)},
+			notReady:   true,
+			wantStatus: metav1.ConditionFalse, wantReason: pmemv1.AllReplicasReason,
+		},
+		{
+			name:       "a faulted replica degrades the volume, with an Event, and is replaced",
 			replicas:   []*pmemv1.PmemReplica{replica("v-r0", "a", pmemv1.CreatedReason), replica("v-r1", "b", pmemv1.FaultedReason)},
-			wantStatus: metav1.ConditionTrue, wantReason: pmemv1.ReplicaFaultedReason, wantEvent: true,
+			wantStatus: metav1.ConditionTrue, wantReason: pmemv1.ReplicaFaultedReason,
+			wantEvent: "v-r1 on node b (node b said so)", wantReplaced: true,
+		},
+		{
+			name:       "a volume still being made is not repaired",
+			replicas:   []*pmemv1.PmemReplica{replica("v-r0", "a", pmemv1.CreatedReason), replica("v-r1", "b", pmemv1.FaultedReason)},
+			notReady:   true,
+			wantStatus: metav1.ConditionTrue, wantReason: pmemv1.ReplicaFaultedReason, wantEvent: "v-r1 on node b",
+		},
+		{
+			name:       "a replica being rebuilt: the volume misses one",
+			replicas:   []*pmemv1.PmemReplica{replica("v-r0", "a", pmemv1.CreatedReason), rebuilt(replica("v-x", "b", pmemv1.CreatedReason), false)},
+			wantStatus: metav1.ConditionTrue, wantReason: pmemv1.ReplicasMissingReason,
+			wantEvent: "1 of 2 replicas have the volume's data; rebuilding: v-x on node b",
+		},
+		{
+			name:       "a rebuilt replica in sync",
+			replicas:   []*pmemv1.PmemReplica{replica("v-r0", "a", pmemv1.CreatedReason), rebuilt(replica("v-x", "b", pmemv1.CreatedReason), true)},
+			wantStatus: metav1.ConditionFalse, wantReason: pmemv1.AllReplicasReason,
+		},
+		{
+			name:       "a deleted replica",
+			replicas:   []*pmemv1.PmemReplica{replica("v-r0", "a", pmemv1.CreatedReason)},
+			wantStatus: metav1.ConditionTrue, wantReason: pmemv1.ReplicasMissingReason, wantEvent: "1 of 2 replicas have the volume's data",
 		},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
@@ -61,13 +112,17 @@ func TestDegraded(t *testing.T) {
 				ObjectMeta: metav1.ObjectMeta{Name: "v"},
 				Spec:       pmemv1.PmemVolumeSpec{VolumeID: "v", Replicas: 2, Size: resource.MustParse("1Gi")},
 			}
+			if !tc.notReady {
+				meta.SetStatusCondition(&vol.Status.Conditions, metav1.Condition{Type: pmemv1.ReadyCondition, Status: metav1.ConditionTrue, Reason: pmemv1.CreatedReason})
+			}
 			objs := []client.Object{vol}
 			for _, r := range tc.replicas {
 				objs = append(objs, r)
 			}
 			c := clientfake.NewClientBuilder().WithScheme(scheme).WithObjects(objs...).WithStatusSubresource(vol).Build()
 			rec := events.NewFakeRecorder(4)
-			r := &Reconciler{Client: c, Recorder: rec}
+			repl := &replacer{}
+			r := &Reconciler{Client: c, Recorder: rec, Replacer: repl}
 			before := degraded.count()
 
 			for range 2 { // the second pass changes nothing and says nothing again
@@ -79,13 +134,18 @@ func TestDegraded(t *testing.T) {
 			g.Expect(cond).NotTo(BeNil())
 			g.Expect(cond.Status).To(Equal(tc.wantStatus))
 			g.Expect(cond.Reason).To(Equal(tc.wantReason))
-			if tc.wantEvent {
-				g.Expect(cond.Message).To(ContainSubstring("v-r1 on node b (node b said so)"))
+			if tc.wantEvent != "" {
+				g.Expect(cond.Message).To(ContainSubstring(tc.wantEvent))
 				g.Expect(rec.Events).To(HaveLen(1))
-				g.Expect(<-rec.Events).To(ContainSubstring("ReplicaFaulted"))
+				g.Expect(<-rec.Events).To(And(ContainSubstring(tc.wantReason), ContainSubstring(tc.wantEvent)))
 				g.Expect(degraded.count()).To(Equal(before + 1))
 			} else {
 				g.Expect(rec.Events).To(BeEmpty())
+			}
+			if tc.wantReplaced {
+				g.Expect(repl.volumes).To(Equal([]string{"v", "v"}))
+			} else {
+				g.Expect(repl.volumes).To(BeEmpty())
 			}
 
 			g.Expect(c.Delete(t.Context(), vol)).To(Succeed())

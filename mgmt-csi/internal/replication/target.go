@@ -216,6 +216,24 @@ func nbdNode(node string, r Replica) (map[string]any, error) {
 	}, nil
 }
 
+// Running lists the volumes whose targets run on this host.
+func (t *Targets) Running() ([]string, error) {
+	entries, err := os.ReadDir(t.RunDir)
+	if errors.Is(err, os.ErrNotExist) {
+		return nil, nil
+	}
+	if err != nil {
+		return nil, fmt.Errorf("list the targets: %w", err)
+	}
+	var ids []string
+	for _, e := range entries {
+		if pid, err := qsd.Pid(t.dir(e.Name())); err == nil && pid != 0 {
+			ids = append(ids, e.Name())
+		}
+	}
+	return ids, nil
+}
+
 // Device returns the loop device of the target of volumeID; "" if it does not run.
 func (t *Targets) Device(volumeID string) (string, error) {
 	dd := t.dir(volumeID)

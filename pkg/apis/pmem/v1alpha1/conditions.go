@@ -15,6 +15,21 @@ const (
 	// ReplicaFaultedReason (True): a replica is faulted; the message names it and why. Also the
 	// reason of the volume's Warning Event.
 	ReplicaFaultedReason = "ReplicaFaulted"
+	// ReplicasMissingReason (True): fewer replicas than spec.replicas have the volume's data,
+	// none faulted: a replica is being rebuilt, or one was deleted.
+	ReplicasMissingReason = "ReplicasMissing"
+)
+
+// InSyncCondition is a rebuilt PmemReplica's (spec.rebuild): True once it has the volume's
+// data, from when on it is a replica as those made with the volume are.
+const InSyncCondition = "InSync"
+
+// Reasons of the InSync condition.
+const (
+	// RebuildingReason (False): the replica waits for, or is in, its copy.
+	RebuildingReason = "Rebuilding"
+	// RebuiltReason (True): the node that serves the volume copied it into the replica.
+	RebuiltReason = "Rebuilt"
 )
 
 // Reasons of the Ready condition.

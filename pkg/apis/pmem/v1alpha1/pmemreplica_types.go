@@ -27,12 +27,21 @@ type PmemReplicaSpec struct {
 	// +kubebuilder:validation:XValidation:rule="quantity(string(self)).isGreaterThan(quantity('0'))",message="size must be positive"
 	// +kubebuilder:validation:XValidation:rule="quantity(string(self)).compareTo(quantity(string(oldSelf))) >= 0",message="size cannot shrink"
 	Size resource.Quantity `json:"size"`
+
+	// rebuild marks a replica made after its volume was first written (to replace a faulted
+	// one): it holds none of the volume's data until the node that serves the volume has
+	// copied it in (condition InSync), and until then no target reads from it. A replica made
+	// with its volume is in sync from the start.
+	// +optional
+	// +kubebuilder:validation:XValidation:rule="self == oldSelf",message="rebuild is immutable"
+	Rebuild bool `json:"rebuild,omitempty"`
 }
 
 // PmemReplicaStatus is what the node agent of spec.node realized.
 type PmemReplicaStatus struct {
 	// conditions describe the replica; Ready is True once its device exists with spec.size
-	// and the node's replica server exports it.
+	// and the node's replica server exports it; InSync (a rebuilt replica's) once it has the
+	// volume's data.
 	// +optional
 	// +listType=map
 	// +listMapKey=type

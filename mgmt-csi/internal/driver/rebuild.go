@@ -1,0 +1,112 @@
+package driver
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	"k8s.io/apimachinery/pkg/api/meta"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/klog/v2"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+
+	"pvbridge.io/mgmt-csi/internal/replication"
+	pmemv1 "pvbridge.io/pkg/apis/pmem/v1alpha1"
+)
+
+// rebuildInterval is how often the node looks for replicas to rebuild into the volumes it serves.
+const rebuildInterval = 10 * time.Second
+
+// Rebuilder runs on each node agent with replication: it copies every rebuilt replica
+// (spec.rebuild) of a volume this node serves into the volume's target once the replica's node
+// exports it (Ready), then reports it InSync. Until then no target reads from it (Stage leaves
+// it out), and a volume that no node serves is rebuilt by the node that stages it next. The
+// copy goes over NBD even into a replica of this node, through its own replica server.
+type Rebuilder struct {
+	Devices VolumeDevices
+	// Interval is how often it looks; zero: rebuildInterval.
+	Interval time.Duration
+}
+
+// Start rebuilds until ctx ends: a controller-runtime Runnable of the node agent.
+func (b Rebuilder) Start(ctx context.Context) error {
+	interval := b.Interval
+	if interval <= 0 {
+		interval = rebuildInterval
+	}
+	tick := time.NewTicker(interval)
+	defer tick.Stop()
+	for {
+		if err := b.pass(ctx); err != nil && ctx.Err() == nil {
+			klog.FromContext(ctx).Error(err, "Rebuilding replicas")
+		}
+		select {
+		case <-ctx.Done():
+			return nil
+		case <-tick.C:
+		}
+	}
+}
+
+// pass rebuilds, one after another, the replicas that wait for it in the volumes served here.
+func (b Rebuilder) pass(ctx context.Context) error {
+	ids, err := b.Devices.Targets.Running()
+	if err != nil {
+		return err
+	}
+	var errs []error
+	for _, id := range ids {
+		list := &pmemv1.PmemReplicaList{}
+		if err := b.Devices.Reader.List(ctx, list, client.MatchingLabels{pmemv1.VolumeLabel: id}); err != nil {
+			errs = append(errs, fmt.Errorf("list the PmemReplicas of volume %s: %w", id, err))
+			continue
+		}
+		for i := range list.Items {
+			r := &list.Items[i]
+			if !awaitsRebuild(r) {
+				continue
+			}
+			log := klog.FromContext(ctx).WithValues("volumeID", id, "replica", r.Name, "node", r.Spec.Node)
+			start := time.Now()
+			err := b.Devices.Targets.Rebuild(klog.NewContext(ctx, log), id, replication.Replica{Name: r.Name, Address: r.Status.Address})
+			if errors.Is(err, replication.ErrNotServed) {
+				break // unstaged meanwhile
+			}
+			if err != nil {
+				errs = append(errs, fmt.Errorf("rebuild replica %s of volume %s: %w", r.Name, id, err))
+				continue
+			}
+			if err := b.inSync(ctx, r); err != nil {
+				errs = append(errs, err)
+				continue
+			}
+			log.Info("Replica in sync", "took", time.Since(start).Round(time.Millisecond))
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// awaitsRebuild tells whether r is a rebuilt replica, exported and not faulted, whose copy has
+// not been reported done.
+func awaitsRebuild(r *pmemv1.PmemReplica) bool {
+	ready := meta.FindStatusCondition(r.Status.Conditions, pmemv1.ReadyCondition)
+	return r.Spec.Rebuild && r.DeletionTimestamp.IsZero() && r.Status.Address != "" &&
+		ready != nil && ready.Status == metav1.ConditionTrue && ready.ObservedGeneration >= r.Generation &&
+		!meta.IsStatusConditionTrue(r.Status.Conditions, pmemv1.InSyncCondition)
+}
+
+// inSync reports replica r in sync, unless its status changed since it was read (its agent
+// may have faulted it meanwhile): the next pass looks again, and finds the copy done.
+func (b Rebuilder) inSync(ctx context.Context, r *pmemv1.PmemReplica) error {
+	patch := client.MergeFromWithOptions(r.DeepCopy(), client.MergeFromWithOptimisticLock{})
+	meta.SetStatusCondition(&r.Status.Conditions, metav1.Condition{
+		Type: pmemv1.InSyncCondition, Status: metav1.ConditionTrue, Reason: pmemv1.RebuiltReason,
+		Message: "copied from node " + b.Devices.Node, ObservedGeneration: r.Generation,
+	})
+	if err := b.Devices.Writer.Status().Patch(ctx, r, patch); err != nil && !apierrors.IsNotFound(err) {
+		return fmt.Errorf("report replica %s in sync: %w", r.Name, err)
+	}
+	return nil
+}
