@@ -47,27 +47,23 @@ var _ = Describe("Replicated volumes", Label("replication"), func() {
 		server := qsd.Dir(filepath.Join(mgmtHost("host-a").RunDir, "server"))
 		Expect(qsd.Kill(ctx, server)).To(Succeed())
 		Expect(writeSynced(filepath.Join(mgmtVolumePath(second, pv.Name), "data"), []byte("after"))).To(Succeed())
-		Eventually(func(g Gomega) {
-			for _, r := range replicasOf(ctx, pv.Spec.CSI.VolumeHandle) {
-				ready := meta.FindStatusCondition(r.Status.Conditions, pmemv1.ReadyCondition)
-				g.Expect(ready).NotTo(BeNil())
-				if r.Spec.Node == "host-a" {
-					g.Expect(ready.Reason).To(Equal(pmemv1.FaultedReason), "host-a's replica missed a write")
-				} else {
-					g.Expect(ready.Status).To(Equal(metav1.ConditionTrue))
-				}
+		By("host-a's replica is faulted, the volume says so, and the replica is replaced: host-b, which serves the volume, copies the volume into the new one")
+		var faulted string
+		for _, r := range replicas {
+			if r.Spec.Node == "host-a" {
+				faulted = r.Name
 			}
-			vol := &pmemv1.PmemVolume{}
-			g.Expect(mc.Get(ctx, client.ObjectKey{Name: pv.Spec.CSI.VolumeHandle}, vol)).To(Succeed())
-			g.Expect(meta.IsStatusConditionTrue(vol.Status.Conditions, pmemv1.DegradedCondition)).To(BeTrue(), "the volume says it runs degraded")
-		}).WithContext(ctx).WithTimeout(timeout).Should(Succeed())
-
-		By("the faulted replica is replaced, and host-b, which serves the volume, copies the volume into the new one")
+		}
 		Eventually(func(g Gomega) {
+			l := &corev1.EventList{}
+			g.Expect(mc.List(ctx, l)).To(Succeed())
+			g.Expect(l.Items).To(ContainElement(And(
+				HaveField("InvolvedObject.Name", pv.Spec.CSI.VolumeHandle), HaveField("Reason", pmemv1.ReplicaFaultedReason),
+				HaveField("Message", ContainSubstring(faulted)))), "a Warning Event names the faulted replica")
 			var nodes []string
 			for _, r := range replicasOf(ctx, pv.Spec.CSI.VolumeHandle) {
-				g.Expect(meta.FindStatusCondition(r.Status.Conditions, pmemv1.ReadyCondition)).To(HaveField("Reason", Not(Equal(pmemv1.FaultedReason))),
-					"the faulted replica is deleted")
+				g.Expect(r.Name).NotTo(Equal(faulted), "the faulted replica is deleted")
+				g.Expect(r.Spec.Rebuild).To(Equal(r.Spec.Node == "host-a"), "host-a's new replica is one to rebuild")
 				if r.Spec.Rebuild {
 					g.Expect(meta.IsStatusConditionTrue(r.Status.Conditions, pmemv1.InSyncCondition)).To(BeTrue(), "rebuilt")
 				}
