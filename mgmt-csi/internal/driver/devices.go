@@ -191,9 +191,6 @@ func (d VolumeDevices) replicas(ctx context.Context, volumeID string) (*pmemv1.P
 		if ready != nil && ready.Reason == pmemv1.FaultedReason {
 			continue
 		}
-		if r.Spec.Rebuild && !meta.IsStatusConditionTrue(r.Status.Conditions, pmemv1.InSyncCondition) {
-			continue // empty, or partly copied: the serving node's Rebuilder brings it in
-		}
 		if r.Spec.Node != d.Node {
 			lost, err := d.nodeLost(ctx, r.Spec.Node)
 			if err != nil {
@@ -206,6 +203,9 @@ func (d VolumeDevices) replicas(ctx context.Context, volumeID string) (*pmemv1.P
 				}
 				continue
 			}
+		}
+		if r.Spec.Rebuild && !meta.IsStatusConditionTrue(r.Status.Conditions, pmemv1.InSyncCondition) {
+			continue // empty, or partly copied: the serving node's Rebuilder brings it in
 		}
 		if r.DeletionTimestamp != nil || ready == nil || ready.Status != metav1.ConditionTrue || ready.ObservedGeneration < r.Generation {
 			return nil, nil, fmt.Errorf("volume %s: %w: replica %s on node %s is not", volumeID, errReplicaNotReady, r.Name, r.Spec.Node)
