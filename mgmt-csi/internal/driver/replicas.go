@@ -103,6 +103,11 @@ func (s *controllerServer) createReplicated(ctx context.Context, req *csi.Create
 		if err := compatibleVolume(vol, size, req.GetCapacityRange().GetLimitBytes(), nil); err != nil {
 			return nil, err
 		}
+		if meta.IsStatusConditionTrue(vol.Status.Conditions, pmemv1.ReadyCondition) {
+			// Made already: its replicas are the replicated-volume reconciler's to repair,
+			// under names of their own.
+			return vol, nil
+		}
 	}
 	replicas, err := s.placeReplicas(ctx, vol, preferred, limit)
 	if err != nil {

@@ -173,6 +173,17 @@ func TestReplicatedVolumeOperations(t *testing.T) {
 	_, err = s.CreateVolume(t.Context(), replicatedRequest("pvc-1", "2", gi))
 	g.Expect(err).NotTo(HaveOccurred())
 
+	// A call again after a repair (the replica r1 replaced under another name): the volume as
+	// it is, no replica made again under its first name.
+	r1 := &pmemv1.PmemReplica{}
+	g.Expect(s.reader.Get(t.Context(), client.ObjectKey{Name: replicaName("pvc-1", 1)}, r1)).To(Succeed())
+	r1.Finalizers = nil
+	g.Expect(s.client.Update(t.Context(), r1)).To(Succeed())
+	g.Expect(s.client.Delete(t.Context(), r1)).To(Succeed())
+	_, err = s.CreateVolume(t.Context(), replicatedRequest("pvc-1", "2", gi))
+	g.Expect(err).NotTo(HaveOccurred())
+	g.Expect(replicasOf(t, s, "pvc-1")).To(HaveLen(1))
+
 	_, err = s.ControllerPublishVolume(t.Context(), &csi.ControllerPublishVolumeRequest{VolumeId: "pvc-1", NodeId: "plain", VolumeCapability: blockCap})
 	g.Expect(err).NotTo(HaveOccurred(), "attached where it has no replica")
 	_, err = s.ControllerExpandVolume(t.Context(), &csi.ControllerExpandVolumeRequest{VolumeId: "pvc-1", CapacityRange: &csi.CapacityRange{RequiredBytes: 2 * gi}})
