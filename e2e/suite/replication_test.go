@@ -47,7 +47,7 @@ var _ = Describe("Replicated volumes", Label("replication"), func() {
 		server := qsd.Dir(filepath.Join(mgmtHost("host-a").RunDir, "server"))
 		Expect(qsd.Kill(ctx, server)).To(Succeed())
 		Expect(writeSynced(filepath.Join(mgmtVolumePath(second, pv.Name), "data"), []byte("after"))).To(Succeed())
-		By("host-a's replica is faulted and replaced (only a faulted replica is): host-b, which serves the volume, copies the volume into the new one")
+		By("host-a's replica is faulted, the volume says so, and the replica is replaced: host-b, which serves the volume, copies the volume into the new one")
 		var faulted string
 		for _, r := range replicas {
 			if r.Spec.Node == "host-a" {
@@ -55,6 +55,11 @@ var _ = Describe("Replicated volumes", Label("replication"), func() {
 			}
 		}
 		Eventually(func(g Gomega) {
+			l := &corev1.EventList{}
+			g.Expect(mc.List(ctx, l)).To(Succeed())
+			g.Expect(l.Items).To(ContainElement(And(
+				HaveField("InvolvedObject.Name", pv.Spec.CSI.VolumeHandle), HaveField("Reason", pmemv1.ReplicaFaultedReason),
+				HaveField("Message", ContainSubstring(faulted)))), "a Warning Event names the faulted replica")
 			var nodes []string
 			for _, r := range replicasOf(ctx, pv.Spec.CSI.VolumeHandle) {
 				g.Expect(r.Name).NotTo(Equal(faulted), "the faulted replica is replaced and deleted")

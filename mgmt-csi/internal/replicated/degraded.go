@@ -121,8 +121,10 @@ func (r *Reconciler) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Resu
 // setDegraded writes cond, the Degraded condition, into vol's status, with a Warning Event when
 // it becomes True or says something else.
 func (r *Reconciler) setDegraded(ctx context.Context, vol *pmemv1.PmemVolume, cond metav1.Condition) error {
-	patch := client.MergeFrom(vol.DeepCopy())
-	was := meta.FindStatusCondition(vol.Status.Conditions, pmemv1.DegradedCondition)
+	before := vol.DeepCopy()
+	patch := client.MergeFrom(before)
+	// From the copy: SetStatusCondition changes the condition in place.
+	was := meta.FindStatusCondition(before.Status.Conditions, pmemv1.DegradedCondition)
 	if !meta.SetStatusCondition(&vol.Status.Conditions, cond) {
 		return nil
 	}

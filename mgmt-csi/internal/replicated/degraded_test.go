@@ -114,6 +114,8 @@ func TestDegraded(t *testing.T) {
 			}
 			if !tc.notReady {
 				meta.SetStatusCondition(&vol.Status.Conditions, metav1.Condition{Type: pmemv1.ReadyCondition, Status: metav1.ConditionTrue, Reason: pmemv1.CreatedReason})
+				// As the reconciler left it when the volume was made: whole.
+				meta.SetStatusCondition(&vol.Status.Conditions, metav1.Condition{Type: pmemv1.DegradedCondition, Status: metav1.ConditionFalse, Reason: pmemv1.AllReplicasReason, Message: "2 replicas"})
 			}
 			objs := []client.Object{vol}
 			for _, r := range tc.replicas {
