@@ -132,6 +132,20 @@ func (q *Conn) NextEvent() (Event, error) {
 	}
 }
 
+// Await reads the daemon's events until match says one is the one awaited, and returns the
+// error match gives for it (an event that reports a failure), or the connection's.
+func (q *Conn) Await(match func(Event) (bool, error)) error {
+	for {
+		e, err := q.NextEvent()
+		if err != nil {
+			return err
+		}
+		if done, err := match(e); done || err != nil {
+			return err
+		}
+	}
+}
+
 // cause prefers the context's error over the I/O error that the deadline it set caused.
 func (q *Conn) cause(err error) error {
 	if q.ctx.Err() != nil {

@@ -4,6 +4,7 @@ import (
 	"bufio"
 	"context"
 	"encoding/json"
+	"errors"
 	"net"
 	"os"
 	"path/filepath"
@@ -64,6 +65,11 @@ func TestConn(t *testing.T) {
 			`{"return": {}}`,
 			`{"event": "BLOCK_EXPORT_DELETED", "data": {"id": "vol-a"}}`,
 		},
+		"blockdev-backup": {
+			`{"return": {}}`,
+			`{"event": "BLOCK_JOB_READY", "data": {"device": "j"}}`,
+			`{"event": "BLOCK_JOB_COMPLETED", "data": {"device": "j", "error": "No space left on device"}}`,
+		},
 	})
 
 	q, err := Dial(t.Context(), d)
@@ -90,6 +96,19 @@ func TestConn(t *testing.T) {
 	e, err = q.NextEvent()
 	g.Expect(err).NotTo(HaveOccurred())
 	g.Expect(e.Event).To(Equal("BLOCK_EXPORT_DELETED"), "then the next one from the connection")
+
+	// Await skips the events it is not waiting for and returns what the awaited one says.
+	g.Expect(q.Execute("blockdev-backup", nil, nil)).To(Succeed())
+	var skipped []string
+	err = q.Await(func(e Event) (bool, error) {
+		if e.Event != "BLOCK_JOB_COMPLETED" {
+			skipped = append(skipped, e.Event)
+			return false, nil
+		}
+		return true, errors.New(string(e.Data))
+	})
+	g.Expect(err).To(MatchError(ContainSubstring("No space left")))
+	g.Expect(skipped).To(Equal([]string{"BLOCK_JOB_READY"}))
 
 	ctx, cancel := context.WithCancel(t.Context())
 	cancel()

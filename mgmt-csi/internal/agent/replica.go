@@ -78,7 +78,7 @@ func (r *ReplicaReconciler) Reconcile(ctx context.Context, req ctrl.Request) (ct
 func (r *ReplicaReconciler) reconcileNormal(ctx context.Context, rep *pmemv1.PmemReplica) (ctrl.Result, error) {
 	ready := meta.FindStatusCondition(rep.Status.Conditions, pmemv1.ReadyCondition)
 	switch {
-	case ready != nil && ready.Reason == pmemv1.FaultedReason:
+	case rep.Faulted():
 		return ctrl.Result{}, nil
 	case ready != nil && ready.Status == metav1.ConditionTrue && ready.ObservedGeneration == rep.Generation:
 		exported, err := r.Server.Exported(ctx, rep.Name)

@@ -187,8 +187,7 @@ func (d VolumeDevices) replicas(ctx context.Context, volumeID string) (*pmemv1.P
 	}
 	replicas := make([]replication.Replica, 0, len(list.Items))
 	for _, r := range list.Items {
-		ready := meta.FindStatusCondition(r.Status.Conditions, pmemv1.ReadyCondition)
-		if ready != nil && ready.Reason == pmemv1.FaultedReason {
+		if r.Faulted() {
 			continue
 		}
 		if r.Spec.Node != d.Node {
@@ -204,9 +203,10 @@ func (d VolumeDevices) replicas(ctx context.Context, volumeID string) (*pmemv1.P
 				continue
 			}
 		}
-		if r.Spec.Rebuild && !meta.IsStatusConditionTrue(r.Status.Conditions, pmemv1.InSyncCondition) {
+		if !r.HasData() {
 			continue // empty, or partly copied: the serving node's Rebuilder brings it in
 		}
+		ready := meta.FindStatusCondition(r.Status.Conditions, pmemv1.ReadyCondition)
 		if r.DeletionTimestamp != nil || ready == nil || ready.Status != metav1.ConditionTrue || ready.ObservedGeneration < r.Generation {
 			return nil, nil, fmt.Errorf("volume %s: %w: replica %s on node %s is not", volumeID, errReplicaNotReady, r.Name, r.Spec.Node)
 		}

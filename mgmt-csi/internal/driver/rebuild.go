@@ -92,9 +92,8 @@ func (b Rebuilder) pass(ctx context.Context) error {
 // not been reported done.
 func awaitsRebuild(r *pmemv1.PmemReplica) bool {
 	ready := meta.FindStatusCondition(r.Status.Conditions, pmemv1.ReadyCondition)
-	return r.Spec.Rebuild && r.DeletionTimestamp.IsZero() && r.Status.Address != "" &&
-		ready != nil && ready.Status == metav1.ConditionTrue && ready.ObservedGeneration >= r.Generation &&
-		!meta.IsStatusConditionTrue(r.Status.Conditions, pmemv1.InSyncCondition)
+	return !r.HasData() && r.DeletionTimestamp.IsZero() && r.Status.Address != "" &&
+		ready != nil && ready.Status == metav1.ConditionTrue && ready.ObservedGeneration >= r.Generation
 }
 
 // inSync reports replica r in sync, unless its status changed since it was read (its agent

@@ -7,7 +7,6 @@ import (
 	"slices"
 
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
-	"k8s.io/apimachinery/pkg/api/meta"
 	"k8s.io/klog/v2"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 	"sigs.k8s.io/controller-runtime/pkg/controller/controllerutil"
@@ -33,14 +32,14 @@ func (s *controllerServer) ReplaceFaulted(ctx context.Context, vol *pmemv1.PmemV
 	var taken, names []string
 	for _, r := range list.Items {
 		names = append(names, r.Name)
-		if !isFaulted(&r) && r.DeletionTimestamp.IsZero() {
+		if !r.Faulted() && r.DeletionTimestamp.IsZero() {
 			taken = append(taken, r.Spec.Node)
 		}
 	}
 	var errs []error
 	for i := range list.Items {
 		f := &list.Items[i]
-		if !isFaulted(f) {
+		if !f.Faulted() {
 			continue
 		}
 		if f.DeletionTimestamp.IsZero() {
@@ -93,10 +92,4 @@ func (s *controllerServer) replacementNode(ctx context.Context, vol *pmemv1.Pmem
 		}
 		taken = append(taken, nodes[0])
 	}
-}
-
-// isFaulted tells whether replica r is faulted: never served again.
-func isFaulted(r *pmemv1.PmemReplica) bool {
-	c := meta.FindStatusCondition(r.Status.Conditions, pmemv1.ReadyCondition)
-	return c != nil && c.Reason == pmemv1.FaultedReason
 }

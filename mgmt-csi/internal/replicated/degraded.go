@@ -80,10 +80,11 @@ func (r *Reconciler) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Resu
 	var faulted, rebuilding []string
 	synced := 0
 	for _, rep := range list.Items {
-		switch c := meta.FindStatusCondition(rep.Status.Conditions, pmemv1.ReadyCondition); {
-		case c != nil && c.Reason == pmemv1.FaultedReason:
-			faulted = append(faulted, fmt.Sprintf("%s on node %s (%s)", rep.Name, rep.Spec.Node, c.Message))
-		case rep.Spec.Rebuild && !meta.IsStatusConditionTrue(rep.Status.Conditions, pmemv1.InSyncCondition):
+		switch {
+		case rep.Faulted():
+			why := meta.FindStatusCondition(rep.Status.Conditions, pmemv1.ReadyCondition).Message
+			faulted = append(faulted, fmt.Sprintf("%s on node %s (%s)", rep.Name, rep.Spec.Node, why))
+		case !rep.HasData():
 			rebuilding = append(rebuilding, fmt.Sprintf("%s on node %s", rep.Name, rep.Spec.Node))
 		case rep.DeletionTimestamp.IsZero():
 			synced++

@@ -64,7 +64,8 @@ func (t *Targets) Rebuild(ctx context.Context, volumeID string, r Replica) error
 			return err
 		}
 	}
-	node, copyNode, job := "replica"+strconv.Itoa(i), "rebuild"+strconv.Itoa(i), "rebuild"+strconv.Itoa(i)
+	// The copy's NBD node and its backup job share a name.
+	node, copyNode := "replica"+strconv.Itoa(i), "rebuild"+strconv.Itoa(i)
 	graph, err := blockGraph(q)
 	if err != nil {
 		return err
@@ -88,20 +89,20 @@ func (t *Targets) Rebuild(ctx context.Context, volumeID string, r Replica) error
 	}
 	running := false
 	for _, j := range jobs {
-		running = running || j.ID == job
+		running = running || j.ID == copyNode
 	}
 	if !running {
 		if err := addNBD(q, graph, copyNode, r); err != nil {
 			return err
 		}
 		if err := q.Execute("blockdev-backup", map[string]any{
-			"job-id": job, "device": quorumNode, "target": copyNode, "sync": "full", "auto-dismiss": true,
+			"job-id": copyNode, "device": quorumNode, "target": copyNode, "sync": "full", "auto-dismiss": true,
 		}, nil); err != nil {
 			return err
 		}
 		log.Info("Copying the volume into the replica")
 	}
-	if err := awaitJob(q, job); err != nil {
+	if err := awaitJob(q, copyNode); err != nil {
 		return fmt.Errorf("copy volume %s into replica %s: %w", volumeID, r.Name, err)
 	}
 	if err := q.Execute("blockdev-del", map[string]any{"node-name": copyNode}, nil); err != nil {
@@ -123,33 +124,29 @@ func addNBD(q *qsd.Conn, graph *graph, node string, r Replica) error {
 	return q.Execute("blockdev-add", opts, nil)
 }
 
-// awaitJob waits for the BLOCK_JOB_COMPLETED event of job and returns its error.
+// awaitJob waits for the end of job (BLOCK_JOB_COMPLETED, or CANCELLED) and returns its error.
 func awaitJob(q *qsd.Conn, job string) error {
-	for {
-		e, err := q.NextEvent()
-		if err != nil {
-			return err
-		}
+	return q.Await(func(e qsd.Event) (bool, error) {
 		if e.Event != "BLOCK_JOB_COMPLETED" && e.Event != "BLOCK_JOB_CANCELLED" {
-			continue
+			return false, nil
 		}
 		var done struct {
 			Device string `json:"device"`
 			Error  string `json:"error"`
 		}
 		if err := json.Unmarshal(e.Data, &done); err != nil {
-			return fmt.Errorf("decode %s: %w", e.Event, err)
+			return true, fmt.Errorf("decode %s: %w", e.Event, err)
 		}
 		switch {
 		case done.Device != job:
-			continue
+			return false, nil
 		case e.Event == "BLOCK_JOB_CANCELLED":
-			return errors.New("cancelled")
+			return true, errors.New("cancelled")
 		case done.Error != "":
-			return errors.New(done.Error)
+			return true, errors.New(done.Error)
 		}
-		return nil
-	}
+		return true, nil
+	})
 }
 
 // graph is what x-debug-query-block-graph says of a daemon's block nodes: the nodes by id

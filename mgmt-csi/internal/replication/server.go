@@ -104,18 +104,12 @@ func (s *Server) Unexport(ctx context.Context, name string) error {
 
 // deleted waits for the event that says the export name is gone.
 func deleted(q *qsd.Conn, name string) error {
-	for {
-		e, err := q.NextEvent()
-		if err != nil {
-			return err
-		}
+	return q.Await(func(e qsd.Event) (bool, error) {
 		var data struct {
 			ID string `json:"id"`
 		}
-		if e.Event == "BLOCK_EXPORT_DELETED" && json.Unmarshal(e.Data, &data) == nil && data.ID == name {
-			return nil
-		}
-	}
+		return e.Event == "BLOCK_EXPORT_DELETED" && json.Unmarshal(e.Data, &data) == nil && data.ID == name, nil
+	})
 }
 
 // Exports lists the names the server exports; none when it does not run.

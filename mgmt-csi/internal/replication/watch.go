@@ -3,9 +3,7 @@ package replication
 import (
 	"context"
 	"encoding/json"
-	"errors"
 	"fmt"
-	"os"
 	"strconv"
 	"strings"
 	"time"
@@ -35,12 +33,12 @@ func (t *Targets) Start(ctx context.Context) error {
 	t.mu.Lock()
 	t.ctx = ctx
 	t.mu.Unlock()
-	entries, err := os.ReadDir(t.RunDir)
-	if err != nil && !errors.Is(err, os.ErrNotExist) {
-		return fmt.Errorf("list the targets: %w", err)
+	running, err := t.Running()
+	if err != nil {
+		return err
 	}
-	for _, e := range entries {
-		t.watch(e.Name())
+	for _, id := range running {
+		t.watch(id)
 	}
 	<-ctx.Done()
 	return nil

@@ -1,6 +1,7 @@
 package v1alpha1
 
 import (
+	"k8s.io/apimachinery/pkg/api/meta"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 )
@@ -114,4 +115,17 @@ type PmemReplicaList struct {
 	// items are the PmemReplicas.
 	// +required
 	Items []PmemReplica `json:"items"`
+}
+
+// Faulted tells whether the replica is faulted (condition Ready, reason Faulted): it may have
+// missed writes, and is never served again.
+func (r *PmemReplica) Faulted() bool {
+	c := meta.FindStatusCondition(r.Status.Conditions, ReadyCondition)
+	return c != nil && c.Reason == FaultedReason
+}
+
+// HasData tells whether the replica was given the volume's data: made with its volume, or
+// rebuilt (InSync). A faulted one may have missed writes since.
+func (r *PmemReplica) HasData() bool {
+	return !r.Spec.Rebuild || meta.IsStatusConditionTrue(r.Status.Conditions, InSyncCondition)
 }
