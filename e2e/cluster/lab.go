@@ -192,21 +192,13 @@ func (l *Lab) Stop() error {
 		errs = append(errs, err)
 	}
 	cancel()
-	// Loop devices hold files of filesystems that are themselves mounted from loop devices (the
-	// PMEM emulation): detach, unmount, and detach what the unmounts released.
 	// The loop devices over the throttled disks' exports, whose daemons ended with their nodes.
 	for _, dev := range throttled {
 		if err := detachLoop(dev); err != nil {
 			errs = append(errs, fmt.Errorf("detach %s: %w", dev, err))
 		}
 	}
-	if err := detachLoopsBelow(l.Root); err != nil {
-		errs = append(errs, err)
-	}
-	if err := unmountBelow(l.Root); err != nil {
-		errs = append(errs, err)
-	}
-	if err := detachLoopsBelow(l.Root); err != nil {
+	if err := ClearBelow(l.Root); err != nil {
 		errs = append(errs, err)
 	}
 	if err := l.reaper.finish(); err != nil {

@@ -1,6 +1,7 @@
 package cluster
 
 import (
+	"errors"
 	"fmt"
 	"strings"
 
@@ -32,4 +33,18 @@ func unmountBelow(dir string) error {
 		return fmt.Errorf("unmount below %s: %s", dir, strings.Join(errs, "; "))
 	}
 	return nil
+}
+
+// ClearBelow leaves nothing mounted at or below the directories dirs and no loop device on their
+// files, as a reboot leaves a machine's tree. Loop devices hold files of filesystems that are
+// themselves mounted from loop devices (the PMEM emulation), and filesystems are mounted from
+// loop devices: detach, unmount, and detach what the unmounts released.
+func ClearBelow(dirs ...string) error {
+	var errs []error
+	for _, step := range []func(string) error{detachLoopsBelow, unmountBelow, detachLoopsBelow} {
+		for _, d := range dirs {
+			errs = append(errs, step(d))
+		}
+	}
+	return errors.Join(errs...)
 }

@@ -2,6 +2,7 @@ package cluster
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"maps"
 	"os"
@@ -167,6 +168,39 @@ func (cp *ControlPlane) AddNode(ctx context.Context, name string, opts NodeOptio
 		return nil, err
 	}
 	return n, nil
+}
+
+// PowerOff kills the node's kubelet and container runtime at once, as a machine's power loss
+// would, and clears what a reboot clears: every mount below the node's directory and the loop
+// devices of its files. Its files stay, as a disk's do. Only a fake-runtime node (whose pods
+// run no process) can be powered off.
+func (n *Node) PowerOff() error {
+	if n.namespace != nil {
+		return fmt.Errorf("node %s: only a fake-runtime node can be powered off", n.Name)
+	}
+	if err := errors.Join(n.kubelet.Halt(), n.runtime.Halt()); err != nil {
+		return fmt.Errorf("power off node %s: %w", n.Name, err)
+	}
+	return ClearBelow(n.Dir)
+}
+
+// PowerOn starts a node that was powered off again, its runtime (without pods, as after a
+// reboot) and its kubelet, and waits until it listens.
+func (n *Node) PowerOn(ctx context.Context) error {
+	socket := filepath.Join(n.Dir, "cri.sock") // the dead runtime's, until the new one listens
+	if err := os.Remove(socket); err != nil && !os.IsNotExist(err) {
+		return err
+	}
+	runtime, err := n.runtime.Respawn()
+	if err != nil {
+		return err
+	}
+	n.runtime = runtime
+	if err := WaitForFile(ctx, socket, n.runtime); err != nil {
+		return err
+	}
+	n.kubelet, err = n.startSharingDevicePlugins(ctx, n.kubelet.Command)
+	return err
 }
 
 // fakeNodeHostPaths are the hostPaths of type Directory that the installed system's pods (the

@@ -181,7 +181,15 @@ func (p *Process) Done() <-chan struct{} { return p.done }
 // Stop sends SIGTERM to the process group, waits up to stopTimeout, then kills the group, and
 // restarts it no more. It is idempotent and returns the exit error of a process that had ended
 // on its own.
-func (p *Process) Stop() error {
+func (p *Process) Stop() error { return p.end(syscall.SIGTERM) }
+
+// Halt kills the process group at once with SIGKILL, as a machine's power loss would, and
+// restarts it no more (Respawn starts it again). It is idempotent, as Stop.
+func (p *Process) Halt() error { return p.end(syscall.SIGKILL) }
+
+// end sends sig to the process group, waits up to stopTimeout, then kills the group, and
+// restarts it no more.
+func (p *Process) end(sig syscall.Signal) error {
 	p.mu.Lock()
 	if p.stopping {
 		p.mu.Unlock()
@@ -196,7 +204,7 @@ func (p *Process) Stop() error {
 	if p.Exited() {
 		return p.exitError()
 	}
-	_ = syscall.Kill(-cmd.Process.Pid, syscall.SIGTERM)
+	_ = syscall.Kill(-cmd.Process.Pid, sig)
 	select {
 	case <-ran:
 	case <-time.After(stopTimeout):

@@ -79,6 +79,8 @@ type Management struct {
 	// ReplicaKeys is the directory of the replica servers' pre-shared key, which every host's
 	// agent is given (in a real cluster, a Secret).
 	ReplicaKeys string
+
+	pmemSize int64 // of each host's region
 }
 
 // Host is a management host: a kubelet, its PMEM region and its mgmt-csi node agent.
@@ -100,7 +102,7 @@ func StartManagement(ctx context.Context, lab *cluster.Lab, cp *cluster.ControlP
 	if err != nil {
 		return nil, err
 	}
-	m := &Management{CP: cp, Sidecars: map[string]*cluster.Process{}, ReplicaKeys: filepath.Join(cp.Dir, "replica-keys")}
+	m := &Management{CP: cp, Sidecars: map[string]*cluster.Process{}, ReplicaKeys: filepath.Join(cp.Dir, "replica-keys"), pmemSize: opts.PmemSize}
 	if err := writeReplicaKeys(m.ReplicaKeys); err != nil {
 		return nil, err
 	}
@@ -343,16 +345,70 @@ func (m *Management) startHost(ctx context.Context, lab *cluster.Lab, bin, name 
 
 // stopDaemons stops the qemu-storage-daemons of a host's agent below runDir: its replica
 // server and its targets.
-func stopDaemons(runDir string) error {
+func stopDaemons(runDir string) error { return signalDaemons(runDir, qsd.Stop) }
+
+// signalDaemons stops (qsd.Stop) or kills (qsd.Kill) the qemu-storage-daemons below runDir.
+func signalDaemons(runDir string, signal func(context.Context, qsd.Dir) error) error {
 	dirs, err := filepath.Glob(filepath.Join(runDir, "t", "*"))
 	if err != nil {
 		return err
 	}
 	var errs []error
 	for _, d := range append(dirs, filepath.Join(runDir, "server")) {
-		errs = append(errs, qsd.Stop(context.Background(), qsd.Dir(d)))
+		errs = append(errs, signal(context.Background(), qsd.Dir(d)))
 	}
 	return errors.Join(errs...)
+}
+
+// PowerOff takes host name down at once, as a power loss would: its kubelet, node agent,
+// replica server and targets killed, then what a reboot clears (mounts, loop devices, the
+// daemons' run directory, a tmpfs on a host). Its PMEM keeps its files until ReplaceHost.
+// The host's VMs (vm-operator's) are not its to stop.
+func (m *Management) PowerOff(name string) error {
+	h := m.Host(name)
+	errs := []error{h.Agent.Halt(), signalDaemons(h.RunDir, qsd.Kill)}
+	if err := errors.Join(errs...); err != nil {
+		return fmt.Errorf("power off host %s: %w", name, err)
+	}
+	if err := h.Node.PowerOff(); err != nil {
+		return err
+	}
+	if err := cluster.ClearBelow(h.RunDir); err != nil {
+		return err
+	}
+	return os.RemoveAll(h.RunDir)
+}
+
+// ReplaceHost brings host name, powered off, back as a new machine of the same name: an empty
+// PMEM region, its kubelet and node agent started again. It returns once the agent reports
+// the new region's capacity.
+func (m *Management) ReplaceHost(ctx context.Context, name string) error {
+	h := m.Host(name)
+	if err := os.Remove(filepath.Join(h.Node.Dir, "pmem.img")); err != nil {
+		return err
+	}
+	if err := makePmemRegion(ctx, filepath.Join(h.Node.Dir, "pmem.img"), h.PmemDir, m.pmemSize); err != nil {
+		return err
+	}
+	if err := h.Node.PowerOn(ctx); err != nil {
+		return err
+	}
+	agent, err := h.Agent.Respawn()
+	if err != nil {
+		return err
+	}
+	h.Agent = agent
+	return m.waitHostReady(ctx, h)
+}
+
+// Host returns the host of that name, nil if there is none.
+func (m *Management) Host(name string) *Host {
+	for _, h := range m.Hosts {
+		if h.Node.Name == name {
+			return h
+		}
+	}
+	return nil
 }
 
 // writeReplicaKeys writes a keys file with a random pre-shared key into dir.

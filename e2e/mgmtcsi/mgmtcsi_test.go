@@ -90,15 +90,6 @@ func namespace(t *testing.T) string {
 	return ns
 }
 
-func host(name string) *deploy.Host {
-	for _, h := range mgmt.Hosts {
-		if h.Node.Name == name {
-			return h
-		}
-	}
-	panic("no host " + name)
-}
-
 func create(ctx context.Context, g Gomega, obj client.Object) {
 	g.Expect(c.Create(ctx, obj)).To(Succeed())
 }
@@ -180,7 +171,7 @@ func TestWaitForFirstConsumerVolumeLandsOnThePodsHost(t *testing.T) {
 
 		pvc := &corev1.PersistentVolumeClaim{}
 		g.Expect(c.Get(ctx, client.ObjectKey{Namespace: ns, Name: name}, pvc)).To(Succeed())
-		path := deploy.PodVolumePath(host(tc.host).Node, pod.UID, pvc.Spec.VolumeName, tc.block)
+		path := deploy.PodVolumePath(mgmt.Host(tc.host).Node, pod.UID, pvc.Spec.VolumeName, tc.block)
 		if tc.block {
 			fi, err := os.Stat(path)
 			g.Expect(err).NotTo(HaveOccurred())
@@ -279,7 +270,7 @@ func TestOnlineExpansionGrowsTheFilesystem(t *testing.T) {
 	pod = runningPod(ctx, g, ns, "grow")
 	boundVolume(ctx, g, ns, "grow")
 	g.Expect(c.Get(ctx, client.ObjectKeyFromObject(pvc), pvc)).To(Succeed())
-	path := deploy.PodVolumePath(host("host-b").Node, pod.UID, pvc.Spec.VolumeName, false)
+	path := deploy.PodVolumePath(mgmt.Host("host-b").Node, pod.UID, pvc.Spec.VolumeName, false)
 	sizeBefore := fsSize(g, path)
 
 	patch := client.MergeFrom(pvc.DeepCopy())
@@ -323,7 +314,7 @@ func TestSnapshotRestoreHasIdenticalData(t *testing.T) {
 	for i := range data {
 		data[i] = byte(i * 7)
 	}
-	srcPath := deploy.PodVolumePath(host("host-a").Node, srcPod.UID, src.Spec.VolumeName, false)
+	srcPath := deploy.PodVolumePath(mgmt.Host("host-a").Node, srcPod.UID, src.Spec.VolumeName, false)
 	g.Expect(os.WriteFile(filepath.Join(srcPath, "data"), data, 0o644)).To(Succeed())
 	syncFS(g, srcPath)
 
@@ -350,7 +341,7 @@ func TestSnapshotRestoreHasIdenticalData(t *testing.T) {
 	pod = runningPod(ctx, g, ns, "restored")
 	g.Expect(boundVolume(ctx, g, ns, "restored").Spec.Node).To(Equal("host-a"))
 	g.Expect(c.Get(ctx, client.ObjectKeyFromObject(restored), restored)).To(Succeed())
-	got, err := os.ReadFile(filepath.Join(deploy.PodVolumePath(host("host-a").Node, pod.UID, restored.Spec.VolumeName, false), "data"))
+	got, err := os.ReadFile(filepath.Join(deploy.PodVolumePath(mgmt.Host("host-a").Node, pod.UID, restored.Spec.VolumeName, false), "data"))
 	g.Expect(err).NotTo(HaveOccurred())
 	g.Expect(sha256.Sum256(got)).To(Equal(sha256.Sum256(data)), "the restored volume has the snapshot's data")
 
@@ -396,7 +387,7 @@ func TestCrashesDuringConcurrentCreatesLoseNothing(t *testing.T) {
 	}).WithContext(ctx).WithTimeout(time.Minute).WithPolling(20 * time.Millisecond).Should(BeNumerically(">=", 5))
 	// Both restart as their containers would; the sidecars, which exit with their driver, too.
 	g.Expect(mgmt.Controller.Kill()).To(Succeed())
-	g.Expect(host("host-a").Agent.Kill()).To(Succeed())
+	g.Expect(mgmt.Host("host-a").Agent.Kill()).To(Succeed())
 
 	handles := map[string]bool{}
 	for i := range n {

@@ -86,7 +86,13 @@ func storageState(ctx context.Context) ([]string, error) {
 		return nil, err
 	}
 	for _, l := range loops {
-		add("loop device of %s", l)
+		// By its file, not its number: a host replaced (Host loss) mounts its new PMEM region
+		// from another loop device.
+		backing, err := os.ReadFile(filepath.Join("/sys/block", filepath.Base(l), "loop", "backing_file"))
+		if err != nil {
+			continue // detached meanwhile
+		}
+		add("loop device of %s", strings.TrimSpace(string(backing)))
 	}
 	mounts, err := cluster.MountsBelow(lab.Root)
 	if err != nil {

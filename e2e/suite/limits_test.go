@@ -220,13 +220,11 @@ func mgmtNamespace(ctx context.Context) string {
 // mgmtHost returns the lab's management host name.
 func mgmtHost(name string) *deploy.Host {
 	GinkgoHelper()
-	for _, h := range mgmt.Hosts {
-		if h.Node.Name == name {
-			return h
-		}
+	h := mgmt.Host(name)
+	if h == nil {
+		Fail("no management host " + name)
 	}
-	Fail("no management host " + name)
-	return nil
+	return h
 }
 
 // resize makes a PMEM volume's file size bytes and tells its loop devices, as a host whose

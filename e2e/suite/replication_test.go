@@ -1,9 +1,17 @@
 package suite_test
 
 import (
+	"bytes"
 	"context"
+	"fmt"
+	"io"
 	"os"
 	"path/filepath"
+	"slices"
+	"strconv"
+	"strings"
+	"sync/atomic"
+	"time"
 
 	. "github.com/onsi/ginkgo/v2"
 	. "github.com/onsi/gomega"
@@ -109,6 +117,182 @@ var _ = Describe("Replicated volumes", Label("replication"), func() {
 		Expect(vol.Status.Target).To(Equal("host-b"), "host-b serves the volume now")
 	})
 })
+
+var _ = Describe("Host loss", Label("replication", "disruptive"), func() {
+	// A pod on host-a appends numbered records to a replicated volume, each synced before the
+	// test (outside the cluster) counts it as acknowledged; host-a loses its power. Declared
+	// lost (the out-of-service taint), its volume is taken over by host-b, whose pod finds
+	// every acknowledged record; host-a comes back as a new machine (an empty PMEM region)
+	// and takes a new replica, which host-b rebuilds. The process lab's host-a also runs guest
+	// VMs (vm-operator's, which every spec shares): they are not part of the loss.
+	It("loses no acknowledged write when the host that serves a volume dies, and rebuilds its replica on the host's replacement", func(ctx SpecContext) {
+		ns := mgmtNamespace(ctx)
+		pvc := deploy.PVC(ns, "data", deploy.StorageClassPmemReplicated, "64Mi", false)
+		Expect(mc.Create(ctx, pvc)).To(Succeed())
+		writer := mgmtPod(ctx, ns, "writer", "host-a")
+		Expect(mc.Get(ctx, client.ObjectKeyFromObject(pvc), pvc)).To(Succeed())
+		pv := &corev1.PersistentVolume{}
+		Expect(mc.Get(ctx, client.ObjectKey{Name: pvc.Spec.VolumeName}, pv)).To(Succeed())
+		id := pv.Spec.CSI.VolumeHandle
+		var lostReplica string
+		for _, r := range replicasOf(ctx, id) {
+			if r.Spec.Node == "host-a" {
+				lostReplica = r.Name
+			}
+		}
+		Expect(lostReplica).NotTo(BeEmpty(), "a replica on host-a")
+		log := filepath.Join(mgmtVolumePath(writer, pv.Name), "log")
+		records := appendRecords(log)
+		Eventually(records.acked).WithContext(ctx).WithTimeout(timeout).Should(BeNumerically(">=", 20))
+
+		By("host-a loses its power while the pod writes")
+		start := time.Now()
+		Expect(mgmt.PowerOff("host-a")).To(Succeed())
+		DeferCleanup(func(ctx SpecContext) { // whatever the spec's outcome, the lab gets its host back
+			if mgmt.Host("host-a").Agent.Exited() {
+				Expect(mgmt.ReplaceHost(ctx, "host-a")).To(Succeed())
+			}
+			outOfService(ctx, "host-a", false)
+		}, NodeTimeout(timeout))
+		Eventually(records.done).WithContext(ctx).WithTimeout(timeout).Should(BeClosed(), "the writer's next sync fails")
+		acked := records.acked()
+		GinkgoWriter.Printf("acknowledged before the loss: %d records (%v)\n", acked, records.err)
+
+		By("declared lost, host-a's volume is taken over by host-b, whose pod finds every acknowledged record")
+		outOfService(ctx, "host-a", true)
+		Expect(mc.Delete(ctx, writer, client.GracePeriodSeconds(0))).To(Succeed()) // as an admin does on a dead node
+		gone(ctx, mc, writer)
+		after := mgmtPod(ctx, ns, "after", "host-b")
+		log = filepath.Join(mgmtVolumePath(after, pv.Name), "log")
+		expectRecords(log, acked)
+		more := appendRecords(log)
+		found := more.acked() // a record written but not yet synced may have made it too
+		Eventually(more.acked).WithContext(ctx).WithTimeout(timeout).Should(BeNumerically(">", found))
+		failover := time.Since(start)
+		more.stop()
+		AddReportEntry("failover", fmt.Sprintf("host-a powered off → host-b's pod writing again: %.1f s (%d records acknowledged before, %d found)", failover.Seconds(), acked, found))
+		expectRecords(log, more.acked())
+		vol := &pmemv1.PmemVolume{}
+		Expect(mc.Get(ctx, client.ObjectKey{Name: id}, vol)).To(Succeed())
+		Expect(vol.Status.Target).To(Equal("host-b"))
+		Eventually(func(g Gomega) {
+			g.Expect(mc.Get(ctx, client.ObjectKey{Name: id}, vol)).To(Succeed())
+			g.Expect(meta.FindStatusCondition(vol.Status.Conditions, pmemv1.DegradedCondition)).To(And(
+				HaveField("Status", metav1.ConditionTrue), HaveField("Message", ContainSubstring(lostReplica))),
+				"degraded: no host but the lost one can take a new replica")
+		}).WithContext(ctx).WithTimeout(timeout).Should(Succeed())
+
+		By("host-a comes back as a new machine, takes a new replica and host-b rebuilds it")
+		Expect(mgmt.ReplaceHost(ctx, "host-a")).To(Succeed())
+		outOfService(ctx, "host-a", false)
+		Eventually(func(g Gomega) {
+			var nodes []string
+			for _, r := range replicasOf(ctx, id) {
+				g.Expect(r.Name).NotTo(Equal(lostReplica))
+				if r.Spec.Rebuild {
+					g.Expect(meta.IsStatusConditionTrue(r.Status.Conditions, pmemv1.InSyncCondition)).To(BeTrue(), "rebuilt")
+				}
+				nodes = append(nodes, r.Spec.Node)
+			}
+			g.Expect(nodes).To(ConsistOf("host-a", "host-b"))
+			g.Expect(mc.Get(ctx, client.ObjectKey{Name: id}, vol)).To(Succeed())
+			g.Expect(meta.FindStatusCondition(vol.Status.Conditions, pmemv1.DegradedCondition)).To(HaveField("Status", metav1.ConditionFalse), "whole again")
+		}).WithContext(ctx).WithTimeout(timeout).Should(Succeed())
+
+		By("a pod on the new host-a reads every record from its own, rebuilt, replica")
+		deleteMgmtPod(ctx, after)
+		back := mgmtPod(ctx, ns, "back", "host-a")
+		expectRecords(filepath.Join(mgmtVolumePath(back, pv.Name), "log"), more.acked())
+		deleteMgmtPod(ctx, back)
+	})
+})
+
+// records appends numbered lines to a file, each synced before it counts as acknowledged.
+type records struct {
+	n    atomic.Int64
+	quit chan struct{}
+	end  chan struct{}
+	err  error // why it ended, once end is closed
+}
+
+// appendRecords appends records to the file at path until a write or sync fails, or stop: first
+// it counts the whole records the file has, and cuts a torn one off its end, as a database
+// recovers its log; then it goes on from there.
+func appendRecords(path string) *records {
+	GinkgoHelper()
+	data, err := os.ReadFile(path)
+	if !os.IsNotExist(err) {
+		Expect(err).NotTo(HaveOccurred())
+	}
+	whole := bytes.LastIndexByte(data, '\n') + 1
+	from := bytes.Count(data[:whole], []byte("\n"))
+	f, err := os.OpenFile(path, os.O_WRONLY|os.O_CREATE, 0o644)
+	Expect(err).NotTo(HaveOccurred())
+	Expect(f.Truncate(int64(whole))).To(Succeed())
+	_, err = f.Seek(int64(whole), io.SeekStart)
+	Expect(err).NotTo(HaveOccurred())
+	r := &records{quit: make(chan struct{}), end: make(chan struct{})}
+	r.n.Store(int64(from))
+	go func() {
+		defer close(r.end)
+		defer f.Close()
+		for i := from; ; i++ {
+			select {
+			case <-r.quit:
+				return
+			default:
+			}
+			if _, err := fmt.Fprintf(f, "%d\n", i); err != nil {
+				r.err = err
+				return
+			}
+			if err := f.Sync(); err != nil {
+				r.err = err
+				return
+			}
+			r.n.Store(int64(i + 1))
+		}
+	}()
+	return r
+}
+
+// acked is how many records are acknowledged: records 0 to acked()-1.
+func (r *records) acked() int { return int(r.n.Load()) }
+
+// done is closed once the writer ended.
+func (r *records) done() <-chan struct{} { return r.end }
+
+// stop ends the writer and waits for it.
+func (r *records) stop() {
+	close(r.quit)
+	<-r.end
+}
+
+// expectRecords checks that the file at path starts with records 0 to n-1, each whole, in order.
+func expectRecords(path string, n int) {
+	GinkgoHelper()
+	data, err := os.ReadFile(path)
+	Expect(err).NotTo(HaveOccurred())
+	lines := strings.Split(string(data), "\n")
+	Expect(len(lines)).To(BeNumerically(">", n), "acknowledged records lost")
+	for i := range n {
+		Expect(lines[i]).To(Equal(strconv.Itoa(i)), "record %d", i)
+	}
+}
+
+// outOfService sets or removes Kubernetes' non-graceful shutdown taint of a Node: the mark of
+// a host lost for good (vmv1.HostLost).
+func outOfService(ctx context.Context, node string, on bool) {
+	GinkgoHelper()
+	n := &corev1.Node{}
+	Expect(mc.Get(ctx, client.ObjectKey{Name: node}, n)).To(Succeed())
+	patch := client.MergeFrom(n.DeepCopy())
+	n.Spec.Taints = slices.DeleteFunc(n.Spec.Taints, func(t corev1.Taint) bool { return t.Key == corev1.TaintNodeOutOfService })
+	if on {
+		n.Spec.Taints = append(n.Spec.Taints, corev1.Taint{Key: corev1.TaintNodeOutOfService, Value: "nodeshutdown", Effect: corev1.TaintEffectNoExecute})
+	}
+	Expect(mc.Patch(ctx, n, patch)).To(Succeed())
+}
 
 // replicasOf lists the PmemReplicas of volume id.
 func replicasOf(ctx context.Context, id string) []pmemv1.PmemReplica {

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"slices"
 	"strings"
+	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 	corev1 "k8s.io/api/core/v1"
@@ -113,11 +114,19 @@ func (r *Reconciler) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Resu
 		return ctrl.Result{}, err
 	}
 	if len(faulted) > 0 && r.Replacer != nil && meta.IsStatusConditionTrue(vol.Status.Conditions, pmemv1.ReadyCondition) {
-		// Retried with backoff on failure (no node with room, say).
-		return ctrl.Result{}, r.Replacer.ReplaceFaulted(ctx, vol)
+		if err := r.Replacer.ReplaceFaulted(ctx, vol); err != nil {
+			// No host with room, or every other host lost: retried at a steady pace, not
+			// with a backoff that grows to minutes, so that a host that comes back (no
+			// event of a PmemReplica says so) takes the replica soon.
+			ctrl.LoggerFrom(ctx).Error(err, "Replace the faulted replicas; retrying", "after", ReplaceRetry)
+			return ctrl.Result{RequeueAfter: ReplaceRetry}, nil
+		}
 	}
 	return ctrl.Result{}, nil
 }
+
+// ReplaceRetry is how soon the replacement of a faulted replica that failed is tried again.
+const ReplaceRetry = 15 * time.Second
 
 // setDegraded writes cond, the Degraded condition, into vol's status, with a Warning Event when
 // it becomes True or says something else.

@@ -2,6 +2,7 @@ package replicated
 
 import (
 	"context"
+	"errors"
 	"testing"
 
 	. "github.com/onsi/gomega"
@@ -39,12 +40,16 @@ func rebuilt(r *pmemv1.PmemReplica, inSync bool) *pmemv1.PmemReplica {
 	return r
 }
 
-// replacer records the volumes whose faulted replicas it was asked to replace.
-type replacer struct{ volumes []string }
+// replacer records the volumes whose faulted replicas it was asked to replace, and fails
+// with err.
+type replacer struct {
+	volumes []string
+	err     error
+}
 
 func (r *replacer) ReplaceFaulted(_ context.Context, vol *pmemv1.PmemVolume) error {
 	r.volumes = append(r.volumes, vol.Name)
-	return nil
+	return r.err
 }
 
 func TestDegraded(t *testing.T) {
@@ -57,6 +62,8 @@ func TestDegraded(t *testing.T) {
 		wantEvent  string // its message's part
 		// wantReplaced: the faulted replicas are replaced (in each of the two passes)
 		wantReplaced bool
+		// replaceErr fails the replacement, which is then tried again after ReplaceRetry
+		replaceErr error
 	}{
 		{
 			name:       "every replica serves",
@@ -80,6 +87,12 @@ func TestDegraded(t *testing.T) {
 			replicas:   []*pmemv1.PmemReplica{replica("v-r0", "a", pmemv1.CreatedReason), replica("v-r1", "b", pmemv1.FaultedReason)},
 			wantStatus: metav1.ConditionTrue, wantReason: pmemv1.ReplicaFaultedReason,
 			wantEvent: "v-r1 on node b (node b said so)", wantReplaced: true,
+		},
+		{
+			name:       "a faulted replica that no host can take yet: tried again at a steady pace",
+			replicas:   []*pmemv1.PmemReplica{replica("v-r0", "a", pmemv1.CreatedReason), replica("v-r1", "b", pmemv1.FaultedReason)},
+			wantStatus: metav1.ConditionTrue, wantReason: pmemv1.ReplicaFaultedReason,
+			wantEvent: "v-r1 on node b", wantReplaced: true, replaceErr: errors.New("no node has room"),
 		},
 		{
 			name:       "a volume still being made is not repaired",
@@ -123,13 +136,18 @@ func TestDegraded(t *testing.T) {
 			}
 			c := clientfake.NewClientBuilder().WithScheme(scheme).WithObjects(objs...).WithStatusSubresource(vol).Build()
 			rec := events.NewFakeRecorder(4)
-			repl := &replacer{}
+			repl := &replacer{err: tc.replaceErr}
 			r := &Reconciler{Client: c, Recorder: rec, Replacer: repl}
 			before := degraded.count()
 
 			for range 2 { // the second pass changes nothing and says nothing again
-				_, err := r.Reconcile(t.Context(), ctrl.Request{NamespacedName: client.ObjectKeyFromObject(vol)})
+				res, err := r.Reconcile(t.Context(), ctrl.Request{NamespacedName: client.ObjectKeyFromObject(vol)})
 				g.Expect(err).NotTo(HaveOccurred())
+				if tc.replaceErr != nil {
+					g.Expect(res.RequeueAfter).To(Equal(ReplaceRetry))
+				} else {
+					g.Expect(res.IsZero()).To(BeTrue())
+				}
 			}
 			g.Expect(c.Get(t.Context(), client.ObjectKeyFromObject(vol), vol)).To(Succeed())
 			cond := meta.FindStatusCondition(vol.Status.Conditions, pmemv1.DegradedCondition)
