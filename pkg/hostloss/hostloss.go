@@ -22,6 +22,24 @@ import (
 // Lost tells whether host is lost: its Node tainted out of service (vmv1.HostLost), or gone. A
 // miss of cached is confirmed with live, so that a cache not yet synced loses no host.
 func Lost(ctx context.Context, cached, live client.Reader, host string) (bool, error) {
+	st, err := StateOf(ctx, cached, live, host)
+	return st == LostState, err
+}
+
+// State is how a host stands for what is placed on it.
+type State string
+
+const (
+	// Available: the host may take new VMs and replicas, as far as its loss and drain go.
+	Available State = ""
+	// Drained: its Node carries vmv1.DrainTaint; it takes nothing new and gives up its replicas.
+	Drained State = "drained (tainted " + vmv1.DrainTaint + ")"
+	// LostState: vmv1.HostLost, or its Node is gone; its agents never act again.
+	LostState State = "lost (tainted " + corev1.TaintNodeOutOfService + ", or its Node gone)"
+)
+
+// StateOf tells how host stands, from its Node, read as Lost reads it.
+func StateOf(ctx context.Context, cached, live client.Reader, host string) (State, error) {
 	node := &corev1.Node{}
 	err := cached.Get(ctx, client.ObjectKey{Name: host}, node)
 	if apierrors.IsNotFound(err) {
@@ -29,11 +47,15 @@ func Lost(ctx context.Context, cached, live client.Reader, host string) (bool, e
 	}
 	switch {
 	case apierrors.IsNotFound(err):
-		return true, nil
+		return LostState, nil
 	case err != nil:
-		return false, fmt.Errorf("get Node %s: %w", host, err)
+		return Available, fmt.Errorf("get Node %s: %w", host, err)
+	case vmv1.HostLost(node):
+		return LostState, nil
+	case vmv1.HostDraining(node):
+		return Drained, nil
 	}
-	return vmv1.HostLost(node), nil
+	return Available, nil
 }
 
 // VMsOn lists the VirtualMachines that run on host (their status.host), for the watches that map
@@ -62,6 +84,20 @@ func Changed() predicate.Predicate {
 			oldNode, ok1 := e.ObjectOld.(*corev1.Node)
 			newNode, ok2 := e.ObjectNew.(*corev1.Node)
 			return ok1 && ok2 && !vmv1.HostLost(oldNode) && vmv1.HostLost(newNode)
+		},
+		GenericFunc: func(event.GenericEvent) bool { return false },
+	}
+}
+
+// StateChanged lets through the Node events that change a host's State: its drain's start and
+// end, its loss (a deletion included).
+func StateChanged() predicate.Predicate {
+	return predicate.Funcs{
+		CreateFunc: func(event.CreateEvent) bool { return false },
+		UpdateFunc: func(e event.UpdateEvent) bool {
+			oldNode, ok1 := e.ObjectOld.(*corev1.Node)
+			newNode, ok2 := e.ObjectNew.(*corev1.Node)
+			return ok1 && ok2 && (vmv1.HostLost(oldNode) != vmv1.HostLost(newNode) || vmv1.HostDraining(oldNode) != vmv1.HostDraining(newNode))
 		},
 		GenericFunc: func(event.GenericEvent) bool { return false },
 	}

@@ -10,6 +10,8 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/client"
 	"sigs.k8s.io/controller-runtime/pkg/client/fake"
 	"sigs.k8s.io/controller-runtime/pkg/event"
+
+	vmv1 "pvbridge.io/pkg/apis/vm/v1alpha1"
 )
 
 func node(name string, taints ...corev1.Taint) *corev1.Node {
@@ -50,4 +52,41 @@ func TestChangedLetsThroughWhatMakesAHostLost(t *testing.T) {
 	g.Expect(p.Update(event.UpdateEvent{ObjectOld: node("host-a"), ObjectNew: node("host-a")})).To(BeFalse(), "a routine update")
 	g.Expect(p.Delete(event.DeleteEvent{Object: node("host-a")})).To(BeTrue(), "the Node goes")
 	g.Expect(p.Create(event.CreateEvent{Object: node("host-a")})).To(BeFalse())
+}
+
+var drain = corev1.Taint{Key: vmv1.DrainTaint, Effect: corev1.TaintEffectNoSchedule}
+
+func TestStateOf(t *testing.T) {
+	for _, tt := range []struct {
+		name string
+		node *corev1.Node
+		want State
+	}{
+		{name: "a host", node: node("host-a"), want: Available},
+		{name: "a drained host", node: node("host-a", drain), want: Drained},
+		{name: "a drained host that is lost is lost", node: node("host-a", drain, outOfService), want: LostState},
+		{name: "a host whose Node is gone", want: LostState},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			g := NewWithT(t)
+			b := fake.NewClientBuilder().WithScheme(scheme.Scheme)
+			if tt.node != nil {
+				b = b.WithObjects(tt.node)
+			}
+			c := b.Build()
+			got, err := StateOf(t.Context(), c, c, "host-a")
+			g.Expect(err).NotTo(HaveOccurred())
+			g.Expect(got).To(Equal(tt.want))
+		})
+	}
+}
+
+func TestStateChangedLetsThroughADrainAndALoss(t *testing.T) {
+	g := NewWithT(t)
+	p := StateChanged()
+	g.Expect(p.Update(event.UpdateEvent{ObjectOld: node("host-a"), ObjectNew: node("host-a", drain)})).To(BeTrue(), "the drain starts")
+	g.Expect(p.Update(event.UpdateEvent{ObjectOld: node("host-a", drain), ObjectNew: node("host-a")})).To(BeTrue(), "the drain ends")
+	g.Expect(p.Update(event.UpdateEvent{ObjectOld: node("host-a"), ObjectNew: node("host-a", outOfService)})).To(BeTrue(), "the host is lost")
+	g.Expect(p.Update(event.UpdateEvent{ObjectOld: node("host-a"), ObjectNew: node("host-a")})).To(BeFalse(), "a routine update")
+	g.Expect(p.Delete(event.DeleteEvent{Object: node("host-a")})).To(BeTrue(), "the Node goes")
 }

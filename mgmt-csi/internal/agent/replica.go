@@ -78,8 +78,8 @@ func (r *ReplicaReconciler) Reconcile(ctx context.Context, req ctrl.Request) (ct
 func (r *ReplicaReconciler) reconcileNormal(ctx context.Context, rep *pmemv1.PmemReplica) (ctrl.Result, error) {
 	ready := meta.FindStatusCondition(rep.Status.Conditions, pmemv1.ReadyCondition)
 	switch {
-	case rep.Faulted():
-		return ctrl.Result{}, nil
+	case rep.Faulted(), rep.Retired():
+		return ctrl.Result{}, nil // never served again
 	case ready != nil && ready.Status == metav1.ConditionTrue && ready.ObservedGeneration == rep.Generation:
 		exported, err := r.Server.Exported(ctx, rep.Name)
 		if err != nil {

@@ -57,11 +57,24 @@ func pmemVolume(name, node string, size int64) *pmemv1.PmemVolume {
 	}
 }
 
+// newTestController serves a controller over a fake API holding objs; each PmemNode's host has
+// its Node, as in a cluster, unless objs has one.
 func newTestController(t *testing.T, objs ...client.Object) *controllerServer {
 	t.Helper()
 	scheme, err := newScheme()
 	if err != nil {
 		t.Fatal(err)
+	}
+	nodes := map[string]bool{}
+	for _, o := range objs {
+		if _, ok := o.(*corev1.Node); ok {
+			nodes[o.GetName()] = true
+		}
+	}
+	for _, o := range objs {
+		if _, ok := o.(*pmemv1.PmemNode); ok && !nodes[o.GetName()] {
+			objs = append(objs, &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: o.GetName()}})
+		}
 	}
 	c := fake.NewClientBuilder().WithScheme(scheme).WithObjects(objs...).
 		WithStatusSubresource(&pmemv1.PmemVolume{}, &pmemv1.PmemNode{}, &pmemv1.PmemSnapshot{}, &pmemv1.PmemReplica{}).Build()

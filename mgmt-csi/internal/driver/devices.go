@@ -187,7 +187,7 @@ func (d VolumeDevices) replicas(ctx context.Context, volumeID string) (*pmemv1.P
 	}
 	replicas := make([]replication.Replica, 0, len(list.Items))
 	for _, r := range list.Items {
-		if r.Faulted() {
+		if r.Faulted() || r.Retired() {
 			continue
 		}
 		if r.Spec.Node != d.Node {

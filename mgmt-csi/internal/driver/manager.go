@@ -5,6 +5,8 @@ import (
 	"fmt"
 	"time"
 
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/fields"
 	"k8s.io/apimachinery/pkg/runtime"
 	clientgoscheme "k8s.io/client-go/kubernetes/scheme"
@@ -56,6 +58,11 @@ func newManager(cfg *rest.Config, mode Mode, node, metricsAddress string) (ctrl.
 		// Nothing here reads managedFields: the cache does not keep them.
 		Cache: cache.Options{DefaultTransform: cache.TransformStripManagedFields()},
 	}
+	if mode == ModeController {
+		// The replicated-volume reconciler watches the hosts' drains and losses, in their
+		// taints: the cache keeps no more of a Node.
+		opts.Cache.ByObject = map[client.Object]cache.ByObject{&corev1.Node{}: {Transform: nodeTaints}}
+	}
 	if mode == ModeNode {
 		own := fields.OneTermEqualSelector("spec.node", node)
 		opts.Cache.ByObject = map[client.Object]cache.ByObject{
@@ -66,6 +73,21 @@ func newManager(cfg *rest.Config, mode Mode, node, metricsAddress string) (ctrl.
 		}
 	}
 	return ctrl.NewManager(cfg, opts)
+}
+
+// nodeTaints is a cache transform that keeps of a Node its name, version and taints.
+func nodeTaints(o any) (any, error) {
+	n, ok := o.(*corev1.Node)
+	if !ok {
+		return o, nil
+	}
+	return &corev1.Node{
+		TypeMeta: n.TypeMeta,
+		ObjectMeta: metav1.ObjectMeta{
+			Name: n.Name, UID: n.UID, ResourceVersion: n.ResourceVersion, DeletionTimestamp: n.DeletionTimestamp,
+		},
+		Spec: corev1.NodeSpec{Taints: n.Spec.Taints},
+	}, nil
 }
 
 // setupController registers the waits of the controller service on the manager's informers,
@@ -86,7 +108,7 @@ func setupController(ctx context.Context, mgr ctrl.Manager) (*controllerServer, 
 		}
 	}
 	cs := newControllerServer(mgr.GetClient(), mgr.GetCache(), mgr.GetAPIReader(), hub)
-	degraded := &replicated.Reconciler{Client: mgr.GetClient(), Recorder: mgr.GetEventRecorder("mgmt-csi"), Replacer: cs}
+	degraded := &replicated.Reconciler{Client: mgr.GetClient(), Recorder: mgr.GetEventRecorder("mgmt-csi"), Repairer: cs}
 	if err := degraded.SetupWithManager(mgr, metrics.Registry); err != nil {
 		return nil, err
 	}

@@ -14,6 +14,7 @@ import (
 
 	"pvbridge.io/mgmt-csi/internal/replication"
 	pmemv1 "pvbridge.io/pkg/apis/pmem/v1alpha1"
+	"pvbridge.io/pkg/hostloss"
 )
 
 // rebuildInterval is how often the node looks for replicas to rebuild into the volumes it serves.
@@ -23,7 +24,8 @@ const rebuildInterval = 10 * time.Second
 // (spec.rebuild) of a volume this node serves into the volume's target once the replica's node
 // exports it (Ready), then reports it InSync. Until then no target reads from it (Stage leaves
 // it out), and a volume that no node serves is rebuilt by the node that stages it next. The
-// copy goes over NBD even into a replica of this node, through its own replica server.
+// copy goes over NBD even into a replica of this node, through its own replica server. Then it
+// retires the replicas of drained nodes that others replaced (retire).
 type Rebuilder struct {
 	Devices VolumeDevices
 	// Interval is how often it looks; zero: rebuildInterval.
@@ -84,8 +86,61 @@ func (b Rebuilder) pass(ctx context.Context) error {
 			}
 			log.Info("Replica in sync", "took", time.Since(start).Round(time.Millisecond))
 		}
+		errs = append(errs, b.retire(ctx, id))
 	}
 	return errors.Join(errs...)
+}
+
+// retire takes each replica of a drained node out of the target of volume id once the volume
+// has as many replicas with its data elsewhere (on nodes neither drained nor lost) as it
+// wants, and reports it Retired, for the controller to delete (Repair).
+func (b Rebuilder) retire(ctx context.Context, id string) error {
+	vol := &pmemv1.PmemVolume{}
+	if err := b.Devices.Reader.Get(ctx, client.ObjectKey{Name: id}, vol); err != nil {
+		return client.IgnoreNotFound(err)
+	}
+	list := &pmemv1.PmemReplicaList{}
+	if err := b.Devices.Reader.List(ctx, list, client.MatchingLabels{pmemv1.VolumeLabel: id}); err != nil {
+		return fmt.Errorf("list the PmemReplicas of volume %s: %w", id, err)
+	}
+	var drained []*pmemv1.PmemReplica
+	elsewhere := 0
+	for i := range list.Items {
+		r := &list.Items[i]
+		if !r.Live() || !r.HasData() {
+			continue
+		}
+		state, err := hostloss.StateOf(ctx, b.Devices.Reader, b.Devices.Reader, r.Spec.Node)
+		if err != nil {
+			return err
+		}
+		switch state {
+		case hostloss.Drained:
+			drained = append(drained, r)
+		case hostloss.Available:
+			elsewhere++
+		}
+	}
+	if elsewhere < int(vol.Spec.Replicas) {
+		return nil // no replica is retired before the volume has its replicas elsewhere
+	}
+	for _, r := range drained {
+		if err := b.Devices.Targets.Retire(ctx, id, r.Name); errors.Is(err, replication.ErrNotServed) {
+			return nil // unstaged meanwhile
+		} else if err != nil {
+			return err
+		}
+		patch := client.MergeFromWithOptions(r.DeepCopy(), client.MergeFromWithOptimisticLock{})
+		meta.SetStatusCondition(&r.Status.Conditions, metav1.Condition{
+			Type: pmemv1.ReadyCondition, Status: metav1.ConditionFalse, Reason: pmemv1.RetiredReason, ObservedGeneration: r.Generation,
+			Message: fmt.Sprintf("node %s is drained, and the volume has its %d replicas elsewhere: node %s took this one out of its target", r.Spec.Node, vol.Spec.Replicas, b.Devices.Node),
+		})
+		if err := b.Devices.Writer.Status().Patch(ctx, r, patch); err != nil && !apierrors.IsNotFound(err) {
+			return fmt.Errorf("report replica %s retired: %w", r.Name, err)
+		}
+		klog.FromContext(ctx).Info("Retired a replica of a drained node", "volumeID", id, "replica", r.Name, "node", r.Spec.Node)
+	}
+	return nil
 }
 
 // awaitsRebuild tells whether r is a rebuilt replica, exported and not faulted, whose copy has

@@ -22,6 +22,7 @@ import (
 	pmemv1 "pvbridge.io/pkg/apis/pmem/v1alpha1"
 	"pvbridge.io/pkg/await"
 	"pvbridge.io/pkg/csiserver"
+	"pvbridge.io/pkg/hostloss"
 	"pvbridge.io/pkg/names"
 )
 
@@ -188,8 +189,9 @@ func newReplica(vol *pmemv1.PmemVolume, name, node string, rebuild bool) *pmemv1
 }
 
 // chooseReplicaNodes picks n nodes for new replicas of vol: nodes with a replica server whose
-// PMEM is ready and has room, none of them in taken (the nodes of its other replicas); the
-// preferred ones first, then those with the most room.
+// PMEM is ready and has room, neither lost nor drained (hostloss.StateOf), none of them in
+// taken (the nodes of its other replicas); the preferred ones first, then those with the most
+// room.
 func (s *controllerServer) chooseReplicaNodes(ctx context.Context, vol *pmemv1.PmemVolume, n int, taken, preferred []string, limit int64) ([]string, error) {
 	list := &pmemv1.PmemNodeList{}
 	if err := s.reader.List(ctx, list); err != nil {
@@ -220,6 +222,14 @@ func (s *controllerServer) chooseReplicaNodes(ctx context.Context, vol *pmemv1.P
 		case need > largest(node):
 			reasons = append(reasons, fmt.Sprintf("%s: %d bytes free in one extent", node.Name, largest(node)))
 		default:
+			state, err := hostloss.StateOf(ctx, s.apiReader, s.apiReader, node.Name)
+			if err != nil {
+				return nil, csiserver.APIError(err, "read Node %s", node.Name)
+			}
+			if state != hostloss.Available {
+				reasons = append(reasons, node.Name+": "+string(state))
+				continue
+			}
 			chosen = append(chosen, node.Name)
 			if len(chosen) == n {
 				return chosen, nil

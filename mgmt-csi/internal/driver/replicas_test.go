@@ -20,6 +20,7 @@ import (
 
 	"pvbridge.io/mgmt-csi/internal/agent"
 	pmemv1 "pvbridge.io/pkg/apis/pmem/v1alpha1"
+	vmv1 "pvbridge.io/pkg/apis/vm/v1alpha1"
 )
 
 // replicaNode is a node whose agent runs a replica server.
@@ -205,16 +206,18 @@ func TestReplicatedVolumeOperations(t *testing.T) {
 	g.Expect(s.reader.Get(t.Context(), client.ObjectKey{Name: "pvc-1"}, &pmemv1.PmemVolume{})).NotTo(Succeed())
 }
 
-// A faulted replica is replaced by one to rebuild, on a node without a live replica of the
-// volume and not lost, and deleted; a retry makes no second one; a lost node's faulted
-// replica, whose agent never acts again, is released.
-func TestReplaceFaulted(t *testing.T) {
+// Repair replaces a faulted replica by one to rebuild, on a node without a live replica of the
+// volume and neither lost nor drained, and deletes it; a retry makes no second one; a lost
+// node's faulted replica, whose agent never acts again, is released.
+func TestRepairReplacesFaulted(t *testing.T) {
 	g := NewWithT(t)
 	node := func(name string) *corev1.Node { return &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: name}} }
 	lost := node("lost")
 	lost.Spec.Taints = []corev1.Taint{{Key: corev1.TaintNodeOutOfService, Effect: corev1.TaintEffectNoExecute}}
+	drained := node("drained")
+	drained.Spec.Taints = []corev1.Taint{{Key: vmv1.DrainTaint, Effect: corev1.TaintEffectNoSchedule}}
 	s := newTestController(t, replicaNode("a", 8*gi), replicaNode("b", 4*gi), replicaNode("lost", 9*gi), replicaNode("c", 2*gi),
-		node("a"), node("b"), node("c"), lost)
+		replicaNode("drained", 9*gi), node("a"), node("b"), node("c"), lost, drained)
 	vol := &pmemv1.PmemVolume{
 		ObjectMeta: metav1.ObjectMeta{Name: "pvc-1", UID: "vol-uid"},
 		Spec:       pmemv1.PmemVolumeSpec{VolumeID: "pvc-1", Replicas: 2, Size: *resource.NewQuantity(gi, resource.BinarySI)},
@@ -230,8 +233,8 @@ func TestReplaceFaulted(t *testing.T) {
 	g.Expect(s.client.Create(t.Context(), newReplica(vol, "pvc-1-r0", "a", false))).To(Succeed())
 	fault("pvc-1-r1", "b")
 
-	g.Expect(s.ReplaceFaulted(t.Context(), vol)).To(Succeed())
-	g.Expect(s.ReplaceFaulted(t.Context(), vol)).To(Succeed(), "again: nothing more")
+	g.Expect(s.Repair(t.Context(), vol)).To(Succeed())
+	g.Expect(s.Repair(t.Context(), vol)).To(Succeed(), "again: nothing more")
 	var live []pmemv1.PmemReplica
 	for _, r := range replicasOf(t, s, "pvc-1") {
 		if r.Name == "pvc-1-r1" {
@@ -244,11 +247,11 @@ func TestReplaceFaulted(t *testing.T) {
 	g.Expect(live).To(ContainElement(And(
 		HaveField("Spec.Rebuild", BeTrue()), HaveField("Spec.Node", Equal("b")),
 		HaveField("Labels", HaveKeyWithValue(pmemv1.NodeLabel, "b")), HaveField("Finalizers", ContainElement(agent.Finalizer)),
-	)), "the node with the most room that holds no live replica, never the lost one")
+	)), "the node with the most room that holds no live replica, never the lost or the drained one")
 
 	// A replica faulted on a lost node: released, since no agent will.
 	fault("pvc-1-r9", "lost")
-	g.Expect(s.ReplaceFaulted(t.Context(), vol)).To(Succeed())
+	g.Expect(s.Repair(t.Context(), vol)).To(Succeed())
 	names := []string{}
 	for _, r := range replicasOf(t, s, "pvc-1") {
 		names = append(names, r.Name)
@@ -256,4 +259,61 @@ func TestReplaceFaulted(t *testing.T) {
 	}
 	g.Expect(names).NotTo(ContainElement("pvc-1-r9"), "gone: its finalizer removed")
 	g.Expect(names).To(HaveLen(4), "r0, the deleting r1, and a replacement for each")
+}
+
+// Repair moves a live replica off a drained node: a replacement to rebuild elsewhere first; the
+// drained one stays while the replacement has no data, and while a target writes to it (the
+// serving node retires it); it is deleted once retired, or once in sync when no node serves the
+// volume.
+func TestRepairMovesReplicasOffDrainedNodes(t *testing.T) {
+	drained := &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: "d"}}
+	drained.Spec.Taints = []corev1.Taint{{Key: vmv1.DrainTaint, Effect: corev1.TaintEffectNoSchedule}}
+	for _, target := range []string{"a", ""} {
+		t.Run("target "+target, func(t *testing.T) {
+			g := NewWithT(t)
+			s := newTestController(t, replicaNode("a", 8*gi), replicaNode("b", 4*gi), replicaNode("d", 9*gi), drained.DeepCopy())
+			vol := &pmemv1.PmemVolume{
+				ObjectMeta: metav1.ObjectMeta{Name: "pvc-1", UID: "vol-uid"},
+				Spec:       pmemv1.PmemVolumeSpec{VolumeID: "pvc-1", Replicas: 2, Size: *resource.NewQuantity(gi, resource.BinarySI)},
+				Status:     pmemv1.PmemVolumeStatus{Target: target},
+			}
+			g.Expect(s.client.Create(t.Context(), vol)).To(Succeed())
+			g.Expect(s.client.Create(t.Context(), newReplica(vol, "pvc-1-r0", "a", false))).To(Succeed())
+			onDrained := newReplica(vol, "pvc-1-r1", "d", false)
+			onDrained.UID = "r1-uid"
+			g.Expect(s.client.Create(t.Context(), onDrained)).To(Succeed())
+			get := func(name string) *pmemv1.PmemReplica {
+				r := &pmemv1.PmemReplica{}
+				g.Expect(s.client.Get(t.Context(), client.ObjectKey{Name: name}, r)).To(Succeed())
+				return r
+			}
+
+			g.Expect(s.Repair(t.Context(), vol)).To(Succeed())
+			g.Expect(s.Repair(t.Context(), vol)).To(Succeed(), "again: nothing more")
+			replicas := replicasOf(t, s, "pvc-1")
+			g.Expect(replicas).To(HaveLen(3))
+			var repl string
+			for _, r := range replicas {
+				g.Expect(r.DeletionTimestamp).To(BeNil(), "%s: none goes before its replacement has the data", r.Name)
+				if r.Spec.Rebuild {
+					g.Expect(r.Spec.Node).To(Equal("b"), "the replacement: on the node with room that is not drained")
+					repl = r.Name
+				}
+			}
+
+			r := get(repl)
+			meta.SetStatusCondition(&r.Status.Conditions, metav1.Condition{Type: pmemv1.InSyncCondition, Status: metav1.ConditionTrue, Reason: pmemv1.RebuiltReason})
+			g.Expect(s.client.Status().Update(t.Context(), r)).To(Succeed())
+			g.Expect(s.Repair(t.Context(), vol)).To(Succeed())
+			if target != "" {
+				g.Expect(get("pvc-1-r1").DeletionTimestamp).To(BeNil(), "in a target: the serving node retires it first")
+				r := get("pvc-1-r1")
+				meta.SetStatusCondition(&r.Status.Conditions, metav1.Condition{Type: pmemv1.ReadyCondition, Status: metav1.ConditionFalse, Reason: pmemv1.RetiredReason})
+				g.Expect(s.client.Status().Update(t.Context(), r)).To(Succeed())
+				g.Expect(s.Repair(t.Context(), vol)).To(Succeed())
+			}
+			g.Expect(get("pvc-1-r1").DeletionTimestamp).NotTo(BeNil(), "deleted; its agent frees it")
+			g.Expect(replicasOf(t, s, "pvc-1")).To(HaveLen(3), "no replacement of the replacement")
+		})
+	}
 }

@@ -15,11 +15,13 @@ import (
 	"k8s.io/apimachinery/pkg/api/meta"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	ctrl "sigs.k8s.io/controller-runtime"
+	"sigs.k8s.io/controller-runtime/pkg/builder"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 	"sigs.k8s.io/controller-runtime/pkg/handler"
 	"sigs.k8s.io/controller-runtime/pkg/recorder"
 
 	pmemv1 "pvbridge.io/pkg/apis/pmem/v1alpha1"
+	"pvbridge.io/pkg/hostloss"
 )
 
 // degradedVolumes counts the replicated volumes with a faulted replica: the alert
@@ -31,18 +33,20 @@ var degradedVolumes = prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 
 // Reconciler keeps the Degraded condition of every replicated PmemVolume: True, with an Event
 // on the volume when it becomes so, while one of its PmemReplicas is Faulted, or fewer than
-// spec.replicas have its data (one is being rebuilt, or was deleted).
+// spec.replicas have its data (one is being rebuilt, or was deleted). And it has the volume's
+// replicas repaired.
 type Reconciler struct {
 	Client   client.Client
 	Recorder recorder.EventRecorder
-	// Replacer, unless nil, replaces the faulted replicas of a volume that is Ready.
-	Replacer Replacer
+	// Repairer, unless nil, repairs the replicas of a volume that is Ready.
+	Repairer Repairer
 }
 
-// Replacer gives a replicated volume a new replica for each faulted one and deletes the
-// faulted ones (mgmt-csi's controller service, which places replicas).
-type Replacer interface {
-	ReplaceFaulted(ctx context.Context, vol *pmemv1.PmemVolume) error
+// Repairer replaces a replicated volume's faulted replicas, moves its replicas off drained
+// nodes, and deletes those that are out of it (mgmt-csi's controller service, which places
+// replicas).
+type Repairer interface {
+	Repair(ctx context.Context, vol *pmemv1.PmemVolume) error
 }
 
 // SetupWithManager registers the reconciler and its metric.
@@ -58,7 +62,23 @@ func (r *Reconciler) SetupWithManager(mgr ctrl.Manager, reg prometheus.Registere
 		Watches(&pmemv1.PmemReplica{}, handler.EnqueueRequestsFromMapFunc(func(_ context.Context, o client.Object) []ctrl.Request {
 			return []ctrl.Request{{NamespacedName: client.ObjectKey{Name: o.(*pmemv1.PmemReplica).Spec.VolumeID}}}
 		})).
+		// A drain's start or end, or a loss: the volumes with a replica there.
+		Watches(&corev1.Node{}, handler.EnqueueRequestsFromMapFunc(r.volumesOn), builder.WithPredicates(hostloss.StateChanged())).
 		Complete(r)
+}
+
+// volumesOn maps a Node to the volumes that have a replica there.
+func (r *Reconciler) volumesOn(ctx context.Context, o client.Object) []ctrl.Request {
+	list := &pmemv1.PmemReplicaList{}
+	if err := r.Client.List(ctx, list, client.MatchingLabels{pmemv1.NodeLabel: o.GetName()}); err != nil {
+		ctrl.LoggerFrom(ctx).Error(err, "List the PmemReplicas of a node", "node", o.GetName())
+		return nil
+	}
+	var reqs []ctrl.Request
+	for _, rep := range list.Items {
+		reqs = append(reqs, ctrl.Request{NamespacedName: client.ObjectKey{Name: rep.Spec.VolumeID}})
+	}
+	return reqs
 }
 
 // Reconcile sets the Degraded condition of a replicated volume from its replicas.
@@ -85,6 +105,8 @@ func (r *Reconciler) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Resu
 		case rep.Faulted():
 			why := meta.FindStatusCondition(rep.Status.Conditions, pmemv1.ReadyCondition).Message
 			faulted = append(faulted, fmt.Sprintf("%s on node %s (%s)", rep.Name, rep.Spec.Node, why))
+		case rep.Retired():
+			// Out of the volume: a replica elsewhere took its place.
 		case !rep.HasData():
 			rebuilding = append(rebuilding, fmt.Sprintf("%s on node %s", rep.Name, rep.Spec.Node))
 		case rep.DeletionTimestamp.IsZero():
@@ -113,20 +135,20 @@ func (r *Reconciler) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Resu
 	if err := r.setDegraded(ctx, vol, cond); err != nil {
 		return ctrl.Result{}, err
 	}
-	if len(faulted) > 0 && r.Replacer != nil && meta.IsStatusConditionTrue(vol.Status.Conditions, pmemv1.ReadyCondition) {
-		if err := r.Replacer.ReplaceFaulted(ctx, vol); err != nil {
-			// No host with room, or every other host lost: retried at a steady pace, not
-			// with a backoff that grows to minutes, so that a host that comes back (no
-			// event of a PmemReplica says so) takes the replica soon.
-			ctrl.LoggerFrom(ctx).Error(err, "Replace the faulted replicas; retrying", "after", ReplaceRetry)
-			return ctrl.Result{RequeueAfter: ReplaceRetry}, nil
+	if r.Repairer != nil && meta.IsStatusConditionTrue(vol.Status.Conditions, pmemv1.ReadyCondition) {
+		if err := r.Repairer.Repair(ctx, vol); err != nil {
+			// No host with room, or every other host lost or drained: retried at a steady
+			// pace, not with a backoff that grows to minutes, so that a host that gets room
+			// (no event of a watched object says so) takes the replica soon.
+			ctrl.LoggerFrom(ctx).Error(err, "Repair the replicas; retrying", "after", RepairRetry)
+			return ctrl.Result{RequeueAfter: RepairRetry}, nil
 		}
 	}
 	return ctrl.Result{}, nil
 }
 
-// ReplaceRetry is how soon the replacement of a faulted replica that failed is tried again.
-const ReplaceRetry = 15 * time.Second
+// RepairRetry is how soon a repair that failed is tried again.
+const RepairRetry = 15 * time.Second
 
 // setDegraded writes cond, the Degraded condition, into vol's status, with a Warning Event when
 // it becomes True or says something else.

@@ -40,14 +40,13 @@ func rebuilt(r *pmemv1.PmemReplica, inSync bool) *pmemv1.PmemReplica {
 	return r
 }
 
-// replacer records the volumes whose faulted replicas it was asked to replace, and fails
-// with err.
-type replacer struct {
+// repairer records the volumes whose replicas it was asked to repair, and fails with err.
+type repairer struct {
 	volumes []string
 	err     error
 }
 
-func (r *replacer) ReplaceFaulted(_ context.Context, vol *pmemv1.PmemVolume) error {
+func (r *repairer) Repair(_ context.Context, vol *pmemv1.PmemVolume) error {
 	r.volumes = append(r.volumes, vol.Name)
 	return r.err
 }
@@ -60,10 +59,8 @@ func TestDegraded(t *testing.T) {
 		wantStatus metav1.ConditionStatus
 		wantReason string
 		wantEvent  string // its message's part
-		// wantReplaced: the faulted replicas are replaced (in each of the two passes)
-		wantReplaced bool
-		// replaceErr fails the replacement, which is then tried again after ReplaceRetry
-		replaceErr error
+		// repairErr fails the repair, which is then tried again after RepairRetry
+		repairErr error
 	}{
 		{
 			name:       "every replica serves",
@@ -83,16 +80,16 @@ func TestDegraded(t *testing.T) {
 			wantStatus: metav1.ConditionFalse, wantReason: pmemv1.AllReplicasReason,
 		},
 		{
-			name:       "a faulted replica degrades the volume, with an Event, and is replaced",
+			name:       "a faulted replica degrades the volume, with an Event",
 			replicas:   []*pmemv1.PmemReplica{replica("v-r0", "a", pmemv1.CreatedReason), replica("v-r1", "b", pmemv1.FaultedReason)},
 			wantStatus: metav1.ConditionTrue, wantReason: pmemv1.ReplicaFaultedReason,
-			wantEvent: "v-r1 on node b (node b said so)", wantReplaced: true,
+			wantEvent: "v-r1 on node b (node b said so)",
 		},
 		{
 			name:       "a faulted replica that no host can take yet: tried again at a steady pace",
 			replicas:   []*pmemv1.PmemReplica{replica("v-r0", "a", pmemv1.CreatedReason), replica("v-r1", "b", pmemv1.FaultedReason)},
 			wantStatus: metav1.ConditionTrue, wantReason: pmemv1.ReplicaFaultedReason,
-			wantEvent: "v-r1 on node b", wantReplaced: true, replaceErr: errors.New("no node has room"),
+			wantEvent: "v-r1 on node b", repairErr: errors.New("no node has room"),
 		},
 		{
 			name:       "a volume still being made is not repaired",
@@ -109,6 +106,14 @@ func TestDegraded(t *testing.T) {
 		{
 			name:       "a rebuilt replica in sync",
 			replicas:   []*pmemv1.PmemReplica{replica("v-r0", "a", pmemv1.CreatedReason), rebuilt(replica("v-x", "b", pmemv1.CreatedReason), true)},
+			wantStatus: metav1.ConditionFalse, wantReason: pmemv1.AllReplicasReason,
+		},
+		{
+			name: "a retired replica is out of the volume, whose replica elsewhere took its place",
+			replicas: []*pmemv1.PmemReplica{
+				replica("v-r0", "a", pmemv1.CreatedReason), replica("v-r1", "b", pmemv1.RetiredReason),
+				rebuilt(replica("v-x", "c", pmemv1.CreatedReason), true),
+			},
 			wantStatus: metav1.ConditionFalse, wantReason: pmemv1.AllReplicasReason,
 		},
 		{
@@ -136,15 +141,15 @@ func TestDegraded(t *testing.T) {
 			}
 			c := clientfake.NewClientBuilder().WithScheme(scheme).WithObjects(objs...).WithStatusSubresource(vol).Build()
 			rec := events.NewFakeRecorder(4)
-			repl := &replacer{err: tc.replaceErr}
-			r := &Reconciler{Client: c, Recorder: rec, Replacer: repl}
+			repl := &repairer{err: tc.repairErr}
+			r := &Reconciler{Client: c, Recorder: rec, Repairer: repl}
 			before := degraded.count()
 
 			for range 2 { // the second pass changes nothing and says nothing again
 				res, err := r.Reconcile(t.Context(), ctrl.Request{NamespacedName: client.ObjectKeyFromObject(vol)})
 				g.Expect(err).NotTo(HaveOccurred())
-				if tc.replaceErr != nil {
-					g.Expect(res.RequeueAfter).To(Equal(ReplaceRetry))
+				if tc.repairErr != nil {
+					g.Expect(res.RequeueAfter).To(Equal(RepairRetry))
 				} else {
 					g.Expect(res.IsZero()).To(BeTrue())
 				}
@@ -162,10 +167,10 @@ func TestDegraded(t *testing.T) {
 			} else {
 				g.Expect(rec.Events).To(BeEmpty())
 			}
-			if tc.wantReplaced {
-				g.Expect(repl.volumes).To(Equal([]string{"v", "v"}))
+			if tc.notReady {
+				g.Expect(repl.volumes).To(BeEmpty(), "a volume being made is not repaired")
 			} else {
-				g.Expect(repl.volumes).To(BeEmpty())
+				g.Expect(repl.volumes).To(Equal([]string{"v", "v"}), "a Ready volume is repaired in each pass")
 			}
 
 			g.Expect(c.Delete(t.Context(), vol)).To(Succeed())

@@ -112,6 +112,51 @@ func (t *Targets) Rebuild(ctx context.Context, volumeID string, r Replica) error
 	return appendLine(dd.Path(rebuiltFile), r.Name)
 }
 
+// Retire takes replica name out of the running target of volumeID, as a drain does once other
+// replicas took its place: the quorum, drained of its requests first, stops writing to it and
+// reading from it (the next replica serves reads), and its block node is deleted, which closes
+// its connection to its server, or its device. Done when it is out already; ErrNotServed when
+// the target does not run on this host.
+func (t *Targets) Retire(ctx context.Context, volumeID, name string) error {
+	dd := t.dir(volumeID)
+	if pid, err := qsd.Pid(dd); err != nil {
+		return err
+	} else if pid == 0 {
+		return ErrNotServed
+	}
+	names, err := lines(dd.Path(replicasFile))
+	if err != nil {
+		return err
+	}
+	i := slices.Index(names, name)
+	if i < 0 {
+		return nil
+	}
+	q, err := qsd.DialSocket(ctx, dd.Path(controlSocket))
+	if err != nil {
+		return fmt.Errorf("retire replica %s of volume %s: %w", name, volumeID, err)
+	}
+	defer q.Close()
+	node := "replica" + strconv.Itoa(i)
+	graph, err := blockGraph(q)
+	if err != nil {
+		return err
+	}
+	if !graph.has(node) {
+		return nil
+	}
+	if child, in := graph.child(quorumNode, node); in {
+		if err := q.Execute("x-blockdev-change", map[string]any{"parent": quorumNode, "child": child}, nil); err != nil {
+			return fmt.Errorf("take replica %s out of the quorum of volume %s: %w", name, volumeID, err)
+		}
+	}
+	if err := q.Execute("blockdev-del", map[string]any{"node-name": node}, nil); err != nil {
+		return fmt.Errorf("close replica %s of volume %s: %w", name, volumeID, err)
+	}
+	klog.FromContext(ctx).Info("Took a replica out of the target", "volumeID", volumeID, "replica", name)
+	return nil
+}
+
 // addNBD adds block node node, an NBD client of remote replica r, unless graph has it.
 func addNBD(q *qsd.Conn, graph *graph, node string, r Replica) error {
 	if graph.has(node) {

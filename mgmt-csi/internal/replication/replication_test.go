@@ -5,6 +5,7 @@ import (
 	"context"
 	"crypto/rand"
 	"encoding/hex"
+	"errors"
 	"fmt"
 	"io"
 	"net"
@@ -376,4 +377,57 @@ func size(g Gomega, dev string) int64 {
 	n, err := f.Seek(0, io.SeekEnd)
 	g.Expect(err).NotTo(HaveOccurred())
 	return n
+}
+
+// A drain retires replicas once another took their place, under a writer: the local one (which
+// served the reads) and a remote one, whose server then drops its export. The writer sees no
+// error, no replica is faulted, and the volume goes on from the rebuilt one alone.
+func TestTargetRetiresReplicasUnderAWriter(t *testing.T) {
+	g := NewWithT(t)
+	s := newSandbox(t)
+	local, remote, fresh := s.replica(t, "a", 32*mib), s.replica(t, "b", 32*mib), s.replica(t, "c", 32*mib)
+	srvB, srvC := s.server(t, "server-b"), s.server(t, "server-c")
+	g.Expect(srvB.Export(t.Context(), vol, remote)).To(Succeed())
+	g.Expect(srvC.Export(t.Context(), "vol-c", fresh)).To(Succeed())
+	targets, faulted := s.watchedTargets(t)
+	dev, err := targets.Open(t.Context(), "vol", []Replica{{Name: vol, Address: srvB.Address}, {Name: "vol-a", Device: local}})
+	g.Expect(err).NotTo(HaveOccurred())
+	first := writeSynced(g, dev, 0, 8*mib)
+	g.Expect(targets.Rebuild(t.Context(), "vol", Replica{Name: "vol-c", Address: srvC.Address})).To(Succeed())
+
+	stop, stopped := make(chan struct{}), make(chan error, 1)
+	go func() {
+		for i := int64(0); ; i++ {
+			select {
+			case <-stop:
+				stopped <- nil
+				return
+			default:
+			}
+			f, err := os.OpenFile(dev, os.O_RDWR|os.O_SYNC, 0)
+			if err == nil {
+				_, err = f.WriteAt(make([]byte, 64<<10), 16*mib+(i%64)*(64<<10))
+				err = errors.Join(err, f.Close())
+			}
+			if err != nil {
+				stopped <- err
+				return
+			}
+		}
+	}()
+	g.Expect(targets.Retire(t.Context(), "vol", "vol-a")).To(Succeed())
+	g.Expect(targets.Retire(t.Context(), "vol", "vol-a")).To(Succeed(), "retiring again: out already")
+	g.Expect(targets.Retire(t.Context(), "vol", vol)).To(Succeed())
+	g.Expect(srvB.Unexport(t.Context(), vol)).To(Succeed())
+	close(stop)
+	g.Expect(<-stopped).To(Succeed(), "the writer saw no error")
+
+	second := writeSynced(g, dev, 8*mib, mib)
+	g.Expect(read(g, fresh, 8*mib, mib)).To(Equal(second), "the rebuilt replica has the writes")
+	g.Expect(read(g, local, 8*mib, mib)).NotTo(Equal(second), "the retired local replica has them no more")
+	g.Expect(read(g, remote, 8*mib, mib)).NotTo(Equal(second), "nor the retired remote one")
+	g.Expect(read(g, dev, 0, 8*mib)).To(Equal(first), "reads come from the replica that is left")
+	g.Consistently(faulted).WithTimeout(3*time.Second).ShouldNot(Receive(), "a retired replica is no fault")
+	g.Expect(targets.Close(t.Context(), "vol")).To(Succeed())
+	g.Expect(targets.Retire(t.Context(), "vol", "vol-c")).To(MatchError(ErrNotServed))
 }

@@ -59,6 +59,10 @@ const (
 	// replica server lost its export, as a restart does), so it is never served again: the
 	// volume's targets go on with its other replicas until it is replaced.
 	FaultedReason = "Faulted"
+	// RetiredReason (False, on a PmemReplica): the replica's node is drained and another
+	// replica took its place: the node that serves the volume took it out of its target, and
+	// the controller deletes it. It is never served again either, but the volume lost nothing.
+	RetiredReason = "Retired"
 	// FailedReason (False): the back end failed; the message says how.
 	FailedReason = "Failed"
 	// BackendReadyReason (True on a PmemNode): the back end is initialized and reports capacity.

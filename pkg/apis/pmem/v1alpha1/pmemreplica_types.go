@@ -124,6 +124,19 @@ func (r *PmemReplica) Faulted() bool {
 	return c != nil && c.Reason == FaultedReason
 }
 
+// Retired tells whether the replica is retired (condition Ready, reason Retired): its node is
+// drained, a replica elsewhere took its place, and no target writes to it any more.
+func (r *PmemReplica) Retired() bool {
+	c := meta.FindStatusCondition(r.Status.Conditions, ReadyCondition)
+	return c != nil && c.Reason == RetiredReason
+}
+
+// Live tells whether the replica has, or is being given, the volume's data and keeps getting
+// its writes: not faulted, not retired, not being deleted.
+func (r *PmemReplica) Live() bool {
+	return !r.Faulted() && !r.Retired() && r.DeletionTimestamp.IsZero()
+}
+
 // HasData tells whether the replica was given the volume's data: made with its volume, or
 // rebuilt (InSync). A faulted one may have missed writes since.
 func (r *PmemReplica) HasData() bool {

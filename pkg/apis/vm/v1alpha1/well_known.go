@@ -24,6 +24,13 @@ const (
 	// VolumesFinalizer keeps a deleted VirtualMachine until status.volumes is empty (every disk
 	// unplugged and unstaged by the host agent) and its VolumeAttachments are gone.
 	VolumesFinalizer = "vm.pvbridge.io/volumes"
+
+	// DrainTaint, a taint of a management host's Node (any value and effect; NoSchedule keeps
+	// new pods off too), drains the host before its maintenance: it takes no new VirtualMachine
+	// and no new replica of a replicated volume, and each replica it holds moves to another
+	// host (a new replica there is rebuilt, then the host's is taken out of the volume's target
+	// and deleted) where one can take it. Removing the taint brings the host back.
+	DrainTaint = "pvbridge.io/drain"
 )
 
 // NoFreeSlotError is the phrase a status.volumes entry's error contains when the hypervisor
@@ -55,11 +62,21 @@ func HostLost(node *corev1.Node) bool {
 	return false
 }
 
+// HostDraining tells whether a management host is being drained (DrainTaint).
+func HostDraining(node *corev1.Node) bool {
+	for _, t := range node.Spec.Taints {
+		if t.Key == DrainTaint {
+			return true
+		}
+	}
+	return false
+}
+
 // HostTakesNewVMs tells whether a Node can take new VirtualMachines: a host (HostLabel), Ready,
-// not cordoned, not being deleted and not lost. vm-operator places VMs only there, and the
-// infrastructure provider offers only those hosts as failure domains.
+// not cordoned, not being deleted, not lost and not drained. vm-operator places VMs only there,
+// and the infrastructure provider offers only those hosts as failure domains.
 func HostTakesNewVMs(node *corev1.Node) bool {
-	if node.Labels[HostLabel] != "true" || node.Spec.Unschedulable || !node.DeletionTimestamp.IsZero() || HostLost(node) {
+	if node.Labels[HostLabel] != "true" || node.Spec.Unschedulable || !node.DeletionTimestamp.IsZero() || HostLost(node) || HostDraining(node) {
 		return false
 	}
 	for _, c := range node.Status.Conditions {
