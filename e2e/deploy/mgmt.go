@@ -12,6 +12,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"time"
 
@@ -401,6 +402,51 @@ func (m *Management) ReplaceHost(ctx context.Context, name string) error {
 	return m.waitHostReady(ctx, h)
 }
 
+// AddHost starts one more host, as StartManagement starts each (not one for VMs: it has no
+// host label), and returns once its agent reports its PMEM.
+func (m *Management) AddHost(ctx context.Context, lab *cluster.Lab, name string) error {
+	bin, err := lab.Binaries().Own("./mgmt-csi/cmd/mgmt-csi")
+	if err != nil {
+		return err
+	}
+	h, err := m.startHost(ctx, lab, bin, name, MgmtOptions{PmemSize: m.pmemSize})
+	if err != nil {
+		return err
+	}
+	m.Hosts = append(m.Hosts, h)
+	return nil
+}
+
+// RemoveHost takes a host that AddHost started out of the cluster for good: it stops its agent,
+// its daemons and its kubelet, clears its mounts, and deletes its Node and PmemNode. Its
+// volumes and replicas must be gone first.
+func (m *Management) RemoveHost(ctx context.Context, name string) error {
+	h := m.Host(name)
+	if h == nil {
+		return nil
+	}
+	errs := []error{h.Agent.Stop(), stopDaemons(h.RunDir), h.Node.PowerOff(), cluster.ClearBelow(h.RunDir), os.RemoveAll(h.RunDir)}
+	if err := errors.Join(errs...); err != nil {
+		return fmt.Errorf("remove host %s: %w", name, err)
+	}
+	c := m.CP.Client()
+	if err := c.CoreV1().Nodes().Delete(ctx, name, metav1.DeleteOptions{}); err != nil && !apierrors.IsNotFound(err) {
+		return err
+	}
+	dyn, err := dynamic.NewForConfig(m.CP.RESTConfig())
+	if err != nil {
+		return err
+	}
+	if err := dyn.Resource(pmemNodes).Delete(ctx, name, metav1.DeleteOptions{}); err != nil && !apierrors.IsNotFound(err) {
+		return err
+	}
+	m.Hosts = slices.DeleteFunc(m.Hosts, func(h *Host) bool { return h.Node.Name == name })
+	return nil
+}
+
+// pmemNodes is the resource of PmemNodes, which the lab reads without pvbridge's API types.
+var pmemNodes = schema.GroupVersionResource{Group: "pmem.pvbridge.io", Version: "v1alpha1", Resource: "pmemnodes"}
+
 // Host returns the host of that name, nil if there is none.
 func (m *Management) Host(name string) *Host {
 	for _, h := range m.Hosts {
@@ -430,7 +476,6 @@ func (m *Management) waitHostReady(ctx context.Context, h *Host) error {
 	if err != nil {
 		return err
 	}
-	gvr := schema.GroupVersionResource{Group: "pmem.pvbridge.io", Version: "v1alpha1", Resource: "pmemnodes"}
 	ctx, cancel := context.WithTimeout(ctx, time.Minute)
 	defer cancel()
 	err = wait.PollUntilContextCancel(ctx, 100*time.Millisecond, true, func(ctx context.Context) (bool, error) {
@@ -445,7 +490,7 @@ func (m *Management) waitHostReady(ctx context.Context, h *Host) error {
 		for _, d := range csiNode.Spec.Drivers {
 			registered = registered || d.Name == names.PmemDriver
 		}
-		pn, err := dyn.Resource(gvr).Get(ctx, h.Node.Name, metav1.GetOptions{})
+		pn, err := dyn.Resource(pmemNodes).Get(ctx, h.Node.Name, metav1.GetOptions{})
 		if !registered || err != nil {
 			return false, nil
 		}

@@ -22,6 +22,7 @@ import (
 
 	"pvbridge.io/e2e/deploy"
 	pmemv1 "pvbridge.io/pkg/apis/pmem/v1alpha1"
+	vmv1 "pvbridge.io/pkg/apis/vm/v1alpha1"
 	"pvbridge.io/pkg/names"
 	"pvbridge.io/pkg/qsd"
 	"pvbridge.io/pkg/tenancy"
@@ -207,6 +208,97 @@ var _ = Describe("Host loss", Label("replication", "disruptive"), func() {
 	})
 })
 
+var _ = Describe("Drain", Label("replication"), func() {
+	// Three hosts (host-c joins for the spec). A pod on host-b writes to a volume of two
+	// replicas; the other replica's host is drained: its replica moves to the third host while
+	// the pod writes. Undrained, the host takes the replica that host-b, drained in turn, gives
+	// up, while the pod still writes there (from the two remote replicas). Then the pod moves
+	// to a host with a replica and finds every record.
+	It("moves a volume's replicas off drained hosts while its pod writes, and takes a host back", func(ctx SpecContext) {
+		Expect(mgmt.AddHost(ctx, lab, "host-c")).To(Succeed())
+		DeferCleanup(func(ctx SpecContext) { // after the namespace's, which deletes the volume
+			Expect(mgmt.RemoveHost(ctx, "host-c")).To(Succeed())
+		}, NodeTimeout(timeout))
+		ns := mgmtNamespace(ctx)
+		pvc := deploy.PVC(ns, "data", deploy.StorageClassPmemReplicated, "64Mi", false)
+		Expect(mc.Create(ctx, pvc)).To(Succeed())
+		writer := mgmtPod(ctx, ns, "writer", "host-b")
+		Expect(mc.Get(ctx, client.ObjectKeyFromObject(pvc), pvc)).To(Succeed())
+		pv := &corev1.PersistentVolume{}
+		Expect(mc.Get(ctx, client.ObjectKey{Name: pvc.Spec.VolumeName}, pv)).To(Succeed())
+		id := pv.Spec.CSI.VolumeHandle
+		var x string // the host of the replica besides host-b's
+		for _, r := range replicasOf(ctx, id) {
+			if r.Spec.Node != "host-b" {
+				x = r.Spec.Node
+			}
+		}
+		y := map[string]string{"host-a": "host-c", "host-c": "host-a"}[x]
+		Expect(y).NotTo(BeEmpty(), "a replica on host-b and one on host-a or host-c")
+		records := appendRecords(filepath.Join(mgmtVolumePath(writer, pv.Name), "log"))
+		// writing checks that the writer goes on: more records than when it was last asked.
+		last := 0
+		writing := func() {
+			GinkgoHelper()
+			Eventually(records.acked).WithContext(ctx).WithTimeout(timeout).Should(BeNumerically(">", last))
+			Expect(records.done()).NotTo(BeClosed(), "the writer saw no error: %v", records.err)
+			last = records.acked()
+		}
+		writing()
+
+		By("drained, " + x + " gives its replica up to " + y + " while the pod writes")
+		drain(ctx, x, true)
+		expectReplicasOn(ctx, id, "host-b", y)
+		writing()
+
+		By(x + ", undrained, takes host-b's replica while the pod on host-b writes from the two remote ones")
+		drain(ctx, x, false)
+		drain(ctx, "host-b", true)
+		expectReplicasOn(ctx, id, x, y)
+		writing()
+		records.stop()
+		vol := &pmemv1.PmemVolume{}
+		Expect(mc.Get(ctx, client.ObjectKey{Name: id}, vol)).To(Succeed())
+		Expect(vol.Status.Target).To(Equal("host-b"), "host-b still serves the volume")
+		l := &corev1.EventList{}
+		Expect(mc.List(ctx, l)).To(Succeed())
+		Expect(l.Items).NotTo(ContainElement(And(HaveField("InvolvedObject.Name", id), HaveField("Type", corev1.EventTypeWarning))), "a drain degrades nothing")
+
+		By("the pod moves to " + x + " and finds every record")
+		deleteMgmtPod(ctx, writer)
+		drain(ctx, "host-b", false)
+		moved := mgmtPod(ctx, ns, "moved", x)
+		expectRecords(filepath.Join(mgmtVolumePath(moved, pv.Name), "log"), records.acked())
+		deleteMgmtPod(ctx, moved)
+	})
+})
+
+// drain sets or removes the drain taint of management host node.
+func drain(ctx context.Context, node string, on bool) {
+	GinkgoHelper()
+	taint(ctx, node, corev1.Taint{Key: vmv1.DrainTaint, Effect: corev1.TaintEffectNoSchedule}, on)
+	if on {
+		DeferCleanup(func(ctx SpecContext) { taint(ctx, node, corev1.Taint{Key: vmv1.DrainTaint}, false) })
+	}
+}
+
+// expectReplicasOn waits until volume id has its replicas, each with the data, on nodes and no
+// other, and is not degraded.
+func expectReplicasOn(ctx context.Context, id string, nodes ...string) {
+	GinkgoHelper()
+	Eventually(func(g Gomega) {
+		var on []string
+		for _, r := range replicasOf(ctx, id) {
+			g.Expect(r.HasData()).To(BeTrue(), "replica %s on %s: rebuilt", r.Name, r.Spec.Node)
+			on = append(on, r.Spec.Node)
+		}
+		g.Expect(on).To(ConsistOf(nodes))
+		vol := &pmemv1.PmemVolume{}
+		g.Expect(mc.Get(ctx, client.ObjectKey{Name: id}, vol)).To(Succeed())
+		g.Expect(meta.FindStatusCondition(vol.Status.Conditions, pmemv1.DegradedCondition)).To(HaveField("Status", metav1.ConditionFalse))
+	}).WithContext(ctx).WithTimeout(timeout).Should(Succeed())
+}
+
 // records appends numbered lines to a file, each synced before it counts as acknowledged.
 type records struct {
 	n    atomic.Int64
@@ -251,6 +343,7 @@ func appendRecords(path string) *records {
 				return
 			}
 			r.n.Store(int64(i + 1))
+			time.Sleep(5 * time.Millisecond) // a paced writer, not one that takes a core
 		}
 	}()
 	return r
@@ -284,12 +377,18 @@ func expectRecords(path string, n int) {
 // a host lost for good (vmv1.HostLost).
 func outOfService(ctx context.Context, node string, on bool) {
 	GinkgoHelper()
+	taint(ctx, node, corev1.Taint{Key: corev1.TaintNodeOutOfService, Value: "nodeshutdown", Effect: corev1.TaintEffectNoExecute}, on)
+}
+
+// taint sets t on a Node, or removes the taints of its key.
+func taint(ctx context.Context, node string, t corev1.Taint, on bool) {
+	GinkgoHelper()
 	n := &corev1.Node{}
 	Expect(mc.Get(ctx, client.ObjectKey{Name: node}, n)).To(Succeed())
 	patch := client.MergeFrom(n.DeepCopy())
-	n.Spec.Taints = slices.DeleteFunc(n.Spec.Taints, func(t corev1.Taint) bool { return t.Key == corev1.TaintNodeOutOfService })
+	n.Spec.Taints = slices.DeleteFunc(n.Spec.Taints, func(o corev1.Taint) bool { return o.Key == t.Key })
 	if on {
-		n.Spec.Taints = append(n.Spec.Taints, corev1.Taint{Key: corev1.TaintNodeOutOfService, Value: "nodeshutdown", Effect: corev1.TaintEffectNoExecute})
+		n.Spec.Taints = append(n.Spec.Taints, t)
 	}
 	Expect(mc.Patch(ctx, n, patch)).To(Succeed())
 }
