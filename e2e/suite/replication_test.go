@@ -213,7 +213,8 @@ var _ = Describe("Drain", Label("replication"), func() {
 	// replicas; the other replica's host is drained: its replica moves to the third host while
 	// the pod writes. Undrained, the host takes the replica that host-b, drained in turn, gives
 	// up, while the pod still writes there (from the two remote replicas). Then the pod moves
-	// to a host with a replica and finds every record.
+	// to a host with a replica and finds every record; unused, the volume leaves a drained
+	// host too.
 	It("moves a volume's replicas off drained hosts while its pod writes, and takes a host back", func(ctx SpecContext) {
 		Expect(mgmt.AddHost(ctx, lab, "host-c")).To(Succeed())
 		DeferCleanup(func(ctx SpecContext) { // after the namespace's, which deletes the volume
@@ -270,6 +271,17 @@ var _ = Describe("Drain", Label("replication"), func() {
 		moved := mgmtPod(ctx, ns, "moved", x)
 		expectRecords(filepath.Join(mgmtVolumePath(moved, pv.Name), "log"), records.acked())
 		deleteMgmtPod(ctx, moved)
+
+		By("no pod uses the volume: drained again, " + x + " gives its replica up to host-b, which serves the volume for the copy")
+		drain(ctx, x, true)
+		expectReplicasOn(ctx, id, "host-b", y)
+		Eventually(func(g Gomega) {
+			g.Expect(mc.Get(ctx, client.ObjectKey{Name: id}, vol)).To(Succeed())
+			g.Expect(vol.Status.Target).To(BeEmpty(), "let go after the copy")
+		}).WithContext(ctx).WithTimeout(timeout).Should(Succeed())
+		final := mgmtPod(ctx, ns, "final", y)
+		expectRecords(filepath.Join(mgmtVolumePath(final, pv.Name), "log"), records.acked())
+		deleteMgmtPod(ctx, final)
 	})
 })
 

@@ -244,13 +244,14 @@ func (d *Driver) Run(ctx context.Context) error {
 			return err
 		}
 		devices := VolumeDevices{Backend: d.backend, Node: d.opts.NodeID, Reader: mgr.GetAPIReader(), Writer: mgr.GetClient(), Targets: d.opts.Replication.targets()}
+		ns := newNodeServer(d.opts.NodeID, d.opts.MaxVolumesPerNode, devices, mounter.New())
 		if devices.Targets != nil {
 			devices.Targets.Faulted = devices.faultReplica
-			if err := errors.Join(mgr.Add(devices.Targets), mgr.Add(Rebuilder{Devices: devices})); err != nil {
+			if err := errors.Join(mgr.Add(devices.Targets), mgr.Add(Rebuilder{Devices: devices, Locks: &ns.Locks})); err != nil {
 				return err
 			}
 		}
-		csi.RegisterNodeServer(server, newNodeServer(d.opts.NodeID, d.opts.MaxVolumesPerNode, devices, mounter.New()))
+		csi.RegisterNodeServer(server, ns)
 	}
 
 	ctx, cancel := context.WithCancel(ctx)

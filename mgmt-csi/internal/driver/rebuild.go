@@ -15,6 +15,7 @@ import (
 	"pvbridge.io/mgmt-csi/internal/replication"
 	pmemv1 "pvbridge.io/pkg/apis/pmem/v1alpha1"
 	"pvbridge.io/pkg/hostloss"
+	"pvbridge.io/pkg/keylock"
 )
 
 // rebuildInterval is how often the node looks for replicas to rebuild into the volumes it serves.
@@ -23,11 +24,14 @@ const rebuildInterval = 10 * time.Second
 // Rebuilder runs on each node agent with replication: it copies every rebuilt replica
 // (spec.rebuild) of a volume this node serves into the volume's target once the replica's node
 // exports it (Ready), then reports it InSync. Until then no target reads from it (Stage leaves
-// it out), and a volume that no node serves is rebuilt by the node that stages it next. The
-// copy goes over NBD even into a replica of this node, through its own replica server. Then it
-// retires the replicas of drained nodes that others replaced (retire).
+// it out). A volume that no node serves is served, for its rebuild, by the node of the replica
+// (idle). The copy goes over NBD even into a replica of this node, through its own replica
+// server. Then it retires the replicas of drained nodes that others replaced (retire).
 type Rebuilder struct {
 	Devices VolumeDevices
+	// Locks are the node service's volume locks: an idle volume served for its rebuild is
+	// locked as a stage locks it.
+	Locks *keylock.Locks
 	// Interval is how often it looks; zero: rebuildInterval.
 	Interval time.Duration
 }
@@ -52,7 +56,8 @@ func (b Rebuilder) Start(ctx context.Context) error {
 	}
 }
 
-// pass rebuilds, one after another, the replicas that wait for it in the volumes served here.
+// pass rebuilds, one after another, the replicas that wait for it in the volumes served here,
+// then those of this node whose volume no node serves (idle).
 func (b Rebuilder) pass(ctx context.Context) error {
 	ids, err := b.Devices.Targets.Running()
 	if err != nil {
@@ -60,35 +65,84 @@ func (b Rebuilder) pass(ctx context.Context) error {
 	}
 	var errs []error
 	for _, id := range ids {
-		list := &pmemv1.PmemReplicaList{}
-		if err := b.Devices.Reader.List(ctx, list, client.MatchingLabels{pmemv1.VolumeLabel: id}); err != nil {
-			errs = append(errs, fmt.Errorf("list the PmemReplicas of volume %s: %w", id, err))
+		errs = append(errs, b.serve(ctx, id))
+	}
+	return errors.Join(append(errs, b.idle(ctx))...)
+}
+
+// serve rebuilds the replicas that wait for it in volume id, whose target runs here, then
+// retires those of drained nodes.
+func (b Rebuilder) serve(ctx context.Context, id string) error {
+	list := &pmemv1.PmemReplicaList{}
+	if err := b.Devices.Reader.List(ctx, list, client.MatchingLabels{pmemv1.VolumeLabel: id}); err != nil {
+		return fmt.Errorf("list the PmemReplicas of volume %s: %w", id, err)
+	}
+	var errs []error
+	for i := range list.Items {
+		r := &list.Items[i]
+		if !awaitsRebuild(r) {
 			continue
 		}
-		for i := range list.Items {
-			r := &list.Items[i]
-			if !awaitsRebuild(r) {
-				continue
-			}
-			log := klog.FromContext(ctx).WithValues("volumeID", id, "replica", r.Name, "node", r.Spec.Node)
-			start := time.Now()
-			err := b.Devices.Targets.Rebuild(klog.NewContext(ctx, log), id, replication.Replica{Name: r.Name, Address: r.Status.Address})
-			if errors.Is(err, replication.ErrNotServed) {
-				break // unstaged meanwhile
-			}
-			if err != nil {
-				errs = append(errs, fmt.Errorf("rebuild replica %s of volume %s: %w", r.Name, id, err))
-				continue
-			}
-			if err := b.inSync(ctx, r); err != nil {
-				errs = append(errs, err)
-				continue
-			}
-			log.Info("Replica in sync", "took", time.Since(start).Round(time.Millisecond))
+		log := klog.FromContext(ctx).WithValues("volumeID", id, "replica", r.Name, "node", r.Spec.Node)
+		start := time.Now()
+		err := b.Devices.Targets.Rebuild(klog.NewContext(ctx, log), id, replication.Replica{Name: r.Name, Address: r.Status.Address})
+		if errors.Is(err, replication.ErrNotServed) {
+			return nil // unstaged meanwhile
 		}
-		errs = append(errs, b.retire(ctx, id))
+		if err != nil {
+			errs = append(errs, fmt.Errorf("rebuild replica %s of volume %s: %w", r.Name, id, err))
+			continue
+		}
+		if err := b.inSync(ctx, r); err != nil {
+			errs = append(errs, err)
+			continue
+		}
+		log.Info("Replica in sync", "took", time.Since(start).Round(time.Millisecond))
+	}
+	return errors.Join(append(errs, b.retire(ctx, id))...)
+}
+
+// idle rebuilds each replica of this node that waits for a rebuild while no node serves its
+// volume (a drain or a repair of a volume no pod uses): this node serves the volume for the
+// copy, claimed as a stage claims it, so that no other node serves it meanwhile (a stage there
+// answers FailedPrecondition and kubelet retries), then lets it go. A stage of the volume on
+// this node waits on the volume's lock (Aborted).
+func (b Rebuilder) idle(ctx context.Context) error {
+	list := &pmemv1.PmemReplicaList{}
+	if err := b.Devices.Reader.List(ctx, list, client.MatchingLabels{pmemv1.NodeLabel: b.Devices.Node}); err != nil {
+		return fmt.Errorf("list the PmemReplicas of node %s: %w", b.Devices.Node, err)
+	}
+	var errs []error
+	for i := range list.Items {
+		r := &list.Items[i]
+		if awaitsRebuild(r) {
+			errs = append(errs, b.serveIdle(ctx, r.Spec.VolumeID))
+		}
 	}
 	return errors.Join(errs...)
+}
+
+// serveIdle serves volume id for its rebuild, unless a node serves it.
+func (b Rebuilder) serveIdle(ctx context.Context, id string) error {
+	vol := &pmemv1.PmemVolume{}
+	if err := b.Devices.Reader.Get(ctx, client.ObjectKey{Name: id}, vol); err != nil {
+		return client.IgnoreNotFound(err)
+	}
+	if vol.Status.Target != "" || !b.Locks.TryLock(id) {
+		return nil // served, or being staged here
+	}
+	defer b.Locks.Unlock(id)
+	if dev, err := b.Devices.Targets.Device(id); err != nil || dev != "" {
+		return err // staged here meanwhile: the next pass serves it
+	}
+	if _, err := b.Devices.Stage(ctx, id); err != nil {
+		if errors.Is(err, errServedElsewhere) || errors.Is(err, errReplicaNotReady) {
+			return nil
+		}
+		return fmt.Errorf("serve volume %s for its rebuild: %w", id, err)
+	}
+	klog.FromContext(ctx).Info("Serving a volume that no node serves, for its rebuild", "volumeID", id)
+	return errors.Join(b.serve(ctx, id), b.Devices.Unstage(ctx, id))
 }
 
 // retire takes each replica of a drained node out of the target of volume id once the volume
