@@ -30,11 +30,11 @@ func Lost(ctx context.Context, cached, live client.Reader, host string) (bool, e
 type State string
 
 const (
-	// Available: the host may take new VMs and replicas, as far as its loss and drain go.
+	// Available is a host that may take new VMs and replicas, as far as its loss and drain go.
 	Available State = ""
-	// Drained: its Node carries vmv1.DrainTaint; it takes nothing new and gives up its replicas.
+	// Drained is a host whose Node carries vmv1.DrainTaint: it takes nothing new and gives up its replicas.
 	Drained State = "drained (tainted " + vmv1.DrainTaint + ")"
-	// LostState: vmv1.HostLost, or its Node is gone; its agents never act again.
+	// LostState is a host lost (vmv1.HostLost), or whose Node is gone: its agents never act again.
 	LostState State = "lost (tainted " + corev1.TaintNodeOutOfService + ", or its Node gone)"
 )
 
