@@ -152,10 +152,16 @@ var _ = Describe("Static provisioning", Label("static"), func() {
 // guest's namespace by itself), and returns its output and exit code.
 func trace(ctx context.Context, g *guestCluster, args ...string) (string, int) {
 	GinkgoHelper()
+	return kubectlPvbridge(ctx, append([]string{"trace"}, append(args,
+		"--kubeconfig="+g.CP.Kubeconfig, "--mgmt-kubeconfig="+mgmt.CP.Kubeconfig)...)...)
+}
+
+// kubectlPvbridge runs the operator CLI with args and returns its output and exit code.
+func kubectlPvbridge(ctx context.Context, args ...string) (string, int) {
+	GinkgoHelper()
 	bin, err := lab.Binaries().Own("./pkg/cmd/kubectl-pvbridge")
 	Expect(err).NotTo(HaveOccurred())
-	cmd := exec.CommandContext(ctx, bin, append([]string{"trace"}, append(args,
-		"--kubeconfig="+g.CP.Kubeconfig, "--mgmt-kubeconfig="+mgmt.CP.Kubeconfig)...)...)
+	cmd := exec.CommandContext(ctx, bin, args...)
 	out, err := cmd.CombinedOutput()
 	var exit *exec.ExitError
 	if err != nil && !errors.As(err, &exit) {

@@ -254,7 +254,7 @@ var _ = Describe("Drain", Label("replication"), func() {
 
 		By(x + ", undrained, takes host-b's replica while the pod on host-b writes from the two remote ones")
 		drain(ctx, x, false)
-		drain(ctx, "host-b", true)
+		Expect(drain(ctx, "host-b", true)).To(MatchRegexp(`(?m)^replicas on host-b +0$`), "and it names the VMs that still run there")
 		expectReplicasOn(ctx, id, x, y)
 		writing()
 		records.stop()
@@ -285,13 +285,20 @@ var _ = Describe("Drain", Label("replication"), func() {
 	})
 })
 
-// drain sets or removes the drain taint of management host node.
-func drain(ctx context.Context, node string, on bool) {
+// drain drains management host node with the operator CLI, `kubectl pvbridge drain-host`,
+// which waits until the host holds no replica, or undoes the drain; it returns what the CLI
+// printed. A drain is undone after the spec, whatever its outcome.
+func drain(ctx context.Context, node string, on bool) string {
 	GinkgoHelper()
-	taint(ctx, node, corev1.Taint{Key: vmv1.DrainTaint, Effect: corev1.TaintEffectNoSchedule}, on)
-	if on {
+	args := []string{"drain-host", node, "--kubeconfig=" + mgmt.CP.Kubeconfig, "--wait=" + timeout.String()}
+	if !on {
+		args = append(args, "--undo")
+	} else {
 		DeferCleanup(func(ctx SpecContext) { taint(ctx, node, corev1.Taint{Key: vmv1.DrainTaint}, false) })
 	}
+	out, code := kubectlPvbridge(ctx, args...)
+	Expect(code).To(Equal(0), "%s", out)
+	return out
 }
 
 // expectReplicasOn waits until volume id has its replicas, each with the data, on nodes and no
