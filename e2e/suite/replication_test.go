@@ -13,11 +13,13 @@ import (
 	"sync/atomic"
 	"time"
 
+	snapshotv1 "github.com/kubernetes-csi/external-snapshotter/client/v8/apis/volumesnapshot/v1"
 	. "github.com/onsi/ginkgo/v2"
 	. "github.com/onsi/gomega"
 	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/api/meta"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/utils/ptr"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	"pvbridge.io/e2e/deploy"
@@ -88,6 +90,51 @@ var _ = Describe("Replicated volumes", Label("replication"), func() {
 		deleteMgmtPod(ctx, second)
 		third := mgmtPod(ctx, ns, "third", "host-a")
 		Expect(os.ReadFile(filepath.Join(mgmtVolumePath(third, pv.Name), "data"))).To(BeEquivalentTo("after"))
+	})
+
+	// A snapshot of a replicated volume is cut from one of its replicas; a replicated volume
+	// restored from it starts with a replica made from the snapshot, on the snapshot's host,
+	// and the other is rebuilt by the host that serves it.
+	It("snapshots a replicated volume and restores it into one served on another host", func(ctx SpecContext) {
+		ns := mgmtNamespace(ctx)
+		Expect(mc.Create(ctx, deploy.PVC(ns, "data", deploy.StorageClassPmemReplicated, "64Mi", false))).To(Succeed())
+		writer := mgmtPod(ctx, ns, "writer", "host-a")
+		pv := boundMgmtPV(ctx, ns, "data")
+		Expect(writeSynced(filepath.Join(mgmtVolumePath(writer, pv.Name), "data"), []byte("before the snapshot"))).To(Succeed())
+		snap := &snapshotv1.VolumeSnapshot{
+			ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "snap"},
+			Spec: snapshotv1.VolumeSnapshotSpec{
+				Source:                  snapshotv1.VolumeSnapshotSource{PersistentVolumeClaimName: ptr.To("data")},
+				VolumeSnapshotClassName: ptr.To(deploy.SnapshotClassPmem),
+			},
+		}
+		Expect(mc.Create(ctx, snap)).To(Succeed())
+		DeferCleanup(func(ctx SpecContext) {
+			Expect(client.IgnoreNotFound(mc.Delete(ctx, snap))).To(Succeed())
+			gone(ctx, mc, snap)
+		})
+		Eventually(func(g Gomega) {
+			g.Expect(mc.Get(ctx, client.ObjectKeyFromObject(snap), snap)).To(Succeed())
+			g.Expect(snap.Status).NotTo(BeNil())
+			g.Expect(snap.Status.ReadyToUse).To(HaveValue(BeTrue()))
+		}).WithContext(ctx).WithTimeout(timeout).Should(Succeed())
+		Expect(writeSynced(filepath.Join(mgmtVolumePath(writer, pv.Name), "data"), []byte("after the snapshot"))).To(Succeed())
+
+		By("restored into a replicated claim, read on host-b, which rebuilds the restored volume's other replica")
+		restored := deploy.PVC(ns, "restored", deploy.StorageClassPmemReplicated, "64Mi", false)
+		restored.Spec.DataSource = &corev1.TypedLocalObjectReference{APIGroup: ptr.To(snapshotv1.GroupName), Kind: "VolumeSnapshot", Name: "snap"}
+		Expect(mc.Create(ctx, restored)).To(Succeed())
+		reader := mgmtPodOf(ctx, ns, "reader", "restored", "host-b")
+		rpv := boundMgmtPV(ctx, ns, "restored")
+		Expect(os.ReadFile(filepath.Join(mgmtVolumePath(reader, rpv.Name), "data"))).To(BeEquivalentTo("before the snapshot"))
+		expectReplicasOn(ctx, rpv.Spec.CSI.VolumeHandle, "host-a", "host-b")
+
+		By("its rebuilt replica serves the same data on host-a")
+		deleteMgmtPod(ctx, reader)
+		deleteMgmtPod(ctx, writer)
+		again := mgmtPodOf(ctx, ns, "again", "restored", "host-a")
+		Expect(os.ReadFile(filepath.Join(mgmtVolumePath(again, rpv.Name), "data"))).To(BeEquivalentTo("before the snapshot"))
+		deleteMgmtPod(ctx, again)
 	})
 
 	// A guest class of a replicated management class (parameter replicated, as the tenants
@@ -412,6 +459,16 @@ func taint(ctx context.Context, node string, t corev1.Taint, on bool) {
 	Expect(mc.Patch(ctx, n, patch)).To(Succeed())
 }
 
+// boundMgmtPV returns the PV bound to management claim ns/name.
+func boundMgmtPV(ctx context.Context, ns, name string) *corev1.PersistentVolume {
+	GinkgoHelper()
+	pvc := &corev1.PersistentVolumeClaim{}
+	Expect(mc.Get(ctx, client.ObjectKey{Namespace: ns, Name: name}, pvc)).To(Succeed())
+	pv := &corev1.PersistentVolume{}
+	Expect(mc.Get(ctx, client.ObjectKey{Name: pvc.Spec.VolumeName}, pv)).To(Succeed())
+	return pv
+}
+
 // replicasOf lists the PmemReplicas of volume id.
 func replicasOf(ctx context.Context, id string) []pmemv1.PmemReplica {
 	GinkgoHelper()
@@ -423,7 +480,13 @@ func replicasOf(ctx context.Context, id string) []pmemv1.PmemReplica {
 // mgmtPod runs a pod of claim "data" on management host node and waits until it runs.
 func mgmtPod(ctx context.Context, ns, name, node string) *corev1.Pod {
 	GinkgoHelper()
-	pod := deploy.Pod(ns, name, "data", node, false)
+	return mgmtPodOf(ctx, ns, name, "data", node)
+}
+
+// mgmtPodOf runs a pod of claim on management host node and waits until it runs.
+func mgmtPodOf(ctx context.Context, ns, name, claim, node string) *corev1.Pod {
+	GinkgoHelper()
+	pod := deploy.Pod(ns, name, claim, node, false)
 	Expect(mc.Create(ctx, pod)).To(Succeed())
 	Eventually(func(g Gomega) {
 		g.Expect(mc.Get(ctx, client.ObjectKeyFromObject(pod), pod)).To(Succeed())

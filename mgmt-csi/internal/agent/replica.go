@@ -92,7 +92,11 @@ func (r *ReplicaReconciler) reconcileNormal(ctx context.Context, rep *pmemv1.Pme
 		}
 		return ctrl.Result{RequeueAfter: exportCheckInterval}, nil
 	}
-	dev, err := carve(ctx, r.Backend, r.Capacity, rep.Name, rep.Spec.Size.Value(), nil, rep.Status.Device)
+	var src *pmem.Source
+	if s := rep.Spec.Source; s != nil {
+		src = &pmem.Source{SnapshotID: s.SnapshotID, VolumeID: s.VolumeID}
+	}
+	dev, err := carve(ctx, r.Backend, r.Capacity, rep.Name, rep.Spec.Size.Value(), src, rep.Status.Device)
 	if errors.Is(err, errDisappeared) {
 		return ctrl.Result{}, r.setStatus(ctx, rep, nil, metav1.ConditionFalse, pmemv1.FailedReason, err.Error())
 	}

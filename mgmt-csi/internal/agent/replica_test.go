@@ -96,6 +96,26 @@ func TestReplicaReconciler(t *testing.T) {
 			},
 		},
 		{
+			name: "the first replica of a restored volume starts from the snapshot",
+			rep: replica("v-r0", 10*mi, func(r *pmemv1.PmemReplica) {
+				r.Spec.Source = &pmemv1.PmemVolumeSource{SnapshotID: "snap-1"}
+			}),
+			prepare: func(ctx context.Context, g Gomega, b *fake.Fake, _ *exporter) {
+				_, err := b.CreateVolume(ctx, "old-r1", 10*mi, nil)
+				g.Expect(err).NotTo(HaveOccurred())
+				_, err = b.CreateSnapshot(ctx, "snap-1", "old-r1")
+				g.Expect(err).NotTo(HaveOccurred())
+			},
+			wantReason: pmemv1.CreatedReason, wantRequeue: true,
+		},
+		{
+			name: "a replica whose snapshot is gone is never made empty (the source reaches the back end)",
+			rep: replica("v-r0", 10*mi, func(r *pmemv1.PmemReplica) {
+				r.Spec.Source = &pmemv1.PmemVolumeSource{SnapshotID: "snap-gone"}
+			}),
+			wantReason: pmemv1.SourceNotFoundReason,
+		},
+		{
 			name: "a ready replica still exported is checked again later", rep: replica("v-r0", 10*mi, withReady(pmemv1.CreatedReason)),
 			prepare: func(ctx context.Context, g Gomega, b *fake.Fake, e *exporter) {
 				carved(ctx, g, b, e)

@@ -70,7 +70,11 @@ func (r *SnapshotReconciler) Reconcile(ctx context.Context, req ctrl.Request) (c
 	if snap.Spec.Group != nil {
 		return r.cutGroup(ctx, snap)
 	}
-	got, err := r.Backend.CreateSnapshot(ctx, snap.Name, snap.Spec.SourceVolumeID)
+	source := snap.Spec.SourceVolumeID
+	if snap.Spec.SourceReplica != "" {
+		source = snap.Spec.SourceReplica // the device of a replicated volume on this node
+	}
+	got, err := r.Backend.CreateSnapshot(ctx, snap.Name, source)
 	if err != nil {
 		reason, retry := failureReason(err)
 		if serr := r.setStatus(ctx, snap, nil, metav1.ConditionFalse, reason, err.Error()); serr != nil {

@@ -109,7 +109,7 @@ func (s *controllerServer) CreateVolume(ctx context.Context, req *csi.CreateVolu
 		if err != nil {
 			return nil, err
 		}
-		return &csi.CreateVolumeResponse{Volume: csiVolume(vol, nil)}, nil
+		return &csi.CreateVolumeResponse{Volume: csiVolume(vol, req.GetVolumeContentSource())}, nil
 	}
 
 	source, sourceNode, err := s.contentSource(ctx, req.GetVolumeContentSource(), size)
@@ -577,17 +577,22 @@ func (s *controllerServer) CreateSnapshot(ctx context.Context, req *csi.CreateSn
 		if err := s.getOrNotFound(ctx, req.GetSourceVolumeId(), vol, "volume"); err != nil {
 			return nil, err
 		}
-		if err := notReplicated(vol, "a snapshot"); err != nil {
-			return nil, err
+		node, replica := vol.Spec.Node, ""
+		if vol.Spec.Replicas > 1 {
+			r, err := s.snapshotReplica(ctx, vol)
+			if err != nil {
+				return nil, err
+			}
+			node, replica = r.Spec.Node, r.Name
 		}
 		snap = &pmemv1.PmemSnapshot{
 			ObjectMeta: metav1.ObjectMeta{
 				Name:        id,
-				Labels:      map[string]string{pmemv1.NodeLabel: vol.Spec.Node},
+				Labels:      map[string]string{pmemv1.NodeLabel: node},
 				Annotations: map[string]string{pmemv1.NameAnnotation: req.GetName()},
 				Finalizers:  []string{agent.Finalizer},
 			},
-			Spec: pmemv1.PmemSnapshotSpec{Node: vol.Spec.Node, SnapshotID: id, SourceVolumeID: vol.Name},
+			Spec: pmemv1.PmemSnapshotSpec{Node: node, SnapshotID: id, SourceVolumeID: vol.Name, SourceReplica: replica},
 		}
 		if err := s.client.Create(ctx, snap); apierrors.IsAlreadyExists(err) {
 			return nil, status.Errorf(codes.Aborted, "snapshot %s is being created concurrently", id)

@@ -6,6 +6,7 @@ import (
 	"slices"
 	"sort"
 	"strconv"
+	"strings"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"google.golang.org/grpc/codes"
@@ -72,22 +73,34 @@ func notReplicated(vol *pmemv1.PmemVolume, what string) error {
 // are missing (a retried call finds those a previous one made) and waits until every one is
 // ready. preferred nodes (the accessibility requirements) get a replica first, so that a
 // WaitForFirstConsumer volume has one next to its consumer.
+//
+// A volume with a content source (a snapshot, or a volume of one replica) has its first replica
+// made from it, on the source's node; the others are rebuilt from the volume (spec.rebuild),
+// by the node that serves it or, while none does, by their own (Rebuilder).
 func (s *controllerServer) createReplicated(ctx context.Context, req *csi.CreateVolumeRequest, id string, n int32, size int64) (*pmemv1.PmemVolume, error) {
-	if req.GetVolumeContentSource() != nil {
-		return nil, status.Errorf(codes.InvalidArgument, "volume %s: a replicated volume cannot start from a snapshot or a volume yet", id)
+	source, sourceNode, err := s.contentSource(ctx, req.GetVolumeContentSource(), size)
+	if err != nil {
+		return nil, err
 	}
 	preferred, limit := topologyNodes(req.GetAccessibilityRequirements()), req.GetCapacityRange().GetLimitBytes()
+	if sourceNode != "" {
+		preferred = []string{sourceNode}
+	}
 	vol := &pmemv1.PmemVolume{}
-	err := s.reader.Get(ctx, client.ObjectKey{Name: id}, vol)
+	err = s.reader.Get(ctx, client.ObjectKey{Name: id}, vol)
 	switch {
 	case apierrors.IsNotFound(err):
 		vol = &pmemv1.PmemVolume{
 			ObjectMeta: metav1.ObjectMeta{Name: id, Annotations: map[string]string{pmemv1.NameAnnotation: req.GetName()}},
-			Spec:       pmemv1.PmemVolumeSpec{VolumeID: id, Replicas: n, Size: *resource.NewQuantity(size, resource.BinarySI)},
+			Spec:       pmemv1.PmemVolumeSpec{VolumeID: id, Replicas: n, Size: *resource.NewQuantity(size, resource.BinarySI), Source: source},
 		}
 		// Nothing is recorded for a volume that has not room enough.
-		if _, err := s.chooseReplicaNodes(ctx, vol, int(n), nil, preferred, limit); err != nil {
+		nodes, err := s.chooseReplicaNodes(ctx, vol, int(n), nil, preferred, limit)
+		if err != nil {
 			return nil, err
+		}
+		if sourceNode != "" && nodes[0] != sourceNode {
+			return nil, status.Errorf(codes.ResourceExhausted, "volume %s: node %s, which holds its source, cannot take its first replica (no room or replica server, or it is drained or lost)", id, sourceNode)
 		}
 		if err := s.client.Create(ctx, vol); apierrors.IsAlreadyExists(err) {
 			return nil, status.Errorf(codes.Aborted, "volume %s is being created concurrently", id)
@@ -101,7 +114,7 @@ func (s *controllerServer) createReplicated(ctx context.Context, req *csi.Create
 		if vol.Spec.Replicas != n {
 			return nil, status.Errorf(codes.AlreadyExists, "volume %s exists with %d replicas, not %d", id, vol.Spec.Replicas, n)
 		}
-		if err := compatibleVolume(vol, size, req.GetCapacityRange().GetLimitBytes(), nil); err != nil {
+		if err := compatibleVolume(vol, size, req.GetCapacityRange().GetLimitBytes(), source); err != nil {
 			return nil, err
 		}
 		if meta.IsStatusConditionTrue(vol.Status.Conditions, pmemv1.ReadyCondition) {
@@ -110,7 +123,7 @@ func (s *controllerServer) createReplicated(ctx context.Context, req *csi.Create
 			return vol, nil
 		}
 	}
-	replicas, err := s.placeReplicas(ctx, vol, preferred, limit)
+	replicas, err := s.placeReplicas(ctx, vol, sourceNode, preferred, limit)
 	if err != nil {
 		return nil, err
 	}
@@ -122,9 +135,39 @@ func (s *controllerServer) createReplicated(ctx context.Context, req *csi.Create
 	return vol, s.reportReplicated(ctx, vol, replicas)
 }
 
+// snapshotReplica chooses the replica of the replicated volume vol that a snapshot of it is cut
+// from: one with the volume's data, exported, on a node neither lost nor drained (the first by
+// name). Every write the volume acknowledged is on each such replica, so its reflinked copy is
+// a crash-consistent snapshot, as a volume of one replica's is; it lives on that one node.
+func (s *controllerServer) snapshotReplica(ctx context.Context, vol *pmemv1.PmemVolume) (*pmemv1.PmemReplica, error) {
+	list := &pmemv1.PmemReplicaList{}
+	if err := s.reader.List(ctx, list, client.MatchingLabels{pmemv1.VolumeLabel: vol.Name}); err != nil {
+		return nil, csiserver.APIError(err, "list the PmemReplicas of volume %s", vol.Name)
+	}
+	slices.SortFunc(list.Items, func(a, b pmemv1.PmemReplica) int { return strings.Compare(a.Name, b.Name) })
+	var reasons []string
+	for i := range list.Items {
+		r := &list.Items[i]
+		if !r.Live() || !r.HasData() || !isReady(r.Status.Conditions) {
+			reasons = append(reasons, r.Name+": not live with the volume's data")
+			continue
+		}
+		state, err := hostloss.StateOf(ctx, s.apiReader, s.apiReader, r.Spec.Node)
+		if err != nil {
+			return nil, csiserver.APIError(err, "read Node %s", r.Spec.Node)
+		}
+		if state != hostloss.Available {
+			reasons = append(reasons, r.Name+": node "+r.Spec.Node+" "+string(state))
+			continue
+		}
+		return r, nil
+	}
+	return nil, status.Errorf(codes.Unavailable, "volume %s has no replica to cut a snapshot from: %v", vol.Name, reasons)
+}
+
 // placeReplicas returns the volume's replicas, creating those it lacks on nodes that hold
-// none of its replicas.
-func (s *controllerServer) placeReplicas(ctx context.Context, vol *pmemv1.PmemVolume, preferred []string, limit int64) ([]*pmemv1.PmemReplica, error) {
+// none of its replicas; the first one on sourceNode, from the volume's source, when it has one.
+func (s *controllerServer) placeReplicas(ctx context.Context, vol *pmemv1.PmemVolume, sourceNode string, preferred []string, limit int64) ([]*pmemv1.PmemReplica, error) {
 	list := &pmemv1.PmemReplicaList{}
 	if err := s.reader.List(ctx, list, client.MatchingLabels{pmemv1.VolumeLabel: vol.Name}); err != nil {
 		return nil, csiserver.APIError(err, "list the PmemReplicas of volume %s", vol.Name)
@@ -142,11 +185,16 @@ func (s *controllerServer) placeReplicas(ctx context.Context, vol *pmemv1.PmemVo
 		}
 	}
 	var nodes []string
+	if fromSource := vol.Spec.Source != nil && len(missing) > 0 && missing[0] == 0; fromSource {
+		nodes, taken = []string{sourceNode}, append(taken, sourceNode)
+		missing = missing[1:]
+	}
 	if len(missing) > 0 {
-		var err error
-		if nodes, err = s.chooseReplicaNodes(ctx, vol, len(missing), taken, preferred, limit); err != nil {
+		more, err := s.chooseReplicaNodes(ctx, vol, len(missing), taken, preferred, limit)
+		if err != nil {
 			return nil, err
 		}
+		nodes = append(nodes, more...)
 	}
 	replicas := make([]*pmemv1.PmemReplica, 0, vol.Spec.Replicas)
 	for i := range int(vol.Spec.Replicas) {
@@ -157,7 +205,11 @@ func (s *controllerServer) placeReplicas(ctx context.Context, vol *pmemv1.PmemVo
 		}
 		node := nodes[0]
 		nodes = nodes[1:]
-		r := newReplica(vol, name, node, false)
+		// The first replica of a volume with a source starts from it; the others are rebuilt.
+		r := newReplica(vol, name, node, vol.Spec.Source != nil && i > 0)
+		if i == 0 {
+			r.Spec.Source = vol.Spec.Source
+		}
 		if err := s.client.Create(ctx, r); err != nil {
 			if apierrors.IsAlreadyExists(err) {
 				return nil, status.Errorf(codes.Aborted, "replica %s of volume %s is being created concurrently", name, vol.Name)

@@ -19,6 +19,7 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	"pvbridge.io/mgmt-csi/internal/agent"
+	"pvbridge.io/mgmt-csi/internal/ids"
 	pmemv1 "pvbridge.io/pkg/apis/pmem/v1alpha1"
 	vmv1 "pvbridge.io/pkg/apis/vm/v1alpha1"
 )
@@ -151,7 +152,7 @@ func TestCreateReplicatedVolumeRefusesWithoutSideEffects(t *testing.T) {
 		{"more replicas than nodes with a replica server", replicatedRequest("pvc-1", "3", gi), codes.ResourceExhausted},
 		{"no two nodes with room", replicatedRequest("pvc-1", "2", 3*gi), codes.ResourceExhausted},
 		{"out of range", replicatedRequest("pvc-1", "4", gi), codes.InvalidArgument},
-		{"from a source", clone, codes.InvalidArgument},
+		{"from a volume on a node without a replica server", clone, codes.ResourceExhausted},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			g := NewWithT(t)
@@ -189,8 +190,11 @@ func TestReplicatedVolumeOperations(t *testing.T) {
 	g.Expect(err).NotTo(HaveOccurred(), "attached where it has no replica")
 	_, err = s.ControllerExpandVolume(t.Context(), &csi.ControllerExpandVolumeRequest{VolumeId: "pvc-1", CapacityRange: &csi.CapacityRange{RequiredBytes: 2 * gi}})
 	g.Expect(status.Code(err)).To(Equal(codes.FailedPrecondition))
-	_, err = s.CreateSnapshot(t.Context(), &csi.CreateSnapshotRequest{Name: "snap-1", SourceVolumeId: "pvc-1"})
-	g.Expect(status.Code(err)).To(Equal(codes.FailedPrecondition))
+	clone := replicatedRequest("pvc-2", "2", gi)
+	clone.VolumeContentSource = &csi.VolumeContentSource{Type: &csi.VolumeContentSource_Volume{
+		Volume: &csi.VolumeContentSource_VolumeSource{VolumeId: "pvc-1"}}}
+	_, err = s.CreateVolume(t.Context(), clone)
+	g.Expect(status.Code(err)).To(Equal(codes.FailedPrecondition), "a clone of a replicated volume")
 
 	// Deletion: the replicas first, each waiting for its agent; then the volume.
 	_, err = s.DeleteVolume(shortCall(t), &csi.DeleteVolumeRequest{VolumeId: "pvc-1"})
@@ -316,4 +320,87 @@ func TestRepairMovesReplicasOffDrainedNodes(t *testing.T) {
 			g.Expect(replicasOf(t, s, "pvc-1")).To(HaveLen(3), "no replacement of the replacement")
 		})
 	}
+}
+
+// A snapshot of a replicated volume is cut from one replica with its data, on that replica's
+// node; a volume restored from it has its first replica made from the snapshot there, and the
+// others rebuilt.
+func TestReplicatedSnapshotAndRestore(t *testing.T) {
+	g := NewWithT(t)
+	drained := &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: "d"}}
+	drained.Spec.Taints = []corev1.Taint{{Key: vmv1.DrainTaint, Effect: corev1.TaintEffectNoSchedule}}
+	s := newTestController(t, replicaNode("a", 8*gi), replicaNode("b", 4*gi), replicaNode("c", 2*gi), replicaNode("d", 9*gi), drained)
+	req := replicatedRequest("pvc-1", "2", gi)
+	req.AccessibilityRequirements = &csi.TopologyRequirement{Preferred: topology("b")}
+	_, err := s.CreateVolume(shortCall(t), req)
+	g.Expect(status.Code(err)).To(Equal(codes.DeadlineExceeded))
+	agentsCarve(t, s, "pvc-1")
+	_, err = s.CreateVolume(t.Context(), req)
+	g.Expect(err).NotTo(HaveOccurred())
+	r0, r1 := replicaName("pvc-1", 0), replicaName("pvc-1", 1)
+	fault := func(name string) {
+		r := &pmemv1.PmemReplica{}
+		g.Expect(s.reader.Get(t.Context(), client.ObjectKey{Name: name}, r)).To(Succeed())
+		meta.SetStatusCondition(&r.Status.Conditions, metav1.Condition{Type: pmemv1.ReadyCondition, Status: metav1.ConditionFalse, Reason: pmemv1.FaultedReason})
+		g.Expect(s.client.Status().Update(t.Context(), r)).To(Succeed())
+	}
+	// cut does what the node agent does: the snapshot of id is ready.
+	cut := func(id string) *pmemv1.PmemSnapshot {
+		snap := &pmemv1.PmemSnapshot{}
+		g.Expect(s.reader.Get(t.Context(), client.ObjectKey{Name: id}, snap)).To(Succeed())
+		snap.Status.Size = resource.NewQuantity(gi, resource.BinarySI)
+		meta.SetStatusCondition(&snap.Status.Conditions, metav1.Condition{Type: pmemv1.ReadyCondition, Status: metav1.ConditionTrue, Reason: pmemv1.CreatedReason, ObservedGeneration: snap.Generation})
+		g.Expect(s.client.Status().Update(t.Context(), snap)).To(Succeed())
+		return snap
+	}
+
+	snapReq := &csi.CreateSnapshotRequest{Name: "snap-1", SourceVolumeId: "pvc-1"}
+	_, err = s.CreateSnapshot(shortCall(t), snapReq)
+	g.Expect(status.Code(err)).To(Equal(codes.DeadlineExceeded), "the agent has not cut it yet")
+	snap := cut(ids.For("snapshot", "snap-1"))
+	g.Expect(snap.Spec).To(And(HaveField("Node", "b"), HaveField("SourceReplica", r0), HaveField("SourceVolumeID", "pvc-1")),
+		"cut from the first replica by name, on its node")
+	resp, err := s.CreateSnapshot(t.Context(), snapReq)
+	g.Expect(err).NotTo(HaveOccurred())
+	g.Expect(resp.GetSnapshot().GetSourceVolumeId()).To(Equal("pvc-1"))
+
+	fault(r0)
+	_, err = s.CreateSnapshot(shortCall(t), &csi.CreateSnapshotRequest{Name: "snap-2", SourceVolumeId: "pvc-1"})
+	g.Expect(status.Code(err)).To(Equal(codes.DeadlineExceeded))
+	g.Expect(cut(ids.For("snapshot", "snap-2")).Spec.SourceReplica).To(Equal(r1), "never from a faulted replica")
+	fault(r1)
+	_, err = s.CreateSnapshot(t.Context(), &csi.CreateSnapshotRequest{Name: "snap-3", SourceVolumeId: "pvc-1"})
+	g.Expect(status.Code(err)).To(Equal(codes.Unavailable), "no replica with the data")
+
+	restore := replicatedRequest("pvc-2", "2", gi)
+	restore.VolumeContentSource = &csi.VolumeContentSource{Type: &csi.VolumeContentSource_Snapshot{
+		Snapshot: &csi.VolumeContentSource_SnapshotSource{SnapshotId: snap.Name}}}
+	_, err = s.CreateVolume(shortCall(t), restore)
+	g.Expect(status.Code(err)).To(Equal(codes.DeadlineExceeded))
+	vol := &pmemv1.PmemVolume{}
+	g.Expect(s.reader.Get(t.Context(), client.ObjectKey{Name: "pvc-2"}, vol)).To(Succeed())
+	g.Expect(vol.Spec.Source).To(Equal(&pmemv1.PmemVolumeSource{SnapshotID: snap.Name}))
+	replicas := replicasOf(t, s, "pvc-2")
+	g.Expect(replicas).To(ConsistOf(
+		And(HaveField("Spec.Node", "b"), HaveField("Spec.Source", Equal(vol.Spec.Source)), HaveField("Spec.Rebuild", BeFalse())),
+		And(HaveField("Spec.Node", "a"), HaveField("Spec.Source", BeNil()), HaveField("Spec.Rebuild", BeTrue())),
+	), "the first from the snapshot, on its node; the other rebuilt, never on the drained node")
+	agentsCarve(t, s, "pvc-2")
+	created, err := s.CreateVolume(t.Context(), restore)
+	g.Expect(err).NotTo(HaveOccurred())
+	g.Expect(created.GetVolume().GetContentSource().GetSnapshot().GetSnapshotId()).To(Equal(snap.Name))
+
+	// A snapshot on a drained node: no volume is recorded.
+	onDrained := &pmemv1.PmemSnapshot{
+		ObjectMeta: metav1.ObjectMeta{Name: "snap-d"},
+		Spec:       pmemv1.PmemSnapshotSpec{Node: "d", SnapshotID: "snap-d", SourceVolumeID: "pvc-x"},
+	}
+	g.Expect(s.client.Create(t.Context(), onDrained)).To(Succeed())
+	cut("snap-d")
+	restore = replicatedRequest("pvc-3", "2", gi)
+	restore.VolumeContentSource = &csi.VolumeContentSource{Type: &csi.VolumeContentSource_Snapshot{
+		Snapshot: &csi.VolumeContentSource_SnapshotSource{SnapshotId: "snap-d"}}}
+	_, err = s.CreateVolume(t.Context(), restore)
+	g.Expect(status.Code(err)).To(Equal(codes.ResourceExhausted))
+	g.Expect(s.reader.Get(t.Context(), client.ObjectKey{Name: "pvc-3"}, &pmemv1.PmemVolume{})).NotTo(Succeed())
 }

@@ -36,6 +36,13 @@ type PmemReplicaSpec struct {
 	// +optional
 	// +kubebuilder:validation:XValidation:rule="self == oldSelf",message="rebuild is immutable"
 	Rebuild bool `json:"rebuild,omitempty"`
+
+	// source, when set, is the data the replica starts with, on node: the first replica of a
+	// volume restored from a snapshot or cloned from a volume of one replica (the others are
+	// rebuilt from it).
+	// +optional
+	// +kubebuilder:validation:XValidation:rule="self == oldSelf",message="source is immutable"
+	Source *PmemVolumeSource `json:"source,omitempty"`
 }
 
 // PmemReplicaStatus is what the node agent of spec.node realized.

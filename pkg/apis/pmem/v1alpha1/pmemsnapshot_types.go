@@ -29,6 +29,14 @@ type PmemSnapshotSpec struct {
 	// +kubebuilder:validation:MaxLength=63
 	SourceVolumeID string `json:"sourceVolumeID"`
 
+	// sourceReplica, for a replicated source volume, is the replica on node that the snapshot
+	// is cut from (the PmemReplica's name, which is its device's on the node). Every replica
+	// has each write the volume acknowledged, so one replica is a crash-consistent copy.
+	// +optional
+	// +kubebuilder:validation:MinLength=1
+	// +kubebuilder:validation:MaxLength=63
+	SourceReplica string `json:"sourceReplica,omitempty"`
+
 	// group, when set, makes the snapshot a member of a CSI group snapshot: the node agent
 	// cuts all of the group's members at once, while the writers of their volumes are held,
 	// so that they show one instant.
