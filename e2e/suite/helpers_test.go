@@ -99,28 +99,41 @@ func (g *guestCluster) bound(ctx context.Context, ns, claim string) (*corev1.Per
 // the spec ends.
 func (g *guestCluster) snapshot(ctx context.Context, ns, name, claim string) *snapshotv1.VolumeSnapshot {
 	GinkgoHelper()
-	snap := &snapshotv1.VolumeSnapshot{
-		ObjectMeta: metaName(ns, name),
-		Spec: snapshotv1.VolumeSnapshotSpec{
-			Source:                  snapshotv1.VolumeSnapshotSource{PersistentVolumeClaimName: ptr.To(claim)},
-			VolumeSnapshotClassName: ptr.To(deploy.SnapshotClassGuest),
-		},
-	}
-	g.create(ctx, snap)
-	DeferCleanup(func(ctx SpecContext) {
-		Expect(client.IgnoreNotFound(g.c.Delete(ctx, snap))).To(Succeed())
-		gone(ctx, g.c, snap)
-	})
-	return snap
+	return snapshotOf(ctx, g.c, ns, name, claim, deploy.SnapshotClassGuest)
 }
 
 // readySnapshot waits until snap is ready to use.
 func (g *guestCluster) readySnapshot(ctx context.Context, snap *snapshotv1.VolumeSnapshot) {
 	GinkgoHelper()
-	Eventually(func(g2 Gomega) {
-		g2.Expect(g.c.Get(ctx, client.ObjectKeyFromObject(snap), snap)).To(Succeed())
-		g2.Expect(snap.Status).NotTo(BeNil())
-		g2.Expect(snap.Status.ReadyToUse).To(HaveValue(BeTrue()))
+	readySnapshot(ctx, g.c, snap)
+}
+
+// snapshotOf creates VolumeSnapshot name of claim, of class, in the cluster of c, deleted when
+// the spec ends.
+func snapshotOf(ctx context.Context, c client.Client, ns, name, claim, class string) *snapshotv1.VolumeSnapshot {
+	GinkgoHelper()
+	snap := &snapshotv1.VolumeSnapshot{
+		ObjectMeta: metaName(ns, name),
+		Spec: snapshotv1.VolumeSnapshotSpec{
+			Source:                  snapshotv1.VolumeSnapshotSource{PersistentVolumeClaimName: ptr.To(claim)},
+			VolumeSnapshotClassName: ptr.To(class),
+		},
+	}
+	Expect(c.Create(ctx, snap)).To(Succeed())
+	DeferCleanup(func(ctx SpecContext) {
+		Expect(client.IgnoreNotFound(c.Delete(ctx, snap))).To(Succeed())
+		gone(ctx, c, snap)
+	})
+	return snap
+}
+
+// readySnapshot waits until snap, of the cluster of c, is ready to use.
+func readySnapshot(ctx context.Context, c client.Client, snap *snapshotv1.VolumeSnapshot) {
+	GinkgoHelper()
+	Eventually(func(g Gomega) {
+		g.Expect(c.Get(ctx, client.ObjectKeyFromObject(snap), snap)).To(Succeed())
+		g.Expect(snap.Status).NotTo(BeNil())
+		g.Expect(snap.Status.ReadyToUse).To(HaveValue(BeTrue()))
 	}).WithContext(ctx).WithTimeout(timeout).Should(Succeed())
 }
 

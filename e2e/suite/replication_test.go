@@ -37,14 +37,11 @@ var _ = Describe("Replicated volumes", Label("replication"), func() {
 	// again, and replaced by one that the serving host copies the volume into.
 	It("serves a volume on every host, goes on without a replica that missed writes, and rebuilds one", func(ctx SpecContext) {
 		ns := mgmtNamespace(ctx)
-		pvc := deploy.PVC(ns, "data", deploy.StorageClassPmemReplicated, "64Mi", false)
-		Expect(mc.Create(ctx, pvc)).To(Succeed())
+		Expect(mc.Create(ctx, deploy.PVC(ns, "data", deploy.StorageClassPmemReplicated, "64Mi", false))).To(Succeed())
 
 		By("a pod on host-a writes; a pod on host-b reads it from its own replica, once host-a let go of the volume")
 		first := mgmtPod(ctx, ns, "first", "host-a")
-		Expect(mc.Get(ctx, client.ObjectKeyFromObject(pvc), pvc)).To(Succeed())
-		pv := &corev1.PersistentVolume{}
-		Expect(mc.Get(ctx, client.ObjectKey{Name: pvc.Spec.VolumeName}, pv)).To(Succeed())
+		pv := boundMgmtPV(ctx, ns, "data")
 		Expect(pv.Spec.NodeAffinity).To(BeNil(), "a replicated volume is bound to no host")
 		replicas := replicasOf(ctx, pv.Spec.CSI.VolumeHandle)
 		Expect(replicas).To(HaveLen(2))
@@ -101,23 +98,7 @@ var _ = Describe("Replicated volumes", Label("replication"), func() {
 		writer := mgmtPod(ctx, ns, "writer", "host-a")
 		pv := boundMgmtPV(ctx, ns, "data")
 		Expect(writeSynced(filepath.Join(mgmtVolumePath(writer, pv.Name), "data"), []byte("before the snapshot"))).To(Succeed())
-		snap := &snapshotv1.VolumeSnapshot{
-			ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "snap"},
-			Spec: snapshotv1.VolumeSnapshotSpec{
-				Source:                  snapshotv1.VolumeSnapshotSource{PersistentVolumeClaimName: ptr.To("data")},
-				VolumeSnapshotClassName: ptr.To(deploy.SnapshotClassPmem),
-			},
-		}
-		Expect(mc.Create(ctx, snap)).To(Succeed())
-		DeferCleanup(func(ctx SpecContext) {
-			Expect(client.IgnoreNotFound(mc.Delete(ctx, snap))).To(Succeed())
-			gone(ctx, mc, snap)
-		})
-		Eventually(func(g Gomega) {
-			g.Expect(mc.Get(ctx, client.ObjectKeyFromObject(snap), snap)).To(Succeed())
-			g.Expect(snap.Status).NotTo(BeNil())
-			g.Expect(snap.Status.ReadyToUse).To(HaveValue(BeTrue()))
-		}).WithContext(ctx).WithTimeout(timeout).Should(Succeed())
+		readySnapshot(ctx, mc, snapshotOf(ctx, mc, ns, "snap", "data", deploy.SnapshotClassPmem))
 		Expect(writeSynced(filepath.Join(mgmtVolumePath(writer, pv.Name), "data"), []byte("after the snapshot"))).To(Succeed())
 
 		By("restored into a replicated claim, read on host-b, which rebuilds the restored volume's other replica")
@@ -175,12 +156,9 @@ var _ = Describe("Host loss", Label("replication", "disruptive"), func() {
 	// VMs (vm-operator's, which every spec shares): they are not part of the loss.
 	It("loses no acknowledged write when the host that serves a volume dies, and rebuilds its replica on the host's replacement", func(ctx SpecContext) {
 		ns := mgmtNamespace(ctx)
-		pvc := deploy.PVC(ns, "data", deploy.StorageClassPmemReplicated, "64Mi", false)
-		Expect(mc.Create(ctx, pvc)).To(Succeed())
+		Expect(mc.Create(ctx, deploy.PVC(ns, "data", deploy.StorageClassPmemReplicated, "64Mi", false))).To(Succeed())
 		writer := mgmtPod(ctx, ns, "writer", "host-a")
-		Expect(mc.Get(ctx, client.ObjectKeyFromObject(pvc), pvc)).To(Succeed())
-		pv := &corev1.PersistentVolume{}
-		Expect(mc.Get(ctx, client.ObjectKey{Name: pvc.Spec.VolumeName}, pv)).To(Succeed())
+		pv := boundMgmtPV(ctx, ns, "data")
 		id := pv.Spec.CSI.VolumeHandle
 		var lostReplica string
 		for _, r := range replicasOf(ctx, id) {
@@ -268,12 +246,9 @@ var _ = Describe("Drain", Label("replication"), func() {
 			Expect(mgmt.RemoveHost(ctx, "host-c")).To(Succeed())
 		}, NodeTimeout(timeout))
 		ns := mgmtNamespace(ctx)
-		pvc := deploy.PVC(ns, "data", deploy.StorageClassPmemReplicated, "64Mi", false)
-		Expect(mc.Create(ctx, pvc)).To(Succeed())
+		Expect(mc.Create(ctx, deploy.PVC(ns, "data", deploy.StorageClassPmemReplicated, "64Mi", false))).To(Succeed())
 		writer := mgmtPod(ctx, ns, "writer", "host-b")
-		Expect(mc.Get(ctx, client.ObjectKeyFromObject(pvc), pvc)).To(Succeed())
-		pv := &corev1.PersistentVolume{}
-		Expect(mc.Get(ctx, client.ObjectKey{Name: pvc.Spec.VolumeName}, pv)).To(Succeed())
+		pv := boundMgmtPV(ctx, ns, "data")
 		id := pv.Spec.CSI.VolumeHandle
 		var x string // the host of the replica besides host-b's
 		for _, r := range replicasOf(ctx, id) {

@@ -5,7 +5,6 @@ import (
 	"context"
 	"crypto/rand"
 	"encoding/hex"
-	"errors"
 	"fmt"
 	"io"
 	"net"
@@ -134,6 +133,29 @@ func (s *sandbox) watchedTargets(t *testing.T, configure ...func(*Targets)) (*Ta
 	return targets, faulted
 }
 
+// trio is a watched target of volume "vol" over a local replica and a remote one (vol, exported
+// by srvB), and a third replica, fresh, that srvC exports as "vol-c" for a rebuild.
+type trio struct {
+	local, remote, fresh string
+	srvB, srvC           *Server
+	targets              *Targets
+	faulted              chan string
+	dev                  string
+}
+
+func (s *sandbox) trio(t *testing.T, g Gomega) trio {
+	t.Helper()
+	tr := trio{local: s.replica(t, "a", 32*mib), remote: s.replica(t, "b", 32*mib), fresh: s.replica(t, "c", 32*mib)}
+	tr.srvB, tr.srvC = s.server(t, "server-b"), s.server(t, "server-c")
+	g.Expect(tr.srvB.Export(t.Context(), vol, tr.remote)).To(Succeed())
+	g.Expect(tr.srvC.Export(t.Context(), "vol-c", tr.fresh)).To(Succeed())
+	tr.targets, tr.faulted = s.watchedTargets(t)
+	var err error
+	tr.dev, err = tr.targets.Open(t.Context(), "vol", []Replica{{Name: vol, Address: tr.srvB.Address}, {Name: "vol-a", Device: tr.local}})
+	g.Expect(err).NotTo(HaveOccurred())
+	return tr
+}
+
 // vol is a replica's name as the controller makes them: longer than QEMU's node names.
 const vol = "pvc-0b3f7c1e-2f7a-4d0c-9b1e-4c2e8f0a1d2c-r1"
 
@@ -217,56 +239,27 @@ func TestTargetCutsOffAReplicaThatStopsAnswering(t *testing.T) {
 func TestTargetRebuildsAReplicaUnderAWriter(t *testing.T) {
 	g := NewWithT(t)
 	s := newSandbox(t)
-	local, lost, fresh := s.replica(t, "a", 32*mib), s.replica(t, "b", 32*mib), s.replica(t, "c", 32*mib)
-	srvB, srvC := s.server(t, "server-b"), s.server(t, "server-c")
-	g.Expect(srvB.Export(t.Context(), vol, lost)).To(Succeed())
-	g.Expect(srvC.Export(t.Context(), "vol-c", fresh)).To(Succeed())
-	targets, faulted := s.watchedTargets(t)
-	dev, err := targets.Open(t.Context(), "vol", []Replica{{Name: vol, Address: srvB.Address}, {Name: "vol-a", Device: local}})
-	g.Expect(err).NotTo(HaveOccurred())
-	writeSynced(g, dev, 0, 8*mib)
-	g.Expect(qsd.Kill(t.Context(), srvB.Dir)).To(Succeed())
-	writeSynced(g, dev, 8*mib, mib)
-	g.Eventually(faulted).WithTimeout(time.Minute).Should(Receive(Equal(vol)))
+	tr := s.trio(t, g)
+	writeSynced(g, tr.dev, 0, 8*mib)
+	g.Expect(qsd.Kill(t.Context(), tr.srvB.Dir)).To(Succeed())
+	writeSynced(g, tr.dev, 8*mib, mib)
+	g.Eventually(tr.faulted).WithTimeout(time.Minute).Should(Receive(Equal(vol)))
 
 	// A writer goes on through the rebuild: synced writes of 64 KiB all over the volume.
-	stop, stopped := make(chan struct{}), make(chan error, 1)
-	go func() {
-		f, err := os.OpenFile(dev, os.O_RDWR|os.O_SYNC, 0)
-		if err != nil {
-			stopped <- err
-			return
-		}
-		defer f.Close()
-		buf := make([]byte, 64<<10)
-		for i := int64(0); ; i++ {
-			select {
-			case <-stop:
-				stopped <- nil
-				return
-			default:
-			}
-			_, _ = rand.Read(buf)
-			if _, err := f.WriteAt(buf, (i*7919*int64(len(buf)))%(32*mib)); err != nil {
-				stopped <- err
-				return
-			}
-		}
-	}()
-	c := Replica{Name: "vol-c", Address: srvC.Address}
-	g.Expect(targets.Rebuild(t.Context(), "vol", c)).To(Succeed())
-	close(stop)
-	g.Expect(<-stopped).To(Succeed(), "the writer saw no error")
-	g.Expect(read(g, fresh, 0, 32*mib)).To(Equal(read(g, local, 0, 32*mib)), "the rebuilt replica is the volume")
-	g.Expect(targets.Rebuild(t.Context(), "vol", c)).To(Succeed(), "rebuilding again: done already")
-	after := writeSynced(g, dev, 20*mib, mib)
-	g.Expect(read(g, fresh, 20*mib, mib)).To(Equal(after), "the rebuilt replica gets every write")
+	stop := writeUnder(tr.dev, func(i int64) int64 { return (i * 7919 * 64 << 10) % (32 * mib) })
+	c := Replica{Name: "vol-c", Address: tr.srvC.Address}
+	g.Expect(tr.targets.Rebuild(t.Context(), "vol", c)).To(Succeed())
+	g.Expect(stop()).To(Succeed(), "the writer saw no error")
+	g.Expect(read(g, tr.fresh, 0, 32*mib)).To(Equal(read(g, tr.local, 0, 32*mib)), "the rebuilt replica is the volume")
+	g.Expect(tr.targets.Rebuild(t.Context(), "vol", c)).To(Succeed(), "rebuilding again: done already")
+	after := writeSynced(g, tr.dev, 20*mib, mib)
+	g.Expect(read(g, tr.fresh, 20*mib, mib)).To(Equal(after), "the rebuilt replica gets every write")
 
 	// It is a replica as the others: its server dies, it is faulted.
-	g.Expect(qsd.Kill(t.Context(), srvC.Dir)).To(Succeed())
-	writeSynced(g, dev, 24*mib, mib)
-	g.Eventually(faulted).WithTimeout(time.Minute).Should(Receive(Equal("vol-c")))
-	g.Expect(targets.Close(t.Context(), "vol")).To(Succeed())
+	g.Expect(qsd.Kill(t.Context(), tr.srvC.Dir)).To(Succeed())
+	writeSynced(g, tr.dev, 24*mib, mib)
+	g.Eventually(tr.faulted).WithTimeout(time.Minute).Should(Receive(Equal("vol-c")))
+	g.Expect(tr.targets.Close(t.Context(), "vol")).To(Succeed())
 }
 
 func TestParseLoopCounters(t *testing.T) {
@@ -344,6 +337,38 @@ func TestServerServesOnlyClientsWithTheKey(t *testing.T) {
 	g.Expect(info(other)).NotTo(Succeed(), "a client with another key is refused")
 }
 
+// writeUnder starts a writer of synced 64 KiB writes of random data to dev, the i-th at
+// offset at(i), until stop, which returns the writer's first error.
+func writeUnder(dev string, at func(i int64) int64) (stop func() error) {
+	quit, stopped := make(chan struct{}), make(chan error, 1)
+	go func() {
+		f, err := os.OpenFile(dev, os.O_RDWR|os.O_SYNC, 0)
+		if err != nil {
+			stopped <- err
+			return
+		}
+		defer f.Close()
+		buf := make([]byte, 64<<10)
+		for i := int64(0); ; i++ {
+			select {
+			case <-quit:
+				stopped <- nil
+				return
+			default:
+			}
+			_, _ = rand.Read(buf)
+			if _, err := f.WriteAt(buf, at(i)); err != nil {
+				stopped <- err
+				return
+			}
+		}
+	}()
+	return func() error {
+		close(quit)
+		return <-stopped
+	}
+}
+
 // writeSynced writes size random bytes at off through dev, fsyncs and returns them.
 func writeSynced(g Gomega, dev string, off, size int64) []byte {
 	data := make([]byte, size)
@@ -385,49 +410,23 @@ func size(g Gomega, dev string) int64 {
 func TestTargetRetiresReplicasUnderAWriter(t *testing.T) {
 	g := NewWithT(t)
 	s := newSandbox(t)
-	local, remote, fresh := s.replica(t, "a", 32*mib), s.replica(t, "b", 32*mib), s.replica(t, "c", 32*mib)
-	srvB, srvC := s.server(t, "server-b"), s.server(t, "server-c")
-	g.Expect(srvB.Export(t.Context(), vol, remote)).To(Succeed())
-	g.Expect(srvC.Export(t.Context(), "vol-c", fresh)).To(Succeed())
-	targets, faulted := s.watchedTargets(t)
-	dev, err := targets.Open(t.Context(), "vol", []Replica{{Name: vol, Address: srvB.Address}, {Name: "vol-a", Device: local}})
-	g.Expect(err).NotTo(HaveOccurred())
-	first := writeSynced(g, dev, 0, 8*mib)
-	g.Expect(targets.Rebuild(t.Context(), "vol", Replica{Name: "vol-c", Address: srvC.Address})).To(Succeed())
+	tr := s.trio(t, g)
+	first := writeSynced(g, tr.dev, 0, 8*mib)
+	g.Expect(tr.targets.Rebuild(t.Context(), "vol", Replica{Name: "vol-c", Address: tr.srvC.Address})).To(Succeed())
 
-	stop, stopped := make(chan struct{}), make(chan error, 1)
-	go func() {
-		for i := int64(0); ; i++ {
-			select {
-			case <-stop:
-				stopped <- nil
-				return
-			default:
-			}
-			f, err := os.OpenFile(dev, os.O_RDWR|os.O_SYNC, 0)
-			if err == nil {
-				_, err = f.WriteAt(make([]byte, 64<<10), 16*mib+(i%64)*(64<<10))
-				err = errors.Join(err, f.Close())
-			}
-			if err != nil {
-				stopped <- err
-				return
-			}
-		}
-	}()
-	g.Expect(targets.Retire(t.Context(), "vol", "vol-a")).To(Succeed())
-	g.Expect(targets.Retire(t.Context(), "vol", "vol-a")).To(Succeed(), "retiring again: out already")
-	g.Expect(targets.Retire(t.Context(), "vol", vol)).To(Succeed())
-	g.Expect(srvB.Unexport(t.Context(), vol)).To(Succeed())
-	close(stop)
-	g.Expect(<-stopped).To(Succeed(), "the writer saw no error")
+	stop := writeUnder(tr.dev, func(i int64) int64 { return 16*mib + (i%64)*(64<<10) })
+	g.Expect(tr.targets.Retire(t.Context(), "vol", "vol-a")).To(Succeed())
+	g.Expect(tr.targets.Retire(t.Context(), "vol", "vol-a")).To(Succeed(), "retiring again: out already")
+	g.Expect(tr.targets.Retire(t.Context(), "vol", vol)).To(Succeed())
+	g.Expect(tr.srvB.Unexport(t.Context(), vol)).To(Succeed())
+	g.Expect(stop()).To(Succeed(), "the writer saw no error")
 
-	second := writeSynced(g, dev, 8*mib, mib)
-	g.Expect(read(g, fresh, 8*mib, mib)).To(Equal(second), "the rebuilt replica has the writes")
-	g.Expect(read(g, local, 8*mib, mib)).NotTo(Equal(second), "the retired local replica has them no more")
-	g.Expect(read(g, remote, 8*mib, mib)).NotTo(Equal(second), "nor the retired remote one")
-	g.Expect(read(g, dev, 0, 8*mib)).To(Equal(first), "reads come from the replica that is left")
-	g.Consistently(faulted).WithTimeout(3*time.Second).ShouldNot(Receive(), "a retired replica is no fault")
-	g.Expect(targets.Close(t.Context(), "vol")).To(Succeed())
-	g.Expect(targets.Retire(t.Context(), "vol", "vol-c")).To(MatchError(ErrNotServed))
+	second := writeSynced(g, tr.dev, 8*mib, mib)
+	g.Expect(read(g, tr.fresh, 8*mib, mib)).To(Equal(second), "the rebuilt replica has the writes")
+	g.Expect(read(g, tr.local, 8*mib, mib)).NotTo(Equal(second), "the retired tr.local replica has them no more")
+	g.Expect(read(g, tr.remote, 8*mib, mib)).NotTo(Equal(second), "nor the retired tr.remote one")
+	g.Expect(read(g, tr.dev, 0, 8*mib)).To(Equal(first), "reads come from the replica that is left")
+	g.Consistently(tr.faulted).WithTimeout(3*time.Second).ShouldNot(Receive(), "a retired replica is no fault")
+	g.Expect(tr.targets.Close(t.Context(), "vol")).To(Succeed())
+	g.Expect(tr.targets.Retire(t.Context(), "vol", "vol-c")).To(MatchError(ErrNotServed))
 }
