@@ -63,16 +63,34 @@ func (b Rebuilder) pass(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
+	states := nodeStates{reader: b.Devices.Reader, m: map[string]hostloss.State{}}
 	var errs []error
 	for _, id := range ids {
-		errs = append(errs, b.serve(ctx, id))
+		errs = append(errs, b.serve(ctx, id, states))
 	}
-	return errors.Join(append(errs, b.idle(ctx))...)
+	return errors.Join(append(errs, b.idle(ctx, states))...)
+}
+
+// nodeStates reads each node's hostloss.State once in a pass.
+type nodeStates struct {
+	reader client.Reader
+	m      map[string]hostloss.State
+}
+
+func (n nodeStates) of(ctx context.Context, node string) (hostloss.State, error) {
+	if st, ok := n.m[node]; ok {
+		return st, nil
+	}
+	st, err := hostloss.StateOf(ctx, n.reader, n.reader, node)
+	if err == nil {
+		n.m[node] = st
+	}
+	return st, err
 }
 
 // serve rebuilds the replicas that wait for it in volume id, whose target runs here, then
 // retires those of drained nodes.
-func (b Rebuilder) serve(ctx context.Context, id string) error {
+func (b Rebuilder) serve(ctx context.Context, id string, states nodeStates) error {
 	list := &pmemv1.PmemReplicaList{}
 	if err := b.Devices.Reader.List(ctx, list, client.MatchingLabels{pmemv1.VolumeLabel: id}); err != nil {
 		return fmt.Errorf("list the PmemReplicas of volume %s: %w", id, err)
@@ -99,7 +117,7 @@ func (b Rebuilder) serve(ctx context.Context, id string) error {
 		}
 		log.Info("Replica in sync", "took", time.Since(start).Round(time.Millisecond))
 	}
-	return errors.Join(append(errs, b.retire(ctx, id))...)
+	return errors.Join(append(errs, b.retire(ctx, id, list.Items, states))...)
 }
 
 // idle rebuilds each replica of this node that waits for a rebuild while no node serves its
@@ -107,7 +125,7 @@ func (b Rebuilder) serve(ctx context.Context, id string) error {
 // copy, claimed as a stage claims it, so that no other node serves it meanwhile (a stage there
 // answers FailedPrecondition and kubelet retries), then lets it go. A stage of the volume on
 // this node waits on the volume's lock (Aborted).
-func (b Rebuilder) idle(ctx context.Context) error {
+func (b Rebuilder) idle(ctx context.Context, states nodeStates) error {
 	list := &pmemv1.PmemReplicaList{}
 	if err := b.Devices.Reader.List(ctx, list, client.MatchingLabels{pmemv1.NodeLabel: b.Devices.Node}); err != nil {
 		return fmt.Errorf("list the PmemReplicas of node %s: %w", b.Devices.Node, err)
@@ -116,14 +134,14 @@ func (b Rebuilder) idle(ctx context.Context) error {
 	for i := range list.Items {
 		r := &list.Items[i]
 		if awaitsRebuild(r) {
-			errs = append(errs, b.serveIdle(ctx, r.Spec.VolumeID))
+			errs = append(errs, b.serveIdle(ctx, r.Spec.VolumeID, states))
 		}
 	}
 	return errors.Join(errs...)
 }
 
 // serveIdle serves volume id for its rebuild, unless a node serves it.
-func (b Rebuilder) serveIdle(ctx context.Context, id string) error {
+func (b Rebuilder) serveIdle(ctx context.Context, id string, states nodeStates) error {
 	vol := &pmemv1.PmemVolume{}
 	if err := b.Devices.Reader.Get(ctx, client.ObjectKey{Name: id}, vol); err != nil {
 		return client.IgnoreNotFound(err)
@@ -142,29 +160,22 @@ func (b Rebuilder) serveIdle(ctx context.Context, id string) error {
 		return fmt.Errorf("serve volume %s for its rebuild: %w", id, err)
 	}
 	klog.FromContext(ctx).Info("Serving a volume that no node serves, for its rebuild", "volumeID", id)
-	return errors.Join(b.serve(ctx, id), b.Devices.Unstage(ctx, id))
+	return errors.Join(b.serve(ctx, id, states), b.Devices.Unstage(ctx, id))
 }
 
 // retire takes each replica of a drained node out of the target of volume id once the volume
 // has as many replicas with its data elsewhere (on nodes neither drained nor lost) as it
-// wants, and reports it Retired, for the controller to delete (Repair).
-func (b Rebuilder) retire(ctx context.Context, id string) error {
-	vol := &pmemv1.PmemVolume{}
-	if err := b.Devices.Reader.Get(ctx, client.ObjectKey{Name: id}, vol); err != nil {
-		return client.IgnoreNotFound(err)
-	}
-	list := &pmemv1.PmemReplicaList{}
-	if err := b.Devices.Reader.List(ctx, list, client.MatchingLabels{pmemv1.VolumeLabel: id}); err != nil {
-		return fmt.Errorf("list the PmemReplicas of volume %s: %w", id, err)
-	}
+// wants, and reports it Retired, for the controller to delete (Repair). replicas are the
+// volume's, as serve left them (a rebuilt one reported in sync).
+func (b Rebuilder) retire(ctx context.Context, id string, replicas []pmemv1.PmemReplica, states nodeStates) error {
 	var drained []*pmemv1.PmemReplica
 	elsewhere := 0
-	for i := range list.Items {
-		r := &list.Items[i]
+	for i := range replicas {
+		r := &replicas[i]
 		if !r.Live() || !r.HasData() {
 			continue
 		}
-		state, err := hostloss.StateOf(ctx, b.Devices.Reader, b.Devices.Reader, r.Spec.Node)
+		state, err := states.of(ctx, r.Spec.Node)
 		if err != nil {
 			return err
 		}
@@ -174,6 +185,13 @@ func (b Rebuilder) retire(ctx context.Context, id string) error {
 		case hostloss.Available:
 			elsewhere++
 		}
+	}
+	if len(drained) == 0 {
+		return nil
+	}
+	vol := &pmemv1.PmemVolume{}
+	if err := b.Devices.Reader.Get(ctx, client.ObjectKey{Name: id}, vol); err != nil {
+		return client.IgnoreNotFound(err)
 	}
 	if elsewhere < int(vol.Spec.Replicas) {
 		return nil // no replica is retired before the volume has its replicas elsewhere

@@ -101,7 +101,9 @@ func (r *repair) replacement(ctx context.Context, rep *pmemv1.PmemReplica) (*pme
 	if err != nil {
 		return nil, err
 	}
-	if err := r.s.client.Create(ctx, newReplica(r.vol, name, nodes[0], true)); err != nil && !apierrors.IsAlreadyExists(err) {
+	repl := newReplica(r.vol, name, nodes[0], true)
+	repl.Annotations = map[string]string{pmemv1.ReplacesAnnotation: rep.Name}
+	if err := r.s.client.Create(ctx, repl); err != nil && !apierrors.IsAlreadyExists(err) {
 		return nil, fmt.Errorf("create PmemReplica %s: %w", name, err)
 	}
 	r.taken = append(r.taken, nodes[0])

@@ -301,6 +301,7 @@ func TestRepairMovesReplicasOffDrainedNodes(t *testing.T) {
 				g.Expect(r.DeletionTimestamp).To(BeNil(), "%s: none goes before its replacement has the data", r.Name)
 				if r.Spec.Rebuild {
 					g.Expect(r.Spec.Node).To(Equal("b"), "the replacement: on the node with room that is not drained")
+					g.Expect(r.Annotations).To(HaveKeyWithValue(pmemv1.ReplacesAnnotation, "pvc-1-r1"))
 					repl = r.Name
 				}
 			}

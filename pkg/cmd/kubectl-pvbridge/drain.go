@@ -147,7 +147,7 @@ func whyStays(ctx context.Context, c client.Reader, r *pmemv1.PmemReplica) strin
 		return err.Error()
 	}
 	for _, o := range list.Items {
-		if !o.Spec.Rebuild || !o.Live() || o.CreationTimestamp.Before(&r.CreationTimestamp) {
+		if o.Annotations[pmemv1.ReplacesAnnotation] != r.Name || !o.Live() {
 			continue
 		}
 		if !o.HasData() {

@@ -12,4 +12,7 @@ const (
 	// NameAnnotation records the CSI name a PmemVolume or PmemSnapshot was created for (for a
 	// volume csi-provisioner provisions, the name of its PV).
 	NameAnnotation = "pmem.pvbridge.io/csi-name"
+	// ReplacesAnnotation, on a PmemReplica made to replace another (faulted, or on a drained
+	// node), names that one.
+	ReplacesAnnotation = "pmem.pvbridge.io/replaces"
 )
