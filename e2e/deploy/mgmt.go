@@ -334,6 +334,8 @@ func (m *Management) startHost(ctx context.Context, lab *cluster.Lab, bin, name 
 			"--kubeconfig=" + m.CP.Kubeconfig,
 			"--pmem-mode=file", "--pmem-dir=" + h.PmemDir,
 			"--replica-address=" + h.ReplicaAddress, "--replica-keys-dir=" + m.ReplicaKeys, "--run-dir=" + h.RunDir,
+			// A rebuild starts within 2 s, not 10: the lab's specs wait for every one.
+			"--rebuild-interval=2s",
 			"--v=4",
 		},
 		Restart: true,

@@ -7,6 +7,7 @@ import (
 	"context"
 	"fmt"
 	"os"
+	"time"
 
 	"github.com/spf13/pflag"
 	"k8s.io/apimachinery/pkg/api/resource"
@@ -57,6 +58,8 @@ func main() {
 		`Directory holding keys.psk ("pvbridge:<hex key>"), the pre-shared key with which the hosts' agents reach each other's replica servers; mount it from a Secret that only the node agents read. Empty: the host takes no part in replicated volumes. Only with --mode=node.`)
 	fs.StringVar(&opts.Replication.RunDir, "run-dir", "/run/pvbridge/mgmt-csi",
 		"Directory of the host's qemu-storage-daemons (the replica server and the targets of replicated volumes attached here); short, for their sockets. Only with --mode=node.")
+	fs.DurationVar(&opts.Replication.RebuildInterval, "rebuild-interval", 10*time.Second,
+		"How often the node agent looks for replicas to copy a volume into (a replaced or moved one) and for replicas of drained hosts to take out of the volumes it serves. Only with --mode=node.")
 	command.Main(fs, "mgmt-csi", fmt.Sprintf("CSI driver %s, version %s.", driver.Name, version), func(ctx context.Context) error {
 		ctrl.SetLogger(klog.NewKlogr())
 		d, err := driver.New(opts)

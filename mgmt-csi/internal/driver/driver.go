@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"net"
 	"path/filepath"
+	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"golang.org/x/sync/errgroup"
@@ -89,6 +90,9 @@ type ReplicationOptions struct {
 	// RunDir holds the directories of the node's qemu-storage-daemons, short enough for their
 	// sockets.
 	RunDir string
+	// RebuildInterval is how often the node looks for replicas to rebuild and to retire
+	// (Rebuilder); zero: rebuildInterval.
+	RebuildInterval time.Duration
 }
 
 // maxRunDirLen bounds ReplicationOptions.RunDir: a target's directory adds a "/t/" and a
@@ -247,7 +251,7 @@ func (d *Driver) Run(ctx context.Context) error {
 		ns := newNodeServer(d.opts.NodeID, d.opts.MaxVolumesPerNode, devices, mounter.New())
 		if devices.Targets != nil {
 			devices.Targets.Faulted = devices.faultReplica
-			if err := errors.Join(mgr.Add(devices.Targets), mgr.Add(Rebuilder{Devices: devices, Locks: &ns.Locks})); err != nil {
+			if err := errors.Join(mgr.Add(devices.Targets), mgr.Add(Rebuilder{Devices: devices, Locks: &ns.Locks, Interval: d.opts.Replication.RebuildInterval})); err != nil {
 				return err
 			}
 		}
