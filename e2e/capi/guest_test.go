@@ -33,6 +33,7 @@ func TestClusterAPIGuest(t *testing.T) {
 				name string
 				run  func(*testing.T)
 			}{
+				{"MachineHealthCheckWatchesTheWorkers", machineHealthCheckWatchesTheWorkers},
 				{"StatefulSetKeepsItsData", statefulSetKeepsItsData},
 				{"StorageOnTheGuest", storageOnTheGuest},
 				{"ScaleDownMovesVolumes", scaleDownMovesVolumes},

@@ -43,6 +43,23 @@ var (
 	dbNamespace string
 )
 
+// machineHealthCheckWatchesTheWorkers: the template's MachineHealthCheck covers the workers of
+// md-0 (not the steps' pool, nor the QEMU worker's) and finds each healthy.
+func machineHealthCheckWatchesTheWorkers(t *testing.T) {
+	g := NewWithT(t)
+	ctx := t.Context()
+	mc := mgmtClient(g)
+	mhc := &unstructured.Unstructured{}
+	mhc.SetGroupVersionKind(schema.GroupVersionKind{Group: "cluster.x-k8s.io", Version: "v1beta2", Kind: "MachineHealthCheck"})
+	g.Eventually(func(g Gomega) {
+		g.Expect(mc.Get(ctx, client.ObjectKey{Namespace: in.Options.Guest.Namespace, Name: in.Options.Guest.Name + "-md-0"}, mhc)).To(Succeed())
+		expected, _, _ := unstructured.NestedInt64(mhc.Object, "status", "expectedMachines")
+		healthy, _, _ := unstructured.NestedInt64(mhc.Object, "status", "currentHealthy")
+		g.Expect(expected).To(BeEquivalentTo(in.Options.Workers))
+		g.Expect(healthy).To(Equal(expected))
+	}).WithContext(ctx).WithTimeout(2 * time.Minute).Should(Succeed())
+}
+
 // poolName is the pool's MachineDeployment.
 func poolName() string { return in.Options.Guest.Name + "-pool-b" }
 
