@@ -231,6 +231,6 @@ func TestLoopsBelowFindsLoopsOnLoops(t *testing.T) {
 
 	g.Expect(LoopsBelow(root)).To(Equal([]string{outer, inner}))
 	g.Expect(LoopsBelow(t.TempDir())).To(BeEmpty(), "another root opens no device")
-	g.Expect(detachLoopsBelow(root)).To(Succeed())
+	g.Expect(DetachLoopsBelow(root)).To(Succeed())
 	g.Eventually(func() ([]string, error) { return LoopsBelow(root) }).Should(BeEmpty())
 }

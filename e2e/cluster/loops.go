@@ -100,9 +100,9 @@ func backingDevice(l string) (uint64, bool) {
 	return unix.Mkdev(unix.Major(info.Device), unix.Minor(info.Device)), true
 }
 
-// detachLoopsBelow detaches every loop device backed by a file below dir. A device still in use
+// DetachLoopsBelow detaches every loop device backed by a file below dir. A device still in use
 // (mounted) gets auto-clear instead, so it goes away with its last user.
-func detachLoopsBelow(dir string) error {
+func DetachLoopsBelow(dir string) error {
 	loops, err := LoopsBelow(dir)
 	if err != nil {
 		return err

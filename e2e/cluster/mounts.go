@@ -41,7 +41,7 @@ func unmountBelow(dir string) error {
 // loop devices: detach, unmount, and detach what the unmounts released.
 func ClearBelow(dirs ...string) error {
 	var errs []error
-	for _, step := range []func(string) error{detachLoopsBelow, unmountBelow, detachLoopsBelow} {
+	for _, step := range []func(string) error{DetachLoopsBelow, unmountBelow, DetachLoopsBelow} {
 		for _, d := range dirs {
 			errs = append(errs, step(d))
 		}

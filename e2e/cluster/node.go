@@ -171,9 +171,9 @@ func (cp *ControlPlane) AddNode(ctx context.Context, name string, opts NodeOptio
 }
 
 // PowerOff kills the node's kubelet and container runtime at once, as a machine's power loss
-// would, and clears what a reboot clears: every mount below the node's directory and the loop
-// devices of its files. Its files stay, as a disk's do. Only a fake-runtime node (whose pods
-// run no process) can be powered off.
+// would, and clears what a reboot clears of the kubelet's: every mount below its directory
+// (pods' volumes, staged volumes). Its files stay, as a disk's do. Only a fake-runtime node
+// (whose pods run no process) can be powered off.
 func (n *Node) PowerOff() error {
 	if n.namespace != nil {
 		return fmt.Errorf("node %s: only a fake-runtime node can be powered off", n.Name)
@@ -181,7 +181,7 @@ func (n *Node) PowerOff() error {
 	if err := errors.Join(n.kubelet.Halt(), n.runtime.Halt()); err != nil {
 		return fmt.Errorf("power off node %s: %w", n.Name, err)
 	}
-	return ClearBelow(n.Dir)
+	return ClearBelow(n.KubeletDir)
 }
 
 // PowerOn starts a node that was powered off again, its runtime (without pods, as after a

@@ -364,34 +364,36 @@ func signalDaemons(runDir string, signal func(context.Context, qsd.Dir) error) e
 }
 
 // PowerOff takes host name down at once, as a power loss would: its kubelet, node agent,
-// replica server and targets killed, then what a reboot clears (mounts, loop devices, the
-// daemons' run directory, a tmpfs on a host). Its PMEM keeps its files until ReplaceHost.
-// The host's VMs (vm-operator's) are not its to stop.
+// replica server and targets killed, then what a reboot clears (the kubelet's mounts, the loop
+// devices of its PMEM's volumes, the daemons' run directory, a tmpfs on a host). Its PMEM region
+// stays mounted with its files, as a machine's disk would keep them, until ReplaceHost: the
+// lab's VMs, namespaces made after the region was mounted, hold copies of its mount, so an
+// unmount would leave it behind them. The host's VMs (vm-operator's) are not its to stop.
 func (m *Management) PowerOff(name string) error {
 	h := m.Host(name)
 	errs := []error{h.Agent.Halt(), signalDaemons(h.RunDir, qsd.Kill)}
 	if err := errors.Join(errs...); err != nil {
 		return fmt.Errorf("power off host %s: %w", name, err)
 	}
-	if err := h.Node.PowerOff(); err != nil {
-		return err
-	}
-	if err := cluster.ClearBelow(h.RunDir); err != nil {
+	if err := errors.Join(h.Node.PowerOff(), cluster.DetachLoopsBelow(h.PmemDir), cluster.ClearBelow(h.RunDir)); err != nil {
 		return err
 	}
 	return os.RemoveAll(h.RunDir)
 }
 
 // ReplaceHost brings host name, powered off, back as a new machine of the same name: an empty
-// PMEM region, its kubelet and node agent started again. It returns once the agent reports
-// the new region's capacity.
+// PMEM region (every file of the old one removed), its kubelet and node agent started again.
+// It returns once the agent reports the region's capacity.
 func (m *Management) ReplaceHost(ctx context.Context, name string) error {
 	h := m.Host(name)
-	if err := os.Remove(filepath.Join(h.Node.Dir, "pmem.img")); err != nil {
+	entries, err := os.ReadDir(h.PmemDir)
+	if err != nil {
 		return err
 	}
-	if err := makePmemRegion(ctx, filepath.Join(h.Node.Dir, "pmem.img"), h.PmemDir, m.pmemSize); err != nil {
-		return err
+	for _, e := range entries {
+		if err := os.RemoveAll(filepath.Join(h.PmemDir, e.Name())); err != nil {
+			return err
+		}
 	}
 	if err := h.Node.PowerOn(ctx); err != nil {
 		return err
@@ -427,7 +429,7 @@ func (m *Management) RemoveHost(ctx context.Context, name string) error {
 	if h == nil {
 		return nil
 	}
-	errs := []error{h.Agent.Stop(), stopDaemons(h.RunDir), h.Node.PowerOff(), cluster.ClearBelow(h.RunDir), os.RemoveAll(h.RunDir)}
+	errs := []error{h.Agent.Stop(), stopDaemons(h.RunDir), h.Node.PowerOff(), cluster.ClearBelow(h.Node.Dir, h.RunDir), os.RemoveAll(h.RunDir)}
 	if err := errors.Join(errs...); err != nil {
 		return fmt.Errorf("remove host %s: %w", name, err)
 	}
