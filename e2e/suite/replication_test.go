@@ -384,7 +384,7 @@ func appendRecords(path string) *records {
 				return
 			}
 			r.n.Store(int64(i + 1))
-			time.Sleep(5 * time.Millisecond) // a paced writer, not one that takes a core
+			time.Sleep(20 * time.Millisecond) // a paced writer: a synced write costs the targets CPU the machine shares
 		}
 	}()
 	return r
