@@ -78,26 +78,25 @@ func VMsOn(ctx context.Context, c client.Reader, host string) []*vmv1.VirtualMac
 // Changed lets through the Node events that can make a host lost (its deletion, the
 // out-of-service taint's coming), not the routine updates of every Node.
 func Changed() predicate.Predicate {
-	return predicate.Funcs{
-		CreateFunc: func(event.CreateEvent) bool { return false },
-		UpdateFunc: func(e event.UpdateEvent) bool {
-			oldNode, ok1 := e.ObjectOld.(*corev1.Node)
-			newNode, ok2 := e.ObjectNew.(*corev1.Node)
-			return ok1 && ok2 && !vmv1.HostLost(oldNode) && vmv1.HostLost(newNode)
-		},
-		GenericFunc: func(event.GenericEvent) bool { return false },
-	}
+	return nodeUpdates(func(oldNode, newNode *corev1.Node) bool { return !vmv1.HostLost(oldNode) && vmv1.HostLost(newNode) })
 }
 
 // StateChanged lets through the Node events that change a host's State: its drain's start and
 // end, its loss (a deletion included).
 func StateChanged() predicate.Predicate {
+	return nodeUpdates(func(oldNode, newNode *corev1.Node) bool {
+		return vmv1.HostLost(oldNode) != vmv1.HostLost(newNode) || vmv1.HostDraining(oldNode) != vmv1.HostDraining(newNode)
+	})
+}
+
+// nodeUpdates lets through the deletions of Nodes and their updates for which changed holds.
+func nodeUpdates(changed func(oldNode, newNode *corev1.Node) bool) predicate.Predicate {
 	return predicate.Funcs{
 		CreateFunc: func(event.CreateEvent) bool { return false },
 		UpdateFunc: func(e event.UpdateEvent) bool {
 			oldNode, ok1 := e.ObjectOld.(*corev1.Node)
 			newNode, ok2 := e.ObjectNew.(*corev1.Node)
-			return ok1 && ok2 && (vmv1.HostLost(oldNode) != vmv1.HostLost(newNode) || vmv1.HostDraining(oldNode) != vmv1.HostDraining(newNode))
+			return ok1 && ok2 && changed(oldNode, newNode)
 		},
 		GenericFunc: func(event.GenericEvent) bool { return false },
 	}

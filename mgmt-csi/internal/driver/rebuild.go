@@ -202,13 +202,11 @@ func (b Rebuilder) retire(ctx context.Context, id string, replicas []pmemv1.Pmem
 		} else if err != nil {
 			return err
 		}
-		patch := client.MergeFromWithOptions(r.DeepCopy(), client.MergeFromWithOptimisticLock{})
-		meta.SetStatusCondition(&r.Status.Conditions, metav1.Condition{
-			Type: pmemv1.ReadyCondition, Status: metav1.ConditionFalse, Reason: pmemv1.RetiredReason, ObservedGeneration: r.Generation,
+		if err := b.report(ctx, r, metav1.Condition{
+			Type: pmemv1.ReadyCondition, Status: metav1.ConditionFalse, Reason: pmemv1.RetiredReason,
 			Message: fmt.Sprintf("node %s is drained, and the volume has its %d replicas elsewhere: node %s took this one out of its target", r.Spec.Node, vol.Spec.Replicas, b.Devices.Node),
-		})
-		if err := b.Devices.Writer.Status().Patch(ctx, r, patch); err != nil && !apierrors.IsNotFound(err) {
-			return fmt.Errorf("report replica %s retired: %w", r.Name, err)
+		}); err != nil {
+			return err
 		}
 		klog.FromContext(ctx).Info("Retired a replica of a drained node", "volumeID", id, "replica", r.Name, "node", r.Spec.Node)
 	}
@@ -223,16 +221,22 @@ func awaitsRebuild(r *pmemv1.PmemReplica) bool {
 		ready != nil && ready.Status == metav1.ConditionTrue && ready.ObservedGeneration >= r.Generation
 }
 
-// inSync reports replica r in sync, unless its status changed since it was read (its agent
-// may have faulted it meanwhile): the next pass looks again, and finds the copy done.
+// inSync reports replica r in sync.
 func (b Rebuilder) inSync(ctx context.Context, r *pmemv1.PmemReplica) error {
-	patch := client.MergeFromWithOptions(r.DeepCopy(), client.MergeFromWithOptimisticLock{})
-	meta.SetStatusCondition(&r.Status.Conditions, metav1.Condition{
+	return b.report(ctx, r, metav1.Condition{
 		Type: pmemv1.InSyncCondition, Status: metav1.ConditionTrue, Reason: pmemv1.RebuiltReason,
-		Message: "copied from node " + b.Devices.Node, ObservedGeneration: r.Generation,
+		Message: "copied from node " + b.Devices.Node,
 	})
+}
+
+// report sets cond on replica r (updated in place), unless its status changed since it was
+// read (its agent may have faulted it meanwhile): the next pass looks again.
+func (b Rebuilder) report(ctx context.Context, r *pmemv1.PmemReplica, cond metav1.Condition) error {
+	patch := client.MergeFromWithOptions(r.DeepCopy(), client.MergeFromWithOptimisticLock{})
+	cond.ObservedGeneration = r.Generation
+	meta.SetStatusCondition(&r.Status.Conditions, cond)
 	if err := b.Devices.Writer.Status().Patch(ctx, r, patch); err != nil && !apierrors.IsNotFound(err) {
-		return fmt.Errorf("report replica %s in sync: %w", r.Name, err)
+		return fmt.Errorf("report replica %s %s: %w", r.Name, cond.Reason, err)
 	}
 	return nil
 }

@@ -76,7 +76,7 @@ func (r *repair) one(ctx context.Context, rep *pmemv1.PmemReplica) error {
 	case !rep.HasData():
 		return nil
 	}
-	state, err := hostloss.StateOf(ctx, r.s.apiReader, r.s.apiReader, rep.Spec.Node)
+	state, err := hostloss.StateOf(ctx, r.s.reader, r.s.apiReader, rep.Spec.Node)
 	if err != nil || state != hostloss.Drained {
 		return err // a live replica of a lost node: the next stage faults it
 	}
@@ -125,7 +125,7 @@ func (r *repair) releaseLost(ctx context.Context, rep *pmemv1.PmemReplica) error
 	if !controllerutil.ContainsFinalizer(rep, agent.Finalizer) {
 		return nil
 	}
-	lost, err := hostloss.Lost(ctx, r.s.apiReader, r.s.apiReader, rep.Spec.Node)
+	lost, err := hostloss.Lost(ctx, r.s.reader, r.s.apiReader, rep.Spec.Node)
 	if err != nil || !lost {
 		return err
 	}

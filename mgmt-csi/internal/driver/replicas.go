@@ -152,7 +152,7 @@ func (s *controllerServer) snapshotReplica(ctx context.Context, vol *pmemv1.Pmem
 			reasons = append(reasons, r.Name+": not live with the volume's data")
 			continue
 		}
-		state, err := hostloss.StateOf(ctx, s.apiReader, s.apiReader, r.Spec.Node)
+		state, err := hostloss.StateOf(ctx, s.reader, s.apiReader, r.Spec.Node)
 		if err != nil {
 			return nil, csiserver.APIError(err, "read Node %s", r.Spec.Node)
 		}
@@ -241,7 +241,8 @@ func newReplica(vol *pmemv1.PmemVolume, name, node string, rebuild bool) *pmemv1
 }
 
 // chooseReplicaNodes picks n nodes for new replicas of vol: nodes with a replica server whose
-// PMEM is ready and has room, neither lost nor drained (hostloss.StateOf), none of them in
+// PMEM is ready and has room, neither lost nor drained (hostloss.StateOf, from the cache of
+// the Nodes' taints that the replicated-volume reconciler watches), none of them in
 // taken (the nodes of its other replicas); the preferred ones first, then those with the most
 // room.
 func (s *controllerServer) chooseReplicaNodes(ctx context.Context, vol *pmemv1.PmemVolume, n int, taken, preferred []string, limit int64) ([]string, error) {
@@ -274,7 +275,7 @@ func (s *controllerServer) chooseReplicaNodes(ctx context.Context, vol *pmemv1.P
 		case need > largest(node):
 			reasons = append(reasons, fmt.Sprintf("%s: %d bytes free in one extent", node.Name, largest(node)))
 		default:
-			state, err := hostloss.StateOf(ctx, s.apiReader, s.apiReader, node.Name)
+			state, err := hostloss.StateOf(ctx, s.reader, s.apiReader, node.Name)
 			if err != nil {
 				return nil, csiserver.APIError(err, "read Node %s", node.Name)
 			}
