@@ -13,6 +13,7 @@ import (
 	"time"
 
 	. "github.com/onsi/gomega"
+	"golang.org/x/sys/unix"
 	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -25,7 +26,7 @@ func newTestLab(t *testing.T) *Lab {
 	if err != nil {
 		t.Fatal(err)
 	}
-	root, err := os.MkdirTemp("", "pvb-")
+	root, err := NewRoot()
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -125,12 +126,18 @@ func expectStaticVolumeBinds(ctx context.Context, g *WithT, cp *ControlPlane) {
 }
 
 // TestKilledOwnerLeavesNothingBehind kills -9 a process that runs a lab and checks that the
-// reaper removes every process, mount, container and pod network the lab had.
+// reaper removes every process, mount, container and pod network the lab had. The lab's
+// containerd node holds no mount of another lab that runs beside it (here, a tmpfs under a lab
+// root of this process's).
 func TestKilledOwnerLeavesNothingBehind(t *testing.T) {
 	g := NewWithT(t)
-	root, err := os.MkdirTemp("", "pvb-")
+	root, err := NewRoot()
 	g.Expect(err).NotTo(HaveOccurred())
 	t.Cleanup(func() { _ = os.RemoveAll(root) })
+	other, err := NewRoot()
+	g.Expect(err).NotTo(HaveOccurred())
+	g.Expect(unix.Mount("tmpfs", other, "tmpfs", 0, "size=1m")).To(Succeed())
+	t.Cleanup(func() { _ = unix.Unmount(other, unix.MNT_DETACH); _ = os.RemoveAll(other) })
 
 	ctx, cancel := context.WithTimeout(t.Context(), 2*time.Minute)
 	defer cancel()
@@ -157,6 +164,20 @@ func TestKilledOwnerLeavesNothingBehind(t *testing.T) {
 	g.Expect(err).NotTo(HaveOccurred())
 	g.Expect(pids).To(HaveLen(9), "etcd, apiserver, controller-manager, scheduler, fakecri, kubelet, and a containerd node's namespace, containerd, kubelet")
 	g.Expect(MountsBelow(root)).NotTo(BeEmpty(), "the kubelet bind-mounts its root dir")
+	own, err := os.Readlink("/proc/self/ns/mnt")
+	g.Expect(err).NotTo(HaveOccurred())
+	nodes := 0
+	for _, pid := range pids {
+		if ns, err := os.Readlink(fmt.Sprintf("/proc/%d/ns/mnt", pid)); err != nil || ns == own {
+			continue
+		}
+		nodes++
+		info, err := os.ReadFile(fmt.Sprintf("/proc/%d/mountinfo", pid))
+		g.Expect(err).NotTo(HaveOccurred())
+		g.Expect(string(info)).To(ContainSubstring(" "+root+"/"), "the node has its own lab's mounts")
+		g.Expect(string(info)).NotTo(ContainSubstring(" "+other+" "), "the node of the lab holds the other lab's mount")
+	}
+	g.Expect(nodes).To(BeNumerically(">", 0), "the containerd node's processes are in a mount namespace of their own")
 	bridge := readFirst(t, filepath.Join(root, "bridges"))
 	g.Expect(exec.Command("pgrep", "-f", "sleep 3601").Run()).To(Succeed(), "the containerd node's pod runs")
 	cgroups := containerCgroups(root)

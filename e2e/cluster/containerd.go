@@ -41,6 +41,12 @@ func (n *Node) startNamespace(ctx context.Context, binds map[string]string) erro
 	}
 	ready := filepath.Join(n.Dir, "namespace-ready")
 	var script strings.Builder
+	// A new mount namespace copies every mount of the machine's, those of the other labs that
+	// run beside this one too (their hosts' PMEM regions, their volumes' loop devices): a copy
+	// here would keep their loop devices busy, after those labs unmount them, until this node
+	// ends. They are dropped first.
+	fmt.Fprintf(&script, "awk -v others=%q -v own=%q '%s' /proc/self/mountinfo | sort -r | xargs -r -n1 umount -l || true\n",
+		labRootPrefix, n.lab.Root, `index($5, others) == 1 && $5 != own && index($5, own "/") != 1 { print $5 }`)
 	if n.vm {
 		// Its host name, and a hosts file of its own that names it (the VM writes it).
 		hosts := filepath.Join(n.Dir, "hosts")

@@ -4,8 +4,18 @@ import (
 	"context"
 	"fmt"
 	"os"
+	"path/filepath"
 	"testing"
 )
+
+// labRootPrefix begins the root of every lab on the machine (NewRoot): short, for the sockets
+// below it, and known, so that a lab's namespaces can tell the other labs' mounts (containerd.go).
+var labRootPrefix = filepath.Join(os.TempDir(), "pvb-")
+
+// NewRoot makes the root directory of a new lab.
+func NewRoot() (string, error) {
+	return os.MkdirTemp(filepath.Dir(labRootPrefix), filepath.Base(labRootPrefix))
+}
 
 // RunTests is the TestMain of a package whose tests share one lab: it starts a lab under a short
 // temporary root, lets setup start what the tests need, runs them and stops the lab. The lab's
@@ -16,7 +26,7 @@ func RunTests(m *testing.M, setup func(ctx context.Context, lab *Lab) error) int
 		fmt.Fprintln(os.Stderr, err)
 		return 1
 	}
-	root, err := os.MkdirTemp("", "pvb-")
+	root, err := NewRoot()
 	if err != nil {
 		fmt.Fprintln(os.Stderr, err)
 		return 1

@@ -40,7 +40,7 @@ func TestMain(m *testing.M) {
 }
 
 func run(m *testing.M) int {
-	root, err := os.MkdirTemp("", "pvb-")
+	root, err := cluster.NewRoot()
 	if err == nil {
 		err = install(context.Background(), root)
 	}

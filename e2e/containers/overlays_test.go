@@ -18,7 +18,9 @@ import (
 // TestOverlaysInRealContainers takes a guest volume through both layers in real containers: a
 // pod on vm-1 writes, and after its volume is detached from vm-1 (hot-unplugged), a pod on vm-3
 // (the same host) reads it back. Deleting the claim deletes the management volume and the loop
-// device mgmt-csi made for it. guest-csi's metrics endpoint counts the calls it served.
+// device mgmt-csi made for it. guest-csi's metrics endpoint counts the calls it served. Between
+// the writer and the reader, the pod of vm-operator's controller that holds its Lease is
+// deleted: the other replica the manifests run takes over and hot-plugs the reader's disk.
 func TestOverlaysInRealContainers(t *testing.T) {
 	g := NewWithT(t)
 	ctx := t.Context()
@@ -29,6 +31,8 @@ func TestOverlaysInRealContainers(t *testing.T) {
 	_, err = gc.CoreV1().PersistentVolumeClaims("default").Create(ctx, deploy.PVC("default", "data", "", "64Mi", false), metav1.CreateOptions{})
 	g.Expect(err).NotTo(HaveOccurred())
 	runToCompletion(ctx, g, gc, "writer", "vm-1", "echo written-in-a-container > /data/file && sync")
+	_, err = deploy.DeleteLeader(ctx, mc, deploy.InstallNamespace, "pvbridge-vm-operator-controller", "app.kubernetes.io/name=vm-operator,app.kubernetes.io/component=controller")
+	g.Expect(err).NotTo(HaveOccurred())
 	pvc, err := gc.CoreV1().PersistentVolumeClaims("default").Get(ctx, "data", metav1.GetOptions{})
 	g.Expect(err).NotTo(HaveOccurred())
 	g.Eventually(func(g Gomega) {

@@ -123,6 +123,11 @@ var _ = Describe("Static provisioning", Label("static"), func() {
 			g.Expect(out).To(ContainSubstring("management PVC %s/%s", alpha.Options.Namespace, mpvc.Name))
 			g.Expect(out).To(MatchRegexp(`VirtualMachine %s/%s +done +attached on host host-a as disk pvb`, alpha.Options.Namespace, pod.Spec.NodeName))
 		}).WithContext(ctx).WithTimeout(timeout).Should(Succeed())
+		By("and its view of the VM shows the claim attached to host-a and hot-plugged")
+		out, code := kubectlPvbridge(ctx, "vm", pod.Spec.NodeName, "-n", alpha.Options.Namespace, "--kubeconfig="+mgmt.CP.Kubeconfig)
+		Expect(code).To(Equal(0), "%s", out)
+		Expect(out).To(ContainSubstring("VirtualMachine %s/%s on host-a: Running", alpha.Options.Namespace, pod.Spec.NodeName))
+		Expect(out).To(MatchRegexp(`(?m)^\S+ +%s +\S+ +\S+ +true +true +pvb`, mpvc.Name))
 		alpha.deletePod(ctx, pod)
 
 		Expect(alpha.c.Delete(ctx, &corev1.PersistentVolumeClaim{ObjectMeta: metaName(ns, "data")})).To(Succeed())

@@ -273,6 +273,10 @@ var _ = Describe("Drain", Label("replication"), func() {
 		drain(ctx, x, true)
 		expectReplicasOn(ctx, id, "host-b", y)
 		writing()
+		out, code := kubectlPvbridge(ctx, "hosts", "--kubeconfig="+mgmt.CP.Kubeconfig)
+		Expect(code).To(Equal(0), "%s", out)
+		Expect(out).To(MatchRegexp(`(?m)^%s +Ready,Drained +file +\S+ +\S+ +\d+ +0 `, x), "the drained host holds no replica")
+		Expect(out).To(MatchRegexp(`(?m)^%s +Ready +file +\S+ +\S+ +\d+ +[1-9]\d* `, y), "its replacement holds one")
 
 		By(x + ", undrained, takes host-b's replica while the pod on host-b writes from the two remote ones")
 		drain(ctx, x, false)

@@ -97,7 +97,7 @@ var _ = BeforeSuite(func(ctx SpecContext) {
 	logf.SetLogger(GinkgoLogr)
 	bin, err := cluster.DefaultBinaries()
 	Expect(err).NotTo(HaveOccurred())
-	root, err := os.MkdirTemp("", "pvb-")
+	root, err := cluster.NewRoot()
 	Expect(err).NotTo(HaveOccurred())
 	lab, err = cluster.NewLab(root, bin)
 	Expect(err).NotTo(HaveOccurred())

@@ -40,13 +40,13 @@ const (
 // Step is one object of the chain.
 type Step struct {
 	// Object names the object: its kind, cluster and name, e.g. "management PVC tenant-a/x".
-	Object string
-	State  State
+	Object string `json:"object"`
+	State  State  `json:"state"`
 	// Detail is what the object says when the step is done, e.g. "Bound to pvc-1".
-	Detail string
+	Detail string `json:"detail,omitempty"`
 	// Why is what holds a step that is not done, with the latest warning Event about the
 	// object.
-	Why string
+	Why string `json:"why,omitempty"`
 }
 
 // Tracer reads both clusters.

@@ -297,6 +297,8 @@ func New(opts Options) (*Controller, error) {
 		LeaderElection:          opts.LeaderElect,
 		LeaderElectionID:        "pvbridge-tenants",
 		LeaderElectionNamespace: opts.LeaderElectionNamespace,
+		// A replica that stops gives the Lease up, for the other to take over at once.
+		LeaderElectionReleaseOnCancel: true,
 	})
 	if err != nil {
 		return nil, fmt.Errorf("create manager: %w", err)

@@ -40,6 +40,10 @@ func main() {
 		"Kubeconfig of the management cluster; empty means the in-cluster configuration of the pod's service account.")
 	fs.Float32Var(&opts.KubeAPIQPS, "kube-api-qps", 50, "Queries per second to the Kubernetes API.")
 	fs.IntVar(&opts.KubeAPIBurst, "kube-api-burst", 100, "Burst of queries to the Kubernetes API.")
+	fs.BoolVar(&opts.LeaderElection, "leader-election", false,
+		"Controller: run the reconciler of replicated volumes in one controller of several, chosen by the Lease pvbridge-mgmt-csi-controller (every one serves its sidecars). Only with --mode=controller.")
+	fs.StringVar(&opts.LeaderElectionNamespace, "leader-election-namespace", "",
+		"Namespace of the leader election Lease; empty for the pod's namespace (required outside a cluster).")
 	fs.StringVar(&opts.MetricsAddress, "metrics-address", "0",
 		`Address to serve Prometheus metrics on (CSI RPC latency and errors by method and code), e.g. ":8080"; "0" turns them off.`)
 	fs.StringVar((*string)(&opts.PmemMode), "pmem-mode", "",

@@ -75,7 +75,16 @@ type Options struct {
 	Pmem     pmem.Options
 	// Replication configures the node's part in replicated volumes (node mode only).
 	Replication ReplicationOptions
+	// LeaderElection makes one controller of several run the reconciler of replicated volumes,
+	// chosen by the Lease leaseName in LeaderElectionNamespace (empty: the pod's); every one
+	// serves its CSI socket, which only its sidecars (themselves elected) call. Controller mode
+	// only.
+	LeaderElection          bool
+	LeaderElectionNamespace string
 }
+
+// leaseName is the Lease of the controllers' leader election.
+const leaseName = "pvbridge-mgmt-csi-controller"
 
 // ReplicationOptions configure a node agent's replica server and targets. A node without
 // KeysDir takes no part in replicated volumes; one with KeysDir and no Address attaches them
@@ -181,6 +190,9 @@ func (o *Options) Validate() error {
 			errs = append(errs, fmt.Errorf("PMEM mode %q is none of file, lvm, ndctl", o.PmemMode))
 		}
 		errs = append(errs, o.Replication.validate()...)
+		if o.LeaderElection {
+			errs = append(errs, errors.New("leader election is for the controller: every node runs its own agent"))
+		}
 	default:
 		errs = append(errs, fmt.Errorf("mode %q is neither %q nor %q", o.Mode, ModeController, ModeNode))
 	}
@@ -221,7 +233,7 @@ func (d *Driver) Run(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
-	mgr, err := newManager(cfg, d.opts.Mode, d.opts.NodeID, d.opts.MetricsAddress)
+	mgr, err := newManager(cfg, d.opts)
 	if err != nil {
 		return err
 	}

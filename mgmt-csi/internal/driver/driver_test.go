@@ -48,6 +48,8 @@ func TestOptionsValidate(t *testing.T) {
 		{name: "node without node ID", opts: valid(ModeNode, func(o *Options) { o.NodeID = "" }), wantErr: []string{"node ID is required"}},
 		{name: "node ID that is not a node name", opts: valid(ModeNode, func(o *Options) { o.NodeID = "Node_1" }), wantErr: []string{"not a node name"}},
 		{name: "relative registration directory", opts: valid(ModeNode, func(o *Options) { o.KubeletRegistrationDir = "plugins_registry" }), wantErr: []string{"not absolute"}},
+		{name: "controllers elect a leader", opts: valid(ModeController, func(o *Options) { o.LeaderElection, o.LeaderElectionNamespace = true, "pvbridge-system" })},
+		{name: "node agents elect no leader", opts: valid(ModeNode, func(o *Options) { o.LeaderElection = true }), wantErr: []string{"every node runs its own agent"}},
 		{name: "controller with node ID", opts: valid(ModeController, func(o *Options) { o.NodeID = "n" }), wantErr: []string{"only used in node mode"}},
 		{name: "controller registering with kubelet", opts: valid(ModeController, func(o *Options) { o.KubeletRegistrationDir = "/r" }), wantErr: []string{"only done in node mode"}},
 		{name: "no version", opts: valid(ModeController, func(o *Options) { o.Version = "" }), wantErr: []string{"version"}},

@@ -43,7 +43,8 @@ func newScheme() (*runtime.Scheme, error) {
 
 // newManager returns the controller-runtime manager that holds the driver's API cache. A node
 // agent caches only its own node's objects: field selectors on spec.node and the PmemNode name.
-func newManager(cfg *rest.Config, mode Mode, node, metricsAddress string) (ctrl.Manager, error) {
+// A controller that stops gives its Lease up, for another to take over at once.
+func newManager(cfg *rest.Config, o Options) (ctrl.Manager, error) {
 	scheme, err := newScheme()
 	if err != nil {
 		return nil, err
@@ -53,23 +54,27 @@ func newManager(cfg *rest.Config, mode Mode, node, metricsAddress string) (ctrl.
 		// A driver may run more than once in a process (the tests restart it); controller
 		// names then repeat.
 		Controller:             config.Controller{SkipNameValidation: ptr.To(true)},
-		Metrics:                metricsserver.Options{BindAddress: metricsAddress},
+		Metrics:                metricsserver.Options{BindAddress: o.MetricsAddress},
 		HealthProbeBindAddress: "0",
 		// Nothing here reads managedFields: the cache does not keep them.
-		Cache: cache.Options{DefaultTransform: cache.TransformStripManagedFields()},
+		Cache:                         cache.Options{DefaultTransform: cache.TransformStripManagedFields()},
+		LeaderElection:                o.LeaderElection,
+		LeaderElectionID:              leaseName,
+		LeaderElectionNamespace:       o.LeaderElectionNamespace,
+		LeaderElectionReleaseOnCancel: true,
 	}
-	if mode == ModeController {
+	if o.Mode == ModeController {
 		// The replicated-volume reconciler watches the hosts' drains and losses, in their
 		// taints: the cache keeps no more of a Node.
 		opts.Cache.ByObject = map[client.Object]cache.ByObject{&corev1.Node{}: {Transform: nodeTaints}}
 	}
-	if mode == ModeNode {
-		own := fields.OneTermEqualSelector("spec.node", node)
+	if o.Mode == ModeNode {
+		own := fields.OneTermEqualSelector("spec.node", o.NodeID)
 		opts.Cache.ByObject = map[client.Object]cache.ByObject{
 			&pmemv1.PmemVolume{}:   {Field: own},
 			&pmemv1.PmemSnapshot{}: {Field: own},
 			&pmemv1.PmemReplica{}:  {Field: own},
-			&pmemv1.PmemNode{}:     {Field: fields.OneTermEqualSelector("metadata.name", node)},
+			&pmemv1.PmemNode{}:     {Field: fields.OneTermEqualSelector("metadata.name", o.NodeID)},
 		}
 	}
 	return ctrl.NewManager(cfg, opts)

@@ -9,85 +9,75 @@ import (
 	"text/tabwriter"
 	"time"
 
-	"github.com/spf13/pflag"
+	"github.com/spf13/cobra"
 	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/api/meta"
 	"k8s.io/apimachinery/pkg/util/wait"
+	"k8s.io/cli-runtime/pkg/genericclioptions"
+	"k8s.io/cli-runtime/pkg/genericiooptions"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	pmemv1 "pvbridge.io/pkg/apis/pmem/v1alpha1"
 	vmv1 "pvbridge.io/pkg/apis/vm/v1alpha1"
 )
 
-const drainUsage = `Usage: kubectl pvbridge drain-host HOST [--undo] [--wait DURATION] [flags]
-
-Drains management host HOST before its maintenance: taints its Node ` + vmv1.DrainTaint + `:NoSchedule,
+const drainLong = `Drains management host HOST before its maintenance: taints its Node ` + vmv1.DrainTaint + `:NoSchedule,
 so that it takes no new pod, VirtualMachine or replica, and each replica of a replicated volume
 on it moves to another host (a new replica there is rebuilt from the volume, then HOST's is
 taken out of the volume and deleted). It waits until no replica is left on HOST, or --wait
 passes, and prints what stays: replicas no other host can take (why), the PMEM volumes that
 live only on HOST, and the VirtualMachines that run there (move their guest nodes with Cluster
 API, e.g. delete their Machines, before the host goes down). With --undo it removes the taint:
-the host takes new VMs and replicas again. Reads and writes the management cluster
-(--kubeconfig, or kubectl's default) as an admin. Exits 0 once HOST holds no replica, 3 when
-some stay, 1 when the cluster cannot be read, 2 on a bad command line.
+the host takes new VMs and replicas again. Reads and writes the management cluster as an
+admin. Exits 0 once HOST holds no replica, 3 when some stay, 1 when the cluster cannot be
+read, 2 on a bad command line.`
 
-Flags:
-`
-
-// runDrainHost runs `kubectl pvbridge drain-host` with args, those after "drain-host".
-func runDrainHost(ctx context.Context, args []string, stdout, stderr io.Writer) int {
-	fs := pflag.NewFlagSet("kubectl-pvbridge drain-host", pflag.ContinueOnError)
-	fs.SetOutput(stderr)
-	kubeconfig := fs.String("kubeconfig", "", "Kubeconfig of the management cluster; empty for kubectl's default ($KUBECONFIG, ~/.kube/config).")
-	undo := fs.Bool("undo", false, "Bring the host back: remove the drain taint.")
-	waitFor := fs.Duration("wait", 10*time.Minute, "How long to wait for the host's replicas to move; 0 to only say what stays.")
-	fs.Usage = func() {
-		fmt.Fprint(stderr, drainUsage)
-		fs.PrintDefaults()
+func newDrainHostCommand(flags *genericclioptions.ConfigFlags, streams genericiooptions.IOStreams) *cobra.Command {
+	var undo bool
+	var waitFor time.Duration
+	var out output
+	cmd := &cobra.Command{
+		Use:   "drain-host HOST",
+		Short: "Move a management host's replicas away before its maintenance (--undo brings it back)",
+		Long:  drainLong,
+		Args:  exactArgs(1),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			host, ctx := args[0], cmd.Context()
+			c, _, err := newClient(flags)
+			if err != nil {
+				return fmt.Errorf("management cluster: %w", err)
+			}
+			if err := setDrainTaint(ctx, c, host, !undo); err != nil {
+				return err
+			}
+			if undo {
+				fmt.Fprintf(streams.Out, "host %s: drain taint removed; it takes new VMs and replicas again\n", host)
+				return nil
+			}
+			if out == "" {
+				fmt.Fprintf(streams.Out, "host %s: tainted %s:NoSchedule\n", host, vmv1.DrainTaint)
+			}
+			var left *hostContents
+			err = wait.PollUntilContextTimeout(ctx, 2*time.Second, waitFor, true, func(ctx context.Context) (bool, error) {
+				left, err = contentsOf(ctx, c, host)
+				return err == nil && len(left.Replicas) == 0, err
+			})
+			if left == nil {
+				return err
+			}
+			if err := out.print(streams.Out, left, func(w io.Writer) { left.print(w, host) }); err != nil {
+				return err
+			}
+			if len(left.Replicas) > 0 {
+				return errNotDone
+			}
+			return nil
+		},
 	}
-	if err := fs.Parse(args); err != nil {
-		return exitUsage
-	}
-	if fs.NArg() != 1 {
-		fs.Usage()
-		return exitUsage
-	}
-	host := fs.Arg(0)
-	scheme, err := newScheme()
-	if err != nil {
-		fmt.Fprintln(stderr, err)
-		return exitError
-	}
-	c, _, err := reader(*kubeconfig, scheme)
-	if err != nil {
-		fmt.Fprintln(stderr, "management cluster:", err)
-		return exitError
-	}
-	if err := setDrainTaint(ctx, c, host, !*undo); err != nil {
-		fmt.Fprintln(stderr, err)
-		return exitError
-	}
-	if *undo {
-		fmt.Fprintf(stdout, "host %s: drain taint removed; it takes new VMs and replicas again\n", host)
-		return exitDone
-	}
-	fmt.Fprintf(stdout, "host %s: tainted %s:NoSchedule\n", host, vmv1.DrainTaint)
-
-	var left *hostContents
-	err = wait.PollUntilContextTimeout(ctx, 2*time.Second, *waitFor, true, func(ctx context.Context) (bool, error) {
-		left, err = contentsOf(ctx, c, host)
-		return err == nil && len(left.replicas) == 0, err
-	})
-	if left == nil {
-		fmt.Fprintln(stderr, err)
-		return exitError
-	}
-	left.print(stdout, host)
-	if len(left.replicas) > 0 {
-		return exitNotReady
-	}
-	return exitDone
+	cmd.Flags().BoolVar(&undo, "undo", false, "Bring the host back: remove the drain taint.")
+	cmd.Flags().DurationVar(&waitFor, "wait", 10*time.Minute, "How long to wait for the host's replicas to move; 0 to only say what stays.")
+	out.add(cmd)
+	return cmd
 }
 
 // setDrainTaint adds the drain taint to the Node of host, or removes it.
@@ -109,9 +99,12 @@ func setDrainTaint(ctx context.Context, c client.Client, host string, on bool) e
 
 // hostContents is what a host holds of pvbridge's.
 type hostContents struct {
-	replicas []string // the live replicas, each with what holds it
-	volumes  []string // the PMEM volumes of one replica: they live only here
-	vms      []string // namespace/name
+	// Replicas are the live replicas, each with what holds it.
+	Replicas []string `json:"replicas"`
+	// Volumes are the PMEM volumes of one replica: they live only here.
+	Volumes []string `json:"volumes"`
+	// VMs are the VirtualMachines that run here, namespace/name.
+	VMs []string `json:"vms"`
 }
 
 // contentsOf reads what host holds.
@@ -126,14 +119,14 @@ func contentsOf(ctx context.Context, c client.Reader, host string) (*hostContent
 		if !r.Live() {
 			continue // faulted or retired: deleted soon, with nothing the volume needs
 		}
-		h.replicas = append(h.replicas, fmt.Sprintf("%s (volume %s): %s", r.Name, r.Spec.VolumeID, whyStays(ctx, c, &r)))
+		h.Replicas = append(h.Replicas, fmt.Sprintf("%s (volume %s): %s", r.Name, r.Spec.VolumeID, whyStays(ctx, c, &r)))
 	}
 	for _, v := range volumes.Items {
-		h.volumes = append(h.volumes, v.Name)
+		h.Volumes = append(h.Volumes, v.Name)
 	}
 	for _, vm := range vms.Items {
 		if vm.Status.Host == host {
-			h.vms = append(h.vms, vm.Namespace+"/"+vm.Name)
+			h.VMs = append(h.VMs, vm.Namespace+"/"+vm.Name)
 		}
 	}
 	return h, nil
@@ -165,16 +158,16 @@ func whyStays(ctx context.Context, c client.Reader, r *pmemv1.PmemReplica) strin
 // print writes what stays on host.
 func (h *hostContents) print(w io.Writer, host string) {
 	tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
-	fmt.Fprintf(tw, "replicas on %s\t%d\n", host, len(h.replicas))
-	for _, r := range h.replicas {
+	fmt.Fprintf(tw, "replicas on %s\t%d\n", host, len(h.Replicas))
+	for _, r := range h.Replicas {
 		fmt.Fprintf(tw, "  %s\t\n", r)
 	}
-	fmt.Fprintf(tw, "PMEM volumes of one replica (they live only on %s)\t%d\n", host, len(h.volumes))
-	for _, v := range h.volumes {
+	fmt.Fprintf(tw, "PMEM volumes of one replica (they live only on %s)\t%d\n", host, len(h.Volumes))
+	for _, v := range h.Volumes {
 		fmt.Fprintf(tw, "  %s\t\n", v)
 	}
-	fmt.Fprintf(tw, "VirtualMachines on %s (move their guest nodes before the host goes down)\t%d\n", host, len(h.vms))
-	for _, vm := range h.vms {
+	fmt.Fprintf(tw, "VirtualMachines on %s (move their guest nodes before the host goes down)\t%d\n", host, len(h.VMs))
+	for _, vm := range h.VMs {
 		fmt.Fprintf(tw, "  %s\t\n", vm)
 	}
 	_ = tw.Flush()

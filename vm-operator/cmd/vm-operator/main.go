@@ -80,6 +80,14 @@ func main() {
 		"Host agent: the longest it holds the writes of VirtualMachines (pauses them, or freezes their guests' filesystems) while mgmt-csi cuts a group snapshot of their volumes; a hold that is not released by then is let go, and the cut reported inconsistent.")
 	fs.DurationVar(&opts.VolumeDetachTimeout, "volume-detach-timeout", capi.DefaultVolumeDetachTimeout,
 		"Infrastructure provider: how long a deleted Machine's VirtualMachine may keep volumes before it is powered off and deleted anyway (Cluster API waited for them to detach already); 0 waits for ever.")
+	fs.BoolVar(&opts.LeaderElect, "leader-elect", false,
+		"Controller and infrastructure provider: run one active replica of several, chosen by a Lease (pvbridge-vm-operator-controller, pvbridge-infrastructure-provider); the others wait to take over.")
+	fs.StringVar(&opts.LeaderElectionNamespace, "leader-election-namespace", "",
+		"Namespace of the leader election Lease; empty for the pod's namespace (required outside a cluster).")
+	fs.StringVar(&opts.WatchNamespace, "namespace", "",
+		"Infrastructure provider: the namespace whose Cluster API objects it reconciles; empty: every namespace.")
+	fs.StringVar(&opts.WatchFilter, "watch-filter", "",
+		"Infrastructure provider: reconcile only the Cluster API objects labelled cluster.x-k8s.io/watch-filter=<value>; empty: all of them.")
 	fs.StringVar(&opts.MetricsAddress, "metrics-bind-address", "0",
 		`host:port to serve Prometheus metrics on (/metrics), or "0" for none.`)
 	fs.StringVar(&opts.HealthAddress, "health-probe-bind-address", ":8081",

@@ -47,11 +47,26 @@ type Options struct {
 	// VolumeDetachTimeout bounds the wait of a deleted machine for its volumes to detach;
 	// zero waits for ever.
 	VolumeDetachTimeout time.Duration
+	// WatchFilter restricts the provider to the objects labelled with it.
+	WatchFilter WatchFilter
 }
+
+// WatchFilter is the value of the cluster.x-k8s.io/watch-filter label of the objects a provider
+// instance reconciles (clusterctl's --watch-filter, for instances side by side); empty: every
+// object. Each reconciler checks its own object, which every watch's event leads to.
+type WatchFilter string
+
+// Matches reports whether obj is this instance's to reconcile.
+func (f WatchFilter) Matches(obj metav1.Object) bool {
+	return f == "" || obj.GetLabels()[clusterv1.WatchLabel] == string(f)
+}
+
+// The Lease of the provider's leader election (vm-operator --leader-elect), in its namespace.
+// +kubebuilder:rbac:groups=coordination.k8s.io,resources=leases,verbs=get;create;update,namespace=pvbridge-capi-system
 
 // SetupWithManager registers the provider's reconcilers with mgr.
 func SetupWithManager(mgr ctrl.Manager, opts Options) error {
-	clusters := &ClusterReconciler{Client: mgr.GetClient()}
+	clusters := &ClusterReconciler{Client: mgr.GetClient(), Filter: opts.WatchFilter}
 	if err := clusters.SetupWithManager(mgr); err != nil {
 		return fmt.Errorf("set up the PVBridgeCluster controller: %w", err)
 	}
@@ -59,6 +74,7 @@ func SetupWithManager(mgr ctrl.Manager, opts Options) error {
 		Client:              mgr.GetClient(),
 		Recorder:            mgr.GetEventRecorder(fieldManager),
 		VolumeDetachTimeout: opts.VolumeDetachTimeout,
+		Filter:              opts.WatchFilter,
 	}
 	if err := machines.SetupWithManager(mgr); err != nil {
 		return fmt.Errorf("set up the PVBridgeMachine controller: %w", err)

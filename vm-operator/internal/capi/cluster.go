@@ -29,6 +29,8 @@ import (
 // provisioned.
 type ClusterReconciler struct {
 	Client client.Client
+	// Filter picks the PVBridgeClusters of this provider instance.
+	Filter WatchFilter
 }
 
 // +kubebuilder:rbac:groups=infrastructure.cluster.x-k8s.io,resources=pvbridgeclusters,verbs=get;list;watch;patch
@@ -88,7 +90,7 @@ func hostChanged() predicate.Predicate {
 // Reconcile brings a PVBridgeCluster's status up to date.
 func (r *ClusterReconciler) Reconcile(ctx context.Context, req ctrl.Request) (_ ctrl.Result, reterr error) {
 	ic := &infrav1.PVBridgeCluster{}
-	if err := r.Client.Get(ctx, req.NamespacedName, ic); err != nil {
+	if err := r.Client.Get(ctx, req.NamespacedName, ic); err != nil || !r.Filter.Matches(ic) {
 		return ctrl.Result{}, client.IgnoreNotFound(err)
 	}
 	cluster := &clusterv1.Cluster{}

@@ -37,6 +37,8 @@ type MachineReconciler struct {
 	// VolumeDetachTimeout bounds how long a deleted machine waits for its VM's volumes to
 	// detach before the VM is powered off and deleted anyway; zero waits for ever.
 	VolumeDetachTimeout time.Duration
+	// Filter picks the PVBridgeMachines of this provider instance.
+	Filter WatchFilter
 
 	// now is the clock (time.Now when nil).
 	now func() time.Time
@@ -111,7 +113,7 @@ func (r *MachineReconciler) clock() time.Time {
 // the VirtualMachine's creation or deletion, with one status write at the end.
 func (r *MachineReconciler) Reconcile(ctx context.Context, req ctrl.Request) (_ ctrl.Result, reterr error) {
 	pm := &infrav1.PVBridgeMachine{}
-	if err := r.Client.Get(ctx, req.NamespacedName, pm); err != nil {
+	if err := r.Client.Get(ctx, req.NamespacedName, pm); err != nil || !r.Filter.Matches(pm) {
 		return ctrl.Result{}, client.IgnoreNotFound(err)
 	}
 	deleting := !pm.DeletionTimestamp.IsZero()

@@ -171,6 +171,40 @@ func TestMachineWithoutFailureDomainLeavesPlacementToVMOperator(t *testing.T) {
 	g.Expect(vm.Spec.Resources.Memory.String()).To(Equal("4Gi"))
 }
 
+func TestWatchFilterPicksTheInstancesObjects(t *testing.T) {
+	for _, tt := range []struct {
+		name   string
+		filter WatchFilter
+		label  string // the machine's and cluster's watch-filter label; "" none
+		want   bool   // reconciled: the VirtualMachine created
+	}{
+		{name: "no filter reconciles an unlabelled machine", want: true},
+		{name: "no filter reconciles a labelled machine", label: "blue", want: true},
+		{name: "a filter reconciles its own", filter: "blue", label: "blue", want: true},
+		{name: "a filter leaves another instance's machine", filter: "blue", label: "green"},
+		{name: "a filter leaves an unlabelled machine", filter: "blue"},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			g := NewWithT(t)
+			f := newFixtures()
+			if tt.label != "" {
+				f.pm.Labels[clusterv1.WatchLabel] = tt.label
+				f.ic.Labels[clusterv1.WatchLabel] = tt.label
+			}
+			c := newClient(t, f.objects()...)
+			_, err := (&MachineReconciler{Client: c, Filter: tt.filter}).Reconcile(t.Context(), ctrl.Request{NamespacedName: client.ObjectKeyFromObject(f.pm)})
+			g.Expect(err).NotTo(HaveOccurred())
+			err = c.Get(t.Context(), client.ObjectKeyFromObject(f.pm), &vmv1.VirtualMachine{})
+			g.Expect(err == nil).To(Equal(tt.want), "VirtualMachine created: %v", err)
+
+			_, err = (&ClusterReconciler{Client: c, Filter: tt.filter}).Reconcile(t.Context(), ctrl.Request{NamespacedName: client.ObjectKeyFromObject(f.ic)})
+			g.Expect(err).NotTo(HaveOccurred())
+			ic := get(t, c, &infrav1.PVBridgeCluster{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: clusterName}})
+			g.Expect(ic.Status.Conditions != nil).To(Equal(tt.want), "PVBridgeCluster reconciled")
+		})
+	}
+}
+
 func TestMachineDeletion(t *testing.T) {
 	const timeout = 5 * time.Minute
 	deletedAt := time.Date(2026, 11, 27, 12, 0, 0, 0, time.UTC)

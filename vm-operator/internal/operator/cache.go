@@ -14,15 +14,19 @@ import (
 // PersistentVolume a VirtualMachine names (and the controller every claim), which at 1 000
 // volumes is most of the cache: it keeps only the fields they read. Nothing writes a claim or a
 // volume from the cache (the operator may not), and a fresh read from the API server is whole.
-// A host agent caches only the VirtualMachines placed on its host. The controller's cache is
-// set up without the API server: a per-type option (ByObject) would have the manager ask
-// whether each type is namespaced.
-func cacheOptions(role Role, node string) cache.Options {
+// A host agent caches only the VirtualMachines placed on its host, an infrastructure provider
+// with a namespace only that namespace's objects (and the cluster's Nodes). The controller's
+// cache is set up without the API server: a per-type option (ByObject) would have the manager
+// ask whether each type is namespaced.
+func cacheOptions(o Options) cache.Options {
 	opts := cache.Options{DefaultTransform: trim}
-	if role == RoleHostAgent {
+	switch {
+	case o.Role == RoleHostAgent:
 		opts.ByObject = map[client.Object]cache.ByObject{
-			&vmv1alpha1.VirtualMachine{}: {Field: fields.OneTermEqualSelector("status.host", node)},
+			&vmv1alpha1.VirtualMachine{}: {Field: fields.OneTermEqualSelector("status.host", o.NodeName)},
 		}
+	case o.Role == RoleInfrastructureProvider && o.WatchNamespace != "":
+		opts.DefaultNamespaces = map[string]cache.Config{o.WatchNamespace: {}}
 	}
 	return opts
 }

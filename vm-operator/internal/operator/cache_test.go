@@ -96,8 +96,10 @@ func TestCacheTrimsClaimsAndVolumes(t *testing.T) {
 
 func TestCacheOptionsPerRole(t *testing.T) {
 	g := NewWithT(t)
-	g.Expect(cacheOptions(RoleController, "").ByObject).To(BeEmpty(), "the controller's cache is set up without the API server")
-	agent := cacheOptions(RoleHostAgent, "host-a").ByObject
+	g.Expect(cacheOptions(Options{Role: RoleController}).ByObject).To(BeEmpty(), "the controller's cache is set up without the API server")
+	g.Expect(cacheOptions(Options{Role: RoleInfrastructureProvider}).DefaultNamespaces).To(BeEmpty(), "every namespace")
+	g.Expect(cacheOptions(Options{Role: RoleInfrastructureProvider, WatchNamespace: "tenant-a"}).DefaultNamespaces).To(HaveKey("tenant-a"))
+	agent := cacheOptions(Options{Role: RoleHostAgent, NodeName: "host-a"}).ByObject
 	g.Expect(agent).To(HaveLen(1))
 	for obj, by := range agent {
 		g.Expect(obj).To(BeAssignableToTypeOf(&vmv1alpha1.VirtualMachine{}))

@@ -93,6 +93,21 @@ type Options struct {
 	// KubeAPIQPS and KubeAPIBurst limit the operator's API requests.
 	KubeAPIQPS   float32
 	KubeAPIBurst int
+	// LeaderElect makes the controller and the infrastructure provider run one active replica
+	// of several, chosen by a Lease (leaseName) in LeaderElectionNamespace (empty: the pod's).
+	LeaderElect             bool
+	LeaderElectionNamespace string
+	// WatchNamespace and WatchFilter restrict the infrastructure provider to the Cluster API
+	// objects of one namespace, and to those labelled cluster.x-k8s.io/watch-filter=WatchFilter
+	// (clusterctl's conventions); empty: all of them.
+	WatchNamespace string
+	WatchFilter    string
+}
+
+// leaseName is the Lease of each role's leader election.
+var leaseName = map[Role]string{
+	RoleController:             "pvbridge-vm-operator-controller",
+	RoleInfrastructureProvider: "pvbridge-infrastructure-provider",
 }
 
 // Validate reports every problem with the options.
@@ -139,8 +154,20 @@ func (o *Options) Validate() error {
 		if o.VolumeDetachTimeout < 0 {
 			errs = append(errs, fmt.Errorf("volume detach timeout %s is negative", o.VolumeDetachTimeout))
 		}
+		if msgs := validation.IsDNS1123Label(o.WatchNamespace); o.WatchNamespace != "" && len(msgs) > 0 {
+			errs = append(errs, fmt.Errorf("namespace %q is not a namespace: %v", o.WatchNamespace, msgs))
+		}
+		if msgs := validation.IsValidLabelValue(o.WatchFilter); len(msgs) > 0 {
+			errs = append(errs, fmt.Errorf("watch filter %q is not a label value: %v", o.WatchFilter, msgs))
+		}
 	default:
 		errs = append(errs, fmt.Errorf("role %q is not %q, %q or %q", o.Role, RoleController, RoleHostAgent, RoleInfrastructureProvider))
+	}
+	if o.Role == RoleHostAgent && o.LeaderElect {
+		errs = append(errs, errors.New("leader election is for the controller and infrastructure-provider roles: each host runs its own agent"))
+	}
+	if o.Role != RoleInfrastructureProvider && (o.WatchNamespace != "" || o.WatchFilter != "") {
+		errs = append(errs, errors.New("the namespace and the watch filter are only used in the infrastructure-provider role"))
 	}
 	if err := validateAddress(o.MetricsAddress); err != nil {
 		errs = append(errs, fmt.Errorf("metrics address: %w", err))
@@ -209,7 +236,14 @@ func New(opts Options) (*Operator, error) {
 		Scheme:                 scheme,
 		Metrics:                metricsserver.Options{BindAddress: opts.MetricsAddress},
 		HealthProbeBindAddress: opts.HealthAddress,
-		Cache:                  cacheOptions(opts.Role, opts.NodeName),
+		Cache:                  cacheOptions(opts),
+		// A replica that stops (a rolling update, a drained node) gives the Lease up, so that
+		// another takes over at once rather than after the Lease's 15 s run out: the process
+		// exits when the manager returns.
+		LeaderElection:                opts.LeaderElect,
+		LeaderElectionID:              leaseName[opts.Role],
+		LeaderElectionNamespace:       opts.LeaderElectionNamespace,
+		LeaderElectionReleaseOnCancel: true,
 	}
 	mgr, err := ctrl.NewManager(cfg, mopts)
 	if err != nil {
@@ -225,7 +259,7 @@ func New(opts Options) (*Operator, error) {
 			return nil, err
 		}
 	case RoleInfrastructureProvider:
-		if err := capi.SetupWithManager(mgr, capi.Options{VolumeDetachTimeout: opts.VolumeDetachTimeout}); err != nil {
+		if err := capi.SetupWithManager(mgr, capi.Options{VolumeDetachTimeout: opts.VolumeDetachTimeout, WatchFilter: capi.WatchFilter(opts.WatchFilter)}); err != nil {
 			return nil, err
 		}
 	}
@@ -296,6 +330,6 @@ func restConfig(kubeconfig string) (*rest.Config, error) {
 
 // Run runs the manager until ctx ends.
 func (o *Operator) Run(ctx context.Context) error {
-	klog.FromContext(ctx).Info("Starting vm-operator", "role", o.opts.Role, "node", o.opts.NodeName)
+	klog.FromContext(ctx).Info("Starting vm-operator", "role", o.opts.Role, "node", o.opts.NodeName, "leaderElection", o.opts.LeaderElect)
 	return o.mgr.Start(ctx)
 }
