@@ -6,6 +6,13 @@
 //     (a mirror that keeps the paths);
 //   - extraArgs: more arguments for the main container of a workload, by workload name (a
 //     repeated flag's last value wins, so they also override the shipped ones);
+//   - workloads: per workload, replicas (Deployments), resources by container, nodeSelector,
+//     tolerations, affinity and priorityClassName, each replacing the shipped one; and
+//     imagePullSecrets for every pod. Each workload's object is its overlay's text in a named
+//     template, parsed (fromYaml), given these values and printed (toYaml): no value is spliced
+//     into YAML text, and the defaults print the overlay's object;
+//   - snapshotController: false leaves out the CSI snapshot-controller (a cluster that runs
+//     one already: two would race); helm install --skip-crds leaves out the CRDs;
 //   - the overlay's own settings: the management apiserver URL (mgmtServer) of the management
 //     chart; the guest cluster's name and UID (clusterName, clusterUID) of the guest chart.
 //
@@ -128,6 +135,8 @@ func (c Chart) Make(kubectl, root string) (Files, error) {
 	}
 	files := Files{}
 	templates := map[string][]string{}
+	var workloads []workload
+	var defines []string
 	images := map[string]string{}
 	settings := map[string]string{}
 	for _, doc := range documents(out) {
@@ -149,9 +158,23 @@ func (c Chart) Make(kubectl, root string) (Files, error) {
 			files["templates/namespace.yaml"] = []byte(fmt.Sprintf(namespaceCheck, meta.Metadata.Name))
 			continue
 		}
+		var w workload
+		if meta.Kind == "Deployment" || meta.Kind == "DaemonSet" {
+			if w, err = newWorkload(doc); err != nil {
+				return nil, err
+			}
+		}
 		doc, err = c.template(doc, meta.Kind, meta.Metadata.Name, images, settings)
 		if err != nil {
 			return nil, fmt.Errorf("%s %s: %w", meta.Kind, meta.Metadata.Name, err)
+		}
+		if w.Name != "" {
+			workloads = append(workloads, w)
+			defines = append(defines, fmt.Sprintf("{{- define %q -}}\n%s\n{{- end }}", "pvbridge.workload."+meta.Metadata.Name, doc))
+			doc = fmt.Sprintf(workloadTemplate, meta.Metadata.Name)
+		}
+		if strings.HasPrefix(meta.Metadata.Name, snapshotController) {
+			doc = "{{- if .Values.snapshotController }}\n" + doc + "\n{{- end }}"
 		}
 		file := "templates/" + strings.ToLower(meta.Kind) + ".yaml"
 		templates[file] = append(templates[file], doc)
@@ -173,14 +196,70 @@ version: %s
 appVersion: v%s
 `, c.Overlay, c.Name, c.Description, Version, Version))
 	files["values.yaml"] = c.values(images, settings)
-	schema, err := c.schema()
+	schema, err := c.schema(workloads)
 	if err != nil {
 		return nil, err
 	}
 	files["values.schema.json"] = schema
 	files["templates/NOTES.txt"] = []byte(c.Notes)
 	files["templates/_helpers.tpl"] = []byte(helpers)
+	files["templates/_workloads.tpl"] = []byte(strings.Join(defines, "\n") + "\n")
 	return files, nil
+}
+
+// snapshotController names the CSI snapshot-controller's objects (its Deployment, service
+// account and RBAC), which the value snapshotController leaves out.
+const snapshotController = "snapshot-controller"
+
+// workload is a Deployment or DaemonSet of the overlay, and its containers' names.
+type workload struct {
+	Name, Kind string
+	Containers []string
+}
+
+// workloadTemplate prints workload %[1]s: its object (the named template of its overlay's text),
+// with its values of .Values.workloads and .Values.imagePullSecrets set in.
+const workloadTemplate = `{{ $obj := include "pvbridge.workload.%[1]s" . | fromYaml }}
+{{- $w := index .Values.workloads %[1]q | default dict }}
+{{- $pod := $obj.spec.template.spec }}
+{{- if hasKey $w "replicas" }}{{ $_ := set $obj.spec "replicas" $w.replicas }}{{ end }}
+{{- range $key := list "nodeSelector" "tolerations" "affinity" "priorityClassName" }}
+{{- if hasKey $w $key }}{{ $_ := set $pod $key (index $w $key) }}{{ end }}
+{{- end }}
+{{- with .Values.imagePullSecrets }}{{ $_ := set $pod "imagePullSecrets" . }}{{ end }}
+{{- range $c := concat ($pod.initContainers | default list) $pod.containers }}
+{{- with index ($w.resources | default dict) $c.name }}{{ $_ := set $c "resources" . }}{{ end }}
+{{- end }}
+{{- toYaml $obj }}`
+
+// newWorkload reads a Deployment's or DaemonSet's name, kind and containers.
+func newWorkload(doc string) (workload, error) {
+	var o struct {
+		Kind     string `json:"kind"`
+		Metadata struct {
+			Name string `json:"name"`
+		} `json:"metadata"`
+		Spec struct {
+			Template struct {
+				Spec struct {
+					InitContainers []struct {
+						Name string `json:"name"`
+					} `json:"initContainers"`
+					Containers []struct {
+						Name string `json:"name"`
+					} `json:"containers"`
+				} `json:"spec"`
+			} `json:"template"`
+		} `json:"spec"`
+	}
+	if err := yaml.Unmarshal([]byte(doc), &o); err != nil {
+		return workload{}, err
+	}
+	w := workload{Name: o.Metadata.Name, Kind: o.Kind}
+	for _, c := range append(o.Spec.Template.Spec.InitContainers, o.Spec.Template.Spec.Containers...) {
+		w.Containers = append(w.Containers, c.Name)
+	}
+	return w, nil
 }
 
 // namespaceCheck fails an install into another namespace than the overlay's (%s): its objects
@@ -289,11 +368,47 @@ func (c Chart) values(images, settings map[string]string) []byte {
 		fmt.Fprintf(&b, "  %s: %s\n", k, images[k])
 	}
 	b.WriteString("\n# More arguments of the main container of a workload, by workload name; a flag given again\n# overrides the shipped value (e.g. mgmt-csi-node: [--pmem-mode=lvm]).\nextraArgs: {}\n")
+	b.WriteString(`
+# Per workload, by name: replicas (Deployments), resources by container name, nodeSelector,
+# tolerations, affinity and priorityClassName, each replacing the shipped one (values.schema.json
+# names the workloads and their containers), e.g.
+#   workloads:
+#     mgmt-csi-node:
+#       nodeSelector: {vm.pvbridge.io/host: "true", example.com/pmem: "true"}
+#       resources: {mgmt-csi: {requests: {cpu: 50m}, limits: {memory: 1Gi}}}
+workloads: {}
+
+# Secrets every pod pulls its images with (a private mirror), e.g. [{name: mirror-credentials}].
+imagePullSecrets: []
+
+# The CSI snapshot-controller; false where the cluster runs one already (two would race). The
+# snapshot CRDs are in crds/: helm install --skip-crds leaves them out.
+snapshotController: true
+`)
 	return b.Bytes()
 }
 
 // schema is the chart's values.schema.json.
-func (c Chart) schema() ([]byte, error) {
+func (c Chart) schema(workloads []workload) ([]byte, error) {
+	perWorkload := map[string]any{}
+	for _, w := range workloads {
+		resources := map[string]any{}
+		for _, name := range w.Containers {
+			resources[name] = map[string]any{"type": "object", "description": "the resources of container " + name}
+		}
+		props := map[string]any{
+			"resources": map[string]any{"type": "object", "properties": resources, "additionalProperties": false,
+				"description": "resources by container name"},
+			"nodeSelector":      map[string]any{"type": "object", "additionalProperties": map[string]any{"type": "string"}},
+			"tolerations":       map[string]any{"type": "array", "items": map[string]any{"type": "object"}},
+			"affinity":          map[string]any{"type": "object"},
+			"priorityClassName": map[string]any{"type": "string"},
+		}
+		if w.Kind == "Deployment" {
+			props["replicas"] = map[string]any{"type": "integer", "minimum": 0}
+		}
+		perWorkload[w.Name] = map[string]any{"type": "object", "properties": props, "additionalProperties": false}
+	}
 	properties := map[string]any{
 		"imageRegistry": map[string]any{"type": "string", "description": "a mirror's registry for every image"},
 		"images": map[string]any{
@@ -304,6 +419,16 @@ func (c Chart) schema() ([]byte, error) {
 			"type": "object", "additionalProperties": map[string]any{"type": "array", "items": map[string]any{"type": "string"}},
 			"description": "more arguments of a workload's main container, by workload name",
 		},
+		"workloads": map[string]any{
+			"type": "object", "properties": perWorkload, "additionalProperties": false,
+			"description": "per workload: replicas, resources by container, nodeSelector, tolerations, affinity, priorityClassName",
+		},
+		"imagePullSecrets": map[string]any{
+			"type": "array", "description": "the secrets every pod pulls its images with",
+			"items": map[string]any{"type": "object", "properties": map[string]any{"name": map[string]any{"type": "string", "minLength": 1}},
+				"required": []string{"name"}, "additionalProperties": false},
+		},
+		"snapshotController": map[string]any{"type": "boolean", "description": "install the CSI snapshot-controller"},
 	}
 	required := []string{"images"}
 	for _, s := range c.Settings {

@@ -147,6 +147,8 @@ func TestKilledOwnerLeavesNothingBehind(t *testing.T) {
 	out, err := child.StdoutPipe()
 	g.Expect(err).NotTo(HaveOccurred())
 	g.Expect(child.Start()).To(Succeed())
+	// On a failure before the kill below, the child's lab must end too (its reaper runs).
+	t.Cleanup(func() { _ = child.Process.Kill(); _ = child.Wait() })
 	ready := make(chan bool, 1)
 	go func() {
 		s := bufio.NewScanner(out)

@@ -19,8 +19,10 @@ import (
 // proves that its defaults make the overlay's objects) with the pinned helm and every value an
 // admin sets: each image from a mirror, a workload's extra arguments after the shipped ones,
 // the chart's settings in its ConfigMap (the management one's name, a hash of the value,
-// changes with it and the controller reads the new one); and a release into another namespace
-// than pvbridge-system fails with the command to use.
+// changes with it and the controller reads the new one), per-workload replicas, node selector,
+// resources, tolerations and priority class, pull secrets, and the snapshot-controller left out;
+// a workload it does not have is refused; and a release into another namespace than
+// pvbridge-system fails with the command to use.
 func TestHelmChartValues(t *testing.T) {
 	bin, err := testenv.BinDir()
 	NewWithT(t).Expect(err).NotTo(HaveOccurred())
@@ -51,18 +53,20 @@ func TestHelmChartValues(t *testing.T) {
 	}
 	tests := []struct {
 		chart, workload string
-		set             []string
+		// deployment and its container get workload values.
+		deployment, container string
+		set                   []string
 		// configMap is the ConfigMap of the settings (its name's prefix), want its data.
 		configMap string
 		want      map[string]string
 	}{
 		{
-			chart: "pvbridge-management", workload: "mgmt-csi-node",
+			chart: "pvbridge-management", workload: "mgmt-csi-node", deployment: "vm-operator-controller", container: "vm-operator",
 			set:       []string{"mgmtServer=https://mgmt.example.com:6443"},
 			configMap: "pvbridge-tenants-", want: map[string]string{"mgmt-server": "https://mgmt.example.com:6443"},
 		},
 		{
-			chart: "pvbridge-guest", workload: "guest-csi-node",
+			chart: "pvbridge-guest", workload: "guest-csi-node", deployment: "guest-csi-controller", container: "guest-csi",
 			set:       []string{"clusterName=alpha", "clusterUID=6b1bd1b7-4a4c-4bb0-a3a5-4b1f5f0fd6a1"},
 			configMap: "pvbridge-cluster", want: map[string]string{"cluster-name": "alpha", "cluster-uid": "6b1bd1b7-4a4c-4bb0-a3a5-4b1f5f0fd6a1"},
 		},
@@ -114,7 +118,42 @@ func TestHelmChartValues(t *testing.T) {
 				}
 			}
 
-			out, err := exec.Command(helm, append([]string{"template", "pvbridge", filepath.Join("..", "..", "charts", tt.chart), "--namespace", "default"}, settingArgs...)...).CombinedOutput()
+			// Per workload: replicas, a node selector and one container's resources on a
+			// Deployment, tolerations and a priority class on a DaemonSet; pull secrets on every
+			// pod; no snapshot-controller.
+			daemonSets, deployments, _ = render(g, tt.chart, append([]string{
+				"--set-json", `workloads={"` + tt.deployment + `":{"replicas":3,"nodeSelector":{"example.com/pool":"infra"},"resources":{"` + tt.container + `":{"limits":{"memory":"1Gi"}}}},` +
+					`"` + tt.workload + `":{"tolerations":[{"key":"example.com/pmem","operator":"Exists"}],"priorityClassName":"pmem-critical"}}`,
+				"--set-json", `imagePullSecrets=[{"name":"mirror-credentials"}]`, "--set", "snapshotController=false",
+			}, settingArgs...)...)
+			d := deployments[tt.deployment]
+			g.Expect(d.Spec.Replicas).To(HaveValue(BeEquivalentTo(3)))
+			g.Expect(d.Spec.Template.Spec.NodeSelector).To(Equal(map[string]string{"example.com/pool": "infra"}))
+			for _, c := range d.Spec.Template.Spec.Containers {
+				if c.Name == tt.container {
+					g.Expect(c.Resources.Limits.Memory().String()).To(Equal("1Gi"))
+					g.Expect(c.Resources.Requests).To(BeEmpty(), "the value replaces the shipped resources")
+				} else {
+					g.Expect(c.Resources.Limits).NotTo(BeEmpty(), "%s keeps its shipped resources", c.Name)
+				}
+			}
+			ds := daemonSets[tt.workload].Spec.Template.Spec
+			g.Expect(ds.Tolerations).To(Equal([]corev1.Toleration{{Key: "example.com/pmem", Operator: corev1.TolerationOpExists}}))
+			g.Expect(ds.PriorityClassName).To(Equal("pmem-critical"))
+			for _, w := range deployments {
+				g.Expect(w.Spec.Template.Spec.ImagePullSecrets).To(Equal([]corev1.LocalObjectReference{{Name: "mirror-credentials"}}), w.Name)
+			}
+			g.Expect(deployments).NotTo(HaveKey("snapshot-controller"))
+			_, withController, _ := render(g, tt.chart, settingArgs...)
+			g.Expect(withController).To(HaveKey("snapshot-controller"), "installed by default")
+
+			// A workload the chart does not have is refused, by name.
+			out, err := exec.Command(helm, append([]string{"template", "pvbridge", filepath.Join("..", "..", "charts", tt.chart), "--namespace", charts.Namespace,
+				"--set-json", `workloads={"mgmt-csi-nodes":{"replicas":2}}`}, settingArgs...)...).CombinedOutput()
+			g.Expect(err).To(HaveOccurred())
+			g.Expect(string(out)).To(ContainSubstring("mgmt-csi-nodes"))
+
+			out, err = exec.Command(helm, append([]string{"template", "pvbridge", filepath.Join("..", "..", "charts", tt.chart), "--namespace", "default"}, settingArgs...)...).CombinedOutput()
 			g.Expect(err).To(HaveOccurred())
 			g.Expect(string(out)).To(ContainSubstring("helm install --namespace pvbridge-system --create-namespace"))
 		})
