@@ -140,12 +140,7 @@ func (c Chart) Make(kubectl, root string) (Files, error) {
 	images := map[string]string{}
 	settings := map[string]string{}
 	for _, doc := range documents(out) {
-		var meta struct {
-			Kind     string `json:"kind"`
-			Metadata struct {
-				Name string `json:"name"`
-			} `json:"metadata"`
-		}
+		var meta object
 		if err := yaml.Unmarshal([]byte(doc), &meta); err != nil {
 			return nil, err
 		}
@@ -158,18 +153,12 @@ func (c Chart) Make(kubectl, root string) (Files, error) {
 			files["templates/namespace.yaml"] = []byte(fmt.Sprintf(namespaceCheck, meta.Metadata.Name))
 			continue
 		}
-		var w workload
-		if meta.Kind == "Deployment" || meta.Kind == "DaemonSet" {
-			if w, err = newWorkload(doc); err != nil {
-				return nil, err
-			}
-		}
 		doc, err = c.template(doc, meta.Kind, meta.Metadata.Name, images, settings)
 		if err != nil {
 			return nil, fmt.Errorf("%s %s: %w", meta.Kind, meta.Metadata.Name, err)
 		}
-		if w.Name != "" {
-			workloads = append(workloads, w)
+		if meta.Kind == "Deployment" || meta.Kind == "DaemonSet" {
+			workloads = append(workloads, meta.workload())
 			defines = append(defines, fmt.Sprintf("{{- define %q -}}\n%s\n{{- end }}", "pvbridge.workload."+meta.Metadata.Name, doc))
 			doc = fmt.Sprintf(workloadTemplate, meta.Metadata.Name)
 		}
@@ -232,34 +221,34 @@ const workloadTemplate = `{{ $obj := include "pvbridge.workload.%[1]s" . | fromY
 {{- end }}
 {{- toYaml $obj }}`
 
-// newWorkload reads a Deployment's or DaemonSet's name, kind and containers.
-func newWorkload(doc string) (workload, error) {
-	var o struct {
-		Kind     string `json:"kind"`
-		Metadata struct {
-			Name string `json:"name"`
-		} `json:"metadata"`
-		Spec struct {
-			Template struct {
-				Spec struct {
-					InitContainers []struct {
-						Name string `json:"name"`
-					} `json:"initContainers"`
-					Containers []struct {
-						Name string `json:"name"`
-					} `json:"containers"`
-				} `json:"spec"`
-			} `json:"template"`
-		} `json:"spec"`
-	}
-	if err := yaml.Unmarshal([]byte(doc), &o); err != nil {
-		return workload{}, err
-	}
+// object is what Make reads of an object of the overlay: its kind and name, and a workload's
+// containers.
+type object struct {
+	Kind     string `json:"kind"`
+	Metadata struct {
+		Name string `json:"name"`
+	} `json:"metadata"`
+	Spec struct {
+		Template struct {
+			Spec struct {
+				InitContainers []struct {
+					Name string `json:"name"`
+				} `json:"initContainers"`
+				Containers []struct {
+					Name string `json:"name"`
+				} `json:"containers"`
+			} `json:"spec"`
+		} `json:"template"`
+	} `json:"spec"`
+}
+
+// workload is o as a Deployment's or DaemonSet's name, kind and containers.
+func (o object) workload() workload {
 	w := workload{Name: o.Metadata.Name, Kind: o.Kind}
 	for _, c := range append(o.Spec.Template.Spec.InitContainers, o.Spec.Template.Spec.Containers...) {
 		w.Containers = append(w.Containers, c.Name)
 	}
-	return w, nil
+	return w
 }
 
 // namespaceCheck fails an install into another namespace than the overlay's (%s): its objects

@@ -1,6 +1,7 @@
 package main
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -73,14 +74,16 @@ func listHosts(ctx context.Context, c client.Reader) ([]hostRow, error) {
 		return nil, err
 	}
 	rows := map[string]*hostRow{}
+	states := map[string]string{} // of every Node, for the hosts that have a PmemNode only
 	row := func(name string) *hostRow {
 		if rows[name] == nil {
-			rows[name] = &hostRow{Name: name, State: "NotFound"}
+			rows[name] = &hostRow{Name: name, State: cmp.Or(states[name], "NotFound")}
 		}
 		return rows[name]
 	}
 	for i := range nodes.Items {
 		n := &nodes.Items[i]
+		states[n.Name] = hostState(n)
 		if n.Labels[vmv1.HostLabel] == "true" {
 			row(n.Name)
 		}
@@ -93,11 +96,6 @@ func listHosts(ctx context.Context, c client.Reader) ([]hostRow, error) {
 		}
 		if p.Status.Total != nil {
 			r.PmemTotal = p.Status.Total.String()
-		}
-	}
-	for i := range nodes.Items {
-		if r := rows[nodes.Items[i].Name]; r != nil {
-			r.State = hostState(&nodes.Items[i])
 		}
 	}
 	for _, v := range volumes.Items {
