@@ -56,8 +56,9 @@ run: deps lab-tools ## Start the lab (management + guest clusters on 127.0.0.1) 
 	bin/lab --runtime=$(RUNTIME)
 
 # What runs beside the end-to-end tests, in the CPU their labs leave idle while they wait on
-# controllers: fuzz (make test), or lint (.ci/run, which fuzzes beside the tools' build instead,
-# so that lint loads the dependencies the tools and the end-to-end tests have compiled).
+# controllers: fuzz (make test), or lint and verify (.ci/run, which fuzzes beside the tools'
+# build instead, so that lint loads the dependencies the tools and the end-to-end tests have
+# compiled).
 BESIDE_E2E ?= fuzz
 
 .PHONY: test
@@ -98,7 +99,11 @@ export FUZZ_TIME ?= 10000x
 
 .PHONY: fuzz
 fuzz: ## Run each fuzz target for FUZZ_TIME (10000 inputs).
-	hack/phase.sh fuzz hack/fuzz.sh $(FUZZ_TARGETS)
+	hack/phase.sh fuzz env $(COMPILE_ENV) hack/fuzz.sh $(FUZZ_TARGETS)
+
+# The environment of builds that only compile (and of the fuzz targets' few seconds of running):
+# the garbage collector at 5 times the live heap, as hack/build-tools.sh builds the tools.
+COMPILE_ENV := GOGC=400 GOMEMLIMIT=3GiB
 
 # What the unit and end-to-end phases compile, compiled into the build cache without linking or
 # running anything: the -race build of every package (as `make test`'s unit phase builds it) and
@@ -106,7 +111,7 @@ fuzz: ## Run each fuzz target for FUZZ_TIME (10000 inputs).
 # .ci/run does it beside the tools' long lane, so that those phases mostly link and run.
 .PHONY: prebuild
 prebuild:
-	hack/phase.sh prebuild bash -c 'go build -race $(COMPONENTS:%=./%/...) && CGO_ENABLED=0 go build -trimpath $(MODULES:%=./%/...)'
+	hack/phase.sh prebuild env $(COMPILE_ENV) bash -c 'go build -race $(COMPONENTS:%=./%/...) && CGO_ENABLED=0 go build -trimpath $(MODULES:%=./%/...)'
 
 # The baseline the bench's figures are compared with (e2e/benchcmp): each of its figures is
 # printed with its change, and a ratio figure more than 10 % worse as a regression.

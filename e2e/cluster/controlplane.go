@@ -292,10 +292,9 @@ func (cp *ControlPlane) waitReady(ctx context.Context) error {
 		Timeout:   2 * time.Second,
 		Transport: &http.Transport{TLSClientConfig: &tls.Config{InsecureSkipVerify: true}}, //nolint:gosec // the lab's self-signed apiserver
 	}
-	// Three minutes: on a loaded 2-core machine (CI runs the lab suites side by side) a restarted
-	// apiserver took 31 s to serve and its /readyz then took more than the client's 2 s for
-	// another 30 s.
-	ctx, cancel := context.WithTimeout(ctx, 3*time.Minute)
+	// On a loaded 2-core machine (CI runs the lab suites side by side) a restarted apiserver
+	// took 31 s to serve and its /readyz then took more than the client's 2 s for another 30 s.
+	ctx, cancel := context.WithTimeout(ctx, StartTimeout)
 	defer cancel()
 	err := wait.PollUntilContextCancel(ctx, 100*time.Millisecond, true, func(ctx context.Context) (bool, error) {
 		for _, p := range []*Process{cp.etcd, cp.apiserver} {

@@ -36,7 +36,7 @@ func (cp *ControlPlane) installCRDs(ctx context.Context) error {
 			return fmt.Errorf("%s: create CRD %s: %w", cp.Name, crd.Name, err)
 		}
 	}
-	ctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+	ctx, cancel := context.WithTimeout(ctx, StartTimeout)
 	defer cancel()
 	for _, crd := range crds {
 		err := wait.PollUntilContextCancel(ctx, 50*time.Millisecond, true, func(ctx context.Context) (bool, error) {

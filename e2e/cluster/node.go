@@ -350,7 +350,7 @@ evictionHard:
 }
 
 func (n *Node) waitReady(ctx context.Context) error {
-	ctx, cancel := context.WithTimeout(ctx, time.Minute)
+	ctx, cancel := context.WithTimeout(ctx, StartTimeout)
 	defer cancel()
 	err := wait.PollUntilContextCancel(ctx, 100*time.Millisecond, true, func(ctx context.Context) (bool, error) {
 		if n.kubelet.Exited() {
@@ -378,9 +378,16 @@ func NodeReady(node *corev1.Node) bool {
 	return false
 }
 
+// StartTimeout bounds the wait for a process of the lab to serve (a socket, a Ready Node): the
+// waits fail at once when the process exits, so the bound only has to outlast a loaded machine.
+// With three labs and the QEMU worker beside one another (load average 130 on 2 cores), a new
+// host's kubelet took 9 s to print its configuration and 30 more to open its device plugin
+// socket: three minutes, as for an apiserver's /readyz (ControlPlane.waitReady).
+const StartTimeout = 3 * time.Minute
+
 // WaitForFile waits until path exists (a socket a process listens on), failing early if p exits.
 func WaitForFile(ctx context.Context, path string, p *Process) error {
-	ctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+	ctx, cancel := context.WithTimeout(ctx, StartTimeout)
 	defer cancel()
 	return wait.PollUntilContextCancel(ctx, 20*time.Millisecond, true, func(context.Context) (bool, error) {
 		if p.Exited() {
