@@ -179,6 +179,10 @@ lint: $(GOLANGCI_LINT) ## Run golangci-lint on every module.
 build: ## Build pvbridge's binaries into ./bin.
 	go build -o bin/ ./pkg/cmd/... ./guest-csi/cmd/... ./mgmt-csi/cmd/... ./vm-operator/cmd/... ./e2e/cmd/...
 
+.PHONY: release
+release: deps lab-tools $(HELM) ## Make release VERSION (the tree's: the tag of pvbridge's images in manifests/components/images) into _output/release/VERSION: images, charts, a clusterctl repository, the kubectl plugin and its krew manifest (hack/release.sh).
+	hack/release.sh $(or $(VERSION),$(error VERSION is required, e.g. make release VERSION=$$(go run ./e2e/cmd/images -version)))
+
 .PHONY: images
 images: deps lab-tools ## Build the images the manifests name, without a container engine: OCI archives in $(CACHE)/images.
 	go run ./e2e/cmd/images

@@ -24,6 +24,11 @@ if ! go run ./e2e/cmd/charts -check; then
 	fail=1
 fi
 
+# The tree is releasable as its version (a CHANGELOG.md section, a clusterctl release series).
+if ! hack/release.sh check >/dev/null; then
+	fail=1
+fi
+
 unformatted=$(git ls-files -co --exclude-standard '*.go' | xargs gofmt -l)
 if [ -n "$unformatted" ]; then
 	echo "verify: not gofmt'ed:"; echo "$unformatted"; fail=1

@@ -41,6 +41,8 @@ import (
 
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"sigs.k8s.io/yaml"
+
+	"pvbridge.io/e2e/images"
 )
 
 // Chart is one chart and the overlay it is made from.
@@ -121,15 +123,17 @@ var Charts = []Chart{
 // Namespace is the namespace of both overlays, and so of the releases.
 const Namespace = "pvbridge-system"
 
-// Version is the charts' version and appVersion: pvbridge's release.
-const Version = "0.1.0"
-
 // Files are a chart's files by path relative to its directory.
 type Files map[string][]byte
 
 // Make makes chart c from what kubectl kustomize builds of its overlay below root.
+// Its version and appVersion are pvbridge's (images.Version).
 func (c Chart) Make(kubectl, root string) (Files, error) {
 	out, err := kustomize(kubectl, root, c.Overlay)
+	if err != nil {
+		return nil, err
+	}
+	version, err := images.Version(root)
 	if err != nil {
 		return nil, err
 	}
@@ -137,7 +141,7 @@ func (c Chart) Make(kubectl, root string) (Files, error) {
 	templates := map[string][]string{}
 	var workloads []workload
 	var defines []string
-	images := map[string]string{}
+	refs := map[string]string{}
 	settings := map[string]string{}
 	for _, doc := range documents(out) {
 		var meta object
@@ -153,7 +157,7 @@ func (c Chart) Make(kubectl, root string) (Files, error) {
 			files["templates/namespace.yaml"] = []byte(fmt.Sprintf(namespaceCheck, meta.Metadata.Name))
 			continue
 		}
-		doc, err = c.template(doc, meta.Kind, meta.Metadata.Name, images, settings)
+		doc, err = c.template(doc, meta.Kind, meta.Metadata.Name, refs, settings)
 		if err != nil {
 			return nil, fmt.Errorf("%s %s: %w", meta.Kind, meta.Metadata.Name, err)
 		}
@@ -182,9 +186,9 @@ name: %s
 description: %q
 type: application
 version: %s
-appVersion: v%s
-`, c.Overlay, c.Name, c.Description, Version, Version))
-	files["values.yaml"] = c.values(images, settings)
+appVersion: %s
+`, c.Overlay, c.Name, c.Description, strings.TrimPrefix(version, "v"), version))
+	files["values.yaml"] = c.values(refs, settings)
 	schema, err := c.schema(workloads)
 	if err != nil {
 		return nil, err
@@ -277,11 +281,11 @@ var (
 
 // template templates the values into doc, the text of one object of the overlay's output, and
 // records the images and settings it found.
-func (c Chart) template(doc, kind, name string, images, settings map[string]string) (string, error) {
+func (c Chart) template(doc, kind, name string, refs, settings map[string]string) (string, error) {
 	doc = imageLine.ReplaceAllStringFunc(doc, func(line string) string {
 		m := imageLine.FindStringSubmatch(line)
 		key := imageKey(m[2])
-		images[key] = m[2]
+		refs[key] = m[2]
 		return m[1] + fmt.Sprintf(`{{ include "pvbridge.image" (dict "root" $ "name" %q) }}`, key)
 	})
 	if kind == "Deployment" || kind == "DaemonSet" {
@@ -345,7 +349,7 @@ func extraArgs(doc, workload string) (string, error) {
 }
 
 // values is the chart's values.yaml.
-func (c Chart) values(images, settings map[string]string) []byte {
+func (c Chart) values(refs, settings map[string]string) []byte {
 	var b bytes.Buffer
 	fmt.Fprintf(&b, "# Generated from manifests/overlays/%s by make generate (e2e/charts); DO NOT EDIT.\n", c.Overlay)
 	for _, s := range c.Settings {
@@ -353,8 +357,8 @@ func (c Chart) values(images, settings map[string]string) []byte {
 	}
 	b.WriteString("\n# Replaces the registry of every image below when set: a mirror that keeps the images' paths\n# (mirror.example.com/pvbridge/mgmt-csi for ghcr.io/pvbridge/mgmt-csi).\nimageRegistry: \"\"\n")
 	b.WriteString("\n# The images, by name.\nimages:\n")
-	for _, k := range slices.Sorted(maps.Keys(images)) {
-		fmt.Fprintf(&b, "  %s: %s\n", k, images[k])
+	for _, k := range slices.Sorted(maps.Keys(refs)) {
+		fmt.Fprintf(&b, "  %s: %s\n", k, refs[k])
 	}
 	b.WriteString("\n# More arguments of the main container of a workload, by workload name; a flag given again\n# overrides the shipped value (e.g. mgmt-csi-node: [--pmem-mode=lvm]).\nextraArgs: {}\n")
 	b.WriteString(`

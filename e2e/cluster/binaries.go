@@ -93,7 +93,7 @@ func (b *Binaries) Own(pkg string) (string, error) {
 	bd.once.Do(func() {
 		bd.path = filepath.Join(b.Repo, "bin", filepath.Base(pkg))
 		// As the images have them: the lab runs and measures the binaries a user deploys.
-		if out, err := images.GoBuild(b.Repo, bd.path, pkg).CombinedOutput(); err != nil {
+		if out, err := images.GoBuild(b.Repo, bd.path, "", pkg).CombinedOutput(); err != nil {
 			bd.err = fmt.Errorf("go build %s: %w\n%s", pkg, err, out)
 		}
 	})

@@ -41,7 +41,11 @@ func BuildAll(o Options, imgs []Image) ([]Built, error) {
 		return nil, err
 	}
 	defer os.RemoveAll(bins)
-	if err := buildBinaries(o.Root, bins, imgs); err != nil {
+	version, err := Version(o.Root)
+	if err != nil {
+		return nil, err
+	}
+	if err := buildBinaries(o.Root, bins, version, imgs); err != nil {
 		return nil, err
 	}
 	revision := "unknown"
@@ -93,7 +97,7 @@ func BuildAll(o Options, imgs []Image) ([]Built, error) {
 }
 
 // buildBinaries builds the pvbridge binaries of imgs into dir (GoBuild).
-func buildBinaries(root, dir string, imgs []Image) error {
+func buildBinaries(root, dir, version string, imgs []Image) error {
 	var pkgs []string
 	for _, i := range imgs {
 		if i.Package != "" {
@@ -103,7 +107,7 @@ func buildBinaries(root, dir string, imgs []Image) error {
 	if len(pkgs) == 0 {
 		return nil
 	}
-	cmd := GoBuild(root, dir+"/", pkgs...)
+	cmd := GoBuild(root, dir+"/", version, pkgs...)
 	cmd.Env = append(cmd.Env, "GOOS=linux", "GOARCH=amd64")
 	cmd.Stdout, cmd.Stderr = os.Stdout, os.Stderr
 	if err := cmd.Run(); err != nil {
@@ -116,7 +120,7 @@ func buildBinaries(root, dir string, imgs []Image) error {
 // as the manifests set them, into out, and returns the archives: what a lab's containerd
 // nodes import. root is pvbridge's repository, bin the pinned tool binaries.
 func BuildForLab(root, bin, out string) ([]string, error) {
-	tags, err := Tags(filepath.Join(root, "manifests", "components", "images", "kustomization.yaml"))
+	tags, err := Tags(filepath.Join(root, TagsFile))
 	if err != nil {
 		return nil, err
 	}
@@ -137,9 +141,14 @@ func BuildForLab(root, bin, out string) ([]string, error) {
 
 // GoBuild returns the command that builds pvbridge's packages pkgs (relative to root) into out
 // as the images ship them: static, stripped, without paths or build IDs of this machine, so that
-// the same sources give the same bytes.
-func GoBuild(root, out string, pkgs ...string) *exec.Cmd {
-	cmd := exec.Command("go", append([]string{"build", "-trimpath", "-buildvcs=false", "-ldflags=-s -w -buildid=", "-o", out}, pkgs...)...)
+// the same sources give the same bytes, and, unless version is empty, with version as each
+// command's version (its main.version).
+func GoBuild(root, out, version string, pkgs ...string) *exec.Cmd {
+	ldflags := "-s -w -buildid="
+	if version != "" {
+		ldflags += " -X main.version=" + version
+	}
+	cmd := exec.Command("go", append([]string{"build", "-trimpath", "-buildvcs=false", "-ldflags=" + ldflags, "-o", out}, pkgs...)...)
 	cmd.Dir = root
 	cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
 	return cmd

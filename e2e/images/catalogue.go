@@ -2,9 +2,12 @@ package images
 
 import (
 	"fmt"
+	"maps"
 	"os"
 	"os/exec"
 	"path"
+	"path/filepath"
+	"regexp"
 	"slices"
 	"strings"
 
@@ -170,6 +173,40 @@ func Tags(component string) (map[string]string, error) {
 		tags[i.Name] = i.NewTag
 	}
 	return tags, nil
+}
+
+// TagsFile is the kustomize images component below the repository's root that Tags reads.
+var TagsFile = filepath.Join("manifests", "components", "images", "kustomization.yaml")
+
+// ownImages is the prefix of pvbridge's own images.
+const ownImages = "ghcr.io/pvbridge/"
+
+// versionRE is a release version as the tags, the charts and clusterctl write it: vX.Y.Z, with an
+// optional pre-release (v0.2.0-rc.1).
+var versionRE = regexp.MustCompile(`^v(0|[1-9][0-9]*)\.(0|[1-9][0-9]*)\.(0|[1-9][0-9]*)(-[0-9A-Za-z.-]+)?$`)
+
+// Version is pvbridge's version in the repository at root: the one tag the manifests give each
+// of pvbridge's own images (Tags), stamped into its binaries and charts. Images of other tags,
+// or a tag that is no version, are an error.
+func Version(root string) (string, error) {
+	tags, err := Tags(filepath.Join(root, TagsFile))
+	if err != nil {
+		return "", err
+	}
+	version := ""
+	for _, name := range slices.Sorted(maps.Keys(tags)) {
+		if !strings.HasPrefix(name, ownImages) {
+			continue
+		}
+		if version != "" && tags[name] != version {
+			return "", fmt.Errorf("%s: pvbridge's images have two tags, %s and %s (%s): one version tags them all", TagsFile, version, tags[name], name)
+		}
+		version = tags[name]
+	}
+	if !versionRE.MatchString(version) {
+		return "", fmt.Errorf("%s: pvbridge's images are tagged %q, not a version vX.Y.Z", TagsFile, version)
+	}
+	return version, nil
 }
 
 // KubeadmImages are the images `kubeadm init` runs (the control plane as static pods, the

@@ -86,6 +86,11 @@ var Panels = []Panel{
 		Description: "Used over hard of each resource of the ResourceQuotas in the namespaces pvbridge's tenancy enforces.",
 		Queries:     []Query{{Expr: `pvbridge_tenant_quota_used_ratio`, Legend: "{{namespace}}/{{resourcequota}} {{resource}}"}},
 	},
+	{
+		Title: "Versions running", Unit: "short",
+		Description: "pvbridge's processes by component and version (pvbridge_build_info): during an upgrade, old and new side by side; after it, one version.",
+		Queries:     []Query{{Expr: `count by (component, version) (pvbridge_build_info)`, Legend: "{{component}} {{version}}"}},
+	},
 }
 
 // Dashboard builds the Grafana dashboard of Panels, with a Prometheus data source variable. It

@@ -206,8 +206,11 @@ func (b *Base) Stats(ctx context.Context, volumeID, path, device string) (*csi.N
 // Expand serves NodeExpandVolume: it validates the request (the optional capability with
 // validate), takes the volume's lock, finds the volume's device with device, and grows the
 // filesystem at the volume path to fill it; a block volume has nothing to grow. It reports the
-// device's size, and FailedPrecondition while the device is smaller than required (the
-// controller grew the volume, the node has not seen it yet).
+// device's size, and Aborted while the device is smaller than required (the controller grew
+// the volume, the node has not seen it yet): work in progress, which kubelet retries. Not
+// FailedPrecondition: kubelet reads that as a driver that cannot grow a volume in use, and
+// leaves the filesystem as it is until the volume is next staged (a VM's disk grew 2 s after
+// kubelet's first call, and the pod's filesystem never did).
 func (b *Base) Expand(ctx context.Context, req *csi.NodeExpandVolumeRequest, validate func(*csi.VolumeCapability) error,
 	findDevice func(context.Context) (string, error)) (*csi.NodeExpandVolumeResponse, error) {
 	switch {
@@ -237,7 +240,7 @@ func (b *Base) Expand(ctx context.Context, req *csi.NodeExpandVolumeRequest, val
 		return nil, b.StatusError(err)
 	}
 	if required := req.GetCapacityRange().GetRequiredBytes(); size < required {
-		return nil, status.Errorf(codes.FailedPrecondition, "the device of volume %s has %d bytes, fewer than the required %d: it has not grown yet", req.GetVolumeId(), size, required)
+		return nil, status.Errorf(codes.Aborted, "the device of volume %s has %d bytes, fewer than the required %d: it has not grown yet", req.GetVolumeId(), size, required)
 	}
 	block, err := isBlockVolume(req.GetVolumeCapability(), req.GetVolumePath())
 	if err != nil {

@@ -24,7 +24,17 @@ func main() {
 	flag.StringVar(&o.Bin, "bin", os.Getenv("PVBRIDGE_BIN"), "directory of the pinned third-party binaries (make tools)")
 	lab := flag.Bool("lab", false, "also build the images only the lab needs")
 	kubeadm := flag.String("kubeadm", "", "also build the images kubeadm init runs: <Kubernetes version>,<etcd tag>,<CoreDNS tag>")
+	version := flag.Bool("version", false, "print pvbridge's version (the tag of its images in the manifests) and build nothing")
 	flag.Parse()
+	if *version {
+		v, err := images.Version(o.Root)
+		if err != nil {
+			fmt.Fprintln(os.Stderr, "images:", err)
+			os.Exit(1)
+		}
+		fmt.Println(v)
+		return
+	}
 	if err := run(o, *lab, *kubeadm); err != nil {
 		fmt.Fprintln(os.Stderr, "images:", err)
 		os.Exit(1)
@@ -40,7 +50,7 @@ func envOr(key, def string) string {
 
 func run(o images.Options, lab bool, kubeadm string) error {
 	var err error
-	if o.Tags, err = images.Tags(filepath.Join(o.Root, "manifests", "components", "images", "kustomization.yaml")); err != nil {
+	if o.Tags, err = images.Tags(filepath.Join(o.Root, images.TagsFile)); err != nil {
 		return err
 	}
 	for _, name := range slices.Sorted(maps.Keys(o.Tags)) {

@@ -55,7 +55,7 @@ func main() {
 			"ghcr.io/pvbridge/guest-csi:v0.1.0 becomes <registry>/pvbridge/guest-csi:v0.1.0, registry.k8s.io/sig-storage/csi-provisioner:v6.4.0 <registry>/sig-storage/csi-provisioner:v6.4.0. Empty: the images as shipped.")
 	fs.Float32Var(&opts.KubeAPIQPS, "kube-api-qps", 20, "Queries per second to the management apiserver.")
 	fs.IntVar(&opts.KubeAPIBurst, "kube-api-burst", 40, "Burst of queries to the management apiserver.")
-	command.Main(fs, "guest-csi-tenants", "pvbridge tenants controller, version "+version+".", func(ctx context.Context) error {
+	command.Main(fs, "guest-csi-tenants", version, "pvbridge tenants controller.", func(ctx context.Context) error {
 		ctrl.SetLogger(klog.Background())
 		c, err := tenants.New(opts)
 		if err != nil {

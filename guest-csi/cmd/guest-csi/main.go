@@ -59,7 +59,7 @@ func main() {
 		"Management VolumeSnapshotClass of snapshots whose guest class has no mgmtSnapshotClass parameter; empty for the management cluster's default.")
 	fs.StringVar(&opts.CapacityNamespace, "mgmt-capacity-namespace", "pvbridge-system",
 		"Namespace of the management cluster where mgmt-csi publishes CSIStorageCapacity objects. Controller mode.")
-	command.Main(fs, "guest-csi", fmt.Sprintf("CSI driver %s, version %s.", driver.Name, version), func(ctx context.Context) error {
+	command.Main(fs, "guest-csi", version, fmt.Sprintf("CSI driver %s.", driver.Name), func(ctx context.Context) error {
 		ctrl.SetLogger(klog.Background())
 		d, err := driver.New(opts)
 		if err != nil {

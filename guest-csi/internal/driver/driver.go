@@ -32,6 +32,7 @@ import (
 	"pvbridge.io/guest-csi/internal/topology"
 	vmv1 "pvbridge.io/pkg/apis/vm/v1alpha1"
 	"pvbridge.io/pkg/await"
+	"pvbridge.io/pkg/command"
 	"pvbridge.io/pkg/csiserver"
 	"pvbridge.io/pkg/mounter"
 	"pvbridge.io/pkg/names"
@@ -215,7 +216,7 @@ func (d *Driver) Run(ctx context.Context) error {
 		return err
 	}
 	registry := prometheus.NewRegistry()
-	registry.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	registry.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}), command.BuildInfo("guest-csi", d.opts.Version))
 	server, err := csiserver.New(csiserver.Options{Endpoint: d.opts.Endpoint, Registerer: registry, DriverName: Name})
 	if err != nil {
 		return err

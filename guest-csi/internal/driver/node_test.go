@@ -476,7 +476,7 @@ func TestNodeExpandVolume(t *testing.T) {
 	}{
 		{name: "xfs grows online to fill its disk", capability: fsCap("xfs"), grow: true, required: 2 * testDiskSize},
 		{name: "a raw block volume reports its size", capability: rawCap(), grow: true, required: 2 * testDiskSize},
-		{name: "a disk that has not grown yet", capability: fsCap("xfs"), required: 2 * testDiskSize, wantCode: codes.FailedPrecondition, wantMsg: "not grown yet"},
+		{name: "a disk that has not grown yet", capability: fsCap("xfs"), required: 2 * testDiskSize, wantCode: codes.Aborted, wantMsg: "not grown yet"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {

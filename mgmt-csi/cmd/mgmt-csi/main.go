@@ -64,7 +64,7 @@ func main() {
 		"Directory of the host's qemu-storage-daemons (the replica server and the targets of replicated volumes attached here); short, for their sockets. Only with --mode=node.")
 	fs.DurationVar(&opts.Replication.RebuildInterval, "rebuild-interval", 10*time.Second,
 		"How often the node agent looks for replicas to copy a volume into (a replaced or moved one) and for replicas of drained hosts to take out of the volumes it serves. Only with --mode=node.")
-	command.Main(fs, "mgmt-csi", fmt.Sprintf("CSI driver %s, version %s.", driver.Name, version), func(ctx context.Context) error {
+	command.Main(fs, "mgmt-csi", version, fmt.Sprintf("CSI driver %s.", driver.Name), func(ctx context.Context) error {
 		ctrl.SetLogger(klog.NewKlogr())
 		d, err := driver.New(opts)
 		if err != nil {

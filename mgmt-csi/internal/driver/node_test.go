@@ -954,12 +954,12 @@ func TestNodeExpandVolume(t *testing.T) {
 			},
 		},
 		{
-			name: "a device that has not grown to the required size yet is a failed precondition",
+			name: "a device that has not grown to the required size yet is work in progress (Aborted), which kubelet retries",
 			prepare: func(t *testing.T, e *nodeEnv) *csi.NodeExpandVolumeRequest {
 				_, target := e.published(t, "v", fsCap("xfs"), false)
 				return &csi.NodeExpandVolumeRequest{VolumeId: "v", VolumePath: target, CapacityRange: &csi.CapacityRange{RequiredBytes: 2 * testVolumeSize}}
 			},
-			code: codes.FailedPrecondition, msg: "has not grown yet",
+			code: codes.Aborted, msg: "has not grown yet",
 		},
 		{
 			name: "a call while another one for the volume is in progress is aborted",

@@ -92,7 +92,7 @@ func main() {
 		`host:port to serve Prometheus metrics on (/metrics), or "0" for none.`)
 	fs.StringVar(&opts.HealthAddress, "health-probe-bind-address", ":8081",
 		`host:port to serve the /healthz and /readyz probes on, or "0" for none.`)
-	command.Main(fs, "vm-operator", "pvbridge vm-operator, version "+version+".", func(ctx context.Context) error {
+	command.Main(fs, "vm-operator", version, "pvbridge vm-operator.", func(ctx context.Context) error {
 		ctrl.SetLogger(klog.Background())
 		op, err := operator.New(opts)
 		if err != nil {
