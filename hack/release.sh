@@ -25,7 +25,10 @@ set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 export CGO_ENABLED=0 SOURCE_DATE_EPOCH=${SOURCE_DATE_EPOCH:-$(git log -1 --format=%ct)}
-bin=${PVBRIDGE_BIN:-${XDG_CACHE_HOME:-$HOME/.cache}/pvbridge/bin}
+# As the Makefile builds (its GOFLAGS, the tool cache), so that a release reuses those builds.
+export GOFLAGS=${GOFLAGS:-$(cat hack/goflags)}
+export PVBRIDGE_BIN=${PVBRIDGE_BIN:-${XDG_CACHE_HOME:-$HOME/.cache}/pvbridge/bin}
+bin=$PVBRIDGE_BIN
 fail() { echo "release: $*" >&2; exit 1; }
 
 version=$(go run ./e2e/cmd/images -version)
