@@ -41,7 +41,7 @@ func BuildAll(o Options, imgs []Image) ([]Built, error) {
 		return nil, err
 	}
 	defer os.RemoveAll(bins)
-	version, err := Version(o.Root)
+	version, err := versionOf(o.Tags)
 	if err != nil {
 		return nil, err
 	}
