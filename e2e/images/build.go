@@ -41,7 +41,7 @@ func BuildAll(o Options, imgs []Image) ([]Built, error) {
 		return nil, err
 	}
 	defer os.RemoveAll(bins)
-	version, err := versionOf(o.Tags)
+	version, err := Version(o.Root)
 	if err != nil {
 		return nil, err
 	}

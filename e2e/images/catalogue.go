@@ -193,11 +193,6 @@ func Version(root string) (string, error) {
 	if err != nil {
 		return "", err
 	}
-	return versionOf(tags)
-}
-
-// versionOf is Version of the tags Tags read.
-func versionOf(tags map[string]string) (string, error) {
 	version := ""
 	for _, name := range slices.Sorted(maps.Keys(tags)) {
 		if !strings.HasPrefix(name, ownImages) {
