@@ -16,7 +16,7 @@
 # rebuilt, so a rerun with everything cached does no work.
 #
 # Usage: [LANES=others|kubernetes] hack/build-tools.sh [component ...]
-#        (default: all but those of $on_request below, both lanes)
+#        (default: all, both lanes)
 set -euo pipefail
 
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -71,23 +71,15 @@ registry|registry|v3.1.2| -X github.com/distribution/distribution/v3/version.ver
 prometheus|kubernetes|v0.316.0| -X github.com/prometheus/common/version.Version=3.16.0 -X github.com/prometheus/common/version.Branch=HEAD|prometheus=github.com/prometheus/prometheus/cmd/prometheus promtool=github.com/prometheus/prometheus/cmd/promtool
 helm|kubernetes|v4.3.1| -X helm.sh/helm/v4/internal/version.version=v4.3.1|helm=helm.sh/helm/v4/cmd/helm
 coredns|kubernetes|v1.14.6| -X github.com/coredns/coredns/coremain.GitCommit=v1.14.6|coredns=./coredns
-cluster-api|kubernetes|$capi_version|$(capi_ldflags $capi_version)|capi-manager=sigs.k8s.io/cluster-api/core capi-kubeadm-bootstrap-manager=sigs.k8s.io/cluster-api/bootstrap/kubeadm capi-kubeadm-control-plane-manager=sigs.k8s.io/cluster-api/controlplane/kubeadm
-clusterctl|kubernetes|$capi_version|$(capi_ldflags $capi_version)|clusterctl=sigs.k8s.io/cluster-api/cmd/clusterctl
+cluster-api|kubernetes|$capi_version|$(capi_ldflags $capi_version)|capi-manager=sigs.k8s.io/cluster-api/core capi-kubeadm-bootstrap-manager=sigs.k8s.io/cluster-api/bootstrap/kubeadm capi-kubeadm-control-plane-manager=sigs.k8s.io/cluster-api/controlplane/kubeadm clusterctl=sigs.k8s.io/cluster-api/cmd/clusterctl
 controller-gen|controller-gen|v0.23.0||controller-gen=sigs.k8s.io/controller-tools/cmd/controller-gen
 golangci-lint|golangci-lint|v2.15.0||golangci-lint=github.com/golangci/golangci-lint/v2/cmd/golangci-lint
 EOF
 }
 
-# Built only when named: clusterctl, which neither the lab nor the tests run (they apply the
-# cluster template themselves), so that `make tools` (and CI) do not pay for it.
-on_request=" clusterctl "
-
 want=("$@")
 selected() {
-	if [ ${#want[@]} -eq 0 ]; then
-		[[ $on_request != *" $1 "* ]]
-		return
-	fi
+	[ ${#want[@]} -eq 0 ] && return 0
 	local w
 	for w in "${want[@]}"; do [ "$w" = "$1" ] && return 0; done
 	return 1

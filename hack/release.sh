@@ -13,7 +13,8 @@
 #     charts/                  the Helm charts, packaged (helm package)
 #     clusterctl/              a clusterctl repository of the infrastructure provider:
 #                              infrastructure-pvbridge/VERSION/{infrastructure-components.yaml,
-#                              metadata.yaml, cluster-template.yaml}, and clusterctl.yaml, a
+#                              metadata.yaml, cluster-template{,-topology}.yaml,
+#                              clusterclass-pvbridge.yaml}, and clusterctl.yaml, a
 #                              clusterctl configuration that names it (docs/deployment.md)
 #     kubectl-pvbridge_VERSION_<os>_<arch>.tar.gz   the kubectl plugin (with LICENSE) for
 #                              linux and darwin, amd64 and arm64
@@ -75,7 +76,8 @@ echo "== clusterctl repository"
 repo=$out/clusterctl/infrastructure-pvbridge/$version
 mkdir -p "$repo"
 cp manifests/clusterctl/infrastructure-components.yaml manifests/clusterctl/metadata.yaml \
-	manifests/clusterctl/cluster-template.yaml "$repo/"
+	manifests/clusterctl/cluster-template.yaml manifests/clusterctl/cluster-template-topology.yaml \
+	manifests/clusterctl/clusterclass-pvbridge.yaml "$repo/"
 cat >"$out/clusterctl/clusterctl.yaml" <<EOF
 # clusterctl's configuration for this release's provider: clusterctl --config clusterctl.yaml
 # init --infrastructure pvbridge:$version (docs/deployment.md).

@@ -18,13 +18,15 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	"pvbridge.io/e2e/deploy"
+	infrav1 "pvbridge.io/pkg/apis/infrastructure/v1alpha1"
 	pmemv1 "pvbridge.io/pkg/apis/pmem/v1alpha1"
 	vmv1 "pvbridge.io/pkg/apis/vm/v1alpha1"
 )
 
-// TestClusterAPIGuest runs two tracks on the one guest at once, then deletes the guest: the
-// QEMU worker's (minutes of an emulated CPU's boot, then its step) beside the steps of the
-// Machines on the local hosts, which run in order, each on what the one before left.
+// TestClusterAPIGuest runs two tracks on the one guest at once, then tries to move it with
+// clusterctl and deletes it: the QEMU worker's (minutes of an emulated CPU's boot, then its
+// step) beside the steps of the Machines on the local hosts, which run in order, each on what
+// the one before left.
 func TestClusterAPIGuest(t *testing.T) {
 	t.Run("OnTheGuest", func(t *testing.T) {
 		t.Run("QEMUWorkerRunsAStatefulSet", beside(qemuWorkerRunsAStatefulSet))
@@ -39,6 +41,7 @@ func TestClusterAPIGuest(t *testing.T) {
 				{"ScaleDownMovesVolumes", scaleDownMovesVolumes},
 				{"RollingReplacementMovesVolumes", rollingReplacementMovesVolumes},
 				{"WorkerDeletedWhileAPodWrites", workerDeletedWhileAPodWrites},
+				{"ClusterClassMakesAGuest", clusterClassMakesAGuest},
 			} {
 				if !t.Run(step.name, step.run) {
 					return // the next steps build on this one
@@ -47,6 +50,7 @@ func TestClusterAPIGuest(t *testing.T) {
 		}))
 	})
 	if !t.Failed() {
+		t.Run("ClusterctlMoveIsRefused", clusterctlMoveIsRefused)
 		t.Run("ClusterDeletionLeavesNothing", clusterDeletionLeavesNothing)
 	}
 }
@@ -176,6 +180,7 @@ func mgmtClient(g Gomega) client.Client {
 	s, err := deploy.MgmtScheme()
 	g.Expect(err).NotTo(HaveOccurred())
 	g.Expect(pmemv1.AddToScheme(s)).To(Succeed())
+	g.Expect(infrav1.AddToScheme(s)).To(Succeed())
 	mc, err := client.New(in.Mgmt.RESTConfig(), client.Options{Scheme: s})
 	g.Expect(err).NotTo(HaveOccurred())
 	return mc

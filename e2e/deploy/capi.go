@@ -8,6 +8,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"maps"
 	"net"
 	"os"
 	"os/exec"
@@ -42,15 +43,26 @@ type ClusterAPI struct {
 }
 
 // capiManagers are Cluster API's managers: binary, directory of the release's module (CRDs and
-// webhooks), contract labels of its CRDs.
+// webhooks), clusterctl's name of the provider, contract labels of its CRDs, extra arguments (the
+// ClusterTopology gate, for ClusterClasses, on the two managers that have it, as clusterctl init
+// with CLUSTER_TOPOLOGY=true sets it).
 var capiManagers = []struct {
-	name, binary, path string
-	labels             map[string]any
+	name, binary, path, provider string
+	labels                       map[string]string
+	args                         []string
 }{
-	{"core", "capi-manager", "core", nil},
-	{"bootstrap", "capi-kubeadm-bootstrap-manager", "bootstrap/kubeadm", map[string]any{"cluster.x-k8s.io/v1beta1": "v1beta1", "cluster.x-k8s.io/v1beta2": "v1beta2"}},
-	{"controlplane", "capi-kubeadm-control-plane-manager", "controlplane/kubeadm", map[string]any{"cluster.x-k8s.io/v1beta1": "v1beta1", "cluster.x-k8s.io/v1beta2": "v1beta2"}},
+	{"core", "capi-manager", "core", "cluster-api", nil, []string{topologyGate}},
+	{"bootstrap", "capi-kubeadm-bootstrap-manager", "bootstrap/kubeadm", "bootstrap-kubeadm", map[string]string{"cluster.x-k8s.io/v1beta1": "v1beta1", "cluster.x-k8s.io/v1beta2": "v1beta2"}, nil},
+	{"controlplane", "capi-kubeadm-control-plane-manager", "controlplane/kubeadm", "control-plane-kubeadm", map[string]string{"cluster.x-k8s.io/v1beta1": "v1beta1", "cluster.x-k8s.io/v1beta2": "v1beta2"}, []string{topologyGate}},
 }
+
+// clusterctlLabels are the labels clusterctl init puts on the objects of provider: clusterctl
+// move finds the kinds it moves by them.
+func clusterctlLabels(provider string) map[string]string {
+	return map[string]string{"clusterctl.cluster.x-k8s.io": "", "cluster.x-k8s.io/provider": provider}
+}
+
+const topologyGate = "--feature-gates=ClusterTopology=true"
 
 // StartClusterAPI installs and starts Cluster API and pvbridge's provider in the management
 // cluster mgmt.
@@ -84,7 +96,9 @@ func StartClusterAPI(ctx context.Context, lab *cluster.Lab, mgmt *cluster.Contro
 			return nil, err
 		}
 		url := fmt.Sprintf("https://127.0.0.1:%d", ports[0])
-		if err := installCAPIObjects(ctx, dyn, filepath.Join(module, mgr.path), mgr.name, url, certPEM, mgr.labels); err != nil {
+		labels := clusterctlLabels(mgr.provider)
+		maps.Copy(labels, mgr.labels)
+		if err := installCAPIObjects(ctx, dyn, filepath.Join(module, mgr.path), mgr.name, url, certPEM, labels); err != nil {
 			return nil, fmt.Errorf("cluster api %s: %w", mgr.name, err)
 		}
 		bin, err := lab.Binaries().Tool(mgr.binary)
@@ -94,20 +108,21 @@ func StartClusterAPI(ctx context.Context, lab *cluster.Lab, mgmt *cluster.Contro
 		if c.Managers[mgr.name], err = lab.Start(cluster.Command{
 			Name: mgmt.Name + "/capi-" + mgr.name, Bin: bin, Dir: dir,
 			LogPath: filepath.Join(mgmt.Dir, "logs", "capi-"+mgr.name+".log"),
-			Args: []string{
+			Args: append([]string{
 				"--kubeconfig=" + mgmt.Kubeconfig, "--webhook-cert-dir=" + dir,
 				fmt.Sprintf("--webhook-port=%d", ports[0]),
 				fmt.Sprintf("--health-addr=127.0.0.1:%d", ports[1]),
 				fmt.Sprintf("--diagnostics-address=127.0.0.1:%d", ports[2]), "--insecure-diagnostics",
 				"--v=2",
-			},
+			}, mgr.args...),
 			Restart: true,
 		}); err != nil {
 			return nil, err
 		}
 		health = append(health, fmt.Sprintf("http://127.0.0.1:%d/readyz", ports[1]))
 	}
-	// The provider's CRDs as its release has them, with the contract label Cluster API reads.
+	// The provider's CRDs as its release has them, with the contract label Cluster API reads,
+	// and clusterctl's.
 	components, err := readObjects(filepath.Join(lab.Binaries().Repo, "manifests", "clusterctl", "infrastructure-components.yaml"))
 	if err != nil {
 		return nil, err
@@ -116,6 +131,9 @@ func StartClusterAPI(ctx context.Context, lab *cluster.Lab, mgmt *cluster.Contro
 		if o.GetKind() != "CustomResourceDefinition" {
 			continue
 		}
+		l := clusterctlLabels("infrastructure-pvbridge")
+		maps.Copy(l, o.GetLabels())
+		o.SetLabels(l)
 		if err := apply(ctx, dyn, crdGVR, o); err != nil {
 			return nil, err
 		}
@@ -152,7 +170,7 @@ func capiModule(ctx context.Context, repo string) (string, error) {
 
 // installCAPIObjects applies a manager's CRDs (with labels, converted by its webhook at url)
 // and its webhook configurations (named after the manager, called at url).
-func installCAPIObjects(ctx context.Context, dyn dynamic.Interface, dir, manager, url string, ca []byte, labels map[string]any) error {
+func installCAPIObjects(ctx context.Context, dyn dynamic.Interface, dir, manager, url string, ca []byte, labels map[string]string) error {
 	caBundle := base64.StdEncoding.EncodeToString(ca)
 	crds, err := filepath.Glob(filepath.Join(dir, "config", "crd", "bases", "*.yaml"))
 	if err != nil {
@@ -174,9 +192,7 @@ func installCAPIObjects(ctx context.Context, dyn dynamic.Interface, dir, manager
 			if l == nil {
 				l = map[string]string{}
 			}
-			for k, v := range labels {
-				l[k] = v.(string)
-			}
+			maps.Copy(l, labels)
 			o.SetLabels(l)
 			if err := unstructured.SetNestedMap(o.Object, map[string]any{
 				"strategy": "Webhook",
@@ -252,10 +268,10 @@ func decodeObjects(path string, data []byte) ([]*unstructured.Unstructured, erro
 // templateVariable is a clusterctl variable: ${NAME} or ${NAME:=default}.
 var templateVariable = regexp.MustCompile(`\$\{([A-Z0-9_]+)(:=([^}]*))?\}`)
 
-// ClusterTemplate renders manifests/clusterctl/cluster-template.yaml with vars, as clusterctl
-// generate cluster does, and returns its objects.
-func ClusterTemplate(repo string, vars map[string]string) ([]*unstructured.Unstructured, error) {
-	path := filepath.Join(repo, "manifests", "clusterctl", "cluster-template.yaml")
+// ClusterTemplate renders file of manifests/clusterctl (cluster-template.yaml, a flavor or a
+// ClusterClass) with vars, as clusterctl generate cluster does, and returns its objects.
+func ClusterTemplate(repo, file string, vars map[string]string) ([]*unstructured.Unstructured, error) {
+	path := filepath.Join(repo, "manifests", "clusterctl", file)
 	data, err := os.ReadFile(path)
 	if err != nil {
 		return nil, err
@@ -304,8 +320,11 @@ func LabCluster(objs []*unstructured.Unstructured, etcdTag string) error {
 			errs = append(errs,
 				set(o, []any{LabGuestServices}, append(network, "services", "cidrBlocks")...),
 				set(o, []any{LabGuestPods}, append(network, "pods", "cidrBlocks")...))
-		case "KubeadmControlPlane":
+		case "KubeadmControlPlane", "KubeadmControlPlaneTemplate":
 			spec := []string{"spec", "kubeadmConfigSpec"}
+			if o.GetKind() == "KubeadmControlPlaneTemplate" {
+				spec = []string{"spec", "template", "spec", "kubeadmConfigSpec"}
+			}
 			errs = append(errs,
 				set(o, etcdTag, append(spec, "clusterConfiguration", "etcd", "local", "imageTag")...),
 				set(o, map[string]any{"controlPlaneComponentHealthCheckSeconds": int64(600), "kubernetesAPICallSeconds": int64(300)}, append(spec, "initConfiguration", "timeouts")...),

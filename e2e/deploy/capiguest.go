@@ -57,7 +57,7 @@ func (in *Installed) installClusterAPIGuest(ctx context.Context, lab *cluster.La
 	for name, host := range in.Hosts {
 		in.VMMs[name] = lab.StartVMM(cluster.VMMOptions{Root: host.HostPath(VMRoot), Registry: in.Registry, DeviceRoot: VMDeviceRoot})
 	}
-	objs, err := ClusterTemplate(lab.Binaries().Repo, map[string]string{
+	objs, err := ClusterTemplate(lab.Binaries().Repo, "cluster-template.yaml", map[string]string{
 		"CLUSTER_NAME": opts.Name, "NAMESPACE": opts.Namespace, "KUBERNETES_VERSION": version,
 		"CONTROL_PLANE_MACHINE_COUNT": "1", "WORKER_MACHINE_COUNT": strconv.Itoa(in.Options.Workers),
 		"CONTROL_PLANE_ENDPOINT_IP": endpoint,

@@ -2,12 +2,16 @@
 // vm-operator in the infrastructure-provider role. One reconciler per kind:
 //
 //   - ClusterReconciler (cluster.go): a PVBridgeCluster's failure domains (management hosts)
-//     and its status.initialization.provisioned once the control plane endpoint is known;
+//     and its status.initialization.provisioned once the control plane endpoint is known; it
+//     blocks clusterctl move, which would delete the guest's VMs;
 //   - MachineReconciler (machine.go, machine_delete.go): a PVBridgeMachine's VirtualMachine of
 //     the same name, created once the Cluster's infrastructure is provisioned and the Machine
-//     has its bootstrap data, the providerID, addresses and provisioned flag once the VM runs;
-//     and its deletion, which waits for the VM's volumes to detach before it powers the VM
-//     off and deletes it.
+//     has its bootstrap data, the providerID, addresses and provisioned flag once the VM runs
+//     (a provisioned machine whose VM is deleted is reported, never given a new one); and its
+//     deletion, which waits for the VM's volumes to detach before it powers the VM
+//     off and deletes it;
+//   - MachineTemplateReconciler (machinetemplate.go): a PVBridgeMachineTemplate's capacity
+//     (its VirtualMachineClass's cpu and memory), for the autoscaler's scale from zero.
 //
 // The provider writes no VirtualMachine status and places no VM itself: vm-operator's
 // controller places a VM on spec.host (the Machine's failure domain) or on the least loaded
@@ -19,6 +23,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"slices"
 	"time"
 
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
@@ -79,6 +84,10 @@ func SetupWithManager(mgr ctrl.Manager, opts Options) error {
 	if err := machines.SetupWithManager(mgr); err != nil {
 		return fmt.Errorf("set up the PVBridgeMachine controller: %w", err)
 	}
+	templates := &MachineTemplateReconciler{Client: mgr.GetClient(), Filter: opts.WatchFilter}
+	if err := templates.SetupWithManager(mgr); err != nil {
+		return fmt.Errorf("set up the PVBridgeMachineTemplate controller: %w", err)
+	}
 	return nil
 }
 
@@ -135,9 +144,12 @@ func pausedCondition(conds *[]metav1.Condition, generation int64, paused bool) {
 }
 
 // patchObject writes what changed in obj since base: metadata and spec by a merge patch, then
-// the status (a subresource) the same way, each only if it changed. A merge patch carries no
-// resourceVersion: the provider is the only writer of these fields but for Cluster API's labels
-// and owner references, which it never changes. An object gone meanwhile is no error.
+// the status (a subresource) the same way, each only if it changed. A merge patch replaces a
+// list whole, so one that changes the finalizers carries base's resourceVersion (a conflict if
+// another wrote the object since, retried by the next reconcile): it would drop a finalizer
+// another controller added meanwhile. Otherwise it carries none: the provider is the only writer
+// of these fields but for Cluster API's labels and owner references, which it never changes. An
+// object gone meanwhile is no error.
 func patchObject(ctx context.Context, c client.Client, base, obj client.Object) error {
 	data, err := client.MergeFrom(base).Data(obj)
 	if err != nil {
@@ -151,7 +163,11 @@ func patchObject(ctx context.Context, c client.Client, base, obj client.Object) 
 	delete(changed, "status")
 	if len(changed) > 0 {
 		// The main resource ignores status; a copy keeps obj's status for the second patch.
-		if err := c.Patch(ctx, obj.DeepCopyObject().(client.Object), client.MergeFrom(base), client.FieldOwner(fieldManager)); err != nil {
+		patch := client.MergeFrom(base)
+		if !slices.Equal(base.GetFinalizers(), obj.GetFinalizers()) {
+			patch = client.MergeFromWithOptions(base, client.MergeFromWithOptimisticLock{})
+		}
+		if err := c.Patch(ctx, obj.DeepCopyObject().(client.Object), patch, client.FieldOwner(fieldManager)); err != nil {
 			return client.IgnoreNotFound(fmt.Errorf("patch %s: %w", client.ObjectKeyFromObject(obj), err))
 		}
 	}

@@ -25,8 +25,9 @@ import (
 
 // ClusterReconciler reconciles PVBridgeClusters. A PVBridgeCluster owns no infrastructure of its
 // own (pvbridge runs no load balancer: the control plane endpoint is the user's), so it needs no
-// finalizer: it reports the failure domains and, once the endpoint is set, that it is
-// provisioned.
+// finalizer: it reports the failure domains and, once the endpoint is set (on it, or on the
+// Cluster by a hosted control plane), that it is provisioned; it blocks clusterctl move
+// (infrav1.BlockMoveAnnotation). One with Cluster API's managed-by annotation is left alone.
 type ClusterReconciler struct {
 	Client client.Client
 	// Filter picks the PVBridgeClusters of this provider instance.
@@ -93,6 +94,10 @@ func (r *ClusterReconciler) Reconcile(ctx context.Context, req ctrl.Request) (_ 
 	if err := r.Client.Get(ctx, req.NamespacedName, ic); err != nil || !r.Filter.Matches(ic) {
 		return ctrl.Result{}, client.IgnoreNotFound(err)
 	}
+	if _, ok := ic.Annotations[clusterv1.ManagedByAnnotation]; ok {
+		// Externally managed infrastructure (the contract): whoever manages it sets its status.
+		return ctrl.Result{}, nil
+	}
 	cluster := &clusterv1.Cluster{}
 	found, err := getOwned(ctx, r.Client, ic.Namespace, ownerOfKind(ic, "Cluster"), cluster)
 	if err != nil || !found {
@@ -108,6 +113,8 @@ func (r *ClusterReconciler) Reconcile(ctx context.Context, req ctrl.Request) (_ 
 			reterr = errors.Join(reterr, err)
 		}
 	}()
+	// Kept while paused: clusterctl move pauses the Cluster before it waits for the annotation.
+	metav1.SetMetaDataAnnotation(&ic.ObjectMeta, infrav1.BlockMoveAnnotation, infrav1.BlockMoveReason)
 	paused := isPaused(cluster, ic)
 	pausedCondition(&ic.Status.Conditions, ic.Generation, paused)
 	if paused || !ic.DeletionTimestamp.IsZero() {
@@ -121,13 +128,18 @@ func (r *ClusterReconciler) Reconcile(ctx context.Context, req ctrl.Request) (_ 
 		}
 	}
 	ic.Status.FailureDomains = failureDomains(ic.Spec.FailureDomains, hosts.Items)
-	if !ic.Spec.ControlPlaneEndpoint.IsValid() {
+	endpoint := ic.Spec.ControlPlaneEndpoint
+	if !endpoint.IsValid() && cluster.Spec.ControlPlaneEndpoint.IsValid() {
+		// Set on the Cluster by someone else: a hosted control plane (Kamaji, k0smotron), or the user.
+		endpoint = infrav1.APIEndpoint{Host: cluster.Spec.ControlPlaneEndpoint.Host, Port: cluster.Spec.ControlPlaneEndpoint.Port}
+	}
+	if !endpoint.IsValid() {
 		setCondition(&ic.Status.Conditions, ic.Generation, infrav1.ReadyCondition, metav1.ConditionFalse,
-			infrav1.WaitingForControlPlaneEndpointReason, "spec.controlPlaneEndpoint needs a host and a port")
+			infrav1.WaitingForControlPlaneEndpointReason, "spec.controlPlaneEndpoint (or the Cluster's) needs a host and a port")
 		return ctrl.Result{}, nil
 	}
 	if !ptr.Deref(ic.Status.Initialization.Provisioned, false) {
-		log.Info("PVBridgeCluster provisioned", "endpoint", ic.Spec.ControlPlaneEndpoint)
+		log.Info("PVBridgeCluster provisioned", "endpoint", endpoint)
 	}
 	ic.Status.Initialization.Provisioned = ptr.To(true)
 	setCondition(&ic.Status.Conditions, ic.Generation, infrav1.ReadyCondition, metav1.ConditionTrue, infrav1.ProvisionedReason, "")

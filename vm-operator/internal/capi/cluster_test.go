@@ -39,6 +39,17 @@ func TestClusterReconcile(t *testing.T) {
 		wantReason:  infrav1.WaitingForControlPlaneEndpointReason,
 		wantDomains: []infrav1.FailureDomain{{Name: "host-a", ControlPlane: ptr.To(true)}, {Name: "host-c", ControlPlane: ptr.To(true)}},
 	}, {
+		name: "an endpoint set on the Cluster by someone else provisions it",
+		prepare: func(f *fixtures) {
+			f.ic.Spec.ControlPlaneEndpoint = infrav1.APIEndpoint{}
+			f.cluster.Spec.ControlPlaneEndpoint = clusterv1.APIEndpoint{Host: "guest-1.kamaji.example", Port: 443}
+		},
+		wantProvisioned: true, wantReason: infrav1.ProvisionedReason,
+		wantDomains: []infrav1.FailureDomain{{Name: "host-a", ControlPlane: ptr.To(true)}, {Name: "host-c", ControlPlane: ptr.To(true)}},
+	}, {
+		name:    "an externally managed one is left alone",
+		prepare: func(f *fixtures) { f.ic.Annotations = map[string]string{clusterv1.ManagedByAnnotation: "kamaji"} },
+	}, {
 		name:       "a paused Cluster pauses it",
 		prepare:    func(f *fixtures) { f.cluster.Spec.Paused = ptr.To(true) },
 		wantPaused: true,
@@ -75,6 +86,11 @@ func TestClusterReconcile(t *testing.T) {
 				g.Expect(ready.Reason).To(Equal(tt.wantReason))
 			}
 			g.Expect(meta.IsStatusConditionTrue(ic.Status.Conditions, infrav1.PausedCondition)).To(Equal(tt.wantPaused))
+			if _, managed := ic.Annotations[clusterv1.ManagedByAnnotation]; managed {
+				g.Expect(ic.Annotations).To(Equal(f.ic.Annotations), "an externally managed one is not written")
+			} else if len(ic.OwnerReferences) > 0 {
+				g.Expect(ic.Annotations).To(HaveKey(infrav1.BlockMoveAnnotation), "clusterctl move is blocked, paused or not")
+			}
 		})
 	}
 }

@@ -273,3 +273,52 @@ func TestDeletedMachineWhoseVolumesStayIsPoweredOffAfterTheTimeout(t *testing.T)
 		return apierrors.IsNotFound(e.c.Get(t.Context(), client.ObjectKeyFromObject(pm), pm))
 	}).Should(BeTrue())
 }
+
+func TestProvisionedMachineWhoseVirtualMachineIsDeletedIsReportedNotRecreated(t *testing.T) {
+	e := newEnvTest(t, time.Hour)
+	g := e.g
+	pm, vm := e.provisionedMachine(t, "guest-md-0-z1")
+	ic := &infrav1.PVBridgeCluster{}
+	g.Expect(e.c.Get(t.Context(), client.ObjectKey{Namespace: e.ns, Name: "guest"}, ic)).To(Succeed())
+	g.Expect(ic.Annotations).To(HaveKeyWithValue(infrav1.BlockMoveAnnotation, infrav1.BlockMoveReason), "clusterctl move is blocked")
+
+	g.Expect(e.c.Delete(t.Context(), vm)).To(Succeed())
+
+	g.Eventually(e.readyReason(t, pm, func() []metav1.Condition { return pm.Status.Conditions })).Should(Equal(infrav1.VirtualMachineDeletedReason))
+	g.Consistently(func() bool {
+		return apierrors.IsNotFound(e.c.Get(t.Context(), client.ObjectKeyFromObject(vm), vm))
+	}, "1s").Should(BeTrue(), "the VM of a provisioned machine is not made again from its old bootstrap data")
+	g.Expect(pm.Spec.ProviderID).NotTo(BeEmpty())
+
+	// Cluster API's remediation deletes the machine: nothing holds it.
+	g.Expect(e.c.Delete(t.Context(), pm)).To(Succeed())
+	g.Eventually(func() bool {
+		return apierrors.IsNotFound(e.c.Get(t.Context(), client.ObjectKeyFromObject(pm), pm))
+	}).Should(BeTrue())
+}
+
+func TestTemplatesAreImmutable(t *testing.T) {
+	e := newEnvTest(t, time.Hour)
+	g := e.g
+	mt := &infrav1.PVBridgeMachineTemplate{
+		ObjectMeta: metav1.ObjectMeta{Namespace: e.ns, Name: "md-0"},
+		Spec:       infrav1.PVBridgeMachineTemplateSpec{Template: infrav1.PVBridgeMachineTemplateResource{Spec: infrav1.PVBridgeMachineSpec{ClassName: "small"}}},
+	}
+	ct := &infrav1.PVBridgeClusterTemplate{
+		ObjectMeta: metav1.ObjectMeta{Namespace: e.ns, Name: "default"},
+		Spec:       infrav1.PVBridgeClusterTemplateSpec{Template: infrav1.PVBridgeClusterTemplateResource{Spec: infrav1.PVBridgeClusterSpec{}}},
+	}
+	g.Expect(e.c.Create(t.Context(), mt)).To(Succeed())
+	g.Expect(e.c.Create(t.Context(), ct)).To(Succeed())
+
+	mt.Spec.Template.Spec.ClassName = "medium"
+	err := e.c.Update(t.Context(), mt)
+	g.Expect(apierrors.IsInvalid(err)).To(BeTrue(), "%v", err)
+	g.Expect(err.Error()).To(ContainSubstring("immutable"))
+	ct.Spec.Template.Spec.FailureDomains = []infrav1.FailureDomain{{Name: "host-a"}}
+	err = e.c.Update(t.Context(), ct)
+	g.Expect(apierrors.IsInvalid(err)).To(BeTrue(), "%v", err)
+
+	// Its metadata may change (Cluster API's clusterctl move and topology labels do).
+	e.update(t, mt, false, func() { mt.Labels = map[string]string{"example.com/team": "a"} })
+}

@@ -101,7 +101,7 @@ func (f *fixtures) vmOf(status vmv1.VirtualMachineStatus) *vmv1.VirtualMachine {
 
 func newClient(t *testing.T, objs ...client.Object) client.WithWatch {
 	return clientfake.NewClientBuilder().WithScheme(newScheme(t)).WithObjects(objs...).
-		WithStatusSubresource(&infrav1.PVBridgeCluster{}, &infrav1.PVBridgeMachine{}, &vmv1.VirtualMachine{}, &clusterv1.Cluster{}, &clusterv1.Machine{}).
+		WithStatusSubresource(&infrav1.PVBridgeCluster{}, &infrav1.PVBridgeMachine{}, &infrav1.PVBridgeMachineTemplate{}, &vmv1.VirtualMachine{}, &clusterv1.Cluster{}, &clusterv1.Machine{}).
 		Build()
 }
 

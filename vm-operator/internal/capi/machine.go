@@ -188,6 +188,17 @@ func (r *MachineReconciler) reconcileNormal(ctx context.Context, cluster *cluste
 		return ctrl.Result{}, nil
 	case !apierrors.IsNotFound(err):
 		return ctrl.Result{}, fmt.Errorf("get VirtualMachine %s: %w", klog.KObj(pm), err)
+	case pm.Spec.ProviderID != "":
+		// Provisioned once: its guest went with it. A VM made again from the same bootstrap
+		// data would join with an expired token under a stale Node, so the machine is reported
+		// failed for Cluster API to replace, as its own providers do.
+		if c := meta.FindStatusCondition(pm.Status.Conditions, infrav1.ReadyCondition); c == nil || c.Reason != infrav1.VirtualMachineDeletedReason {
+			r.event(pm, corev1.EventTypeWarning, infrav1.VirtualMachineDeletedReason,
+				"VirtualMachine %s of this provisioned machine was deleted; it is not re-created: the Machine must be replaced", pm.Name)
+		}
+		notReady(pm, infrav1.VirtualMachineDeletedReason, fmt.Sprintf(
+			"VirtualMachine %s does not exist anymore: delete the Machine (a MachineHealthCheck does when its Node stays unready) for Cluster API to replace it", pm.Name))
+		return ctrl.Result{}, nil
 	}
 
 	if !ptr.Deref(cluster.Status.Initialization.InfrastructureProvisioned, false) {

@@ -32,6 +32,7 @@ func TestMachineReconcile(t *testing.T) {
 		wantVM        bool
 		wantFinalizer bool
 		wantPaused    bool
+		wantWarning   string // the reason of a Warning Event
 	}{{
 		name:    "a PVBridgeMachine without a Machine owner waits for Cluster API",
 		prepare: func(f *fixtures) { f.pm.OwnerReferences = nil; f.pm.Finalizers = nil },
@@ -66,6 +67,10 @@ func TestMachineReconcile(t *testing.T) {
 		vm:         func(f *fixtures) *vmv1.VirtualMachine { return f.vmOf(running) },
 		wantReason: infrav1.ProvisionedReason, wantVM: true, wantFinalizer: true,
 	}, {
+		name:       "the deleted VirtualMachine of a provisioned machine is reported, not re-created",
+		prepare:    func(f *fixtures) { f.pm.Spec.ProviderID = infrav1.ProviderID(ns, machineName) },
+		wantReason: infrav1.VirtualMachineDeletedReason, wantFinalizer: true, wantWarning: infrav1.VirtualMachineDeletedReason,
+	}, {
 		name: "a VirtualMachine of the name that is not the machine's is left alone",
 		vm: func(f *fixtures) *vmv1.VirtualMachine {
 			vm := f.vmOf(running)
@@ -96,12 +101,16 @@ func TestMachineReconcile(t *testing.T) {
 				objs = append(objs, tt.vm(f))
 			}
 			c := newClient(t, objs...)
-			r := &MachineReconciler{Client: c, Recorder: events.NewFakeRecorder(10)}
+			recorder := events.NewFakeRecorder(10)
+			r := &MachineReconciler{Client: c, Recorder: recorder}
 
 			res, err := r.Reconcile(t.Context(), ctrl.Request{NamespacedName: client.ObjectKeyFromObject(f.pm)})
 
 			g.Expect(err).NotTo(HaveOccurred())
 			g.Expect(res).To(Equal(ctrl.Result{}))
+			if tt.wantWarning != "" {
+				g.Expect(recorder.Events).To(Receive(HavePrefix("Warning " + tt.wantWarning)))
+			}
 			pm := get(t, c, &infrav1.PVBridgeMachine{ObjectMeta: f.pm.ObjectMeta})
 			g.Expect(pm.Finalizers).To(Equal(map[bool][]string{true: {infrav1.MachineFinalizer}}[tt.wantFinalizer]))
 			ready := meta.FindStatusCondition(pm.Status.Conditions, infrav1.ReadyCondition)
@@ -123,7 +132,7 @@ func TestMachineReconcile(t *testing.T) {
 				if tt.vm == nil {
 					g.Expect(apierrors.IsNotFound(err)).To(BeTrue(), "no VirtualMachine is created")
 				}
-				g.Expect(pm.Spec.ProviderID).To(BeEmpty())
+				g.Expect(pm.Spec.ProviderID).To(Equal(f.pm.Spec.ProviderID))
 				g.Expect(pm.Status.Initialization.Provisioned).To(BeNil())
 				return
 			}
@@ -370,4 +379,23 @@ func TestMachineDeletionEndsWhenTheVMIsGone(t *testing.T) {
 	_, err = r.Reconcile(t.Context(), req)
 	g.Expect(err).NotTo(HaveOccurred())
 	g.Expect(apierrors.IsNotFound(c.Get(t.Context(), req.NamespacedName, &infrav1.PVBridgeMachine{}))).To(BeTrue())
+}
+
+func TestFinalizerPatchKeepsAFinalizerAddedMeanwhile(t *testing.T) {
+	g := NewWithT(t)
+	f := newFixtures()
+	c := newClient(t, f.objects()...)
+	pm := get(t, c, &infrav1.PVBridgeMachine{ObjectMeta: f.pm.ObjectMeta})
+	base := pm.DeepCopy()
+
+	// Another controller adds its finalizer after the provider read the machine.
+	other := pm.DeepCopy()
+	other.Finalizers = append(other.Finalizers, "example.com/other")
+	g.Expect(c.Update(t.Context(), other)).To(Succeed())
+
+	pm.Finalizers = nil
+	err := patchObject(t.Context(), c, base, pm)
+
+	g.Expect(apierrors.IsConflict(err)).To(BeTrue(), "a stale finalizer list is not written: %v", err)
+	g.Expect(get(t, c, &infrav1.PVBridgeMachine{ObjectMeta: f.pm.ObjectMeta}).Finalizers).To(ConsistOf(infrav1.MachineFinalizer, "example.com/other"))
 }

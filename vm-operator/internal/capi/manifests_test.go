@@ -15,6 +15,7 @@ import (
 	appsv1 "k8s.io/api/apps/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
 	apiextensionsv1 "k8s.io/apiextensions-apiserver/pkg/apis/apiextensions/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/runtime/serializer/json"
@@ -82,7 +83,7 @@ func TestInfrastructureComponentsFollowTheContract(t *testing.T) {
 			aggregated = aggregated || role.Labels["cluster.x-k8s.io/aggregate-to-manager"] == "true"
 		}
 	}
-	g.Expect(crds).To(HaveLen(3))
+	g.Expect(crds).To(HaveLen(4))
 	g.Expect(aggregated).To(BeTrue(), "Cluster API's controllers may manage the provider's kinds")
 	g.Expect(deployment).NotTo(BeNil())
 	g.Expect(deployment.Spec.Template.Spec.Containers[0].Args).To(ContainElement("--role=infrastructure-provider"))
@@ -121,6 +122,7 @@ func TestInfrastructureComponentsFollowTheContract(t *testing.T) {
 			"status.failureDomain": "string", "status.conditions": "array",
 		},
 		"PVBridgeMachineTemplate": {"spec.template.spec.className": "string", "spec.template.metadata.labels": "object"},
+		"PVBridgeClusterTemplate": {"spec.template.spec.controlPlaneEndpoint.host": "string", "spec.template.metadata.labels": "object"},
 	} {
 		t.Run(kind, func(t *testing.T) {
 			g := NewWithT(t)
@@ -144,16 +146,14 @@ func TestInfrastructureComponentsFollowTheContract(t *testing.T) {
 // variable matches clusterctl's ${NAME} and ${NAME:=default}.
 var variable = regexp.MustCompile(`\$\{([A-Z_]+)(:=([^}]*))?\}`)
 
-// The template renders (with the variables clusterctl documents) into objects that Cluster API's
-// own types decode strictly, and its Cluster opts in to pvbridge storage.
-func TestClusterTemplateRenders(t *testing.T) {
+// render substitutes values for the variables of a clusterctl file (each variable without a
+// value must have a default, and each value must be used) and decodes its objects strictly
+// with Cluster API's own types and the provider's, by kind (the last of a kind wins) and in order.
+func render(t *testing.T, file string, values map[string]string) (map[string]runtime.Object, []runtime.Object) {
+	t.Helper()
 	g := NewWithT(t)
-	data, err := os.ReadFile(filepath.Join(clusterctlDir, "cluster-template.yaml"))
+	data, err := os.ReadFile(filepath.Join(clusterctlDir, file))
 	g.Expect(err).NotTo(HaveOccurred())
-	values := map[string]string{
-		"CLUSTER_NAME": "guest-1", "NAMESPACE": "tenant-a", "KUBERNETES_VERSION": "v1.37.0",
-		"CONTROL_PLANE_MACHINE_COUNT": "3", "WORKER_MACHINE_COUNT": "2", "CONTROL_PLANE_ENDPOINT_IP": "10.0.0.10",
-	}
 	used := map[string]bool{}
 	rendered := variable.ReplaceAllStringFunc(string(data), func(m string) string {
 		sub := variable.FindStringSubmatch(m)
@@ -161,11 +161,11 @@ func TestClusterTemplateRenders(t *testing.T) {
 		if v, ok := values[sub[1]]; ok {
 			return v
 		}
-		g.Expect(sub[2]).NotTo(BeEmpty(), "variable %s has no value and no default", sub[1])
+		g.Expect(sub[2]).NotTo(BeEmpty(), "%s: variable %s has no value and no default", file, sub[1])
 		return sub[3]
 	})
 	for name := range values {
-		g.Expect(used).To(HaveKey(name))
+		g.Expect(used).To(HaveKey(name), "%s uses %s", file, name)
 	}
 
 	scheme := runtime.NewScheme()
@@ -174,20 +174,35 @@ func TestClusterTemplateRenders(t *testing.T) {
 	}
 	strict := json.NewSerializerWithOptions(json.DefaultMetaFactory, scheme, scheme, json.SerializerOptions{Yaml: true, Strict: true})
 	kinds := map[string]runtime.Object{}
+	var objs []runtime.Object
 	r := utilyaml.NewYAMLReader(bufioReader([]byte(rendered)))
 	for {
 		doc, err := r.Read()
 		if errors.Is(err, io.EOF) {
-			break
+			return kinds, objs
 		}
 		g.Expect(err).NotTo(HaveOccurred())
 		if len(bytes.TrimSpace(doc)) == 0 || strings.HasPrefix(strings.TrimSpace(string(doc)), "#") && !strings.Contains(string(doc), "kind:") {
 			continue
 		}
 		obj, gvk, err := strict.Decode(doc, nil, nil)
-		g.Expect(err).NotTo(HaveOccurred(), "decode %s", doc)
+		g.Expect(err).NotTo(HaveOccurred(), "%s: decode %s", file, doc)
 		kinds[gvk.Kind] = obj
+		objs = append(objs, obj)
 	}
+}
+
+// clusterValues are the variables clusterctl generate cluster sets for both flavors.
+var clusterValues = map[string]string{
+	"CLUSTER_NAME": "guest-1", "NAMESPACE": "tenant-a", "KUBERNETES_VERSION": "v1.37.0",
+	"CONTROL_PLANE_MACHINE_COUNT": "3", "WORKER_MACHINE_COUNT": "2", "CONTROL_PLANE_ENDPOINT_IP": "10.0.0.10",
+}
+
+// The template renders (with the variables clusterctl documents) into objects that Cluster API's
+// own types decode strictly, and its Cluster opts in to pvbridge storage.
+func TestClusterTemplateRenders(t *testing.T) {
+	g := NewWithT(t)
+	kinds, _ := render(t, "cluster-template.yaml", clusterValues)
 	g.Expect(kinds).To(HaveKey("Cluster"))
 	g.Expect(kinds).To(HaveKey("PVBridgeCluster"))
 	g.Expect(kinds).To(HaveKey("KubeadmControlPlane"))
@@ -206,6 +221,71 @@ func TestClusterTemplateRenders(t *testing.T) {
 		kcp.Spec.KubeadmConfigSpec.InitConfiguration.NodeRegistration.KubeletExtraArgs,
 		kcp.Spec.KubeadmConfigSpec.JoinConfiguration.NodeRegistration.KubeletExtraArgs,
 		kinds["KubeadmConfigTemplate"].(*bootstrapv1.KubeadmConfigTemplate).Spec.Template.Spec.JoinConfiguration.NodeRegistration.KubeletExtraArgs,
+	} {
+		g.Expect(args).To(ContainElement(bootstrapv1.Arg{Name: "provider-id", Value: ptr.To("{{ ds.meta_data.provider_id }}")}))
+	}
+}
+
+// The topology flavor and its ClusterClass render and decode strictly; the class names only
+// templates its file holds, the Cluster sets only variables the class declares, every variable a
+// patch reads is declared, and the machines' kubelets get the provider ID as in the template.
+func TestClusterClassAndTopologyFlavorRender(t *testing.T) {
+	g := NewWithT(t)
+	kinds, _ := render(t, "cluster-template-topology.yaml", clusterValues)
+	cluster := kinds["Cluster"].(*clusterv1.Cluster)
+	g.Expect(cluster.Labels).To(HaveKeyWithValue(tenancy.EnabledLabel, "true"))
+
+	classKinds, objs := render(t, "clusterclass-pvbridge.yaml", map[string]string{"NAMESPACE": "tenant-a"})
+	class := classKinds["ClusterClass"].(*clusterv1.ClusterClass)
+	g.Expect(cluster.Spec.Topology.ClassRef.Name).To(Equal(class.Name))
+	g.Expect(cluster.Spec.Topology.Workers.MachineDeployments).To(HaveLen(1))
+	g.Expect(cluster.Spec.Topology.Workers.MachineDeployments[0].Class).To(Equal(class.Spec.Workers.MachineDeployments[0].Class))
+
+	held := map[string]bool{}
+	for _, o := range objs {
+		m := o.(metav1.Object)
+		held[o.GetObjectKind().GroupVersionKind().Kind+"/"+m.GetName()] = true
+		g.Expect(m.GetNamespace()).To(Equal("tenant-a"))
+	}
+	refs := []clusterv1.ClusterClassTemplateReference{
+		class.Spec.Infrastructure.TemplateRef, class.Spec.ControlPlane.TemplateRef, class.Spec.ControlPlane.MachineInfrastructure.TemplateRef,
+	}
+	for _, md := range class.Spec.Workers.MachineDeployments {
+		refs = append(refs, md.Bootstrap.TemplateRef, md.Infrastructure.TemplateRef)
+	}
+	for _, ref := range refs {
+		g.Expect(held).To(HaveKey(ref.Kind+"/"+ref.Name), "the class's template %s/%s is in its file", ref.Kind, ref.Name)
+	}
+	g.Expect(class.Spec.Infrastructure.TemplateRef.Kind).To(Equal("PVBridgeClusterTemplate"))
+
+	declared := map[string]bool{}
+	for _, v := range class.Spec.Variables {
+		declared[v.Name] = true
+	}
+	for _, v := range cluster.Spec.Topology.Variables {
+		g.Expect(declared).To(HaveKey(v.Name), "the Cluster's variable %s", v.Name)
+	}
+	read := regexp.MustCompile(`\.([a-zA-Z]+)`)
+	for _, p := range class.Spec.Patches {
+		for _, d := range p.Definitions {
+			for _, jp := range d.JSONPatches {
+				g.Expect(jp.ValueFrom).NotTo(BeNil(), "patch %s", p.Name)
+				if jp.ValueFrom.Variable != "" {
+					g.Expect(declared).To(HaveKey(jp.ValueFrom.Variable), "patch %s", p.Name)
+				}
+				for _, m := range read.FindAllStringSubmatch(jp.ValueFrom.Template, -1) {
+					if m[1] != "builtin" && m[1] != "controlPlane" && m[1] != "machineDeployment" && m[1] != "version" {
+						g.Expect(declared).To(HaveKey(m[1]), "patch %s reads .%s", p.Name, m[1])
+					}
+				}
+			}
+		}
+	}
+	kcpt := classKinds["KubeadmControlPlaneTemplate"].(*controlplanev1.KubeadmControlPlaneTemplate)
+	for _, args := range [][]bootstrapv1.Arg{
+		kcpt.Spec.Template.Spec.KubeadmConfigSpec.InitConfiguration.NodeRegistration.KubeletExtraArgs,
+		kcpt.Spec.Template.Spec.KubeadmConfigSpec.JoinConfiguration.NodeRegistration.KubeletExtraArgs,
+		classKinds["KubeadmConfigTemplate"].(*bootstrapv1.KubeadmConfigTemplate).Spec.Template.Spec.JoinConfiguration.NodeRegistration.KubeletExtraArgs,
 	} {
 		g.Expect(args).To(ContainElement(bootstrapv1.Arg{Name: "provider-id", Value: ptr.To("{{ ds.meta_data.provider_id }}")}))
 	}

@@ -37,6 +37,14 @@ const (
 	// Machine) it realizes, when the name fits a label value (63 characters); the owner
 	// reference names it in every case.
 	MachineLabel = "infrastructure.cluster.x-k8s.io/pvbridgemachine"
+
+	// BlockMoveAnnotation is clusterctl's block-move annotation, which the provider keeps on
+	// every PVBridgeCluster: `clusterctl move` waits for it to go, and gives up. A guest's
+	// VirtualMachines cannot leave the hosts of their management cluster, and a move would
+	// delete them with their PVBridgeMachines (docs/deployment.md, "clusterctl move").
+	BlockMoveAnnotation = "clusterctl.cluster.x-k8s.io/block-move"
+	// BlockMoveReason is the value of BlockMoveAnnotation, for whoever reads the object.
+	BlockMoveReason = "pvbridge: a guest's VirtualMachines cannot move to another management cluster"
 )
 
 // Condition types of the provider's kinds (Cluster API v1beta2 conventions: positive polarity,
@@ -72,6 +80,10 @@ const (
 	FailureDomainUnknownReason = "FailureDomainUnknown"
 	// VirtualMachineConflictReason: a VirtualMachine of the name exists and belongs to another.
 	VirtualMachineConflictReason = "VirtualMachineConflict"
+	// VirtualMachineDeletedReason: the VirtualMachine of a provisioned machine is gone, and its
+	// guest with it; the provider does not re-create it (a MachineHealthCheck, or an admin who
+	// deletes the Machine, replaces the machine).
+	VirtualMachineDeletedReason = "VirtualMachineDeleted"
 	// WaitingForVolumeDetachReason: deleting, the VirtualMachine still holds volumes.
 	WaitingForVolumeDetachReason = "WaitingForVolumeDetach"
 	// VolumeDetachTimedOutReason: deleting, the volumes did not detach within the timeout; the

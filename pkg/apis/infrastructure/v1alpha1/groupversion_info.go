@@ -31,6 +31,7 @@ func addKnownTypes(s *runtime.Scheme) error {
 		&PVBridgeCluster{}, &PVBridgeClusterList{},
 		&PVBridgeMachine{}, &PVBridgeMachineList{},
 		&PVBridgeMachineTemplate{}, &PVBridgeMachineTemplateList{},
+		&PVBridgeClusterTemplate{}, &PVBridgeClusterTemplateList{},
 	)
 	metav1.AddToGroupVersion(s, GroupVersion)
 	return nil

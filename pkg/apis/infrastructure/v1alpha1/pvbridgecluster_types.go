@@ -91,3 +91,56 @@ type PVBridgeClusterList struct {
 	// +required
 	Items []PVBridgeCluster `json:"items"`
 }
+
+// PVBridgeClusterTemplateResource is what a PVBridgeCluster is made from.
+type PVBridgeClusterTemplateResource struct {
+	// metadata is given to each PVBridgeCluster made from the template.
+	// +optional
+	ObjectMeta ObjectMeta `json:"metadata,omitempty,omitzero"`
+
+	// spec is the spec of each PVBridgeCluster made from the template; a ClusterClass's
+	// patches set the control plane endpoint of each cluster.
+	// +required
+	Spec PVBridgeClusterSpec `json:"spec"`
+}
+
+// PVBridgeClusterTemplateSpec is the spec of a PVBridgeClusterTemplate.
+type PVBridgeClusterTemplateSpec struct {
+	// template is what the PVBridgeClusters are made from.
+	// +required
+	Template PVBridgeClusterTemplateResource `json:"template"`
+}
+
+// PVBridgeClusterTemplate is the template a ClusterClass makes its clusters' PVBridgeClusters
+// from (Cluster API's InfraClusterTemplate contract). Its spec is immutable, as every template
+// a ClusterClass names: a change is a new template the class is pointed at.
+//
+// +kubebuilder:object:root=true
+// +kubebuilder:resource:path=pvbridgeclustertemplates,shortName=pvbct,categories=cluster-api;pvbridge
+// +kubebuilder:storageversion
+// +kubebuilder:printcolumn:name="Age",type=date,JSONPath=`.metadata.creationTimestamp`
+type PVBridgeClusterTemplate struct {
+	metav1.TypeMeta `json:",inline"`
+	// metadata is the object's metadata.
+	// +optional
+	metav1.ObjectMeta `json:"metadata,omitempty"`
+
+	// spec is the template.
+	// +required
+	// +kubebuilder:validation:XValidation:rule="self == oldSelf",message="the spec of a template is immutable: create a new template and point the ClusterClass at it"
+	Spec PVBridgeClusterTemplateSpec `json:"spec"`
+}
+
+// PVBridgeClusterTemplateList is a list of PVBridgeClusterTemplates.
+//
+// +kubebuilder:object:root=true
+type PVBridgeClusterTemplateList struct {
+	metav1.TypeMeta `json:",inline"`
+	// metadata is the list's metadata.
+	// +optional
+	metav1.ListMeta `json:"metadata,omitempty"`
+
+	// items are the PVBridgeClusterTemplates.
+	// +required
+	Items []PVBridgeClusterTemplate `json:"items"`
+}

@@ -1,6 +1,7 @@
 package v1alpha1
 
 import (
+	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 )
@@ -155,13 +156,28 @@ type PVBridgeMachineTemplateSpec struct {
 	Template PVBridgeMachineTemplateResource `json:"template"`
 }
 
+// PVBridgeMachineTemplateStatus is the observed state of a PVBridgeMachineTemplate.
+type PVBridgeMachineTemplateStatus struct {
+	// capacity is what the guest Node of a machine made from the template has: the cpu and
+	// memory of its VirtualMachineClass, or of spec.template.spec.resources where they are set
+	// (the contract: Cluster API's autoscaler scales a MachineDeployment up from zero with it).
+	// Empty while the class does not exist.
+	// +optional
+	Capacity corev1.ResourceList `json:"capacity,omitempty"`
+}
+
 // PVBridgeMachineTemplate is the template Cluster API makes PVBridgeMachines from (for
-// MachineDeployments and KubeadmControlPlanes).
+// MachineDeployments and KubeadmControlPlanes). Its spec is immutable: Cluster API rolls
+// machines out when a MachineDeployment or KubeadmControlPlane is pointed at a new template, never
+// when a template changes in place (a ClusterClass makes a new one for each change).
 //
 // +kubebuilder:object:root=true
 // +kubebuilder:resource:path=pvbridgemachinetemplates,shortName=pvbmt,categories=cluster-api;pvbridge
+// +kubebuilder:subresource:status
 // +kubebuilder:storageversion
 // +kubebuilder:printcolumn:name="Class",type=string,JSONPath=`.spec.template.spec.className`
+// +kubebuilder:printcolumn:name="CPU",type=string,JSONPath=`.status.capacity.cpu`
+// +kubebuilder:printcolumn:name="Memory",type=string,JSONPath=`.status.capacity.memory`
 // +kubebuilder:printcolumn:name="Age",type=date,JSONPath=`.metadata.creationTimestamp`
 type PVBridgeMachineTemplate struct {
 	metav1.TypeMeta `json:",inline"`
@@ -171,7 +187,12 @@ type PVBridgeMachineTemplate struct {
 
 	// spec is the template.
 	// +required
+	// +kubebuilder:validation:XValidation:rule="self == oldSelf",message="the spec of a template is immutable: create a new template and point the MachineDeployment or KubeadmControlPlane at it"
 	Spec PVBridgeMachineTemplateSpec `json:"spec"`
+
+	// status is the observed state of the template.
+	// +optional
+	Status PVBridgeMachineTemplateStatus `json:"status,omitempty,omitzero"`
 }
 
 // PVBridgeMachineTemplateList is a list of PVBridgeMachineTemplates.

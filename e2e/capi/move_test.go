@@ -1,0 +1,118 @@
+package capi_test
+
+import (
+	"bufio"
+	"context"
+	"io"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	. "github.com/onsi/gomega"
+	"k8s.io/apimachinery/pkg/api/meta"
+	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+	"k8s.io/apimachinery/pkg/types"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+
+	infrav1 "pvbridge.io/pkg/apis/infrastructure/v1alpha1"
+	vmv1 "pvbridge.io/pkg/apis/vm/v1alpha1"
+)
+
+// blockedLine is what clusterctl move says when an object of the move carries block-move.
+const blockedLine = "Move blocked by " + infrav1.BlockMoveAnnotation + " annotation"
+
+// clusterctlMoveIsRefused runs clusterctl move (v1.14.2, the real binary) of the guest's
+// namespace to the guest itself, the pivot users try (the guest given Cluster API's Cluster CRD,
+// which clusterctl checks a target for). The move stops at the provider's block-move annotation
+// and waits there: nothing is created in the target, nothing deleted here, every VM the same.
+// It is interrupted, and the Cluster it paused is resumed as docs/deployment.md says.
+func clusterctlMoveIsRefused(t *testing.T) {
+	g := NewWithT(t)
+	ctx := t.Context()
+	mc := mgmtClient(g)
+	ns := in.Options.Guest.Namespace
+	vms := func() map[string]types.UID {
+		list := &vmv1.VirtualMachineList{}
+		g.Expect(mc.List(ctx, list, client.InNamespace(ns))).To(Succeed())
+		uids := map[string]types.UID{}
+		for _, vm := range list.Items {
+			uids[vm.Name] = vm.UID
+		}
+		return uids
+	}
+	before := vms()
+	g.Expect(before).NotTo(BeEmpty())
+
+	_, err := kubectl(ctx, "apply", "--server-side", "-f", filepath.Join(lab.Binaries().Repo, "manifests", "crd", "capi", "cluster.x-k8s.io_clusters.yaml"))
+	g.Expect(err).NotTo(HaveOccurred())
+	bin, err := lab.Binaries().Tool("clusterctl")
+	g.Expect(err).NotTo(HaveOccurred())
+	moveCtx, stop := context.WithCancel(ctx)
+	defer stop()
+	cmd := exec.CommandContext(moveCtx, bin, "move", "--kubeconfig", in.Mgmt.Kubeconfig, "--to-kubeconfig", in.Guest.Kubeconfig, "--namespace", ns)
+	cmd.Env = append(os.Environ(), "CLUSTERCTL_DISABLE_VERSIONCHECK=true", "XDG_CONFIG_HOME="+t.TempDir())
+	out := &lines{}
+	r, w := io.Pipe()
+	cmd.Stdout, cmd.Stderr = w, w
+	g.Expect(cmd.Start()).To(Succeed())
+	exited := make(chan error, 1)
+	go func() {
+		exited <- cmd.Wait()
+		_ = w.Close()
+	}()
+	go out.read(r)
+	start := time.Now()
+	g.Eventually(func(g Gomega) {
+		g.Expect(exited).NotTo(Receive(), "clusterctl move ended:\n%s", out)
+		g.Expect(out.String()).To(ContainSubstring(blockedLine))
+	}).WithContext(ctx).WithTimeout(3 * time.Minute).WithPolling(time.Second).Should(Succeed())
+	t.Logf("clusterctl move blocked by the PVBridgeCluster's %s %.0f s after its start:\n%s", infrav1.BlockMoveAnnotation, time.Since(start).Seconds(), out)
+	stop()
+	<-exited
+
+	list, err := kubectl(ctx, "get", "clusters.cluster.x-k8s.io", "--all-namespaces", "-o", "name")
+	g.Expect(err).NotTo(HaveOccurred())
+	g.Expect(list).To(BeEmpty(), "nothing was moved to the target")
+	g.Expect(vms()).To(Equal(before), "every VM is still there, the same")
+
+	// Resumed as deployment.md says: the provider reconciles the guest again.
+	capiCluster := &unstructured.Unstructured{}
+	capiCluster.SetGroupVersionKind(clusterGVK)
+	capiCluster.SetNamespace(ns)
+	capiCluster.SetName(in.Options.Guest.Name)
+	g.Expect(mc.Get(ctx, client.ObjectKeyFromObject(capiCluster), capiCluster)).To(Succeed())
+	paused, _, _ := unstructured.NestedBool(capiCluster.Object, "spec", "paused")
+	g.Expect(paused).To(BeTrue(), "clusterctl paused the Cluster before it waited")
+	g.Expect(mc.Patch(ctx, capiCluster, client.RawPatch(types.MergePatchType, []byte(`{"spec":{"paused":null}}`)))).To(Succeed())
+	g.Eventually(func(g Gomega) {
+		ic := &infrav1.PVBridgeCluster{}
+		g.Expect(mc.Get(ctx, client.ObjectKey{Namespace: ns, Name: in.Options.Guest.Name}, ic)).To(Succeed())
+		g.Expect(meta.IsStatusConditionFalse(ic.Status.Conditions, infrav1.PausedCondition)).To(BeTrue())
+		g.Expect(ic.Annotations).To(HaveKey(infrav1.BlockMoveAnnotation))
+	}).WithContext(ctx).WithTimeout(time.Minute).Should(Succeed())
+}
+
+// lines collects a command's output, line by line, for reading while it runs.
+type lines struct {
+	mu  sync.Mutex
+	buf strings.Builder
+}
+
+func (l *lines) read(r io.Reader) {
+	sc := bufio.NewScanner(r)
+	for sc.Scan() {
+		l.mu.Lock()
+		l.buf.WriteString(sc.Text() + "\n")
+		l.mu.Unlock()
+	}
+}
+
+func (l *lines) String() string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.buf.String()
+}
