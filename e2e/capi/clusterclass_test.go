@@ -6,7 +6,9 @@ import (
 
 	. "github.com/onsi/gomega"
 	corev1 "k8s.io/api/core/v1"
+	eventsv1 "k8s.io/api/events/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	"k8s.io/apimachinery/pkg/api/meta"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"k8s.io/apimachinery/pkg/runtime/schema"
@@ -29,8 +31,10 @@ const topologyGuest = "beta"
 // machine, one worker) from a Cluster's topology: Cluster API's topology controller makes its
 // PVBridgeCluster from the PVBridgeClusterTemplate with the endpoint variable, and its machine
 // templates with the class's VirtualMachineClass and the node image of the version, whose
-// capacity the provider reports; both machines run with Ready Nodes. Then it is deleted and
-// leaves no VM. The guest has no pvbridge storage (its Cluster does not opt in): alpha proves
+// capacity the provider reports; both machines run with Ready Nodes. The worker's
+// VirtualMachine is deleted: its machine reports it (VirtualMachineDeleted, a Warning Event),
+// gets no VM again, and the class's health check has Cluster API replace it. Then the guest is
+// deleted and leaves no VM. The guest has no pvbridge storage (its Cluster does not opt in): alpha proves
 // that.
 func clusterClassMakesAGuest(t *testing.T) {
 	g := NewWithT(t)
@@ -68,6 +72,11 @@ func clusterClassMakesAGuest(t *testing.T) {
 			g.Expect(unstructured.SetNestedSlice(o.Object, variables, "spec", "topology", "variables")).To(Succeed())
 			pools, _, _ := unstructured.NestedSlice(o.Object, "spec", "topology", "workers", "machineDeployments")
 			pools[0].(map[string]any)["failureDomain"] = "host-a"
+			// The class's health check, with a shorter timeout for the test: 10 s of a Node whose
+			// kubelet stopped reporting (not of a NotReady one: a new Node starts so).
+			pools[0].(map[string]any)["healthCheck"] = map[string]any{"checks": map[string]any{"unhealthyNodeConditions": []any{
+				map[string]any{"type": "Ready", "status": "Unknown", "timeoutSeconds": int64(10)},
+			}}}
 			g.Expect(unstructured.SetNestedSlice(o.Object, pools, "spec", "topology", "workers", "machineDeployments")).To(Succeed())
 		}
 		g.Expect(mc.Create(ctx, o)).To(Succeed(), "create %s %s", o.GetKind(), o.GetName())
@@ -92,23 +101,33 @@ func clusterClassMakesAGuest(t *testing.T) {
 		guest, err = kubernetes.NewForConfig(config)
 		g.Expect(err).NotTo(HaveOccurred())
 	}).WithContext(ctx).WithTimeout(10 * time.Minute).Should(Succeed())
-	var names []string
-	g.Eventually(func(g Gomega) {
-		names = nil
-		list := &unstructured.UnstructuredList{}
-		list.SetGroupVersionKind(deploy.MachineGVK)
-		g.Expect(mc.List(ctx, list, client.InNamespace(ns), client.MatchingLabels{"cluster.x-k8s.io/cluster-name": topologyGuest})).To(Succeed())
-		g.Expect(list.Items).To(HaveLen(2))
-		for _, m := range list.Items {
-			phase, _, _ := unstructured.NestedString(m.Object, "status", "phase")
-			g.Expect(phase).To(Equal("Running"), "Machine %s", m.GetName())
-			node, err := guest.CoreV1().Nodes().Get(ctx, m.GetName(), metav1.GetOptions{})
-			g.Expect(err).NotTo(HaveOccurred())
-			g.Expect(cluster.NodeReady(node)).To(BeTrue(), "Node %s", node.Name)
-			g.Expect(node.Spec.ProviderID).To(Equal(infrav1.ProviderID(ns, m.GetName())))
-			names = append(names, m.GetName())
-		}
-	}).WithContext(ctx).WithTimeout(25 * time.Minute).WithPolling(2 * time.Second).Should(Succeed())
+	// running waits until the guest's two machines run with Ready Nodes, the worker another
+	// than gone, and returns the worker's name.
+	running := func(gone string) string {
+		var worker string
+		g.Eventually(func(g Gomega) {
+			worker = ""
+			list := &unstructured.UnstructuredList{}
+			list.SetGroupVersionKind(deploy.MachineGVK)
+			g.Expect(mc.List(ctx, list, client.InNamespace(ns), client.MatchingLabels{"cluster.x-k8s.io/cluster-name": topologyGuest})).To(Succeed())
+			g.Expect(list.Items).To(HaveLen(2))
+			for _, m := range list.Items {
+				g.Expect(m.GetDeletionTimestamp()).To(BeNil(), "Machine %s is being deleted", m.GetName())
+				phase, _, _ := unstructured.NestedString(m.Object, "status", "phase")
+				g.Expect(phase).To(Equal("Running"), "Machine %s", m.GetName())
+				node, err := guest.CoreV1().Nodes().Get(ctx, m.GetName(), metav1.GetOptions{})
+				g.Expect(err).NotTo(HaveOccurred())
+				g.Expect(cluster.NodeReady(node)).To(BeTrue(), "Node %s", node.Name)
+				g.Expect(node.Spec.ProviderID).To(Equal(infrav1.ProviderID(ns, m.GetName())))
+				if _, cp := m.GetLabels()["cluster.x-k8s.io/control-plane"]; !cp {
+					worker = m.GetName()
+				}
+			}
+			g.Expect(worker).NotTo(BeElementOf("", gone), "the worker")
+		}).WithContext(ctx).WithTimeout(25 * time.Minute).WithPolling(2 * time.Second).Should(Succeed())
+		return worker
+	}
+	worker := running("")
 	t.Logf("ClusterClass guest %s: its control plane machine and worker Running with Ready Nodes %.0f s after its Cluster's creation", topologyGuest, time.Since(start).Seconds())
 
 	// The topology's machine templates: the class's VirtualMachineClass, the version's node image,
@@ -125,17 +144,34 @@ func clusterClassMakesAGuest(t *testing.T) {
 		g.Expect(mt.Status.Capacity.Memory().Cmp(small.Spec.Memory)).To(BeZero(), mt.Name)
 	}
 
+	// The worker's VirtualMachine deleted behind Cluster API's back: its machine says so, gets no
+	// VM again, and the class's health check has it replaced once its Node is unready.
+	g.Expect(mc.Delete(ctx, &vmv1.VirtualMachine{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: worker}})).To(Succeed())
+	start = time.Now()
+	g.Eventually(func(g Gomega) {
+		pm := &infrav1.PVBridgeMachine{}
+		g.Expect(mc.Get(ctx, client.ObjectKey{Namespace: ns, Name: worker}, pm)).To(Succeed())
+		g.Expect(meta.FindStatusCondition(pm.Status.Conditions, infrav1.ReadyCondition)).To(HaveField("Reason", infrav1.VirtualMachineDeletedReason))
+		g.Expect(apierrors.IsNotFound(mc.Get(ctx, client.ObjectKey{Namespace: ns, Name: worker}, &vmv1.VirtualMachine{}))).To(BeTrue(), "no VM made again")
+	}).WithContext(ctx).WithTimeout(2 * time.Minute).Should(Succeed())
+	events := &eventsv1.EventList{}
+	g.Expect(mc.List(ctx, events, client.InNamespace(ns))).To(Succeed())
+	g.Expect(events.Items).To(ContainElement(And(HaveField("Reason", infrav1.VirtualMachineDeletedReason), HaveField("Regarding.Name", worker))))
+	replacement := running(worker)
+	t.Logf("worker %s of %s whose VM was deleted: reported, replaced by %s through the class's health check (10 s of an unknown Node), Running with a Ready Node %.0f s after the deletion",
+		worker, topologyGuest, replacement, time.Since(start).Seconds())
+
 	c := &unstructured.Unstructured{}
 	c.SetGroupVersionKind(clusterGVK)
 	c.SetNamespace(ns)
 	c.SetName(topologyGuest)
 	g.Expect(mc.Delete(ctx, c)).To(Succeed())
+	start = time.Now()
 	g.Eventually(func(g Gomega) {
 		g.Expect(apierrors.IsNotFound(mc.Get(ctx, client.ObjectKeyFromObject(c), c))).To(BeTrue(), "Cluster %s", topologyGuest)
-		for _, name := range names {
-			err := mc.Get(ctx, client.ObjectKey{Namespace: ns, Name: name}, &vmv1.VirtualMachine{})
-			g.Expect(apierrors.IsNotFound(err)).To(BeTrue(), "VirtualMachine %s", name)
-		}
+		vms := &vmv1.VirtualMachineList{}
+		g.Expect(mc.List(ctx, vms, client.InNamespace(ns), client.MatchingLabels{tenancy.CAPIClusterNameLabel: topologyGuest})).To(Succeed())
+		g.Expect(vms.Items).To(BeEmpty())
 	}).WithContext(ctx).WithTimeout(10 * time.Minute).WithPolling(2 * time.Second).Should(Succeed())
-	t.Logf("ClusterClass guest %s deleted, its VMs gone, %.0f s after its Cluster's creation", topologyGuest, time.Since(start).Seconds())
+	t.Logf("ClusterClass guest %s deleted, its VMs gone, %.0f s after", topologyGuest, time.Since(start).Seconds())
 }
