@@ -34,8 +34,8 @@ const topologyGuest = "beta"
 // capacity the provider reports; both machines run with Ready Nodes. The worker's
 // VirtualMachine is deleted: its machine reports it (VirtualMachineDeleted, a Warning Event),
 // gets no VM again, and the class's health check has Cluster API replace it. Then the guest is
-// deleted and leaves no VM. The guest has no pvbridge storage (its Cluster does not opt in): alpha proves
-// that.
+// deleted and leaves no VM. The guest has no pvbridge storage (its Cluster does not opt in):
+// alpha proves that.
 func clusterClassMakesAGuest(t *testing.T) {
 	g := NewWithT(t)
 	ctx := t.Context()
