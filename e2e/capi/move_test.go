@@ -1,13 +1,11 @@
 package capi_test
 
 import (
-	"bufio"
+	"bytes"
 	"context"
-	"io"
 	"os"
 	"os/exec"
 	"path/filepath"
-	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -55,16 +53,11 @@ func clusterctlMoveIsRefused(t *testing.T) {
 	defer stop()
 	cmd := exec.CommandContext(moveCtx, bin, "move", "--kubeconfig", in.Mgmt.Kubeconfig, "--to-kubeconfig", in.Guest.Kubeconfig, "--namespace", ns)
 	cmd.Env = append(os.Environ(), "CLUSTERCTL_DISABLE_VERSIONCHECK=true", "XDG_CONFIG_HOME="+t.TempDir())
-	out := &lines{}
-	r, w := io.Pipe()
-	cmd.Stdout, cmd.Stderr = w, w
+	out := &lockedBuffer{}
+	cmd.Stdout, cmd.Stderr = out, out
 	g.Expect(cmd.Start()).To(Succeed())
 	exited := make(chan error, 1)
-	go func() {
-		exited <- cmd.Wait()
-		_ = w.Close()
-	}()
-	go out.read(r)
+	go func() { exited <- cmd.Wait() }()
 	start := time.Now()
 	g.Eventually(func(g Gomega) {
 		g.Expect(exited).NotTo(Receive(), "clusterctl move ended:\n%s", out)
@@ -96,23 +89,20 @@ func clusterctlMoveIsRefused(t *testing.T) {
 	}).WithContext(ctx).WithTimeout(time.Minute).Should(Succeed())
 }
 
-// lines collects a command's output, line by line, for reading while it runs.
-type lines struct {
+// lockedBuffer collects a command's output, to be read while it runs.
+type lockedBuffer struct {
 	mu  sync.Mutex
-	buf strings.Builder
+	buf bytes.Buffer
 }
 
-func (l *lines) read(r io.Reader) {
-	sc := bufio.NewScanner(r)
-	for sc.Scan() {
-		l.mu.Lock()
-		l.buf.WriteString(sc.Text() + "\n")
-		l.mu.Unlock()
-	}
+func (b *lockedBuffer) Write(p []byte) (int, error) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.Write(p)
 }
 
-func (l *lines) String() string {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.buf.String()
+func (b *lockedBuffer) String() string {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.String()
 }
