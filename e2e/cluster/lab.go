@@ -176,7 +176,7 @@ func (l *Lab) Stop() error {
 	l.mu.Unlock()
 	l.cancel()
 
-	throttled := throttledLoops(l.Root)
+	daemons := daemonLoops(l.Root)
 	var errs []error
 	for _, p := range slices.Backward(procs) {
 		_ = p.Stop() // an exit status on SIGTERM is expected
@@ -192,8 +192,8 @@ func (l *Lab) Stop() error {
 		errs = append(errs, err)
 	}
 	cancel()
-	// The loop devices over the throttled disks' exports, whose daemons ended with their nodes.
-	for _, dev := range throttled {
+	// The loop devices over the daemons' exports, which ended with their nodes.
+	for _, dev := range daemons {
 		if err := detachLoop(dev); err != nil {
 			errs = append(errs, fmt.Errorf("detach %s: %w", dev, err))
 		}

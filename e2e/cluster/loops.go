@@ -54,17 +54,17 @@ func LoopsBelow(dir string) ([]string, error) {
 	return loops, nil
 }
 
-// throttledRunDir is where the local hypervisor's qemu-storage-daemons keep their FUSE exports
-// (one directory per throttled disk), as a node's namespace has it.
-const throttledRunDir = "/run/pvbridge/local/"
+// daemonRunDirs are where the hosts' qemu-storage-daemons keep their FUSE exports, one
+// directory per disk, as a node's namespace has them: the local hypervisor's throttled disks
+// and mgmt-csi's targets of replicated volumes.
+var daemonRunDirs = []string{"/run/pvbridge/local/", "/run/pvbridge/mgmt-csi/t/"}
 
-// throttledLoops lists the loop devices over the FUSE exports of the qemu-storage-daemons that
-// the lab's nodes run (the local hypervisor's disks of volumes with a VolumeAttributesClass):
-// their backing file is <throttledRunDir><disk>/disk in a node's namespace, whose directory
-// the lab has below root (a node's /run/pvbridge is a directory of the lab). They must be
-// listed while the daemons run: a daemon gone, its export is unmounted and the loop device
-// names no file.
-func throttledLoops(root string) []string {
+// daemonLoops lists the loop devices over the FUSE exports of the qemu-storage-daemons that
+// the lab's nodes run: their backing file is <run dir><disk>/disk in a node's namespace, whose
+// directory the lab has below root (a node's /run/pvbridge is a directory of the lab). They
+// must be listed while the daemons run: a daemon gone, its export is unmounted and the loop
+// device names no file.
+func daemonLoops(root string) []string {
 	files, _ := filepath.Glob("/sys/block/loop*/loop/backing_file")
 	var loops []string
 	for _, f := range files {
@@ -72,14 +72,16 @@ func throttledLoops(root string) []string {
 		if err != nil {
 			continue
 		}
-		disk, ok := strings.CutPrefix(strings.TrimSpace(string(data)), throttledRunDir)
-		if !ok || strings.Contains(filepath.Dir(disk), "/") {
-			continue
-		}
-		for _, pattern := range []string{"/*", "/*/*", "/*/*/*"} {
-			if m, _ := filepath.Glob(root + pattern + "/root" + throttledRunDir + filepath.Dir(disk)); len(m) > 0 {
-				loops = append(loops, "/dev/"+filepath.Base(filepath.Dir(filepath.Dir(f))))
-				break
+		for _, runDir := range daemonRunDirs {
+			disk, ok := strings.CutPrefix(strings.TrimSpace(string(data)), runDir)
+			if !ok || strings.Contains(filepath.Dir(disk), "/") {
+				continue
+			}
+			for _, pattern := range []string{"/*", "/*/*", "/*/*/*"} {
+				if m, _ := filepath.Glob(root + pattern + "/root" + runDir + filepath.Dir(disk)); len(m) > 0 {
+					loops = append(loops, "/dev/"+filepath.Base(filepath.Dir(filepath.Dir(f))))
+					break
+				}
 			}
 		}
 	}

@@ -105,7 +105,7 @@ func TestVolumeAttributesClassLimitsIOLive(t *testing.T) {
 
 	// 16 MiB of direct writes: 4 s at 4 MiB/s (less QEMU's burst of a tenth of a second).
 	write := func() float64 {
-		out := execIn(ctx, g, ns, "app", "dd", "if=/dev/zero", "of=/data/f", "bs=1M", "count=16", "oflag=direct")
+		out := execIn(ctx, g, in.Guest, ns, "app", "dd", "if=/dev/zero", "of=/data/f", "bs=1M", "count=16", "oflag=direct")
 		m := regexp.MustCompile(`(\d+) bytes .* copied, ([0-9.]+) s`).FindStringSubmatch(out)
 		g.Expect(m).NotTo(BeNil(), out)
 		n, _ := strconv.ParseFloat(m[1], 64)
@@ -280,12 +280,12 @@ func diskClass(ctx context.Context, g Gomega, c client.Client, ns, vm, claim str
 	return class
 }
 
-// execIn runs a command in the container of a guest pod and returns its output, stdout and
-// stderr together.
-func execIn(ctx context.Context, g Gomega, ns, pod string, command ...string) string {
-	req := in.Guest.Client().CoreV1().RESTClient().Post().Resource("pods").Namespace(ns).Name(pod).SubResource("exec").
+// execIn runs a command in the container of a pod of cluster cp and returns its output, stdout
+// and stderr together.
+func execIn(ctx context.Context, g Gomega, cp *cluster.ControlPlane, ns, pod string, command ...string) string {
+	req := cp.Client().CoreV1().RESTClient().Post().Resource("pods").Namespace(ns).Name(pod).SubResource("exec").
 		VersionedParams(&corev1.PodExecOptions{Container: "app", Command: command, Stdout: true, Stderr: true}, scheme.ParameterCodec)
-	exe, err := remotecommand.NewSPDYExecutor(in.Guest.RESTConfig(), "POST", req.URL())
+	exe, err := remotecommand.NewSPDYExecutor(cp.RESTConfig(), "POST", req.URL())
 	g.Expect(err).NotTo(HaveOccurred())
 	var out bytes.Buffer
 	g.Expect(exe.StreamWithContext(ctx, remotecommand.StreamOptions{Stdout: &out, Stderr: &out})).To(Succeed(), out.String())

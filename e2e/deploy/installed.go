@@ -151,6 +151,9 @@ func Install(ctx context.Context, lab *cluster.Lab, opts InstalledOptions) (*Ins
 	if err != nil {
 		return nil, err
 	}
+	if err := createReplicaKeys(ctx, in.Mgmt.Client()); err != nil {
+		return nil, err
+	}
 	if opts.Helm {
 		err = in.helmInstall(ctx, lab)
 	} else {
@@ -169,7 +172,7 @@ func Install(ctx context.Context, lab *cluster.Lab, opts InstalledOptions) (*Ins
 			}
 			shipped = append(shipped, ds)
 		}
-		err = in.apply(ctx, lab, in.Mgmt, "management", in.managementKustomization(), shipped...)
+		err = in.apply(ctx, lab, in.Mgmt, "management", in.managementKustomization(lab), shipped...)
 	}
 	if err != nil {
 		return nil, err
@@ -258,25 +261,52 @@ func emulatePmem(ctx context.Context, host *cluster.Node, size int64) error {
 	return nil
 }
 
+// ReplicaKeysSecret is the Secret of the replica servers' pre-shared key that the shipped node
+// agents mount (key ReplicaKeysFile), which an admin creates (docs/deployment.md).
+const ReplicaKeysSecret = "mgmt-csi-replica-keys" //nolint:gosec // a Secret's name, not a credential
+
+// createReplicaKeys creates the install namespace and in it, as an admin does before the
+// install, the Secret ReplicaKeysSecret with a random key.
+func createReplicaKeys(ctx context.Context, c kubernetes.Interface) error {
+	keys, err := replicaKeys()
+	if err != nil {
+		return err
+	}
+	ns := &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: InstallNamespace}}
+	if _, err := c.CoreV1().Namespaces().Create(ctx, ns, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
+		return err
+	}
+	secret := &corev1.Secret{
+		ObjectMeta: metav1.ObjectMeta{Name: ReplicaKeysSecret, Namespace: InstallNamespace},
+		Data:       map[string][]byte{ReplicaKeysFile: keys},
+	}
+	if _, err := c.CoreV1().Secrets(InstallNamespace).Create(ctx, secret, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
+		return err
+	}
+	return nil
+}
+
 // labArgs are the arguments the lab adds to the main container of management workloads (a
 // flag given again overrides the shipped value): PMEM emulated in a file; VMs of the local
-// hypervisor. A lab whose VMs boot (Cluster API) gives the host agents the process lab's
+// hypervisor; the node agents' daemons in the lab's cgroups. A lab whose VMs boot (Cluster API) gives the host agents the process lab's
 // UnplugTimeout: a lab VM's guest keeps its disks mounted until the VMM stops it, which it does
 // once the VM is off, so a VM powered off with volumes (its Cluster deleted) is forced off after
 // the timeout, 5 minutes by default.
-func (in *Installed) labArgs() map[string][]string {
+func (in *Installed) labArgs(lab *cluster.Lab) map[string][]string {
 	agent := []string{"--hypervisor=local", "--vm-root=" + VMRoot, "--vm-slots=" + fmt.Sprint(VMSlots)}
 	if in.Options.ClusterAPI {
 		agent = append(agent, "--unplug-timeout="+UnplugTimeout.String())
 	}
 	return map[string][]string{
-		"mgmt-csi-node":          {"--pmem-mode=file", "--pmem-dir=" + PmemDir},
+		// The hosts share the machine's cgroups: each one's daemons below a cgroup of its own,
+		// in the lab's (which Stop empties).
+		"mgmt-csi-node":          {"--pmem-mode=file", "--pmem-dir=" + PmemDir, "--daemon-cgroup-parent=" + lab.Cgroup("mgmt-csi") + "/$(NODE_NAME)"},
 		"vm-operator-host-agent": agent,
 	}
 }
 
 // managementKustomization is the management overlay as the installed lab applies it.
-func (in *Installed) managementKustomization() string {
+func (in *Installed) managementKustomization(lab *cluster.Lab) string {
 	k := `configMapGenerator:
   - name: pvbridge-tenants
     namespace: pvbridge-system
@@ -285,7 +315,7 @@ func (in *Installed) managementKustomization() string {
       - mgmt-server=` + in.mgmtServer() + `
 patches:
 `
-	args := in.labArgs()
+	args := in.labArgs(lab)
 	for _, workload := range slices.Sorted(maps.Keys(args)) {
 		k += "  - target:\n      kind: DaemonSet\n      name: " + workload + "\n    patch: |-\n"
 		for _, arg := range args[workload] {
@@ -308,7 +338,7 @@ func (in *Installed) helmInstall(ctx context.Context, lab *cluster.Lab) error {
 	if err != nil {
 		return err
 	}
-	extraArgs, err := json.Marshal(in.labArgs())
+	extraArgs, err := json.Marshal(in.labArgs(lab))
 	if err != nil {
 		return err
 	}

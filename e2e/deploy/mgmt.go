@@ -461,16 +461,29 @@ func (m *Management) Host(name string) *Host {
 	return nil
 }
 
-// writeReplicaKeys writes a keys file with a random pre-shared key into dir.
-func writeReplicaKeys(dir string) error {
+// ReplicaKeysFile is the file of the replica servers' pre-shared key in its directory, and its
+// key in the installed side's Secret ReplicaKeysSecret.
+const ReplicaKeysFile = "keys.psk"
+
+// replicaKeys returns a keys file's content with a random pre-shared key.
+func replicaKeys() ([]byte, error) {
 	key := make([]byte, 32)
 	if _, err := rand.Read(key); err != nil {
+		return nil, err
+	}
+	return []byte("pvbridge:" + hex.EncodeToString(key) + "\n"), nil
+}
+
+// writeReplicaKeys writes a keys file with a random pre-shared key into dir.
+func writeReplicaKeys(dir string) error {
+	keys, err := replicaKeys()
+	if err != nil {
 		return err
 	}
 	if err := os.MkdirAll(dir, 0o700); err != nil {
 		return err
 	}
-	return os.WriteFile(filepath.Join(dir, "keys.psk"), []byte("pvbridge:"+hex.EncodeToString(key)+"\n"), 0o600)
+	return os.WriteFile(filepath.Join(dir, ReplicaKeysFile), keys, 0o600)
 }
 
 // waitHostReady waits until kubelet has registered the node plugin (CSINode) and the agent

@@ -58,6 +58,9 @@ var Catalogue = []Image{
 			"losetup", "truncate", // file mode
 			"lvcreate", "lvchange", "lvextend", "lvremove", "lvs", "vgs", // lvm mode
 			"ndctl", // ndctl mode
+			// Replicated volumes: the replica server and the targets, with the libfuse3 and
+			// GnuTLS it links; the targets' FUSE exports need only the host's /dev/fuse.
+			"qemu-storage-daemon",
 		}, fsPrograms...),
 	},
 	{

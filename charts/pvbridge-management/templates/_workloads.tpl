@@ -535,6 +535,12 @@ spec:
         - --health-address=:9808
         - --pmem-mode=ndctl
         - --metrics-address=:8090
+        - --replica-address=$(HOST_IP):10809
+        - --replica-keys-dir=/etc/pvbridge/replica-keys
+        - --run-dir=/run/pvbridge/mgmt-csi
+        - --daemon-netns=/proc/1/ns/net
+        - --daemon-cgroup-parent=pvbridge-mgmt-csi
+        - --cgroup-root=/host/sys/fs/cgroup
         - --v=2
 {{- with index .Values.extraArgs "mgmt-csi-node" }}
 {{ toYaml . | indent 8 }}
@@ -544,6 +550,10 @@ spec:
           valueFrom:
             fieldRef:
               fieldPath: spec.nodeName
+        - name: HOST_IP
+          valueFrom:
+            fieldRef:
+              fieldPath: status.hostIP
         image: {{ include "pvbridge.image" (dict "root" $ "name" "mgmt-csi") }}
         livenessProbe:
           failureThreshold: 5
@@ -590,6 +600,15 @@ spec:
           name: dev
         - mountPath: /sys
           name: sys
+        - mountPath: /run/pvbridge
+          mountPropagation: Bidirectional
+          name: run-dir
+        - mountPath: /etc/pvbridge/replica-keys
+          name: replica-keys
+          readOnly: true
+        - mountPath: /host/sys/fs/cgroup
+          name: host-cgroup
+      hostPID: true
       nodeSelector:
         vm.pvbridge.io/host: "true"
       priorityClassName: system-node-critical
@@ -621,6 +640,18 @@ spec:
           path: /sys
           type: Directory
         name: sys
+      - hostPath:
+          path: /run/pvbridge
+          type: DirectoryOrCreate
+        name: run-dir
+      - name: replica-keys
+        secret:
+          optional: true
+          secretName: mgmt-csi-replica-keys
+      - hostPath:
+          path: /sys/fs/cgroup
+          type: Directory
+        name: host-cgroup
   updateStrategy:
     rollingUpdate:
       maxUnavailable: 1

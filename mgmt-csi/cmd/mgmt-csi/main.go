@@ -62,6 +62,12 @@ func main() {
 		`Directory holding keys.psk ("pvbridge:<hex key>"), the pre-shared key with which the hosts' agents reach each other's replica servers; mount it from a Secret that only the node agents read. Empty: the host takes no part in replicated volumes. Only with --mode=node.`)
 	fs.StringVar(&opts.Replication.RunDir, "run-dir", "/run/pvbridge/mgmt-csi",
 		"Directory of the host's qemu-storage-daemons (the replica server and the targets of replicated volumes attached here); short, for their sockets. Only with --mode=node.")
+	fs.StringVar(&opts.Replication.Daemons.NetNS, "daemon-netns", "",
+		"Network namespace file in which the qemu-storage-daemons run, e.g. /proc/1/ns/net (the host's, with hostPID), so that the replica server and the targets' connections outlive the pod's network; empty for the agent's. Only with --mode=node.")
+	fs.StringVar(&opts.Replication.Daemons.CgroupParent, "daemon-cgroup-parent", "",
+		"Cgroup, relative to --cgroup-root, below which each qemu-storage-daemon gets a cgroup of its own, out of the agent container's, which the container runtime kills when it stops the container; empty leaves them in the agent's. Only with --mode=node.")
+	fs.StringVar(&opts.Replication.Daemons.CgroupRoot, "cgroup-root", "/sys/fs/cgroup",
+		"The host's cgroup filesystem, for --daemon-cgroup-parent. Only with --mode=node.")
 	fs.DurationVar(&opts.Replication.RebuildInterval, "rebuild-interval", 10*time.Second,
 		"How often the node agent looks for replicas to copy a volume into (a replaced or moved one) and for replicas of drained hosts to take out of the volumes it serves. Only with --mode=node.")
 	command.Main(fs, "mgmt-csi", version, fmt.Sprintf("CSI driver %s.", driver.Name), func(ctx context.Context) error {

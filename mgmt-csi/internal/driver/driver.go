@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"net"
+	"os"
 	"path/filepath"
 	"time"
 
@@ -102,6 +103,9 @@ type ReplicationOptions struct {
 	// RebuildInterval is how often the node looks for replicas to rebuild and to retire
 	// (Rebuilder); zero: rebuildInterval.
 	RebuildInterval time.Duration
+	// Daemons places the qemu-storage-daemons out of the agent's container, so that its
+	// restart stops no volume (docs/design.md).
+	Daemons qsd.Placement
 }
 
 // maxRunDirLen bounds ReplicationOptions.RunDir: a target's directory adds a "/t/" and a
@@ -122,7 +126,28 @@ func (o ReplicationOptions) validate() []error {
 	if o.KeysDir != "" && (!filepath.IsAbs(o.RunDir) || len(filepath.Clean(o.RunDir)) > maxRunDirLen) {
 		errs = append(errs, fmt.Errorf("run directory %q must be an absolute path of at most %d bytes", o.RunDir, maxRunDirLen))
 	}
+	if err := o.Daemons.Validate(); err != nil {
+		errs = append(errs, err)
+	}
 	return errs
+}
+
+// KeysFile is the pre-shared key's file in ReplicationOptions.KeysDir.
+const KeysFile = "keys.psk"
+
+// withKeys returns o, or, when KeysDir has no keys file (the shipped DaemonSet's optional
+// Secret was not created), options with which the node takes no part in replicated volumes.
+func (o ReplicationOptions) withKeys(logger klog.Logger) ReplicationOptions {
+	if o.KeysDir == "" {
+		return o
+	}
+	file := filepath.Join(o.KeysDir, KeysFile)
+	if _, err := os.Stat(file); err == nil {
+		return o
+	}
+	logger.Info("No pre-shared key of the replica servers: this host takes no part in replicated volumes", "file", file)
+	o.Address, o.KeysDir = "", ""
+	return o
 }
 
 // targets returns the node's targets of replicated volumes, nil without keys.
@@ -130,7 +155,7 @@ func (o ReplicationOptions) targets() *replication.Targets {
 	if o.KeysDir == "" {
 		return nil
 	}
-	return &replication.Targets{RunDir: filepath.Join(o.RunDir, "t"), KeysDir: o.KeysDir}
+	return &replication.Targets{RunDir: filepath.Join(o.RunDir, "t"), KeysDir: o.KeysDir, Placement: o.Daemons}
 }
 
 // server returns the node's replica server, nil without an address.
@@ -138,7 +163,7 @@ func (o ReplicationOptions) server() *replication.Server {
 	if o.Address == "" {
 		return nil
 	}
-	return &replication.Server{Dir: qsd.Dir(filepath.Join(o.RunDir, "server")), Address: o.Address, KeysDir: o.KeysDir}
+	return &replication.Server{Dir: qsd.Dir(filepath.Join(o.RunDir, "server")), Address: o.Address, KeysDir: o.KeysDir, Placement: o.Daemons}
 }
 
 // Validate reports every problem with the options.
@@ -256,6 +281,7 @@ func (d *Driver) Run(ctx context.Context) error {
 				return err
 			}
 		}
+		d.opts.Replication = d.opts.Replication.withKeys(logger)
 		if err := setupAgent(mgr, d.backend, d.opts.NodeID, hold.SocketBeside(d.opts.Endpoint), d.opts.Replication); err != nil {
 			return err
 		}

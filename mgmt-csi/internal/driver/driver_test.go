@@ -11,12 +11,14 @@ import (
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	. "github.com/onsi/gomega"
 	"google.golang.org/grpc"
+	"k8s.io/klog/v2"
 	registerapi "k8s.io/kubelet/pkg/apis/pluginregistration/v1"
 
 	"pvbridge.io/mgmt-csi/internal/pmem"
 	"pvbridge.io/mgmt-csi/internal/pmem/fake"
 	pmemv1 "pvbridge.io/pkg/apis/pmem/v1alpha1"
 	"pvbridge.io/pkg/csinode/csinodetest"
+	"pvbridge.io/pkg/qsd"
 )
 
 func TestOptionsValidate(t *testing.T) {
@@ -60,6 +62,12 @@ func TestOptionsValidate(t *testing.T) {
 		{name: "node without a PMEM back end", opts: valid(ModeNode, func(o *Options) { o.PmemMode = "" }), wantErr: []string{`PMEM mode ""`}},
 		{name: "file back end without a directory", opts: valid(ModeNode, func(o *Options) { o.Pmem.File.Dir = "" }), wantErr: []string{"needs a directory"}},
 		{name: "lvm back end without volume groups", opts: valid(ModeNode, func(o *Options) { o.PmemMode = pmemv1.ModeLVM }), wantErr: []string{"needs volume groups"}},
+		{name: "node with replication", opts: valid(ModeNode, func(o *Options) {
+			o.Replication = ReplicationOptions{Address: "10.0.0.1:10809", KeysDir: "/keys", RunDir: "/run/pvbridge/mgmt-csi", Daemons: qsd.Placement{NetNS: "/proc/1/ns/net", CgroupParent: "pvbridge-mgmt-csi"}}
+		})},
+		{name: "daemons' cgroup outside the root", opts: valid(ModeNode, func(o *Options) {
+			o.Replication = ReplicationOptions{KeysDir: "/keys", RunDir: "/run/m", Daemons: qsd.Placement{CgroupParent: "/pvbridge"}}
+		}), wantErr: []string{"relative to the cgroup root"}},
 		{name: "negative API QPS", opts: valid(ModeController, func(o *Options) { o.KubeAPIQPS = -1 }), wantErr: []string{"must not be negative"}},
 		{
 			name:    "every problem is reported",
@@ -82,6 +90,18 @@ func TestOptionsValidate(t *testing.T) {
 			}
 		})
 	}
+}
+
+// A node agent whose keys directory has no keys file (the shipped DaemonSet's optional Secret
+// not created) takes no part in replicated volumes, and says so.
+func TestReplicationWithoutKeys(t *testing.T) {
+	g := NewWithT(t)
+	dir := t.TempDir()
+	o := ReplicationOptions{Address: "10.0.0.1:10809", KeysDir: dir, RunDir: "/run/m"}
+	g.Expect(o.withKeys(klog.Background())).To(Equal(ReplicationOptions{RunDir: "/run/m"}))
+	g.Expect(os.WriteFile(filepath.Join(dir, KeysFile), []byte("pvbridge:00\n"), 0o600)).To(Succeed())
+	g.Expect(o.withKeys(klog.Background())).To(Equal(o))
+	g.Expect(ReplicationOptions{}.withKeys(klog.Background())).To(Equal(ReplicationOptions{}))
 }
 
 func TestRunServesIdentityAndRegistersWithKubelet(t *testing.T) {

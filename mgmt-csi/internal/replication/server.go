@@ -40,6 +40,8 @@ type Server struct {
 	Address string
 	// KeysDir is the directory of the keys file, keys.psk, whose key clients must prove.
 	KeysDir string
+	// Placement is where the daemon runs on the host.
+	Placement qsd.Placement
 }
 
 // Export exports the block device as name, starting the server if it does not run. Exporting
@@ -138,7 +140,7 @@ func (s *Server) running(ctx context.Context) (*qsd.Conn, error) {
 }
 
 // Stop stops the server, which ends every export.
-func (s *Server) Stop(ctx context.Context) error { return qsd.Stop(ctx, s.Dir) }
+func (s *Server) Stop(ctx context.Context) error { return s.Placement.Stop(ctx, s.Dir) }
 
 // connect returns a connection to the server, which it starts if it does not run.
 func (s *Server) connect(ctx context.Context) (*qsd.Conn, error) {
@@ -151,7 +153,7 @@ func (s *Server) connect(ctx context.Context) (*qsd.Conn, error) {
 		if err != nil {
 			return nil, fmt.Errorf("replica server address %q: %w", s.Address, err)
 		}
-		if err := qsd.Start(ctx, s.Dir,
+		if err := s.Placement.Start(ctx, s.Dir,
 			"--object", "tls-creds-psk,id=tls,endpoint=server,dir="+qsd.OptValue(s.KeysDir),
 			"--nbd-server", "addr.type=inet,addr.host="+qsd.OptValue(host)+",addr.port="+port+",tls-creds=tls",
 		); err != nil {

@@ -58,6 +58,8 @@ type Targets struct {
 	// Faulted is told of each replica that a target's quorum gave up on, once it is out of the
 	// quorum for good, and why.
 	Faulted func(ctx context.Context, replica, why string) error
+	// Placement is where the targets' daemons run on the host.
+	Placement qsd.Placement
 	// StallBound is how long a target's requests may be in flight without one completing
 	// before the replicas that did not answer are cut off (stall.go); zero: DefaultStallBound.
 	StallBound time.Duration
@@ -101,7 +103,7 @@ func (t *Targets) Open(ctx context.Context, volumeID string, replicas []Replica)
 		if err := os.WriteFile(dd.Path(replicasFile), []byte(names(ordered(replicas))), 0o600); err != nil {
 			return "", fmt.Errorf("record the target's replicas: %w", err)
 		}
-		if err := qsd.Start(ctx, dd, args...); err != nil {
+		if err := t.Placement.Start(ctx, dd, args...); err != nil {
 			return "", fmt.Errorf("start the target of volume %s: %w", volumeID, err)
 		}
 		klog.FromContext(ctx).Info("Started target", "volumeID", volumeID, "replicas", len(replicas))
@@ -269,7 +271,7 @@ func (t *Targets) clear(ctx context.Context, dd qsd.Dir) error {
 			return err
 		}
 	}
-	if err := qsd.Stop(ctx, dd); err != nil {
+	if err := t.Placement.Stop(ctx, dd); err != nil {
 		return err
 	}
 	if err := qsd.UnmountAll(file); err != nil {

@@ -21,6 +21,7 @@ import (
 	. "github.com/onsi/gomega"
 
 	"pvbridge.io/pkg/console"
+	"pvbridge.io/pkg/netns"
 	"pvbridge.io/vm-operator/internal/hypervisor"
 )
 
@@ -157,20 +158,20 @@ func TestAGuestOnABridgeIsAMachineOfItsNetwork(t *testing.T) {
 	ctx, cancel := context.WithTimeout(t.Context(), 2*time.Minute)
 	defer cancel()
 	n := os.Getpid() % 200
-	netns, bridge := fmt.Sprintf("pvbt%d", os.Getpid()), "br0"
+	nsName, bridge := fmt.Sprintf("pvbt%d", os.Getpid()), "br0"
 	host, guest := fmt.Sprintf("10.254.%d.1", n), fmt.Sprintf("10.254.%d.2", n)
 	ip := func(args ...string) string {
 		t.Helper()
-		out, err := exec.Command("ip", append([]string{"-n", netns}, args...)...).CombinedOutput()
+		out, err := exec.Command("ip", append([]string{"-n", nsName}, args...)...).CombinedOutput()
 		if err != nil {
 			t.Fatalf("ip %v: %v: %s", args, err, out)
 		}
 		return string(out)
 	}
-	if out, err := exec.Command("ip", "netns", "add", netns).CombinedOutput(); err != nil {
+	if out, err := exec.Command("ip", "netns", "add", nsName).CombinedOutput(); err != nil {
 		t.Fatalf("ip netns add: %v: %s", err, out)
 	}
-	t.Cleanup(func() { _ = exec.Command("ip", "netns", "del", netns).Run() })
+	t.Cleanup(func() { _ = exec.Command("ip", "netns", "del", nsName).Run() })
 	ip("link", "add", bridge, "type", "bridge")
 	ip("addr", "add", host+"/24", "dev", bridge)
 	ip("link", "set", bridge, "up")
@@ -178,7 +179,7 @@ func TestAGuestOnABridgeIsAMachineOfItsNetwork(t *testing.T) {
 	kernel, initrd := testGuest(t)
 	d := newDriver(t, Options{
 		Kernel: kernel, Initrd: initrd, Append: "console=ttyS0 quiet panic=-1",
-		Network: "bridge:" + bridge, NetNS: "/run/netns/" + netns,
+		Network: "bridge:" + bridge, NetNS: "/run/netns/" + nsName,
 	})
 	startVM(t, d, testVM)
 	tap := tapName(testVM)
@@ -194,7 +195,7 @@ func TestAGuestOnABridgeIsAMachineOfItsNetwork(t *testing.T) {
 	_, err = con.Output(ctx, "(echo reached | nc -l -p 7000 >/dev/null &)")
 	g.Expect(err).NotTo(HaveOccurred())
 	g.Eventually(func() (reply string, err error) {
-		err = inNetNS("/run/netns/"+netns, func() error {
+		err = netns.Run("/run/netns/"+nsName, func() error {
 			c, err := net.DialTimeout("tcp", guest+":7000", 5*time.Second)
 			if err != nil {
 				return err
@@ -208,5 +209,5 @@ func TestAGuestOnABridgeIsAMachineOfItsNetwork(t *testing.T) {
 	}).WithContext(ctx).WithTimeout(30*time.Second).Should(Equal("reached\n"), "the guest is reached at its address")
 
 	g.Expect(d.PowerOff(ctx, testVM)).To(Succeed())
-	g.Expect(exec.Command("ip", "-n", netns, "link", "show", "dev", tap).Run()).To(HaveOccurred(), "the tap goes with QEMU")
+	g.Expect(exec.Command("ip", "-n", nsName, "link", "show", "dev", tap).Run()).To(HaveOccurred(), "the tap goes with QEMU")
 }

@@ -21,6 +21,7 @@ import (
 
 	"k8s.io/klog/v2"
 
+	"pvbridge.io/pkg/netns"
 	"pvbridge.io/vm-operator/internal/hypervisor"
 )
 
@@ -82,7 +83,7 @@ func (d *Driver) start(ctx context.Context, v *vmState, vm hypervisor.VM) error 
 	cmd.ExtraFiles = []*os.File{lf} // descriptor 3
 	cmd.Stdout, cmd.Stderr = out, out
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
-	if err := inNetNS(d.opts.NetNS, func() error {
+	if err := netns.Run(d.opts.NetNS, func() error {
 		if br := bridgeOf(d.opts.Network); br != "" {
 			tap, err := openTap(tapName(vm), br)
 			if err != nil {

@@ -1,4 +1,7 @@
-package qemu
+// Package netns runs code in another network namespace: the host agents start the processes
+// that must outlive their containers (a VM's QEMU, the qemu-storage-daemons of replicated
+// volumes) in the host's, so that their network does not go with the pod's.
+package netns
 
 import (
 	"fmt"
@@ -8,11 +11,11 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// inNetNS runs f on an OS thread that has joined the network namespace at path (a
+// Run runs f on an OS thread that has joined the network namespace at path (a
 // /proc/<pid>/ns/net or /run/netns/<name> file), so that a process f starts, and a tap f makes,
 // are in that namespace; "" runs f as it is. The thread is never handed back to the Go runtime:
 // it ends with f's goroutine.
-func inNetNS(path string, f func() error) error {
+func Run(path string, f func() error) error {
 	if path == "" {
 		return f()
 	}
