@@ -91,8 +91,9 @@ var _ = Describe("Replicated volumes", Label("replication"), func() {
 
 	// A snapshot of a replicated volume is cut from one of its replicas; a replicated volume
 	// restored from it starts with a replica made from the snapshot, on the snapshot's host,
-	// and the other is rebuilt by the host that serves it.
-	It("snapshots a replicated volume and restores it into one served on another host", func(ctx SpecContext) {
+	// and the other is rebuilt by the host that serves it. A clone is copied from a replica
+	// the same way.
+	It("snapshots a replicated volume, restores it into one served on another host, and clones it", func(ctx SpecContext) {
 		ns := mgmtNamespace(ctx)
 		Expect(mc.Create(ctx, deploy.PVC(ns, "data", deploy.StorageClassPmemReplicated, "64Mi", false))).To(Succeed())
 		writer := mgmtPod(ctx, ns, "writer", "host-a")
@@ -112,10 +113,26 @@ var _ = Describe("Replicated volumes", Label("replication"), func() {
 
 		By("its rebuilt replica serves the same data on host-a")
 		deleteMgmtPod(ctx, reader)
-		deleteMgmtPod(ctx, writer)
 		again := mgmtPodOf(ctx, ns, "again", "restored", "host-a")
 		Expect(os.ReadFile(filepath.Join(mgmtVolumePath(again, rpv.Name), "data"))).To(BeEquivalentTo("before the snapshot"))
 		deleteMgmtPod(ctx, again)
+
+		By("cloned while its pod runs, into a replicated claim read on host-b and into a claim of one replica on the node of the replica it is copied from")
+		source := replicasOf(ctx, pv.Spec.CSI.VolumeHandle)
+		slices.SortFunc(source, func(a, b pmemv1.PmemReplica) int { return strings.Compare(a.Name, b.Name) })
+		for _, c := range []struct{ claim, class, node string }{
+			{"clone", deploy.StorageClassPmemReplicated, "host-b"},
+			{"plain", deploy.StorageClassPmem, source[0].Spec.Node},
+		} {
+			clone := deploy.PVC(ns, c.claim, c.class, "64Mi", false)
+			clone.Spec.DataSource = &corev1.TypedLocalObjectReference{Kind: "PersistentVolumeClaim", Name: "data"}
+			Expect(mc.Create(ctx, clone)).To(Succeed())
+			pod := mgmtPodOf(ctx, ns, c.claim, c.claim, c.node)
+			cpv := boundMgmtPV(ctx, ns, c.claim)
+			Expect(os.ReadFile(filepath.Join(mgmtVolumePath(pod, cpv.Name), "data"))).To(BeEquivalentTo("after the snapshot"), c.claim)
+			deleteMgmtPod(ctx, pod)
+		}
+		deleteMgmtPod(ctx, writer)
 	})
 
 	// A guest class of a replicated management class (parameter replicated, as the tenants

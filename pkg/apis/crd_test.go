@@ -326,6 +326,8 @@ func TestPmemVolumeValidation(t *testing.T) {
 		{name: "cloned from a volume", obj: vol("source: {volumeID: pvc-0}")},
 		{name: "source names both a snapshot and a volume", obj: vol("source: {snapshotID: snap-1, volumeID: pvc-0}"), wantErr: "exactly one of snapshotID and volumeID"},
 		{name: "source names nothing", obj: vol("source: {}"), wantErr: "exactly one of snapshotID and volumeID"},
+		{name: "cloned from a replica of a replicated volume", obj: vol("source: {volumeID: pvc-0, sourceReplica: pvc-0-r1}")},
+		{name: "a replica of a snapshot", obj: vol("source: {snapshotID: snap-1, sourceReplica: pvc-0-r1}"), wantErr: "sourceReplica is the replica of the volume to clone"},
 		{name: "source changes", old: vol("source: {snapshotID: snap-1}"), obj: vol("source: {snapshotID: snap-2}"), wantErr: "source is immutable"},
 		{name: "source added after creation", old: vol(""), obj: vol("source: {snapshotID: snap-1}"), wantErr: "source is immutable"},
 		{name: "source removed", old: vol("source: {snapshotID: snap-1}"), obj: vol(""), wantErr: "source is immutable"},

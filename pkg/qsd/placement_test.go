@@ -11,6 +11,7 @@ import (
 	"time"
 
 	. "github.com/onsi/gomega"
+	"golang.org/x/sys/unix"
 
 	"pvbridge.io/pkg/cgroups"
 	"pvbridge.io/pkg/netns"
@@ -62,9 +63,9 @@ func TestPlacement(t *testing.T) {
 	})).To(Succeed(), "listening in the namespace")
 	nsLink, err := os.Readlink(fmt.Sprintf("/proc/%d/ns/net", pid))
 	g.Expect(err).NotTo(HaveOccurred())
-	ownLink, err := os.Readlink("/proc/self/ns/net")
-	g.Expect(err).NotTo(HaveOccurred())
-	g.Expect(nsLink).NotTo(Equal(ownLink), "not in the test's namespace")
+	var st unix.Stat_t
+	g.Expect(unix.Stat(p.NetNS, &st)).To(Succeed())
+	g.Expect(nsLink).To(Equal(fmt.Sprintf("net:[%d]", st.Ino)), "in the namespace")
 
 	g.Expect(p.Stop(t.Context(), d)).To(Succeed())
 	g.Expect(Pid(d)).To(BeZero())

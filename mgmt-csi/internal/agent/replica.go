@@ -92,11 +92,7 @@ func (r *ReplicaReconciler) reconcileNormal(ctx context.Context, rep *pmemv1.Pme
 		}
 		return ctrl.Result{RequeueAfter: exportCheckInterval}, nil
 	}
-	var src *pmem.Source
-	if s := rep.Spec.Source; s != nil {
-		src = &pmem.Source{SnapshotID: s.SnapshotID, VolumeID: s.VolumeID}
-	}
-	dev, err := carve(ctx, r.Backend, r.Capacity, rep.Name, rep.Spec.Size.Value(), src, rep.Status.Device)
+	dev, err := carve(ctx, r.Backend, r.Capacity, rep.Name, rep.Spec.Size.Value(), backendSource(rep.Spec.Source), rep.Status.Device)
 	if errors.Is(err, errDisappeared) {
 		return ctrl.Result{}, r.setStatus(ctx, rep, nil, metav1.ConditionFalse, pmemv1.FailedReason, err.Error())
 	}

@@ -109,6 +109,17 @@ func TestReplicaReconciler(t *testing.T) {
 			wantReason: pmemv1.CreatedReason, wantRequeue: true,
 		},
 		{
+			name: "the first replica of a clone of a replicated volume is copied from the source's replica on this node",
+			rep: replica("v-r0", 10*mi, func(r *pmemv1.PmemReplica) {
+				r.Spec.Source = &pmemv1.PmemVolumeSource{VolumeID: "src", SourceReplica: "src-r1"}
+			}),
+			prepare: func(ctx context.Context, g Gomega, b *fake.Fake, _ *exporter) {
+				_, err := b.CreateVolume(ctx, "src-r1", 10*mi, nil) // no back-end volume "src" here
+				g.Expect(err).NotTo(HaveOccurred())
+			},
+			wantReason: pmemv1.CreatedReason, wantRequeue: true,
+		},
+		{
 			name: "a replica whose snapshot is gone is never made empty (the source reaches the back end)",
 			rep: replica("v-r0", 10*mi, func(r *pmemv1.PmemReplica) {
 				r.Spec.Source = &pmemv1.PmemVolumeSource{SnapshotID: "snap-gone"}

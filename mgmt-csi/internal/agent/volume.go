@@ -6,6 +6,7 @@
 package agent
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -71,11 +72,7 @@ func (r *VolumeReconciler) Reconcile(ctx context.Context, req ctrl.Request) (ctr
 }
 
 func (r *VolumeReconciler) reconcileNormal(ctx context.Context, vol *pmemv1.PmemVolume) (ctrl.Result, error) {
-	var src *pmem.Source
-	if s := vol.Spec.Source; s != nil {
-		src = &pmem.Source{SnapshotID: s.SnapshotID, VolumeID: s.VolumeID}
-	}
-	dev, err := carve(ctx, r.Backend, r.Capacity, vol.Name, vol.Spec.Size.Value(), src, vol.Status.Device)
+	dev, err := carve(ctx, r.Backend, r.Capacity, vol.Name, vol.Spec.Size.Value(), backendSource(vol.Spec.Source), vol.Status.Device)
 	if errors.Is(err, errDisappeared) {
 		return ctrl.Result{}, r.setStatus(ctx, vol, nil, metav1.ConditionFalse, pmemv1.FailedReason, err.Error())
 	}
@@ -83,6 +80,15 @@ func (r *VolumeReconciler) reconcileNormal(ctx context.Context, vol *pmemv1.Pmem
 		return r.failed(ctx, vol, err)
 	}
 	return ctrl.Result{}, r.setStatus(ctx, vol, &dev, metav1.ConditionTrue, pmemv1.CreatedReason, "")
+}
+
+// backendSource is the back end's name of what a volume or replica starts from: the snapshot,
+// or the volume to clone, which for a replicated one is the replica on this node.
+func backendSource(s *pmemv1.PmemVolumeSource) *pmem.Source {
+	if s == nil {
+		return nil
+	}
+	return &pmem.Source{SnapshotID: s.SnapshotID, VolumeID: cmp.Or(s.SourceReplica, s.VolumeID)}
 }
 
 // errDisappeared is carve's error for a device that existed and is gone.

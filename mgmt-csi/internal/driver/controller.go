@@ -184,11 +184,16 @@ func (s *controllerServer) contentSource(ctx context.Context, src *csi.VolumeCon
 		if err := s.getOrNotFound(ctx, id, vol, "volume"); err != nil {
 			return nil, "", err
 		}
-		if err := notReplicated(vol, "cloning"); err != nil {
-			return nil, "", err
-		}
 		if size < vol.Spec.Size.Value() {
 			return nil, "", status.Errorf(codes.OutOfRange, "a clone of volume %s needs at least %d bytes", id, vol.Spec.Size.Value())
+		}
+		if vol.Spec.Replicas > 1 {
+			// Copied from one of its replicas, on that replica's node, as a snapshot is cut.
+			r, err := s.sourceReplica(ctx, vol)
+			if err != nil {
+				return nil, "", err
+			}
+			return &pmemv1.PmemVolumeSource{VolumeID: id, SourceReplica: r.Name}, r.Spec.Node, nil
 		}
 		return &pmemv1.PmemVolumeSource{VolumeID: id}, vol.Spec.Node, nil
 	default:
@@ -280,13 +285,16 @@ func compatibleVolume(vol *pmemv1.PmemVolume, size, limit int64, src *pmemv1.Pme
 	if have < size || (limit > 0 && have > limit) {
 		return status.Errorf(codes.AlreadyExists, "volume %s exists with %d bytes, which does not fit the requested range", vol.Name, have)
 	}
+	// The replica a replicated source was copied from is the first call's choice.
 	var want pmemv1.PmemVolumeSource
 	if src != nil {
 		want = *src
+		want.SourceReplica = ""
 	}
 	var got pmemv1.PmemVolumeSource
 	if vol.Spec.Source != nil {
 		got = *vol.Spec.Source
+		got.SourceReplica = ""
 	}
 	if got != want {
 		return status.Errorf(codes.AlreadyExists, "volume %s exists with another content source", vol.Name)
@@ -579,7 +587,7 @@ func (s *controllerServer) CreateSnapshot(ctx context.Context, req *csi.CreateSn
 		}
 		node, replica := vol.Spec.Node, ""
 		if vol.Spec.Replicas > 1 {
-			r, err := s.snapshotReplica(ctx, vol)
+			r, err := s.sourceReplica(ctx, vol)
 			if err != nil {
 				return nil, err
 			}

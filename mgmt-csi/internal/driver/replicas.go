@@ -117,6 +117,14 @@ func (s *controllerServer) createReplicated(ctx context.Context, req *csi.Create
 		if err := compatibleVolume(vol, size, req.GetCapacityRange().GetLimitBytes(), source); err != nil {
 			return nil, err
 		}
+		// A clone's first replica is copied on the node of the replica the first call chose.
+		if src := vol.Spec.Source; src != nil && src.SourceReplica != "" {
+			r := &pmemv1.PmemReplica{}
+			if err := s.reader.Get(ctx, client.ObjectKey{Name: src.SourceReplica}, r); err != nil {
+				return nil, csiserver.APIError(err, "get PmemReplica %s, the source of volume %s", src.SourceReplica, id)
+			}
+			sourceNode, preferred = r.Spec.Node, []string{r.Spec.Node}
+		}
 		if meta.IsStatusConditionTrue(vol.Status.Conditions, pmemv1.ReadyCondition) {
 			// Made already: its replicas are the replicated-volume reconciler's to repair,
 			// under names of their own.
@@ -135,11 +143,11 @@ func (s *controllerServer) createReplicated(ctx context.Context, req *csi.Create
 	return vol, s.reportReplicated(ctx, vol, replicas)
 }
 
-// snapshotReplica chooses the replica of the replicated volume vol that a snapshot of it is cut
-// from: one with the volume's data, exported, on a node neither lost nor drained (the first by
-// name). Every write the volume acknowledged is on each such replica, so its reflinked copy is
-// a crash-consistent snapshot, as a volume of one replica's is; it lives on that one node.
-func (s *controllerServer) snapshotReplica(ctx context.Context, vol *pmemv1.PmemVolume) (*pmemv1.PmemReplica, error) {
+// sourceReplica chooses the replica of the replicated volume vol that a snapshot or a clone of
+// it is copied from: one with the volume's data, exported, on a node neither lost nor drained
+// (the first by name). Every write the volume acknowledged is on each such replica, so its
+// reflinked copy is crash-consistent, as a volume of one replica's is; it is made on that node.
+func (s *controllerServer) sourceReplica(ctx context.Context, vol *pmemv1.PmemVolume) (*pmemv1.PmemReplica, error) {
 	list := &pmemv1.PmemReplicaList{}
 	if err := s.reader.List(ctx, list, client.MatchingLabels{pmemv1.VolumeLabel: vol.Name}); err != nil {
 		return nil, csiserver.APIError(err, "list the PmemReplicas of volume %s", vol.Name)

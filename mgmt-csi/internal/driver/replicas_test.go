@@ -190,11 +190,32 @@ func TestReplicatedVolumeOperations(t *testing.T) {
 	g.Expect(err).NotTo(HaveOccurred(), "attached where it has no replica")
 	_, err = s.ControllerExpandVolume(t.Context(), &csi.ControllerExpandVolumeRequest{VolumeId: "pvc-1", CapacityRange: &csi.CapacityRange{RequiredBytes: 2 * gi}})
 	g.Expect(status.Code(err)).To(Equal(codes.FailedPrecondition))
+
+	// Clones are copied from a replica with the data, on its node: a replicated clone's first
+	// replica (the others are rebuilt), a plain clone itself. A retry keeps the first choice.
+	r0 := &pmemv1.PmemReplica{}
+	g.Expect(s.reader.Get(t.Context(), client.ObjectKey{Name: replicaName("pvc-1", 0)}, r0)).To(Succeed())
+	fromPVC1 := &csi.VolumeContentSource{Type: &csi.VolumeContentSource_Volume{Volume: &csi.VolumeContentSource_VolumeSource{VolumeId: "pvc-1"}}}
 	clone := replicatedRequest("pvc-2", "2", gi)
-	clone.VolumeContentSource = &csi.VolumeContentSource{Type: &csi.VolumeContentSource_Volume{
-		Volume: &csi.VolumeContentSource_VolumeSource{VolumeId: "pvc-1"}}}
-	_, err = s.CreateVolume(t.Context(), clone)
-	g.Expect(status.Code(err)).To(Equal(codes.FailedPrecondition), "a clone of a replicated volume")
+	clone.VolumeContentSource = fromPVC1
+	_, err = s.CreateVolume(shortCall(t), clone)
+	g.Expect(status.Code(err)).To(Equal(codes.DeadlineExceeded))
+	source := &pmemv1.PmemVolumeSource{VolumeID: "pvc-1", SourceReplica: r0.Name}
+	g.Expect(replicasOf(t, s, "pvc-2")).To(ConsistOf(
+		And(HaveField("Spec.Node", r0.Spec.Node), HaveField("Spec.Source", Equal(source)), HaveField("Spec.Rebuild", BeFalse())),
+		And(HaveField("Spec.Node", Not(Equal(r0.Spec.Node))), HaveField("Spec.Source", BeNil()), HaveField("Spec.Rebuild", BeTrue())),
+	))
+	agentsCarve(t, s, "pvc-2")
+	created, err := s.CreateVolume(t.Context(), clone)
+	g.Expect(err).NotTo(HaveOccurred())
+	g.Expect(created.GetVolume().GetContentSource().GetVolume().GetVolumeId()).To(Equal("pvc-1"))
+	plain := &csi.CreateVolumeRequest{Name: "pvc-3", VolumeCapabilities: []*csi.VolumeCapability{blockCap},
+		CapacityRange: &csi.CapacityRange{RequiredBytes: gi}, VolumeContentSource: fromPVC1}
+	_, err = s.CreateVolume(shortCall(t), plain)
+	g.Expect(status.Code(err)).To(Equal(codes.DeadlineExceeded))
+	vol := &pmemv1.PmemVolume{}
+	g.Expect(s.reader.Get(t.Context(), client.ObjectKey{Name: "pvc-3"}, vol)).To(Succeed())
+	g.Expect(vol.Spec).To(And(HaveField("Node", r0.Spec.Node), HaveField("Source", Equal(source))))
 
 	// Deletion: the replicas first, each waiting for its agent; then the volume.
 	_, err = s.DeleteVolume(shortCall(t), &csi.DeleteVolumeRequest{VolumeId: "pvc-1"})

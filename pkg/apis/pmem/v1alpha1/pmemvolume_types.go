@@ -54,6 +54,7 @@ type PmemVolumeSpec struct {
 
 // PmemVolumeSource is the data a volume starts with: exactly one of snapshotID or volumeID.
 // +kubebuilder:validation:XValidation:rule="has(self.snapshotID) != has(self.volumeID)",message="exactly one of snapshotID and volumeID must be set"
+// +kubebuilder:validation:XValidation:rule="!has(self.sourceReplica) || has(self.volumeID)",message="sourceReplica is the replica of the volume to clone"
 type PmemVolumeSource struct {
 	// snapshotID is the CSI snapshot ID (the PmemSnapshot name) to restore.
 	// +optional
@@ -66,6 +67,15 @@ type PmemVolumeSource struct {
 	// +kubebuilder:validation:MinLength=1
 	// +kubebuilder:validation:MaxLength=63
 	VolumeID string `json:"volumeID,omitempty"`
+
+	// sourceReplica, for a replicated volume to clone, is the replica the clone is copied
+	// from (the PmemReplica's name, which is its device's on its node): the clone, or its
+	// first replica, is made on that replica's node. Every replica with the volume's data has
+	// every write the volume acknowledged, so its copy is crash-consistent.
+	// +optional
+	// +kubebuilder:validation:MinLength=1
+	// +kubebuilder:validation:MaxLength=63
+	SourceReplica string `json:"sourceReplica,omitempty"`
 }
 
 // PmemVolumeStatus is what the node agent realized.
