@@ -41,6 +41,7 @@ func TestClusterAPIGuest(t *testing.T) {
 				{"ScaleDownMovesVolumes", scaleDownMovesVolumes},
 				{"RollingReplacementMovesVolumes", rollingReplacementMovesVolumes},
 				{"WorkerDeletedWhileAPodWrites", workerDeletedWhileAPodWrites},
+				{"HostLostWhileAPodWrites", hostLostWhileAPodWrites},
 				{"ClusterClassMakesAGuest", clusterClassMakesAGuest},
 			} {
 				if !t.Run(step.name, step.run) {
@@ -179,7 +180,6 @@ func vmAttachments(ctx context.Context, g Gomega, mc client.Client, ns string) [
 func mgmtClient(g Gomega) client.Client {
 	s, err := deploy.MgmtScheme()
 	g.Expect(err).NotTo(HaveOccurred())
-	g.Expect(pmemv1.AddToScheme(s)).To(Succeed())
 	g.Expect(infrav1.AddToScheme(s)).To(Succeed())
 	mc, err := client.New(in.Mgmt.RESTConfig(), client.Options{Scheme: s})
 	g.Expect(err).NotTo(HaveOccurred())

@@ -272,7 +272,7 @@ func attributesClassLimitsTheWriter(t *testing.T, g Gomega, writer corev1.Pod) {
 		ObjectMeta: metav1.ObjectMeta{Name: mgmtClass}, DriverName: names.PmemDriver,
 		Parameters: map[string]string{qos.MaxBytesPerSecondParam: "4Mi"},
 	})).To(Succeed())
-	allowAttributesClass(ctx, g, mc, mgmtClass)
+	allowClass(ctx, g, mc, tenancy.AttributesClassesAnnotation, tenancy.ParamAttributesClasses, mgmtClass)
 	_, err := in.Guest.Client().StorageV1().VolumeAttributesClasses().Create(ctx, &storagev1.VolumeAttributesClass{
 		ObjectMeta: metav1.ObjectMeta{Name: guestClass}, DriverName: names.GuestDriver,
 		Parameters: map[string]string{names.MgmtVolumeAttributesClassParam: mgmtClass},
@@ -314,23 +314,23 @@ func attributesClassLimitsTheWriter(t *testing.T, g Gomega, writer corev1.Pod) {
 		modified.Seconds(), before, 16/before, after, 16/after, onHost, 16/onHost)
 }
 
-// allowAttributesClass allows the guest's cluster the management VolumeAttributesClass class,
-// as a platform admin does (the Cluster's annotation), and waits until the tenants controller
-// has passed it to the admission policy.
-func allowAttributesClass(ctx context.Context, g Gomega, mc client.Client, class string) {
+// allowClass adds class to the classes the guest may name (annotation on its Cluster, e.g.
+// tenancy.AttributesClassesAnnotation) and waits until the tenants controller has written it
+// into the namespace's parameters (param, e.g. tenancy.ParamAttributesClasses).
+func allowClass(ctx context.Context, g Gomega, mc client.Client, annotation, param, class string) {
 	ns, name := in.Options.Guest.Namespace, in.Options.Guest.Name
 	capiCluster := &unstructured.Unstructured{}
 	capiCluster.SetGroupVersionKind(clusterGVK)
 	g.Expect(mc.Get(ctx, client.ObjectKey{Namespace: ns, Name: name}, capiCluster)).To(Succeed())
 	patch := client.MergeFrom(capiCluster.DeepCopy())
 	annotations := capiCluster.GetAnnotations()
-	annotations[tenancy.AttributesClassesAnnotation] = strings.Trim(annotations[tenancy.AttributesClassesAnnotation]+","+class, ",")
+	annotations[annotation] = strings.Trim(annotations[annotation]+","+class, ",")
 	capiCluster.SetAnnotations(annotations)
 	g.Expect(mc.Patch(ctx, capiCluster, patch)).To(Succeed())
 	g.Eventually(func(g Gomega) {
 		params := &corev1.ConfigMap{}
 		g.Expect(mc.Get(ctx, client.ObjectKey{Namespace: ns, Name: tenancy.ParamsConfigMap}, params)).To(Succeed())
-		g.Expect(strings.Split(params.Data[name+tenancy.ParamAttributesClasses], ",")).To(ContainElement(class))
+		g.Expect(strings.Split(params.Data[name+param], ",")).To(ContainElement(class))
 	}).WithContext(ctx).WithTimeout(2 * time.Minute).WithPolling(time.Second).Should(Succeed())
 }
 

@@ -176,7 +176,7 @@ func (l *Lab) Stop() error {
 	l.mu.Unlock()
 	l.cancel()
 
-	daemons := daemonLoops(l.Root)
+	daemons := daemonLoops(nodeDirs(l.Root)...)
 	var errs []error
 	for _, p := range slices.Backward(procs) {
 		_ = p.Stop() // an exit status on SIGTERM is expected

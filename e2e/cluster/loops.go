@@ -60,11 +60,11 @@ func LoopsBelow(dir string) ([]string, error) {
 var daemonRunDirs = []string{"/run/pvbridge/local/", "/run/pvbridge/mgmt-csi/t/"}
 
 // daemonLoops lists the loop devices over the FUSE exports of the qemu-storage-daemons that
-// the lab's nodes run: their backing file is <run dir><disk>/disk in a node's namespace, whose
-// directory the lab has below root (a node's /run/pvbridge is a directory of the lab). They
-// must be listed while the daemons run: a daemon gone, its export is unmounted and the loop
-// device names no file.
-func daemonLoops(root string) []string {
+// the nodes of nodeDirs run: their backing file is <run dir><disk>/disk in a node's namespace,
+// whose directory the lab has below the node's (a node's /run/pvbridge is a directory of the
+// lab). They must be listed while the daemons run: a daemon gone, its export is unmounted and
+// the loop device names no file.
+func daemonLoops(nodeDirs ...string) []string {
 	files, _ := filepath.Glob("/sys/block/loop*/loop/backing_file")
 	var loops []string
 	for _, f := range files {
@@ -77,15 +77,29 @@ func daemonLoops(root string) []string {
 			if !ok || strings.Contains(filepath.Dir(disk), "/") {
 				continue
 			}
-			for _, pattern := range []string{"/*", "/*/*", "/*/*/*"} {
-				if m, _ := filepath.Glob(root + pattern + "/root" + runDir + filepath.Dir(disk)); len(m) > 0 {
-					loops = append(loops, "/dev/"+filepath.Base(filepath.Dir(filepath.Dir(f))))
-					break
-				}
+			if slices.ContainsFunc(nodeDirs, func(d string) bool { return isDir(filepath.Join(d, "root", runDir, filepath.Dir(disk))) }) {
+				loops = append(loops, "/dev/"+filepath.Base(filepath.Dir(filepath.Dir(f))))
 			}
 		}
 	}
 	return loops
+}
+
+// nodeDirs lists the directories of the nodes (and VMs) of the lab at root: those with a root/.
+func nodeDirs(root string) []string {
+	var dirs []string
+	for _, pattern := range []string{"/*", "/*/*", "/*/*/*"} {
+		m, _ := filepath.Glob(root + pattern + "/root")
+		for _, r := range m {
+			dirs = append(dirs, filepath.Dir(r))
+		}
+	}
+	return dirs
+}
+
+func isDir(path string) bool {
+	info, err := os.Stat(path)
+	return err == nil && info.IsDir()
 }
 
 // backingDevice returns the device of the filesystem that holds loop device l's backing file.

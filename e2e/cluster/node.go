@@ -172,11 +172,21 @@ func (cp *ControlPlane) AddNode(ctx context.Context, name string, opts NodeOptio
 
 // PowerOff kills the node's kubelet and container runtime at once, as a machine's power loss
 // would, and clears what a reboot clears of the kubelet's: every mount below its directory
-// (pods' volumes, staged volumes). Its files stay, as a disk's do. Only a fake-runtime node
-// (whose pods run no process) can be powered off.
+// (pods' volumes, staged volumes). Its files stay, as a disk's do. A containerd node loses its
+// namespace too: every process in it (containers, the daemons of its hostPID pods) ends, and so
+// do the loop devices of its files (its emulated PMEM, the volumes on it) and those over its
+// daemons' exports. PowerOn starts only a fake-runtime node again.
 func (n *Node) PowerOff() error {
 	if n.namespace != nil {
-		return fmt.Errorf("node %s: only a fake-runtime node can be powered off", n.Name)
+		exports := daemonLoops(n.Dir) // listed while the daemons run
+		errs := []error{n.kubelet.Halt(), n.runtime.Halt(), n.namespace.Halt()}
+		for _, dev := range exports {
+			errs = append(errs, detachLoop(dev))
+		}
+		if err := errors.Join(append(errs, DetachLoopsBelow(n.Dir))...); err != nil {
+			return fmt.Errorf("power off node %s: %w", n.Name, err)
+		}
+		return nil
 	}
 	if err := errors.Join(n.kubelet.Halt(), n.runtime.Halt()); err != nil {
 		return fmt.Errorf("power off node %s: %w", n.Name, err)

@@ -3,6 +3,7 @@ package deploy
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"maps"
 	"os"
@@ -106,6 +107,7 @@ type Installed struct {
 	// QEMUNetwork is the QEMU host's network, with Options.QEMUHost.
 	QEMUNetwork *cluster.QEMUNetwork
 	workers     []string
+	archives    []string // every node's images
 }
 
 // Install builds the images, starts both clusters on containerd nodes and installs pvbridge in
@@ -118,7 +120,7 @@ func Install(ctx context.Context, lab *cluster.Lab, opts InstalledOptions) (*Ins
 		return nil, err
 	}
 	archives = append(archives, opts.Images...)
-	in := &Installed{Options: opts}
+	in := &Installed{Options: opts, archives: archives}
 	if opts.ClusterAPI {
 		if in.Registry, err = lab.StartRegistry(ctx); err != nil {
 			return nil, err
@@ -210,6 +212,34 @@ func Install(ctx context.Context, lab *cluster.Lab, opts InstalledOptions) (*Ins
 	}
 	return in, nil
 }
+
+// AddedHost is a management host added to a Cluster API lab after its install (AddHost). It
+// is not in Installed.Hosts and VMMs, which tests read beside the one that adds it.
+type AddedHost struct {
+	Node *cluster.Node
+	VMM  *cluster.VMM
+}
+
+// AddHost adds management host name to a Cluster API lab, as Install adds its hosts (emulated
+// PMEM, a VMM for its VMs), and returns once pvbridge's DaemonSets run on it.
+func (in *Installed) AddHost(ctx context.Context, lab *cluster.Lab, name string) (*AddedHost, error) {
+	added, err := addNodes(ctx, in.Mgmt, []string{name}, func(string) cluster.NodeOptions {
+		return cluster.NodeOptions{Runtime: cluster.Containerd, Images: in.archives, Labels: VMHostLabels}
+	}, func(node *cluster.Node) error { return emulatePmem(ctx, node, in.Options.PmemSize) })
+	if err != nil {
+		return nil, err
+	}
+	h := &AddedHost{Node: added[name]}
+	h.VMM = lab.StartVMM(cluster.VMMOptions{Root: h.Node.HostPath(VMRoot), Registry: in.Registry, DeviceRoot: VMDeviceRoot})
+	if err := waitDriverRegistered(ctx, in.Mgmt.Client(), name, names.PmemDriver); err != nil {
+		return nil, err
+	}
+	return h, WaitWorkloadsReady(ctx, in.Mgmt.Client(), InstallNamespace)
+}
+
+// PowerOff takes the host's power away: its VMs, and its kubelet, containers, daemons and PMEM
+// (cluster.Node.PowerOff) end at once. Its Node stays, NotReady, until an admin acts.
+func (h *AddedHost) PowerOff() error { return errors.Join(h.VMM.Stop(), h.Node.PowerOff()) }
 
 // addNodes adds the containerd nodes names to cp at once (most of a node's start is importing
 // every image archive) and returns them by name once each is Ready and setup, if not nil, is
