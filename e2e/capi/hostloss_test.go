@@ -64,7 +64,9 @@ func hostLostWhileAPodWrites(t *testing.T) {
 	}
 	_, err = c.StorageV1().StorageClasses().Create(ctx, class, metav1.CreateOptions{})
 	g.Expect(err).NotTo(HaveOccurred())
-	t.Cleanup(func() { _ = c.StorageV1().StorageClasses().Delete(context.WithoutCancel(ctx), class.Name, metav1.DeleteOptions{}) })
+	t.Cleanup(func() {
+		_ = c.StorageV1().StorageClasses().Delete(context.WithoutCancel(ctx), class.Name, metav1.DeleteOptions{})
+	})
 
 	md := machineDeployment(ctx, g, mc, 1)
 	md.SetName(lostPoolName())
