@@ -11,6 +11,7 @@ import (
 	. "github.com/onsi/gomega"
 	corev1 "k8s.io/api/core/v1"
 	storagev1 "k8s.io/api/storage/v1"
+	"k8s.io/apimachinery/pkg/api/meta"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"k8s.io/apimachinery/pkg/runtime/schema"
@@ -34,13 +35,15 @@ func lostPoolName() string { return in.Options.Guest.Name + "-pool-c" }
 // hostLostWhileAPodWrites: host-c joins the management cluster, and a pool of one worker without
 // a failure domain lands there (the least loaded host; the lab's QEMU host, whose VMs boot for
 // minutes under TCG, is cordoned for the step), with a MachineHealthCheck that remediates a
-// worker whose Node is not Ready for 10 s. A pod on that worker appends numbered lines, each
+// worker whose Node is not Ready for 30 s. A pod on that worker appends numbered lines, each
 // synced before it says so, to a volume of a guest class of the replicated management class.
 // host-c loses its power: its VMs, kubelet, containers, replica server and target, and PMEM are
-// gone at once. The admin declares it lost (the out-of-service taint on its Node). The
-// MachineHealthCheck has the worker's Machine deleted, which no longer waits for the dead host's
-// agent; the MachineDeployment's new worker runs on another host, and the pod runs again there
-// with every line it acknowledged, from the surviving replica.
+// gone at once. The admin declares it lost (the out-of-service taint on its Node): vm-operator
+// says the worker's VM went with it, and guest-csi taints the guest Node out of service, so that
+// the guest detaches its volume at once. The MachineHealthCheck has the worker's Machine
+// deleted, which no longer waits for the dead host's agent; the MachineDeployment's new worker
+// runs on another host, and the pod runs again there with every line it acknowledged, from the
+// surviving replica.
 func hostLostWhileAPodWrites(t *testing.T) {
 	g := NewWithT(t)
 	ctx := t.Context()
@@ -80,8 +83,8 @@ func hostLostWhileAPodWrites(t *testing.T) {
 			"checks": map[string]any{
 				"nodeStartupTimeoutSeconds": int64(1800),
 				"unhealthyNodeConditions": []any{
-					map[string]any{"type": "Ready", "status": "Unknown", "timeoutSeconds": int64(10)},
-					map[string]any{"type": "Ready", "status": "False", "timeoutSeconds": int64(10)},
+					map[string]any{"type": "Ready", "status": "Unknown", "timeoutSeconds": int64(30)},
+					map[string]any{"type": "Ready", "status": "False", "timeoutSeconds": int64(30)},
 				},
 			},
 		},
@@ -133,6 +136,16 @@ while true; do echo $n >> /data/log && sync && echo ack $n; n=$((n+1)); sleep 0.
 	t.Cleanup(func() { // the admin removes the dead host for good
 		_ = mc.Delete(context.WithoutCancel(ctx), &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: lostHost}})
 	})
+	// The VM went with its host, says vm-operator; so guest-csi taints its guest Node out of
+	// service once it is not Ready, and the guest detaches its volume at once.
+	g.Eventually(func(g Gomega) {
+		vm := &vmv1.VirtualMachine{}
+		g.Expect(mc.Get(ctx, client.ObjectKey{Namespace: in.Options.Guest.Namespace, Name: victim}, vm)).To(Succeed())
+		g.Expect(meta.FindStatusCondition(vm.Status.Conditions, vmv1.ReadyCondition)).To(HaveField("Reason", vmv1.HostLostReason))
+		node, err := c.CoreV1().Nodes().Get(ctx, victim, metav1.GetOptions{})
+		g.Expect(err).NotTo(HaveOccurred())
+		g.Expect(node.Spec.Taints).To(ContainElement(HaveField("Key", corev1.TaintNodeOutOfService)))
+	}).WithContext(ctx).WithTimeout(2 * time.Minute).WithPolling(time.Second).Should(Succeed())
 	waitGone(ctx, g, mc, victim)
 	back := waitPodsRunning(ctx, g, ns, "log", 1)[0]
 	g.Expect(back.UID).NotTo(Equal(writer.UID))

@@ -16,6 +16,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/collectors"
 	"golang.org/x/sync/errgroup"
 	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/api/meta"
 	"k8s.io/apimachinery/pkg/labels"
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/util/validation"
@@ -366,7 +367,11 @@ func (d *Driver) setupController(server *csiserver.Server, guest kubernetes.Inte
 		if err != nil {
 			return topology.VM{}, client.IgnoreNotFound(err)
 		}
-		return topology.VM{Host: vm.Status.Host, MaxVolumes: int64(ptr.Deref(vm.Status.MaxVolumes, 0))}, nil
+		ready := meta.FindStatusCondition(vm.Status.Conditions, vmv1.ReadyCondition)
+		return topology.VM{
+			Host: vm.Status.Host, MaxVolumes: int64(ptr.Deref(vm.Status.MaxVolumes, 0)),
+			HostLost: ready != nil && ready.Reason == vmv1.HostLostReason,
+		}, nil
 	})
 	cfg := controllerConfig{
 		cluster:           cluster,

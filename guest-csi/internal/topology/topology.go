@@ -4,7 +4,8 @@
 // hot-plug slots; the node plugin, which has none, reads its own Node and reports the label as
 // its CSI topology, so that a guest PV is only used on VMs of the host that holds its PMEM, and
 // the slots as its volume limit, so that the scheduler places no more volumes on the node than
-// its VM can hold.
+// its VM can hold. The controller also taints the node of a VM that went with a lost host out of
+// service (Labeller).
 package topology
 
 import (
@@ -50,6 +51,8 @@ type VM struct {
 	Host string
 	// MaxVolumes is how many volumes it can hold hot-plugged at once; 0 when not known.
 	MaxVolumes int64
+	// HostLost says that its host is declared lost: the VM went with it (vmv1.HostLostReason).
+	HostLost bool
 }
 
 // NodeHost reads the host of a guest node from the node's label, and its VM's slots from the
@@ -107,7 +110,12 @@ func (h NodeHost) WaitForHost(ctx context.Context) error {
 type VMFunc func(ctx context.Context, vm string) (VM, error)
 
 // Labeller labels every guest Node with the host of its VM and annotates it with the VM's
-// slots. It reconciles a node when the node or its VM changes.
+// slots. It reconciles a node when the node or its VM changes. A node that is not Ready and
+// whose VM went with a host declared lost gets the out-of-service taint (OutOfServiceTaint), as
+// Kubernetes' non-graceful node shutdown asks an admin to: the guest's attach/detach controller
+// then detaches its volumes at once, instead of after its 6 minutes' wait for an unmount that
+// will never come, and its pods are deleted, so that a replacement node runs them with their
+// volumes. The VM being gone with its host, nothing can write through it any more.
 type Labeller struct {
 	guest kubernetes.Interface
 	vmOf  VMFunc
@@ -183,10 +191,18 @@ func (l *Labeller) Run(ctx context.Context) error {
 	}
 }
 
+// OutOfServiceTaint is the taint the Labeller gives the node of a VM that went with its host.
+var OutOfServiceTaint = corev1.Taint{Key: corev1.TaintNodeOutOfService, Value: "nodeshutdown", Effect: corev1.TaintEffectNoExecute}
+
 func (l *Labeller) label(ctx context.Context, node *corev1.Node) error {
 	vm, err := l.vmOf(ctx, node.Name)
 	if err != nil || vm.Host == "" {
 		return err
+	}
+	if vm.HostLost && !nodeReady(node) {
+		if err := l.taintOutOfService(ctx, node); err != nil {
+			return err
+		}
 	}
 	if msgs := validation.IsValidLabelValue(vm.Host); len(msgs) > 0 {
 		return fmt.Errorf("host %q of VM %s is no label value: %v", vm.Host, node.Name, msgs)
@@ -216,4 +232,42 @@ func (l *Labeller) label(ctx context.Context, node *corev1.Node) error {
 	}
 	klog.FromContext(ctx).Info("Labelled guest node with its host and slots", "node", node.Name, "host", vm.Host, "maxVolumes", vm.MaxVolumes)
 	return nil
+}
+
+// taintOutOfService gives node OutOfServiceTaint, unless it has it: a JSON patch that holds only
+// on the node as read, so that no taint written meanwhile is lost (a conflict is retried).
+func (l *Labeller) taintOutOfService(ctx context.Context, node *corev1.Node) error {
+	for _, t := range node.Spec.Taints {
+		if t.MatchTaint(&OutOfServiceTaint) {
+			return nil
+		}
+	}
+	ops := []map[string]any{{"op": "test", "path": "/metadata/resourceVersion", "value": node.ResourceVersion}}
+	if len(node.Spec.Taints) == 0 {
+		ops = append(ops, map[string]any{"op": "add", "path": "/spec/taints", "value": []corev1.Taint{OutOfServiceTaint}})
+	} else {
+		ops = append(ops, map[string]any{"op": "add", "path": "/spec/taints/-", "value": OutOfServiceTaint})
+	}
+	patch, err := json.Marshal(ops)
+	if err != nil {
+		return err
+	}
+	if _, err := l.guest.CoreV1().Nodes().Patch(ctx, node.Name, types.JSONPatchType, patch, metav1.PatchOptions{}); err != nil {
+		if apierrors.IsNotFound(err) {
+			return nil // deleted meanwhile
+		}
+		return fmt.Errorf("taint node %s out of service: %w", node.Name, err)
+	}
+	klog.FromContext(ctx).Info("Tainted guest node out of service: its VM went with its lost host", "node", node.Name, "taint", OutOfServiceTaint.ToString())
+	return nil
+}
+
+// nodeReady tells whether node's Ready condition is True.
+func nodeReady(node *corev1.Node) bool {
+	for _, c := range node.Status.Conditions {
+		if c.Type == corev1.NodeReady {
+			return c.Status == corev1.ConditionTrue
+		}
+	}
+	return false
 }

@@ -89,6 +89,45 @@ func TestLabellerLabelsAndAnnotatesTheNode(t *testing.T) {
 	}
 }
 
+// The node of a VM gone with its lost host is tainted out of service once it is not Ready, its
+// other taints kept; a Ready node, or one whose host is not lost, is not.
+func TestLabellerTaintsTheNodeOfAVMGoneWithItsHost(t *testing.T) {
+	other := corev1.Taint{Key: "example.com/other", Effect: corev1.TaintEffectNoSchedule}
+	unreachable := corev1.Taint{Key: corev1.TaintNodeUnreachable, Effect: corev1.TaintEffectNoExecute}
+	for _, tc := range []struct {
+		name       string
+		ready      corev1.ConditionStatus
+		taints     []corev1.Taint
+		vm         VM
+		wantTaints []corev1.Taint
+	}{
+		{name: "not Ready, its host lost", ready: corev1.ConditionUnknown, vm: VM{Host: "host-a", HostLost: true},
+			wantTaints: []corev1.Taint{OutOfServiceTaint}},
+		{name: "its other taints kept", ready: corev1.ConditionUnknown, taints: []corev1.Taint{other, unreachable}, vm: VM{Host: "host-a", HostLost: true},
+			wantTaints: []corev1.Taint{other, unreachable, OutOfServiceTaint}},
+		{name: "tainted already", ready: corev1.ConditionFalse, taints: []corev1.Taint{OutOfServiceTaint}, vm: VM{Host: "host-a", HostLost: true},
+			wantTaints: []corev1.Taint{OutOfServiceTaint}},
+		{name: "Ready: not tainted, whatever its host's state", ready: corev1.ConditionTrue, vm: VM{Host: "host-a", HostLost: true}},
+		{name: "not Ready, its host not lost", ready: corev1.ConditionUnknown, taints: []corev1.Taint{unreachable}, vm: VM{Host: "host-a"},
+			wantTaints: []corev1.Taint{unreachable}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			g := NewWithT(t)
+			node := &corev1.Node{
+				ObjectMeta: metav1.ObjectMeta{Name: "vm-1", ResourceVersion: "7", Labels: map[string]string{Key: "host-a"}},
+				Spec:       corev1.NodeSpec{Taints: tc.taints},
+				Status:     corev1.NodeStatus{Conditions: []corev1.NodeCondition{{Type: corev1.NodeReady, Status: tc.ready}}},
+			}
+			client := fake.NewClientset(node)
+			l := NewLabeller(client, func(context.Context, string) (VM, error) { return tc.vm, nil })
+			g.Expect(l.label(t.Context(), node)).To(Succeed())
+			got, err := client.CoreV1().Nodes().Get(t.Context(), "vm-1", metav1.GetOptions{})
+			g.Expect(err).NotTo(HaveOccurred())
+			g.Expect(got.Spec.Taints).To(Equal(tc.wantTaints))
+		})
+	}
+}
+
 // The node plugin waits by watch until the controller has labelled its node.
 func TestNodeHostWaitsForTheLabel(t *testing.T) {
 	g := NewWithT(t)

@@ -39,8 +39,9 @@ const (
 // SetupWithManager registers the controller role's reconcilers with mgr.
 func SetupWithManager(mgr ctrl.Manager) error {
 	placement := &PlacementReconciler{
-		Client:   mgr.GetClient(),
-		Recorder: mgr.GetEventRecorder(fieldManager),
+		Client:    mgr.GetClient(),
+		APIReader: mgr.GetAPIReader(),
+		Recorder:  mgr.GetEventRecorder(fieldManager),
 	}
 	if err := placement.SetupWithManager(mgr); err != nil {
 		return fmt.Errorf("set up the placement controller: %w", err)

@@ -22,6 +22,7 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/reconcile"
 
 	vmv1 "pvbridge.io/pkg/apis/vm/v1alpha1"
+	"pvbridge.io/pkg/hostloss"
 )
 
 // Event reasons of placement, besides the Placed condition's reasons.
@@ -33,7 +34,8 @@ const (
 )
 
 // PlacementReconciler gives every VirtualMachine a host (status.host) and a unique ID
-// (status.uniqueID), reports it in the Placed condition, and keeps status.phase.
+// (status.uniqueID), reports it in the Placed condition, and keeps status.phase. A VirtualMachine
+// whose host is declared lost is Ready False (HostLostReason): its host agent cannot say so.
 //
 // The host is spec.host when set, otherwise the candidate host running the fewest
 // VirtualMachines, ties broken by name; a candidate is a Ready, schedulable Node labelled
@@ -41,8 +43,10 @@ const (
 // migrate, its volumes live on its host. The phase is derived from the placement and the host
 // agent's Ready condition (vmPhase), so it has this one writer.
 type PlacementReconciler struct {
-	Client   client.Client
-	Recorder events.EventRecorder
+	Client client.Client
+	// APIReader confirms a host's loss that the cache does not show (hostloss.Lost).
+	APIReader client.Reader
+	Recorder  events.EventRecorder
 
 	// mu guards assumed.
 	mu sync.Mutex
@@ -65,6 +69,8 @@ func (r *PlacementReconciler) SetupWithManager(mgr ctrl.Manager) error {
 		Named("vm-placement").
 		Watches(&corev1.Node{}, handler.EnqueueRequestsFromMapFunc(r.unplacedVMs),
 			builder.WithPredicates(candidacyChanged())).
+		Watches(&corev1.Node{}, handler.EnqueueRequestsFromMapFunc(r.vmsOnHost),
+			builder.WithPredicates(hostloss.Changed())).
 		WithOptions(controller.Options{MaxConcurrentReconciles: 1}).
 		Complete(r)
 }
@@ -121,8 +127,36 @@ func (r *PlacementReconciler) reconcileNormal(ctx context.Context, vm *vmv1.Virt
 		}
 	}
 	meta.SetStatusCondition(&vm.Status.Conditions, placed)
+	// A VirtualMachine that its host's agent took up (it reported Ready) goes with a lost host;
+	// one placed on a host whose Node is not there yet waits for it.
+	if vm.Status.Host != "" && meta.FindStatusCondition(vm.Status.Conditions, vmv1.ReadyCondition) != nil {
+		lost, err := hostloss.Lost(ctx, r.Client, r.APIReader, vm.Status.Host)
+		if err != nil {
+			return err
+		}
+		switch ready := meta.FindStatusCondition(vm.Status.Conditions, vmv1.ReadyCondition); {
+		case lost:
+			// What the host agent last reported went with it; the agent leaves the VM alone now.
+			meta.SetStatusCondition(&vm.Status.Conditions, metav1.Condition{
+				Type: vmv1.ReadyCondition, Status: metav1.ConditionFalse, Reason: vmv1.HostLostReason, ObservedGeneration: vm.Generation,
+				Message: fmt.Sprintf("host %s is declared lost: the VirtualMachine went with it", vm.Status.Host),
+			})
+		case ready.Reason == vmv1.HostLostReason:
+			// The declaration was taken back: the host's agent reports afresh.
+			meta.RemoveStatusCondition(&vm.Status.Conditions, vmv1.ReadyCondition)
+		}
+	}
 	vm.Status.Phase = vmPhase(vm.Status)
 	return nil
+}
+
+// vmsOnHost maps a host that is declared lost to its VirtualMachines.
+func (r *PlacementReconciler) vmsOnHost(ctx context.Context, node client.Object) []reconcile.Request {
+	var reqs []reconcile.Request
+	for _, vm := range hostloss.VMsOn(ctx, r.Client, node.GetName()) {
+		reqs = append(reqs, reconcile.Request{NamespacedName: client.ObjectKeyFromObject(vm)})
+	}
+	return reqs
 }
 
 // pickHost returns the least-loaded candidate host and how many candidates there were; "" when

@@ -126,6 +126,7 @@ func TestPlacementReconciler(t *testing.T) {
 		wantReason string
 		wantMsg    string
 		wantEvents []string
+		wantReady  string // the Ready condition's reason, when the test sets it
 	}{
 		{
 			name: "spec.host pins the VirtualMachine, even to a host that is not a candidate",
@@ -177,10 +178,23 @@ func TestPlacementReconciler(t *testing.T) {
 				vm.Spec.Host = "host-b"
 				vm.Status.Conditions = []metav1.Condition{ready(metav1.ConditionTrue, vmv1.PoweredOffReason)}
 			}),
+			objs:     []client.Object{newNode("host-a")},
 			wantHost: "host-a", wantPhase: vmv1.PhaseStopped,
 			wantStatus: metav1.ConditionTrue, wantReason: vmv1.HostAssignedReason,
 			wantMsg:    "placed on host host-a; spec.host host-b is ignored: a VirtualMachine never moves to another host",
 			wantEvents: []string{"Warning SpecHostIgnored placed on host host-a; spec.host host-b is ignored: a VirtualMachine never moves to another host"},
+		},
+		{
+			name: "a VirtualMachine whose host is declared lost is Ready False and Failed: its agent cannot say so",
+			vm: newVM("vm-1", onHost("host-a"), func(vm *vmv1.VirtualMachine) {
+				vm.Status.Conditions = []metav1.Condition{ready(metav1.ConditionTrue, vmv1.PoweredOnReason)}
+			}),
+			objs: []client.Object{newNode("host-a", func(n *corev1.Node) {
+				n.Spec.Taints = []corev1.Taint{{Key: corev1.TaintNodeOutOfService, Value: "nodeshutdown", Effect: corev1.TaintEffectNoExecute}}
+			})},
+			wantHost: "host-a", wantPhase: vmv1.PhaseFailed,
+			wantStatus: metav1.ConditionTrue, wantReason: vmv1.HostAssignedReason, wantMsg: "placed on host host-a",
+			wantReady: vmv1.HostLostReason,
 		},
 	}
 	for _, tt := range tests {
@@ -189,7 +203,7 @@ func TestPlacementReconciler(t *testing.T) {
 			ctx := t.Context()
 			c := newFakeClient(g, nil, append(tt.objs, tt.vm)...)
 			rec := events.NewFakeRecorder(10)
-			r := &PlacementReconciler{Client: c, Recorder: rec}
+			r := &PlacementReconciler{Client: c, APIReader: c, Recorder: rec}
 
 			res, err := r.Reconcile(ctx, ctrl.Request{NamespacedName: client.ObjectKeyFromObject(tt.vm)})
 			g.Expect(err).NotTo(HaveOccurred())
@@ -205,6 +219,10 @@ func TestPlacementReconciler(t *testing.T) {
 			g.Expect(placed.Status).To(Equal(tt.wantStatus))
 			g.Expect(placed.Reason).To(Equal(tt.wantReason))
 			g.Expect(placed.Message).To(Equal(tt.wantMsg))
+			if tt.wantReady != "" {
+				g.Expect(meta.FindStatusCondition(got.Status.Conditions, vmv1.ReadyCondition)).To(And(
+					HaveField("Status", metav1.ConditionFalse), HaveField("Reason", tt.wantReady)))
+			}
 			g.Expect(drain(rec)).To(Equal(tt.wantEvents))
 
 			// A second pass changes nothing and tells nothing.
@@ -222,7 +240,7 @@ func TestPlacementLeavesADeletedVirtualMachineAlone(t *testing.T) {
 	g := NewWithT(t)
 	vm := newVM("vm-1", deleted)
 	c := newFakeClient(g, nil, vm, newNode("host-a"))
-	r := &PlacementReconciler{Client: c, Recorder: events.NewFakeRecorder(10)}
+	r := &PlacementReconciler{Client: c, APIReader: c, Recorder: events.NewFakeRecorder(10)}
 	_, err := r.Reconcile(t.Context(), ctrl.Request{NamespacedName: client.ObjectKeyFromObject(vm)})
 	g.Expect(err).NotTo(HaveOccurred())
 	got := &vmv1.VirtualMachine{}
@@ -246,7 +264,7 @@ func TestPlacementCountsItsOwnPlacementsBeforeTheCacheShowsThem(t *testing.T) {
 		return nil
 	}}
 	c := newFakeClient(g, &stale, newNode("host-a"), newNode("host-b"), newVM("vm-1"), newVM("vm-2"))
-	r := &PlacementReconciler{Client: c, Recorder: events.NewFakeRecorder(10)}
+	r := &PlacementReconciler{Client: c, APIReader: c, Recorder: events.NewFakeRecorder(10)}
 
 	hosts := map[string]bool{}
 	for _, name := range []string{"vm-1", "vm-2"} {

@@ -25,7 +25,7 @@ func vmPhase(status vmv1.VirtualMachineStatus) vmv1.Phase {
 	switch {
 	case status.Host == "" || ready == nil:
 		return vmv1.PhasePending
-	case ready.Reason == vmv1.HypervisorErrorReason:
+	case ready.Reason == vmv1.HypervisorErrorReason || ready.Reason == vmv1.HostLostReason:
 		return vmv1.PhaseFailed
 	case ready.Reason == vmv1.PoweredOffReason:
 		return vmv1.PhaseStopped

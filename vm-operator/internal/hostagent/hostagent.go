@@ -223,6 +223,11 @@ func (r *Reconciler) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Resu
 	if vm.Status.Host != r.Node {
 		return ctrl.Result{}, nil
 	}
+	if ready := meta.FindStatusCondition(vm.Status.Conditions, vmv1.ReadyCondition); ready != nil && ready.Reason == vmv1.HostLostReason {
+		// This host is declared lost (the controller's word): the VM is taken for gone, and
+		// this agent, which should not run at all, does not say otherwise.
+		return ctrl.Result{}, nil
+	}
 	if err := r.current(ctx, vm); err != nil {
 		return ctrl.Result{}, client.IgnoreNotFound(err)
 	}

@@ -616,6 +616,26 @@ func TestDeletedVMLosesItsDisksThenItsPower(t *testing.T) {
 	g.Expect(ready.Reason).To(Equal(vmv1.PoweredOffReason), "the controller derives phase Stopped from it")
 }
 
+// A VM that the controller says went with this host, declared lost, is not this agent's any
+// more: it neither starts it nor writes its status (the controller's HostLost stays).
+func TestVMOfALostHostIsLeftAlone(t *testing.T) {
+	g := NewWithT(t)
+	vm := virtualMachine([]string{"data"}, nil)
+	vm.Status.Conditions = []metav1.Condition{{Type: vmv1.ReadyCondition, Status: metav1.ConditionFalse, Reason: vmv1.HostLostReason, LastTransitionTime: metav1.Now()}}
+	c := newClient(g, vm, true)
+	h := newFakeHypervisor()
+	r := &Reconciler{Client: c, Node: "host-a", Hypervisor: h, CSI: &fakeCSI{}, StateDir: t.TempDir()}
+	req := ctrl.Request{NamespacedName: client.ObjectKeyFromObject(vm)}
+
+	_, err := r.Reconcile(t.Context(), req)
+	g.Expect(err).NotTo(HaveOccurred())
+	g.Expect(h.on["vm-1"]).To(BeFalse())
+	got := &vmv1.VirtualMachine{}
+	g.Expect(c.Get(t.Context(), req.NamespacedName, got)).To(Succeed())
+	g.Expect(meta.FindStatusCondition(got.Status.Conditions, vmv1.ReadyCondition)).To(HaveField("Reason", vmv1.HostLostReason))
+	g.Expect(got.Status.Volumes).To(BeEmpty())
+}
+
 // A VM without volumes is gone as soon as it is deleted (the controller's finalizer has nothing
 // to wait for), maybe before the agent saw the deletion: the VM's reconcile then finds no object
 // and deletes what the hypervisor has of it.

@@ -66,6 +66,11 @@ const (
 	// BootstrapDataUnavailableReason (Ready=False): the Secret named by spec.bootstrap cannot be
 	// read, or has no key "value".
 	BootstrapDataUnavailableReason = "BootstrapDataUnavailable"
+	// HostLostReason (Ready=False): status.host is declared lost (its Node is gone or tainted
+	// node.kubernetes.io/out-of-service): the VirtualMachine went with it and never runs again.
+	// The vm-operator controller writes it, as the host's agent is gone; guest-csi then lets its
+	// guest cluster detach the VM's volumes at once (out-of-service taint on the guest Node).
+	HostLostReason = "HostLost"
 	// HostAssignedReason (Placed=True): status.host is set.
 	HostAssignedReason = "HostAssigned"
 	// NoHostAvailableReason (Placed=False): no host can take the VirtualMachine.
