@@ -3,8 +3,6 @@ package capi_test
 import (
 	"context"
 	"fmt"
-	"strconv"
-	"strings"
 	"testing"
 	"time"
 
@@ -103,12 +101,8 @@ func hostLostWhileAPodWrites(t *testing.T) {
 	g.Expect(vmHost(ctx, g, mc, victim)).To(Equal(lostHost), "the least loaded host")
 
 	ns := guestNamespace(t, g, "hostloss")
-	sts := deploy.StatefulSet(ns, "log", 1, "64Mi")
+	sts := ackingWriter(ns, lostPoolName())
 	sts.Spec.VolumeClaimTemplates[0].Spec.StorageClassName = ptr.To(class.Name)
-	sts.Spec.Template.Spec.NodeSelector = map[string]string{poolLabel: lostPoolName()}
-	sts.Spec.Template.Spec.Containers[0].Command = []string{"sh", "-c", `
-n=$(wc -l < /data/log 2>/dev/null || echo 0)
-while true; do echo $n >> /data/log && sync && echo ack $n; n=$((n+1)); sleep 0.2; done`}
 	_, err = c.AppsV1().StatefulSets(ns).Create(ctx, sts, metav1.CreateOptions{})
 	g.Expect(err).NotTo(HaveOccurred())
 	writer := waitPodsRunning(ctx, g, ns, "log", 1)[0]
@@ -155,13 +149,7 @@ while true; do echo $n >> /data/log && sync && echo ack $n; n=$((n+1)); sleep 0.
 	t.Logf("%s lost while a pod wrote: the MachineHealthCheck replaced worker %s by %s on %s, the pod writing again there %.0f s after the power-off",
 		lostHost, victim, replacement, vmHost(ctx, g, mc, replacement), time.Since(start).Seconds())
 
-	out, err := kubectl(ctx, "exec", "-n", ns, back.Name, "--", "cat", "/data/log")
-	g.Expect(err).NotTo(HaveOccurred())
-	lines := strings.Split(out, "\n")
-	g.Expect(len(lines)).To(BeNumerically(">", acked+1))
-	for i := 0; i <= acked; i++ {
-		g.Expect(lines[i]).To(Equal(strconv.Itoa(i)), "line %d of the log: an acknowledged write lost", i)
-	}
+	expectAcknowledged(ctx, g, back, acked)
 }
 
 // failureDomains are the names of the guest's failure domains, as its PVBridgeCluster reports

@@ -10,6 +10,7 @@ import (
 	"time"
 
 	. "github.com/onsi/gomega"
+	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
 	storagev1 "k8s.io/api/storage/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
@@ -145,12 +146,7 @@ func workerDeletedWhileAPodWrites(t *testing.T) {
 	c := in.Guest.Client()
 	victim := waitPool(ctx, g, mc, poolName(), 1)[0]
 
-	sts := deploy.StatefulSet(dbNamespace, "log", 1, "64Mi")
-	sts.Spec.Template.Spec.NodeSelector = map[string]string{poolLabel: poolName()}
-	sts.Spec.Template.Spec.Containers[0].Command = []string{"sh", "-c", `
-n=$(wc -l < /data/log 2>/dev/null || echo 0)
-while true; do echo $n >> /data/log && sync && echo ack $n; n=$((n+1)); sleep 0.2; done`}
-	_, err := c.AppsV1().StatefulSets(dbNamespace).Create(ctx, sts, metav1.CreateOptions{})
+	_, err := c.AppsV1().StatefulSets(dbNamespace).Create(ctx, ackingWriter(dbNamespace, poolName()), metav1.CreateOptions{})
 	g.Expect(err).NotTo(HaveOccurred())
 	writer := waitPodsRunning(ctx, g, dbNamespace, "log", 1)[0]
 	g.Eventually(lastAck).WithContext(ctx).WithArguments(writer).WithTimeout(time.Minute).Should(BeNumerically(">=", 10))
@@ -170,14 +166,32 @@ while true; do echo $n >> /data/log && sync && echo ack $n; n=$((n+1)); sleep 0.
 	g.Eventually(lastAck).WithContext(ctx).WithArguments(back).WithTimeout(time.Minute).Should(BeNumerically(">", acked))
 	t.Logf("worker %s deleted while a pod wrote: the pod writing again on %s %.0f s after, %d acknowledged lines before", victim, back.Spec.NodeName, time.Since(start).Seconds(), acked+1)
 
-	out, err := kubectl(ctx, "exec", "-n", dbNamespace, back.Name, "--", "cat", "/data/log")
+	expectAcknowledged(ctx, g, back, acked)
+	readNamesBack(ctx, g, waitPodsRunning(ctx, g, dbNamespace, "db", 3))
+}
+
+// ackingWriter is a StatefulSet "log" of one pod on pool that appends numbered lines to its
+// volume's /data/log, each synced before it says so in its log ("ack <n>", lastAck), going on
+// from the lines it finds.
+func ackingWriter(ns, pool string) *appsv1.StatefulSet {
+	sts := deploy.StatefulSet(ns, "log", 1, "64Mi")
+	sts.Spec.Template.Spec.NodeSelector = map[string]string{poolLabel: pool}
+	sts.Spec.Template.Spec.Containers[0].Command = []string{"sh", "-c", `
+n=$(wc -l < /data/log 2>/dev/null || echo 0)
+while true; do echo $n >> /data/log && sync && echo ack $n; n=$((n+1)); sleep 0.2; done`}
+	return sts
+}
+
+// expectAcknowledged checks that the log of ackingWriter's pod holds every line up to acked,
+// and more: none acknowledged was lost, and the pod wrote on.
+func expectAcknowledged(ctx context.Context, g Gomega, pod corev1.Pod, acked int) {
+	out, err := kubectl(ctx, "exec", "-n", pod.Namespace, pod.Name, "--", "cat", "/data/log")
 	g.Expect(err).NotTo(HaveOccurred())
 	lines := strings.Split(out, "\n")
 	g.Expect(len(lines)).To(BeNumerically(">", acked+1))
 	for i := 0; i <= acked; i++ {
 		g.Expect(lines[i]).To(Equal(strconv.Itoa(i)), "line %d of the log: an acknowledged write lost", i)
 	}
-	readNamesBack(ctx, g, waitPodsRunning(ctx, g, dbNamespace, "db", 3))
 }
 
 // lastAck is the last line the writer pod acknowledged, from its log: -1 before the first.
