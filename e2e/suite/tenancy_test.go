@@ -284,10 +284,7 @@ var _ = Describe("Tenancy", Label("tenancy"), func() {
 			patches := stop()
 			Expect(patches).To(BeNumerically(">=", 2), "the flood ran")
 		}
-		AddReportEntry("beta's attach (median of 3)", fmt.Sprintf("quiet %s %v, flooded %s %v", medianOf(quiet), quiet, medianOf(flooded), flooded))
-		// kubelet reports a pod's status once a second: that much is granularity, not delay.
-		Expect(medianOf(flooded)).To(BeNumerically("<=", 2*medianOf(quiet)+time.Second),
-			"beta's attach while alpha floods (quiet %v, flooded %v)", quiet, flooded)
+		expectWithinTwice("beta's attach while alpha floods", quiet, flooded)
 	})
 
 	It("keeps another cluster's snapshot and attach within twice their time while a guest floods group snapshots whose holds overrun", Label("groupsnapshot"), func(ctx SpecContext) {
@@ -376,10 +373,7 @@ var _ = Describe("Tenancy", Label("tenancy"), func() {
 				round, quiet[0][round], flooded[0][round], quiet[1][round], flooded[1][round])
 		}
 		for i, what := range []string{"snapshot", "attach"} {
-			AddReportEntry("beta's "+what+" (median of 3)", fmt.Sprintf("quiet %s %v, flooded %s %v", medianOf(quiet[i]), quiet[i], medianOf(flooded[i]), flooded[i]))
-			// kubelet and snapshot-controller report status once a second: granularity, not delay.
-			Expect(medianOf(flooded[i])).To(BeNumerically("<=", 2*medianOf(quiet[i])+time.Second),
-				"beta's %s while alpha floods (quiet %v, flooded %v)", what, quiet[i], flooded[i])
+			expectWithinTwice("beta's "+what+" while alpha floods", quiet[i], flooded[i])
 		}
 	})
 
@@ -490,9 +484,7 @@ var _ = Describe("Tenancy", Label("tenancy"), func() {
 			Eventually(slow.Load).WithContext(ctx).WithTimeout(timeout).Should(BeNumerically(">", 0))
 			beside = append(beside, renew())
 		}
-		AddReportEntry("beta's credential delivery after a revocation (median of 3)", fmt.Sprintf("quiet %s %v, beside the slow guest %s %v", medianOf(quiet), quiet, medianOf(beside), beside))
-		Expect(medianOf(beside)).To(BeNumerically("<=", 2*medianOf(quiet)+time.Second),
-			"beta's renewed credential took %v to be delivered beside a guest that answers a byte a second, %v quietly", beside, quiet)
+		expectWithinTwice("beta's credential delivery after a revocation, beside a guest that answers a byte a second", quiet, beside)
 	})
 
 	It("cleans up after a deleted guest Cluster once its VMs are gone, and touches nothing else", func(ctx SpecContext) {
@@ -620,8 +612,17 @@ func deleteCluster(ctx context.Context, ns, name string) {
 	gone(ctx, mc, capi)
 }
 
-// medianOf is the median of d, which it sorts.
-func medianOf(d []time.Duration) time.Duration { slices.Sort(d); return d[len(d)/2] }
+// expectWithinTwice checks that beta's operation, timed in rounds beside a neighbour's abuse
+// (flooded) and without it (quiet), took at most twice its quiet time, plus a second for the
+// status that kubelet and snapshot-controller report once a second. It compares the fastest
+// round of each: a neighbour that slows beta slows every round it abuses, while the 2-core
+// machine's own load slows rounds of either kind at random (a CI run of session 44 timed quiet
+// attaches of 1.4, 2.6 and 7.2 s, and failed on the medians).
+func expectWithinTwice(what string, quiet, flooded []time.Duration) {
+	GinkgoHelper()
+	AddReportEntry(what+" (fastest of each)", fmt.Sprintf("quiet %s %v, abused %s %v", slices.Min(quiet), quiet, slices.Min(flooded), flooded))
+	Expect(slices.Min(flooded)).To(BeNumerically("<=", 2*slices.Min(quiet)+time.Second), "%s: quiet %v, abused %v", what, quiet, flooded)
+}
 
 // floodVM makes guest g, with its own credential, replace the volume entries it added to its VM
 // twice a second by 60 entries for claims of its own names that do not exist, as a tenant
