@@ -70,7 +70,7 @@ func (r *PlacementReconciler) SetupWithManager(mgr ctrl.Manager) error {
 		Watches(&corev1.Node{}, handler.EnqueueRequestsFromMapFunc(r.unplacedVMs),
 			builder.WithPredicates(candidacyChanged())).
 		Watches(&corev1.Node{}, handler.EnqueueRequestsFromMapFunc(r.vmsOnHost),
-			builder.WithPredicates(hostloss.Changed())).
+			builder.WithPredicates(hostloss.StateChanged())).
 		WithOptions(controller.Options{MaxConcurrentReconciles: 1}).
 		Complete(r)
 }
@@ -150,7 +150,7 @@ func (r *PlacementReconciler) reconcileNormal(ctx context.Context, vm *vmv1.Virt
 	return nil
 }
 
-// vmsOnHost maps a host that is declared lost to its VirtualMachines.
+// vmsOnHost maps a host whose loss is declared, or taken back, to its VirtualMachines.
 func (r *PlacementReconciler) vmsOnHost(ctx context.Context, node client.Object) []reconcile.Request {
 	var reqs []reconcile.Request
 	for _, vm := range hostloss.VMsOn(ctx, r.Client, node.GetName()) {

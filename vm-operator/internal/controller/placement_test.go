@@ -127,6 +127,7 @@ func TestPlacementReconciler(t *testing.T) {
 		wantMsg    string
 		wantEvents []string
 		wantReady  string // the Ready condition's reason, when the test sets it
+		noReady    bool   // the Ready condition is removed
 	}{
 		{
 			name: "spec.host pins the VirtualMachine, even to a host that is not a candidate",
@@ -196,6 +197,16 @@ func TestPlacementReconciler(t *testing.T) {
 			wantStatus: metav1.ConditionTrue, wantReason: vmv1.HostAssignedReason, wantMsg: "placed on host host-a",
 			wantReady: vmv1.HostLostReason,
 		},
+		{
+			name: "a lost host taken back: its agent reports afresh",
+			vm: newVM("vm-1", onHost("host-a"), func(vm *vmv1.VirtualMachine) {
+				vm.Status.Conditions = []metav1.Condition{ready(metav1.ConditionFalse, vmv1.HostLostReason)}
+			}),
+			objs:     []client.Object{newNode("host-a")},
+			wantHost: "host-a", wantPhase: vmv1.PhasePending,
+			wantStatus: metav1.ConditionTrue, wantReason: vmv1.HostAssignedReason, wantMsg: "placed on host host-a",
+			noReady: true,
+		},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -219,6 +230,9 @@ func TestPlacementReconciler(t *testing.T) {
 			g.Expect(placed.Status).To(Equal(tt.wantStatus))
 			g.Expect(placed.Reason).To(Equal(tt.wantReason))
 			g.Expect(placed.Message).To(Equal(tt.wantMsg))
+			if tt.noReady {
+				g.Expect(meta.FindStatusCondition(got.Status.Conditions, vmv1.ReadyCondition)).To(BeNil())
+			}
 			if tt.wantReady != "" {
 				g.Expect(meta.FindStatusCondition(got.Status.Conditions, vmv1.ReadyCondition)).To(And(
 					HaveField("Status", metav1.ConditionFalse), HaveField("Reason", tt.wantReady)))
