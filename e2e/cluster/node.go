@@ -12,9 +12,10 @@ import (
 	"syscall"
 	"time"
 
-	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/util/wait"
+
+	vmv1 "pvbridge.io/pkg/apis/vm/v1alpha1"
 )
 
 // Node is a real kubelet. With the fake runtime (fakecri) pods run without processes, but the
@@ -379,14 +380,7 @@ func (n *Node) waitReady(ctx context.Context) error {
 }
 
 // NodeReady reports whether a Node's Ready condition is True.
-func NodeReady(node *corev1.Node) bool {
-	for _, c := range node.Status.Conditions {
-		if c.Type == corev1.NodeReady {
-			return c.Status == corev1.ConditionTrue
-		}
-	}
-	return false
-}
+var NodeReady = vmv1.NodeReady
 
 // StartTimeout bounds the wait for a process of the lab to serve (a socket, a Ready Node): the
 // waits fail at once when the process exits, so the bound only has to outlast a loaded machine.

@@ -32,6 +32,7 @@ import (
 	"k8s.io/klog/v2"
 	"k8s.io/utils/ptr"
 
+	vmv1 "pvbridge.io/pkg/apis/vm/v1alpha1"
 	"pvbridge.io/pkg/names"
 )
 
@@ -199,7 +200,7 @@ func (l *Labeller) label(ctx context.Context, node *corev1.Node) error {
 	if err != nil || vm.Host == "" {
 		return err
 	}
-	if vm.HostLost && !nodeReady(node) {
+	if vm.HostLost && !vmv1.NodeReady(node) {
 		if err := l.taintOutOfService(ctx, node); err != nil {
 			return err
 		}
@@ -260,14 +261,4 @@ func (l *Labeller) taintOutOfService(ctx context.Context, node *corev1.Node) err
 	}
 	klog.FromContext(ctx).Info("Tainted guest node out of service: its VM went with its lost host", "node", node.Name, "taint", OutOfServiceTaint.ToString())
 	return nil
-}
-
-// nodeReady tells whether node's Ready condition is True.
-func nodeReady(node *corev1.Node) bool {
-	for _, c := range node.Status.Conditions {
-		if c.Type == corev1.NodeReady {
-			return c.Status == corev1.ConditionTrue
-		}
-	}
-	return false
 }

@@ -129,12 +129,12 @@ func (r *PlacementReconciler) reconcileNormal(ctx context.Context, vm *vmv1.Virt
 	meta.SetStatusCondition(&vm.Status.Conditions, placed)
 	// A VirtualMachine that its host's agent took up (it reported Ready) goes with a lost host;
 	// one placed on a host whose Node is not there yet waits for it.
-	if vm.Status.Host != "" && meta.FindStatusCondition(vm.Status.Conditions, vmv1.ReadyCondition) != nil {
+	if ready := meta.FindStatusCondition(vm.Status.Conditions, vmv1.ReadyCondition); vm.Status.Host != "" && ready != nil {
 		lost, err := hostloss.Lost(ctx, r.Client, r.APIReader, vm.Status.Host)
 		if err != nil {
 			return err
 		}
-		switch ready := meta.FindStatusCondition(vm.Status.Conditions, vmv1.ReadyCondition); {
+		switch {
 		case lost:
 			// What the host agent last reported went with it; the agent leaves the VM alone now.
 			meta.SetStatusCondition(&vm.Status.Conditions, metav1.Condition{

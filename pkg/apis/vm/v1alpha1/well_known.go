@@ -79,6 +79,11 @@ func HostTakesNewVMs(node *corev1.Node) bool {
 	if node.Labels[HostLabel] != "true" || node.Spec.Unschedulable || !node.DeletionTimestamp.IsZero() || HostLost(node) || HostDraining(node) {
 		return false
 	}
+	return NodeReady(node)
+}
+
+// NodeReady reports whether a Node's Ready condition is True.
+func NodeReady(node *corev1.Node) bool {
 	for _, c := range node.Status.Conditions {
 		if c.Type == corev1.NodeReady {
 			return c.Status == corev1.ConditionTrue
