@@ -32,13 +32,14 @@ import (
 	"pvbridge.io/pkg/tenancy"
 )
 
-// TestVolumeAttributesClassLimitsIOLive gives a guest volume in use by a running pod another
+// TestVolumeAttributesClassLimitsIOLive gives a guest volume in use by a running pod a slower
 // VolumeAttributesClass and measures, in that pod, the direct writes before and after: the
 // limit is the hypervisor's (the local driver's QEMU throttle over the VM's disk), changed
 // live through both layers (guest claim → guest-csi → management claim → mgmt-csi → PV → host
 // agent). The management side reports the class applied in the VM's status and an Event, and
 // a class the platform admin did not allow the cluster is refused: the guest claim's
-// modification becomes Infeasible and the volume keeps its class.
+// modification becomes Infeasible and the volume keeps its class. Only the limit is asserted,
+// never a speed: a loaded machine writes slower than any class allows, never faster.
 func TestVolumeAttributesClassLimitsIOLive(t *testing.T) {
 	g := NewWithT(t)
 	ctx := t.Context()
@@ -78,14 +79,14 @@ func TestVolumeAttributesClassLimitsIOLive(t *testing.T) {
 		})
 	}
 
-	t.Log("a claim of class slow, in use by a running pod")
+	t.Log("a claim of class fast, in use by a running pod")
 	ns, err := deploy.CreateNamespace(ctx, gc, "qos")
 	g.Expect(err).NotTo(HaveOccurred())
 	cleanup(func(ctx context.Context) error {
 		return gc.CoreV1().Namespaces().Delete(ctx, ns, metav1.DeleteOptions{})
 	})
 	pvc := deploy.PVC(ns, "data", "", "128Mi", false)
-	pvc.Spec.VolumeAttributesClassName = ptr.To("slow")
+	pvc.Spec.VolumeAttributesClassName = ptr.To("fast")
 	_, err = gc.CoreV1().PersistentVolumeClaims(ns).Create(ctx, pvc, metav1.CreateOptions{})
 	g.Expect(err).NotTo(HaveOccurred())
 	_, err = gc.CoreV1().Pods(ns).Create(ctx, deploy.Pod(ns, "app", "data", "vm-1", false), metav1.CreateOptions{})
@@ -93,7 +94,7 @@ func TestVolumeAttributesClassLimitsIOLive(t *testing.T) {
 	waitRunning(ctx, g, gc, ns, "app")
 	pvc, err = gc.CoreV1().PersistentVolumeClaims(ns).Get(ctx, "data", metav1.GetOptions{})
 	g.Expect(err).NotTo(HaveOccurred())
-	g.Expect(pvc.Status.CurrentVolumeAttributesClassName).To(HaveValue(Equal("slow")))
+	g.Expect(pvc.Status.CurrentVolumeAttributesClassName).To(HaveValue(Equal("fast")))
 	pv, err := gc.CoreV1().PersistentVolumes().Get(ctx, pvc.Spec.VolumeName, metav1.GetOptions{})
 	g.Expect(err).NotTo(HaveOccurred())
 	mgmtClaim := pv.Spec.CSI.VolumeHandle
@@ -101,9 +102,10 @@ func TestVolumeAttributesClassLimitsIOLive(t *testing.T) {
 	g.Expect(err).NotTo(HaveOccurred())
 	vms, err := client.New(in.Mgmt.RESTConfig(), client.Options{Scheme: scheme})
 	g.Expect(err).NotTo(HaveOccurred())
-	g.Expect(diskClass(ctx, g, vms, mgmtNS, "vm-1", mgmtClaim)).To(Equal("pvbridge-slow"))
+	g.Expect(diskClass(ctx, g, vms, mgmtNS, "vm-1", mgmtClaim)).To(Equal("pvbridge-fast"))
 
-	// 16 MiB of direct writes: 4 s at 4 MiB/s (less QEMU's burst of a tenth of a second).
+	// 16 MiB of direct writes: 4 s at 4 MiB/s (less QEMU's burst of a tenth of a second), a
+	// quarter of a second at 64 MiB/s.
 	write := func() float64 {
 		out := execIn(ctx, g, in.Guest, ns, "app", "dd", "if=/dev/zero", "of=/data/f", "bs=1M", "count=16", "oflag=direct")
 		m := regexp.MustCompile(`(\d+) bytes .* copied, ([0-9.]+) s`).FindStringSubmatch(out)
@@ -113,29 +115,28 @@ func TestVolumeAttributesClassLimitsIOLive(t *testing.T) {
 		return n / secs
 	}
 	before := write()
-	t.Logf("class slow (%d B/s): %.0f B/s written", slow, before)
-	g.Expect(before).To(BeNumerically("<", 1.5*slow), "the hypervisor holds the writes to the class's limit")
+	t.Logf("class fast (%d B/s): %.0f B/s written", fast, before)
 
-	t.Log("the claim is given class fast while the pod writes to it")
+	t.Log("the claim is given class slow while the pod has it mounted")
 	start := time.Now()
-	_, err = gc.CoreV1().PersistentVolumeClaims(ns).Patch(ctx, "data", types.MergePatchType, []byte(`{"spec":{"volumeAttributesClassName":"fast"}}`), metav1.PatchOptions{})
+	_, err = gc.CoreV1().PersistentVolumeClaims(ns).Patch(ctx, "data", types.MergePatchType, []byte(`{"spec":{"volumeAttributesClassName":"slow"}}`), metav1.PatchOptions{})
 	g.Expect(err).NotTo(HaveOccurred())
 	g.Eventually(func(g Gomega) {
 		pvc, err := gc.CoreV1().PersistentVolumeClaims(ns).Get(ctx, "data", metav1.GetOptions{})
 		g.Expect(err).NotTo(HaveOccurred())
-		g.Expect(pvc.Status.CurrentVolumeAttributesClassName).To(HaveValue(Equal("fast")))
+		g.Expect(pvc.Status.CurrentVolumeAttributesClassName).To(HaveValue(Equal("slow")))
 	}).WithContext(ctx).WithTimeout(2 * time.Minute).Should(Succeed())
 	t.Logf("modified in %v", time.Since(start).Round(time.Millisecond))
 	after := write()
-	t.Logf("class fast (%d B/s): %.0f B/s written, %.1f times as fast", fast, after, after/before)
-	g.Expect(after).To(BeNumerically(">", 3*before), "the new limit holds at once, in the same pod")
+	t.Logf("class slow (%d B/s): %.0f B/s written, %.1f times as slow", slow, after, before/after)
+	g.Expect(after).To(BeNumerically("<", 1.5*slow), "the new limit holds at once, in the same pod")
 
 	t.Log("the management side reports it: the VM's disk has the class, and its Event says so")
-	g.Expect(diskClass(ctx, g, vms, mgmtNS, "vm-1", mgmtClaim)).To(Equal("pvbridge-fast"))
+	g.Expect(diskClass(ctx, g, vms, mgmtNS, "vm-1", mgmtClaim)).To(Equal("pvbridge-slow"))
 	g.Eventually(func(g Gomega) {
 		events, err := mc.CoreV1().Events(mgmtNS).List(ctx, metav1.ListOptions{FieldSelector: "involvedObject.name=vm-1,reason=IOLimitsChanged"})
 		g.Expect(err).NotTo(HaveOccurred())
-		g.Expect(events.Items).To(ContainElement(HaveField("Message", ContainSubstring("VolumeAttributesClass pvbridge-fast (67108864 bytes/s), applied live"))))
+		g.Expect(events.Items).To(ContainElement(HaveField("Message", ContainSubstring("VolumeAttributesClass pvbridge-slow (4194304 bytes/s), applied live"))))
 	}).WithContext(ctx).WithTimeout(time.Minute).Should(Succeed())
 
 	t.Log("a class the platform admin did not allow the cluster is refused, and the volume keeps its class")
@@ -145,7 +146,7 @@ func TestVolumeAttributesClassLimitsIOLive(t *testing.T) {
 		pvc, err := gc.CoreV1().PersistentVolumeClaims(ns).Get(ctx, "data", metav1.GetOptions{})
 		g.Expect(err).NotTo(HaveOccurred())
 		g.Expect(pvc.Status.ModifyVolumeStatus).To(HaveValue(HaveField("Status", corev1.PersistentVolumeClaimModifyVolumeInfeasible)))
-		g.Expect(pvc.Status.CurrentVolumeAttributesClassName).To(HaveValue(Equal("fast")))
+		g.Expect(pvc.Status.CurrentVolumeAttributesClassName).To(HaveValue(Equal("slow")))
 	}).WithContext(ctx).WithTimeout(2 * time.Minute).Should(Succeed())
 	// Events are recorded after the status they explain, asynchronously.
 	g.Eventually(func(g Gomega) {
@@ -155,9 +156,9 @@ func TestVolumeAttributesClassLimitsIOLive(t *testing.T) {
 	}).WithContext(ctx).WithTimeout(time.Minute).Should(Succeed())
 	mgmtPVC, err := mc.CoreV1().PersistentVolumeClaims(mgmtNS).Get(ctx, mgmtClaim, metav1.GetOptions{})
 	g.Expect(err).NotTo(HaveOccurred())
-	g.Expect(mgmtPVC.Spec.VolumeAttributesClassName).To(HaveValue(Equal("pvbridge-fast")))
+	g.Expect(mgmtPVC.Spec.VolumeAttributesClassName).To(HaveValue(Equal("pvbridge-slow")))
 
-	toggleAttributesClass(t, mgmtNS, mgmtClaim, "pvbridge-slow", "pvbridge-fast")
+	toggleAttributesClass(t, mgmtNS, mgmtClaim, "pvbridge-fast", "pvbridge-slow")
 }
 
 // toggleAttributesClass changes the class of a guest cluster's management claim back and

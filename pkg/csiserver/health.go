@@ -20,18 +20,19 @@ import (
 // probeTimeout bounds one health check's CSI Probe (the livenessprobe sidecar's default).
 const probeTimeout = 3 * time.Second
 
-// HealthHandler answers /healthz by calling the driver's CSI Probe through its own socket, as
-// the kubernetes-csi livenessprobe sidecar does from beside it: 200 when the driver answers
-// ready, 503 when it answers not ready, 500 when it does not answer. A driver whose gRPC server
-// hangs is then restarted by its pod's liveness probe, with no sidecar image to ship.
+// HealthHandler answers /healthz and /readyz by calling the driver's CSI Probe through its own
+// socket, as the kubernetes-csi livenessprobe sidecar does from beside it. /healthz (liveness) is
+// 200 whenever the driver answers, ready or not, and 500 when it does not: a driver whose gRPC
+// server hangs is restarted by its pod's liveness probe, with no sidecar image to ship, and one
+// whose API server is away is not (a restart would not bring it back). /readyz is 503 while
+// the driver answers not ready.
 func (s *Server) HealthHandler() http.Handler {
 	var (
 		once sync.Once
 		conn *grpc.ClientConn
 		err  error
 	)
-	mux := http.NewServeMux()
-	mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, r *http.Request) {
+	probe := func(w http.ResponseWriter, r *http.Request, needReady bool) {
 		once.Do(func() {
 			conn, err = grpc.NewClient("unix://"+s.path, grpc.WithTransportCredentials(insecure.NewCredentials()))
 		})
@@ -45,12 +46,15 @@ func (s *Server) HealthHandler() http.Handler {
 		switch {
 		case perr != nil:
 			http.Error(w, fmt.Sprintf("CSI Probe on %s: %v", s.path, perr), http.StatusInternalServerError)
-		case resp.GetReady() != nil && !resp.GetReady().GetValue():
+		case needReady && resp.GetReady() != nil && !resp.GetReady().GetValue():
 			http.Error(w, "the driver is not ready", http.StatusServiceUnavailable)
 		default:
 			_, _ = w.Write([]byte("ok"))
 		}
-	})
+	}
+	mux := http.NewServeMux()
+	mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, r *http.Request) { probe(w, r, false) })
+	mux.HandleFunc("GET /readyz", func(w http.ResponseWriter, r *http.Request) { probe(w, r, true) })
 	return mux
 }
 

@@ -16,16 +16,16 @@ import (
 
 func TestHealthProbesTheDriverThroughItsSocket(t *testing.T) {
 	for _, tc := range []struct {
-		name     string
-		identity *fakeIdentity
-		stopped  bool
-		code     int
-		body     string
+		name        string
+		identity    *fakeIdentity
+		stopped     bool
+		live, ready int
+		body        string
 	}{
-		{name: "ready", identity: &fakeIdentity{}, code: http.StatusOK, body: "ok"},
-		{name: "not ready", identity: &fakeIdentity{notReady: true}, code: http.StatusServiceUnavailable, body: "not ready"},
-		{name: "Probe fails", identity: &fakeIdentity{probeErr: status.Error(codes.FailedPrecondition, "no PMEM")}, code: http.StatusInternalServerError, body: "no PMEM"},
-		{name: "the gRPC server stopped", identity: &fakeIdentity{}, stopped: true, code: http.StatusInternalServerError, body: "CSI Probe on"},
+		{name: "ready", identity: &fakeIdentity{}, live: http.StatusOK, ready: http.StatusOK, body: "ok"},
+		{name: "not ready: alive, not restarted", identity: &fakeIdentity{notReady: true}, live: http.StatusOK, ready: http.StatusServiceUnavailable, body: "not ready"},
+		{name: "Probe fails", identity: &fakeIdentity{probeErr: status.Error(codes.FailedPrecondition, "no PMEM")}, live: http.StatusInternalServerError, ready: http.StatusInternalServerError, body: "no PMEM"},
+		{name: "the gRPC server stopped", identity: &fakeIdentity{}, stopped: true, live: http.StatusInternalServerError, ready: http.StatusInternalServerError, body: "CSI Probe on"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			g := NewWithT(t)
@@ -43,13 +43,17 @@ func TestHealthProbesTheDriverThroughItsSocket(t *testing.T) {
 
 			hs := httptest.NewServer(s.HealthHandler())
 			t.Cleanup(hs.Close)
-			resp, err := http.Get(hs.URL + "/healthz")
-			g.Expect(err).NotTo(HaveOccurred())
-			defer resp.Body.Close()
-			body, err := io.ReadAll(resp.Body)
-			g.Expect(err).NotTo(HaveOccurred())
-			g.Expect(resp.StatusCode).To(Equal(tc.code), string(body))
-			g.Expect(string(body)).To(ContainSubstring(tc.body))
+			for path, code := range map[string]int{"/healthz": tc.live, "/readyz": tc.ready} {
+				resp, err := http.Get(hs.URL + path)
+				g.Expect(err).NotTo(HaveOccurred())
+				body, err := io.ReadAll(resp.Body)
+				g.Expect(resp.Body.Close()).To(Succeed())
+				g.Expect(err).NotTo(HaveOccurred())
+				g.Expect(resp.StatusCode).To(Equal(code), "%s: %s", path, body)
+				if code != http.StatusOK {
+					g.Expect(string(body)).To(ContainSubstring(tc.body), path)
+				}
+			}
 		})
 	}
 }

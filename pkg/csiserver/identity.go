@@ -5,6 +5,8 @@ import (
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"google.golang.org/protobuf/types/known/wrapperspb"
+	"k8s.io/client-go/rest"
+	"k8s.io/klog/v2"
 )
 
 // Identity is the CSI Identity service of a pvbridge driver. Both drivers have a controller
@@ -14,6 +16,11 @@ type Identity struct {
 	csi.UnimplementedIdentityServer
 	Name    string
 	Version string
+	// Ready, when set, says whether the process can do its work now; Probe answers not ready
+	// while it fails. The sidecars wait for ready before they read the API server once for
+	// good (csi-snapshotter turns group snapshots off for its whole run when its first look
+	// at their CRDs fails), so a controller is ready only while its API server answers.
+	Ready func(context.Context) error
 }
 
 // GetPluginInfo names the driver and its version.
@@ -39,9 +46,23 @@ func serviceCapability(t csi.PluginCapability_Service_Type) *csi.PluginCapabilit
 	}
 }
 
-// Probe reports ready: the process serves as soon as its socket listens.
-func (i *Identity) Probe(context.Context, *csi.ProbeRequest) (*csi.ProbeResponse, error) {
+// Probe reports ready unless Ready fails. Not ready is a healthy answer (the CSI spec's "still
+// initializing"): the process is not restarted for it.
+func (i *Identity) Probe(ctx context.Context, _ *csi.ProbeRequest) (*csi.ProbeResponse, error) {
+	if i.Ready != nil {
+		if err := i.Ready(ctx); err != nil {
+			klog.FromContext(ctx).V(2).Info("Not ready", "err", err)
+			return &csi.ProbeResponse{Ready: wrapperspb.Bool(false)}, nil
+		}
+	}
 	return &csi.ProbeResponse{Ready: wrapperspb.Bool(true)}, nil
+}
+
+// APIServerReady is a Ready check: the API server c talks to answers its /readyz.
+func APIServerReady(c rest.Interface) func(context.Context) error {
+	return func(ctx context.Context) error {
+		return c.Get().AbsPath("/readyz").Do(ctx).Error()
+	}
 }
 
 // ControllerCapabilities is a ControllerGetCapabilities answer listing types.

@@ -1,10 +1,17 @@
 package csiserver
 
 import (
+	"context"
+	"errors"
+	"net/http"
+	"net/http/httptest"
 	"testing"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	. "github.com/onsi/gomega"
+	"k8s.io/apimachinery/pkg/runtime/schema"
+	"k8s.io/client-go/kubernetes/scheme"
+	"k8s.io/client-go/rest"
 )
 
 func TestIdentity(t *testing.T) {
@@ -49,6 +56,28 @@ func TestIdentity(t *testing.T) {
 				g.Expect(ready.GetValue()).To(BeTrue())
 			},
 		},
+		{
+			name: "Probe reports ready while the Ready check passes",
+			call: func() (any, error) {
+				withCheck := &Identity{Ready: func(context.Context) error { return nil }}
+				return withCheck.Probe(t.Context(), &csi.ProbeRequest{})
+			},
+			check: func(g Gomega, resp any) {
+				g.Expect(resp.(*csi.ProbeResponse).GetReady().GetValue()).To(BeTrue())
+			},
+		},
+		{
+			name: "Probe reports not ready, with no error, while the Ready check fails",
+			call: func() (any, error) {
+				withCheck := &Identity{Ready: func(context.Context) error { return errors.New("connection refused") }}
+				return withCheck.Probe(t.Context(), &csi.ProbeRequest{})
+			},
+			check: func(g Gomega, resp any) {
+				ready := resp.(*csi.ProbeResponse).GetReady()
+				g.Expect(ready).NotTo(BeNil())
+				g.Expect(ready.GetValue()).To(BeFalse())
+			},
+		},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -56,6 +85,38 @@ func TestIdentity(t *testing.T) {
 			resp, err := tt.call()
 			g.Expect(err).NotTo(HaveOccurred())
 			tt.check(g, resp)
+		})
+	}
+}
+
+func TestAPIServerReadyAsksReadyz(t *testing.T) {
+	for _, tc := range []struct {
+		name    string
+		code    int // 0: nothing listens
+		wantErr bool
+	}{
+		{name: "the API server is ready", code: http.StatusOK},
+		{name: "the API server is not ready", code: http.StatusInternalServerError, wantErr: true},
+		{name: "the API server does not answer", wantErr: true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			g := NewWithT(t)
+			var asked string
+			hs := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				asked = r.URL.Path
+				w.WriteHeader(tc.code)
+			}))
+			t.Cleanup(hs.Close)
+			if tc.code == 0 {
+				hs.Close()
+			}
+			c, err := rest.RESTClientFor(&rest.Config{Host: hs.URL, ContentConfig: rest.ContentConfig{NegotiatedSerializer: scheme.Codecs.WithoutConversion(), GroupVersion: &schema.GroupVersion{}}})
+			g.Expect(err).NotTo(HaveOccurred())
+			err = APIServerReady(c)(t.Context())
+			g.Expect(err != nil).To(Equal(tc.wantErr), "%v", err)
+			if tc.code != 0 {
+				g.Expect(asked).To(Equal("/readyz"))
+			}
 		})
 	}
 }

@@ -222,7 +222,12 @@ func (d *Driver) Run(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
-	csi.RegisterIdentityServer(server, &csiserver.Identity{Name: Name, Version: d.opts.Version})
+	identity := &csiserver.Identity{Name: Name, Version: d.opts.Version}
+	if d.opts.Mode == ModeController {
+		// The sidecars beside the controller read the guest's API server.
+		identity.Ready = csiserver.APIServerReady(guest.Discovery().RESTClient())
+	}
+	csi.RegisterIdentityServer(server, identity)
 
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()

@@ -14,6 +14,7 @@ import (
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"golang.org/x/sync/errgroup"
 	"k8s.io/apimachinery/pkg/util/validation"
+	"k8s.io/client-go/discovery"
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/clientcmd"
 	"k8s.io/klog/v2"
@@ -266,9 +267,15 @@ func (d *Driver) Run(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
-	csi.RegisterIdentityServer(server, &csiserver.Identity{Name: Name, Version: d.opts.Version})
+	identity := &csiserver.Identity{Name: Name, Version: d.opts.Version}
+	csi.RegisterIdentityServer(server, identity)
 	switch d.opts.Mode {
 	case ModeController:
+		dc, err := discovery.NewDiscoveryClientForConfig(cfg)
+		if err != nil {
+			return err
+		}
+		identity.Ready = csiserver.APIServerReady(dc.RESTClient())
 		cs, err := setupController(ctx, mgr)
 		if err != nil {
 			return err
