@@ -10,6 +10,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"strings"
 	"testing"
 	"time"
 
@@ -29,6 +30,7 @@ import (
 	"pvbridge.io/e2e/deploy"
 	"pvbridge.io/e2e/polling"
 	pmemv1 "pvbridge.io/pkg/apis/pmem/v1alpha1"
+	"pvbridge.io/pkg/hold"
 	"pvbridge.io/pkg/names"
 )
 
@@ -412,4 +414,76 @@ func TestCrashesDuringConcurrentCreatesLoseNothing(t *testing.T) {
 	}
 	deleteAndWait(ctx, g, pvcs...)
 	noVolumesLeft(ctx, g)
+}
+
+// TestSnapshotterStartedWhileTheAPIServerIsAwayKeepsGroupSnapshots starts the real
+// csi-snapshotter while the API server is stopped, as a sidecar restarted during an API server
+// restart is. It looks at the group snapshot CRDs once, when the driver's Probe answers ready,
+// and turns group snapshots off for its whole run if that look fails; mgmt-csi's Probe answers
+// not ready while its API server does not answer, so the sidecar waits, and once the API server
+// is back a VolumeGroupSnapshot is cut.
+func TestSnapshotterStartedWhileTheAPIServerIsAwayKeepsGroupSnapshots(t *testing.T) {
+	g := NewWithT(t)
+	ctx, ns := t.Context(), namespace(t)
+	snapshotter := mgmt.Sidecars["csi-snapshotter"]
+	notReady := logged(snapshotter.LogPath, "CSI driver is not ready")
+	disabled := logged(snapshotter.LogPath, "disabling the VolumeGroupSnapshot feature")
+	before, disabledBefore := notReady(g), disabled(g)
+
+	g.Expect(snapshotter.Stop()).To(Succeed())
+	g.Expect(mgmt.CP.StopAPIServer()).To(Succeed())
+	apiserverUp := false
+	t.Cleanup(func() {
+		if !apiserverUp {
+			_ = mgmt.CP.StartAPIServer(context.WithoutCancel(ctx))
+		}
+	})
+	respawned, err := snapshotter.Respawn()
+	g.Expect(err).NotTo(HaveOccurred())
+	mgmt.Sidecars["csi-snapshotter"] = respawned
+	g.Eventually(notReady).WithContext(ctx).WithTimeout(time.Minute).Should(BeNumerically(">", before), "the sidecar waits on the driver's Probe")
+	g.Expect(mgmt.CP.StartAPIServer(ctx)).To(Succeed())
+	apiserverUp = true
+
+	pvc := deploy.PVC(ns, "member", deploy.StorageClassPmemImmediate, "16Mi", false)
+	pvc.Labels = map[string]string{"group": "g"}
+	create(ctx, g, pvc)
+	volume := boundVolume(ctx, g, ns, "member")
+	// The holder of VM writers (vm-operator's host agent) of a host with no VM: it holds
+	// nothing, and the node agent cuts a member that no writer uses.
+	l, err := hold.Listen(hold.SocketBeside(filepath.Join(mgmt.Host(volume.Spec.Node).Node.PluginDir(names.PmemDriver), "csi.sock")))
+	g.Expect(err).NotTo(HaveOccurred())
+	go func() { _ = (&hold.Server{Holder: noVMs{}}).Serve(ctx, l) }()
+	group := &unstructured.Unstructured{Object: map[string]any{
+		"apiVersion": "groupsnapshot.storage.k8s.io/v1", "kind": "VolumeGroupSnapshot",
+		"metadata": map[string]any{"namespace": ns, "name": "g"},
+		"spec": map[string]any{
+			"volumeGroupSnapshotClassName": deploy.SnapshotClassPmem,
+			"source":                       map[string]any{"selector": map[string]any{"matchLabels": map[string]any{"group": "g"}}},
+		},
+	}}
+	create(ctx, g, group)
+	g.Eventually(func(g Gomega) {
+		g.Expect(c.Get(ctx, client.ObjectKeyFromObject(group), group)).To(Succeed())
+		ready, _, _ := unstructured.NestedBool(group.Object, "status", "readyToUse")
+		g.Expect(ready).To(BeTrue(), "status: %v", group.Object["status"])
+	}).WithContext(ctx).WithTimeout(2 * time.Minute).WithPolling(200 * time.Millisecond).Should(Succeed())
+	g.Expect(disabled(g)).To(Equal(disabledBefore), "csi-snapshotter kept group snapshots on")
+	deleteAndWait(ctx, g, group, pvc)
+}
+
+// noVMs is the holder of a host with no VM: it holds no volume's writers.
+type noVMs struct{}
+
+func (noVMs) Hold(context.Context, []string) ([]string, func(context.Context) error, error) {
+	return nil, func(context.Context) error { return nil }, nil
+}
+
+// logged counts the lines of the log at path that say line, at each call.
+func logged(path, line string) func(g Gomega) int {
+	return func(g Gomega) int {
+		log, err := os.ReadFile(path)
+		g.Expect(err).NotTo(HaveOccurred())
+		return strings.Count(string(log), line)
+	}
 }

@@ -155,7 +155,7 @@ spec:
           name: healthz
         readinessProbe:
           httpGet:
-            path: /healthz
+            path: /readyz
             port: healthz
           periodSeconds: 10
           timeoutSeconds: 3
