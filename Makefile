@@ -151,7 +151,7 @@ sanity: deps test-tools ## Run the csi-sanity binary against both drivers as the
 ##@ Development
 
 .PHONY: generate
-generate: $(CONTROLLER_GEN) $(KUBECTL) ## Generate deepcopy code, CRDs and the tenants RBAC, copy the snapshot CRDs, render the guest install, the clusterctl provider files, the Grafana dashboard and the Helm charts.
+generate: $(CONTROLLER_GEN) $(KUBECTL) ## Generate deepcopy code, CRDs and the tenants RBAC, copy the snapshot CRDs, render the guest install, the clusterctl provider files, the Grafana dashboard, the API reference (docs/api-reference.md) and the Helm charts.
 	cd pkg && $(CONTROLLER_GEN) object:headerFile=../hack/boilerplate.go.txt paths=./apis/...
 	cd pkg && $(CONTROLLER_GEN) crd paths=./apis/vm/... paths=./apis/pmem/... output:crd:artifacts:config=../manifests/crd/bases
 	cd pkg && $(CONTROLLER_GEN) crd paths=./apis/infrastructure/... output:crd:artifacts:config=../manifests/crd/infrastructure
@@ -161,6 +161,7 @@ generate: $(CONTROLLER_GEN) $(KUBECTL) ## Generate deepcopy code, CRDs and the t
 	hack/render-guest-install.sh
 	hack/render-capi-provider.sh
 	go run ./e2e/cmd/dashboard > manifests/components/monitoring/dashboard.json
+	go run ./e2e/cmd/apiref
 	go run ./e2e/cmd/charts -kubectl $(KUBECTL)
 
 .PHONY: verify

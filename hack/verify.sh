@@ -11,7 +11,7 @@ tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 git ls-files -co --exclude-standard -z | xargs -0 cp --parents -t "$tmp"
 make -s -C "$tmp" generate >/dev/null
-for d in manifests/crd manifests/base/tenants/rbac manifests/base/capi-provider/rbac manifests/clusterctl manifests/components/monitoring charts pkg/apis guest-csi/internal/tenants/guest; do
+for d in manifests/crd manifests/base/tenants/rbac manifests/base/capi-provider/rbac manifests/clusterctl manifests/components/monitoring charts pkg/apis guest-csi/internal/tenants/guest docs/api-reference.md; do
 	if ! diff -r "$d" "$tmp/$d" >/dev/null; then
 		echo "verify: $d is out of date; run 'make generate':"
 		diff -ru "$d" "$tmp/$d" | head -40 || true
