@@ -30,8 +30,8 @@ func TestRenderSaysWhatTheAPIServerChecks(t *testing.T) {
 				Properties: map[string]apiextensionsv1.JSONSchemaProps{
 					"apiVersion": str("ignored"), "kind": str("ignored"), "metadata": {Type: "object"},
 					"spec": {Type: "object", Required: []string{"node"}, Properties: map[string]apiextensionsv1.JSONSchemaProps{
-						"node": node,
-						"mode": mode,
+						"node":   node,
+						"mode":   mode,
 						"labels": {Type: "object", AdditionalProperties: &apiextensionsv1.JSONSchemaPropsOrBool{Schema: &apiextensionsv1.JSONSchemaProps{Type: "string"}}},
 						"replicas": {Type: "array", MaxItems: ptr.To[int64](3), XListType: ptr.To("map"), XListMapKeys: []string{"name"},
 							Items: &apiextensionsv1.JSONSchemaPropsOrArray{Schema: &apiextensionsv1.JSONSchemaProps{
