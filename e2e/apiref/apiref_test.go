@@ -43,7 +43,7 @@ func TestRenderSaysWhatTheAPIServerChecks(t *testing.T) {
 	}}
 	g := NewWithT(t)
 	var b strings.Builder
-	g.Expect(Render(&b, []apiextensionsv1.CustomResourceDefinition{crd})).To(Succeed())
+	g.Expect(Render(&b, []*apiextensionsv1.CustomResourceDefinition{&crd})).To(Succeed())
 	out := b.String()
 	for _, want := range []string{
 		"  - [PmemThing](#pmemthing-v1alpha1) (v1alpha1)\n",

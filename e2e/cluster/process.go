@@ -155,6 +155,16 @@ func (p *Process) supervise() {
 	}
 }
 
+// CountInLog counts the occurrences of line in the log at path (a Process's LogPath), which its
+// process appends to.
+func CountInLog(path, line string) (int, error) {
+	log, err := os.ReadFile(path)
+	if err != nil {
+		return 0, err
+	}
+	return strings.Count(string(log), line), nil
+}
+
 // Pid returns the process id of the current run, which is also its process group id.
 func (p *Process) Pid() int {
 	p.mu.Lock()

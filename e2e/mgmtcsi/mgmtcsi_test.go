@@ -10,7 +10,6 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
-	"strings"
 	"testing"
 	"time"
 
@@ -329,11 +328,7 @@ func TestSnapshotRestoreHasIdenticalData(t *testing.T) {
 		},
 	}}
 	create(ctx, g, snap)
-	g.Eventually(func(g Gomega) {
-		g.Expect(c.Get(ctx, client.ObjectKeyFromObject(snap), snap)).To(Succeed())
-		ready, _, _ := unstructured.NestedBool(snap.Object, "status", "readyToUse")
-		g.Expect(ready).To(BeTrue())
-	}).WithContext(ctx).WithTimeout(2 * time.Minute).WithPolling(200 * time.Millisecond).Should(Succeed())
+	readyToUse(ctx, g, snap)
 
 	restored := deploy.PVC(ns, "restored", deploy.StorageClassPmem, "64Mi", false)
 	restored.Spec.DataSource = &corev1.TypedLocalObjectReference{APIGroup: ptr.To("snapshot.storage.k8s.io"), Kind: "VolumeSnapshot", Name: "snap"}
@@ -463,13 +458,18 @@ func TestSnapshotterStartedWhileTheAPIServerIsAwayKeepsGroupSnapshots(t *testing
 		},
 	}}
 	create(ctx, g, group)
-	g.Eventually(func(g Gomega) {
-		g.Expect(c.Get(ctx, client.ObjectKeyFromObject(group), group)).To(Succeed())
-		ready, _, _ := unstructured.NestedBool(group.Object, "status", "readyToUse")
-		g.Expect(ready).To(BeTrue(), "status: %v", group.Object["status"])
-	}).WithContext(ctx).WithTimeout(2 * time.Minute).WithPolling(200 * time.Millisecond).Should(Succeed())
+	readyToUse(ctx, g, group)
 	g.Expect(disabled(g)).To(Equal(disabledBefore), "csi-snapshotter kept group snapshots on")
 	deleteAndWait(ctx, g, group, pvc)
+}
+
+// readyToUse waits until the snapshot or group snapshot obj says it is ready to use.
+func readyToUse(ctx context.Context, g Gomega, obj *unstructured.Unstructured) {
+	g.Eventually(func(g Gomega) {
+		g.Expect(c.Get(ctx, client.ObjectKeyFromObject(obj), obj)).To(Succeed())
+		ready, _, _ := unstructured.NestedBool(obj.Object, "status", "readyToUse")
+		g.Expect(ready).To(BeTrue(), "status: %v", obj.Object["status"])
+	}).WithContext(ctx).WithTimeout(2 * time.Minute).WithPolling(200 * time.Millisecond).Should(Succeed())
 }
 
 // noVMs is the holder of a host with no VM: it holds no volume's writers.
@@ -482,8 +482,8 @@ func (noVMs) Hold(context.Context, []string) ([]string, func(context.Context) er
 // logged counts the lines of the log at path that say line, at each call.
 func logged(path, line string) func(g Gomega) int {
 	return func(g Gomega) int {
-		log, err := os.ReadFile(path)
+		n, err := cluster.CountInLog(path, line)
 		g.Expect(err).NotTo(HaveOccurred())
-		return strings.Count(string(log), line)
+		return n
 	}
 }

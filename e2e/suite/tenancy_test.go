@@ -28,6 +28,7 @@ import (
 	"k8s.io/utils/ptr"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
+	"pvbridge.io/e2e/cluster"
 	"pvbridge.io/e2e/deploy"
 	vmv1 "pvbridge.io/pkg/apis/vm/v1alpha1"
 	"pvbridge.io/pkg/names"
@@ -400,9 +401,9 @@ const credentialSwitched = "The management credential changed; switched to a new
 func logged(path, line string) func() int {
 	return func() int {
 		GinkgoHelper()
-		log, err := os.ReadFile(path)
+		n, err := cluster.CountInLog(path, line)
 		Expect(err).NotTo(HaveOccurred())
-		return strings.Count(string(log), line)
+		return n
 	}
 }
 
