@@ -29,6 +29,9 @@ type Lab struct {
 	// watch cache, as production apiservers run; the lab's run without it, which halves an idle
 	// apiserver's CPU.
 	WatchCache bool
+	// CRDs is the tree whose manifests/crd the control planes started after it is set install
+	// (an older release's, for an upgrade); empty: the repository's.
+	CRDs string
 
 	bin    *Binaries
 	pidDir string

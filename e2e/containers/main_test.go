@@ -2,7 +2,9 @@
 // builds, on lab clusters whose nodes run real containers (containerd and runc): the management
 // side from its Helm chart (helm install; e2e/capi and make run apply its overlay), the guest
 // side from its overlay (kubectl apply -k). Every test shares one such lab (deploy.Install): two
-// management hosts, and guest cluster alpha with vm-1 and vm-3 on host-a and vm-2 on host-b.
+// management hosts, and guest cluster alpha with vm-1 and vm-3 on host-a and vm-2 on host-b,
+// installed at the previous release and upgraded to this tree while a guest pod writes
+// (upgrade_test.go).
 package containers_test
 
 import (
@@ -94,9 +96,18 @@ func install(ctx context.Context, root string) error {
 	if lab, err = cluster.NewLab(root, bin); err != nil {
 		return err
 	}
+	// The lab starts at the previous release (its CRDs too) and is upgraded to this tree.
+	previous, err := deploy.PreviousRelease(ctx, lab)
+	if err != nil {
+		return err
+	}
+	lab.CRDs = previous.Root
 	in, err = deploy.Install(ctx, lab, deploy.InstalledOptions{
-		Hosts: []string{"host-a", "host-b"}, PmemSize: 64 << 30, Images: archives, Helm: true,
+		Hosts: []string{"host-a", "host-b"}, PmemSize: 64 << 30, Images: archives, Helm: true, Previous: previous,
 		Guest: deploy.GuestOptions{Name: "alpha", Namespace: "tenant-a", VMs: map[string]string{"vm-1": "host-a", "vm-2": "host-b", "vm-3": "host-a"}},
 	})
-	return err
+	if err != nil {
+		return err
+	}
+	return upgradeWithAWriter(ctx, lab)
 }

@@ -8,6 +8,7 @@ import (
 	"maps"
 	"os"
 	"os/exec"
+	"path"
 	"path/filepath"
 	"slices"
 	"strconv"
@@ -79,6 +80,9 @@ type InstalledOptions struct {
 	// Helm installs the management side from its Helm chart (charts/pvbridge-management)
 	// rather than from its overlay.
 	Helm bool
+	// Previous, with Helm, installs that release of pvbridge instead of the lab's tree, which
+	// Upgrade then moves it to.
+	Previous *Release
 	// QEMUHost, one of Hosts (with ClusterAPI, from the overlays), runs pvbridge's host agent
 	// as shipped: its VMs are QEMU VMs that boot the node image on a QEMU network of the lab
 	// (qemu.go); StartQEMUPool makes workers of them.
@@ -108,6 +112,9 @@ type Installed struct {
 	QEMUNetwork *cluster.QEMUNetwork
 	workers     []string
 	archives    []string // every node's images
+	// installed is the release whose overlays and chart are applied: Options.Previous until
+	// Upgrade, else nil, the lab's tree.
+	installed *Release
 }
 
 // Install builds the images, starts both clusters on containerd nodes and installs pvbridge in
@@ -119,8 +126,18 @@ func Install(ctx context.Context, lab *cluster.Lab, opts InstalledOptions) (*Ins
 	if err != nil {
 		return nil, err
 	}
+	if opts.Previous != nil {
+		if !opts.Helm || opts.ClusterAPI {
+			return nil, errors.New("a previous release is installed with helm, without Cluster API")
+		}
+		prev, err := images.BuildRelease(opts.Previous.Root, opts.Previous.Version, filepath.Join(lab.Root, "images-"+opts.Previous.Version))
+		if err != nil {
+			return nil, fmt.Errorf("previous release %s: %w", opts.Previous.Version, err)
+		}
+		archives = append(archives, prev...)
+	}
 	archives = append(archives, opts.Images...)
-	in := &Installed{Options: opts, archives: archives}
+	in := &Installed{Options: opts, archives: archives, installed: opts.Previous}
 	if opts.ClusterAPI {
 		if in.Registry, err = lab.StartRegistry(ctx); err != nil {
 			return nil, err
@@ -327,12 +344,20 @@ func (in *Installed) labArgs(lab *cluster.Lab) map[string][]string {
 	if in.Options.ClusterAPI {
 		agent = append(agent, "--unplug-timeout="+UnplugTimeout.String())
 	}
-	return map[string][]string{
+	args := map[string][]string{
 		// The hosts share the machine's cgroups: each one's daemons below a cgroup of its own,
 		// in the lab's (which Stop empties).
 		"mgmt-csi-node":          {"--pmem-mode=file", "--pmem-dir=" + PmemDir, "--daemon-cgroup-parent=" + lab.Cgroup("mgmt-csi") + "/$(NODE_NAME)"},
 		"vm-operator-host-agent": agent,
 	}
+	if in.installed != nil {
+		for w := range args {
+			args[w] = slices.DeleteFunc(args[w], func(arg string) bool {
+				return slices.ContainsFunc(previousLacks, func(flag string) bool { return strings.HasPrefix(arg, flag+"=") })
+			})
+		}
+	}
+	return args
 }
 
 // managementKustomization is the management overlay as the installed lab applies it.
@@ -361,27 +386,76 @@ patches:
 // mgmtServer is the management apiserver's URL as the tenants controller's pod reaches it.
 func (in *Installed) mgmtServer() string { return "https://" + in.Mgmt.ServiceIP + ":443" }
 
-// helmInstall installs the management chart (charts/pvbridge-management) as an admin would,
-// with the lab's settings as values, and waits until every workload of pvbridge-system is ready.
+// helmInstall installs the management chart (charts/pvbridge-management) of the installed
+// release as an admin would, with the lab's settings in a values file (helmValues), and waits
+// until every workload of pvbridge-system is ready.
 func (in *Installed) helmInstall(ctx context.Context, lab *cluster.Lab) error {
+	values, err := in.helmValues(lab)
+	if err != nil {
+		return err
+	}
+	args := []string{"install", "pvbridge", filepath.Join(in.tree(lab), "charts", "pvbridge-management"),
+		"--namespace", InstallNamespace, "--create-namespace", "--values", values}
+	if in.installed != nil {
+		// A release's chart names its images by its version; the lab built it as another.
+		for _, name := range ownImageNames() {
+			args = append(args, "--set", "images."+path.Base(name)+"="+name+":"+in.installed.Version)
+		}
+	}
+	if err := in.helm(ctx, lab, args...); err != nil {
+		return err
+	}
+	return WaitWorkloadsReady(ctx, in.Mgmt.Client(), InstallNamespace)
+}
+
+// helmValues writes the lab's values of the management chart into a file below the lab's root,
+// the one an admin keeps for helm install and upgrade, and returns its path.
+func (in *Installed) helmValues(lab *cluster.Lab) (string, error) {
+	values, err := json.Marshal(map[string]any{"mgmtServer": in.mgmtServer(), "extraArgs": in.labArgs(lab)})
+	if err != nil {
+		return "", err
+	}
+	file := filepath.Join(lab.Root, "helm", "values.json") // JSON is YAML
+	if err := os.MkdirAll(filepath.Dir(file), 0o755); err != nil {
+		return "", err
+	}
+	return file, os.WriteFile(file, values, 0o644)
+}
+
+// helm runs helm with args against the management cluster.
+func (in *Installed) helm(ctx context.Context, lab *cluster.Lab, args ...string) error {
 	helm, err := lab.Binaries().Tool("helm")
 	if err != nil {
 		return err
 	}
-	extraArgs, err := json.Marshal(in.labArgs(lab))
-	if err != nil {
-		return err
-	}
-	cmd := exec.CommandContext(ctx, helm, "install", "pvbridge", filepath.Join(lab.Binaries().Repo, "charts", "pvbridge-management"),
-		"--kubeconfig", in.Mgmt.Kubeconfig, "--namespace", InstallNamespace, "--create-namespace",
-		"--set", "mgmtServer="+in.mgmtServer(), "--set-json", "extraArgs="+string(extraArgs))
+	cmd := exec.CommandContext(ctx, helm, append(args, "--kubeconfig", in.Mgmt.Kubeconfig)...)
 	// helm keeps its cache and configuration below $HOME unless told otherwise.
 	cmd.Env = append(os.Environ(), "HELM_CACHE_HOME="+filepath.Join(lab.Root, "helm", "cache"),
 		"HELM_CONFIG_HOME="+filepath.Join(lab.Root, "helm", "config"), "HELM_DATA_HOME="+filepath.Join(lab.Root, "helm", "data"))
 	if out, err := cmd.CombinedOutput(); err != nil {
-		return fmt.Errorf("%s: helm install: %w\n%s", in.Mgmt.Name, err, out)
+		return fmt.Errorf("%s: helm %s: %w\n%s", in.Mgmt.Name, args[0], err, out)
 	}
-	return WaitWorkloadsReady(ctx, in.Mgmt.Client(), InstallNamespace)
+	return nil
+}
+
+// tree is the root of the installed release's tree: the previous release's before Upgrade,
+// else the lab's.
+func (in *Installed) tree(lab *cluster.Lab) string {
+	if in.installed != nil {
+		return in.installed.Root
+	}
+	return lab.Binaries().Repo
+}
+
+// ownImageNames are the names of pvbridge's own images, without tags.
+func ownImageNames() []string {
+	var names []string
+	for _, i := range images.Catalogue {
+		if i.Package != "" {
+			names = append(names, i.Name)
+		}
+	}
+	return names
 }
 
 // guestKustomization is the guest overlay as the installed lab applies it.
@@ -425,11 +499,18 @@ func (in *Installed) apply(ctx context.Context, lab *cluster.Lab, cp *cluster.Co
 	if err := os.MkdirAll(dir, 0o755); err != nil {
 		return err
 	}
-	base, err := filepath.Rel(dir, filepath.Join(lab.Binaries().Repo, "manifests", "overlays", overlay))
+	base, err := filepath.Rel(dir, filepath.Join(in.tree(lab), "manifests", "overlays", overlay))
 	if err != nil {
 		return err
 	}
 	k := "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\nresources:\n  - " + base + "\n"
+	if in.installed != nil {
+		// A release's overlay names its images by its version; the lab built it as another.
+		k += "images:\n"
+		for _, name := range ownImageNames() {
+			k += "  - name: " + name + "\n    newTag: " + in.installed.Version + "\n"
+		}
+	}
 	if len(shipped) > 0 {
 		data, err := marshalObjects(shipped...)
 		if err != nil {
@@ -543,16 +624,20 @@ func workloadsNotReady(ctx context.Context, c kubernetes.Interface, ns string) s
 		return err.Error()
 	}
 	var s []string
+	// Ready as `kubectl rollout status` says it: the controller saw the latest spec, every pod is
+	// of it (none of an older one left) and ready.
 	for _, d := range deps.Items {
-		if d.Status.ReadyReplicas != ptr.Deref(d.Spec.Replicas, 1) {
-			s = append(s, fmt.Sprintf("Deployment %s: %d of %d ready", d.Name, d.Status.ReadyReplicas, ptr.Deref(d.Spec.Replicas, 1)))
+		want := ptr.Deref(d.Spec.Replicas, 1)
+		if d.Status.ObservedGeneration < d.Generation || d.Status.UpdatedReplicas != want || d.Status.Replicas != want || d.Status.ReadyReplicas != want {
+			s = append(s, fmt.Sprintf("Deployment %s: %d of %d updated, %d ready, %d in all", d.Name, d.Status.UpdatedReplicas, want, d.Status.ReadyReplicas, d.Status.Replicas))
 		}
 	}
 	for _, ds := range dss.Items {
 		// A DaemonSet on no Node is a mistake, but for the QEMU nodes' before they join.
 		none := ds.Status.DesiredNumberScheduled == 0 && ds.Spec.Template.Spec.NodeSelector[LabHypervisorLabel] == ""
-		if none || ds.Status.NumberReady != ds.Status.DesiredNumberScheduled {
-			s = append(s, fmt.Sprintf("DaemonSet %s: %d of %d ready", ds.Name, ds.Status.NumberReady, ds.Status.DesiredNumberScheduled))
+		want := ds.Status.DesiredNumberScheduled
+		if none || ds.Status.ObservedGeneration < ds.Generation || ds.Status.UpdatedNumberScheduled != want || ds.Status.NumberReady != want {
+			s = append(s, fmt.Sprintf("DaemonSet %s: %d of %d updated, %d ready", ds.Name, ds.Status.UpdatedNumberScheduled, want, ds.Status.NumberReady))
 		}
 	}
 	if len(deps.Items) == 0 {

@@ -6,6 +6,7 @@ import (
 	"os/exec"
 	"path"
 	"path/filepath"
+	"slices"
 	"strings"
 
 	v1 "github.com/google/go-containerregistry/pkg/v1"
@@ -21,6 +22,9 @@ type Options struct {
 	Out string
 	// Tags are the manifests' tags (Tags), for images without a Tag of their own.
 	Tags map[string]string
+	// Version, when set, replaces the tree's version (Version): the version stamped into
+	// pvbridge's binaries and the tag of pvbridge's images, for a tree built as another release.
+	Version string
 }
 
 // Built is an image BuildAll wrote.
@@ -41,9 +45,14 @@ func BuildAll(o Options, imgs []Image) ([]Built, error) {
 		return nil, err
 	}
 	defer os.RemoveAll(bins)
-	version, err := Version(o.Root)
-	if err != nil {
-		return nil, err
+	version := o.Version
+	if version != "" && !versionRE.MatchString(version) {
+		return nil, fmt.Errorf("version %q is not a version vX.Y.Z", version)
+	}
+	if version == "" {
+		if version, err = Version(o.Root); err != nil {
+			return nil, err
+		}
 	}
 	if err := buildBinaries(o.Root, bins, version, imgs); err != nil {
 		return nil, err
@@ -56,6 +65,9 @@ func BuildAll(o Options, imgs []Image) ([]Built, error) {
 	var built []Built
 	for _, i := range imgs {
 		tag := i.Tag
+		if i.Package != "" && o.Version != "" {
+			tag = o.Version
+		}
 		if tag == "" {
 			if tag = o.Tags[i.Name]; tag == "" {
 				return nil, fmt.Errorf("image %s has no tag in manifests/components/images", i.Name)
@@ -128,15 +140,27 @@ func BuildForLab(root, bin, out string) ([]string, error) {
 	if err != nil {
 		return nil, err
 	}
-	built, err := BuildAll(Options{Root: root, Bin: bin, Out: out, Tags: tags}, append(lab, Catalogue...))
+	return archives(BuildAll(Options{Root: root, Bin: bin, Out: out, Tags: tags}, append(lab, Catalogue...)))
+}
+
+// BuildRelease builds pvbridge's own images of the tree at root as release version (the
+// version stamped into its binaries, the images' tag) into out, and returns the archives: a
+// lab's previous release, which an upgrade test installs first.
+func BuildRelease(root, version, out string) ([]string, error) {
+	own := slices.DeleteFunc(slices.Clone(Catalogue), func(i Image) bool { return i.Package == "" })
+	return archives(BuildAll(Options{Root: root, Out: out, Version: version}, own))
+}
+
+// archives returns the files of built.
+func archives(built []Built, err error) ([]string, error) {
 	if err != nil {
 		return nil, err
 	}
-	archives := make([]string, len(built))
+	files := make([]string, len(built))
 	for i, b := range built {
-		archives[i] = b.File
+		files[i] = b.File
 	}
-	return archives, nil
+	return files, nil
 }
 
 // GoBuild returns the command that builds pvbridge's packages pkgs (relative to root) into out

@@ -57,3 +57,10 @@ func TestRepositoryVersion(t *testing.T) {
 	g.Expect(err).NotTo(HaveOccurred())
 	g.Expect(v).To(MatchRegexp(`^v\d+\.\d+\.\d+`))
 }
+
+// A tree built as another release is built as a version, or not at all.
+func TestBuildReleaseRefusesAVersionThatIsNone(t *testing.T) {
+	g := NewWithT(t)
+	_, err := BuildRelease(t.TempDir(), "previous", t.TempDir())
+	g.Expect(err).To(MatchError(ContainSubstring(`version "previous" is not a version`)))
+}

@@ -1,0 +1,79 @@
+package deploy
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+
+	"pvbridge.io/e2e/cluster"
+)
+
+// The release the upgrade test upgrades from (docs/upgrade.md): until v0.1.0 is tagged, the first
+// commit `make release` could release, built as previousVersion. Each release moves them to the
+// release before it.
+const (
+	previousCommit  = "1c4dbb3d463215729281996b84e92aaf6a0bcfeb"
+	previousVersion = "v0.1.0-alpha.0"
+)
+
+// previousLacks are the lab's flags (labArgs) the previous release does not know: its node
+// agents start no daemons of replicated volumes.
+var previousLacks = []string{"--daemon-cgroup-parent"}
+
+// Release is a tree of pvbridge other than the lab's, built as Version (its binaries' version,
+// its images' tag).
+type Release struct {
+	Root    string
+	Version string
+}
+
+// PreviousRelease writes the previous release's tree, from the lab's git repository, below the
+// lab's root.
+func PreviousRelease(ctx context.Context, lab *cluster.Lab) (*Release, error) {
+	dir := filepath.Join(lab.Root, "release-"+previousVersion)
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		return nil, err
+	}
+	cmd := exec.CommandContext(ctx, "bash", "-o", "pipefail", "-c", `git -C "$1" archive --format=tar "$2" | tar -x -C "$3"`,
+		"-", lab.Binaries().Repo, previousCommit, dir)
+	if out, err := cmd.CombinedOutput(); err != nil {
+		return nil, fmt.Errorf("the previous release, commit %s (a shallow clone lacks it: git fetch --unshallow): %w\n%s", previousCommit, err, out)
+	}
+	return &Release{Root: dir, Version: previousVersion}, nil
+}
+
+// Upgrade moves an install of the previous release (InstalledOptions.Previous) to the lab's
+// tree as docs/upgrade.md says: the management cluster first, its CRDs applied with kubectl
+// (helm installs a chart's crds/ but never upgrades them) and then helm upgrade with the values
+// of the install; then the guest, its overlay applied again. It returns once every workload of
+// both clusters has rolled out and is ready.
+func (in *Installed) Upgrade(ctx context.Context, lab *cluster.Lab) error {
+	if in.installed == nil {
+		return errors.New("upgrade: no previous release is installed")
+	}
+	in.installed = nil
+	chart := filepath.Join(lab.Binaries().Repo, "charts", "pvbridge-management")
+	kubectl, err := lab.Binaries().Tool("kubectl")
+	if err != nil {
+		return err
+	}
+	out, err := exec.CommandContext(ctx, kubectl, "--kubeconfig", in.Mgmt.Kubeconfig, "apply", "--server-side", "--force-conflicts",
+		"-f", filepath.Join(chart, "crds")).CombinedOutput()
+	if err != nil {
+		return fmt.Errorf("%s: apply the chart's CRDs: %w\n%s", in.Mgmt.Name, err, out)
+	}
+	values, err := in.helmValues(lab)
+	if err != nil {
+		return err
+	}
+	if err := in.helm(ctx, lab, "upgrade", "pvbridge", chart, "--namespace", InstallNamespace, "--values", values); err != nil {
+		return err
+	}
+	if err := WaitWorkloadsReady(ctx, in.Mgmt.Client(), InstallNamespace); err != nil {
+		return err
+	}
+	return in.apply(ctx, lab, in.Guest, "guest", in.guestKustomization())
+}
