@@ -30,17 +30,20 @@ type Release struct {
 	Version string
 }
 
-// PreviousRelease writes the previous release's tree, from the lab's git repository, below the
-// lab's root.
+// PreviousRelease writes the previous release's tree, from the lab's git repository (or its
+// origin's), below the lab's root.
 func PreviousRelease(ctx context.Context, lab *cluster.Lab) (*Release, error) {
 	dir := filepath.Join(lab.Root, "release-"+previousVersion)
 	if err := os.MkdirAll(dir, 0o755); err != nil {
 		return nil, err
 	}
-	cmd := exec.CommandContext(ctx, "bash", "-o", "pipefail", "-c", `git -C "$1" archive --format=tar "$2" | tar -x -C "$3"`,
+	// A shallow clone lacks the commit: it is fetched from the clone's origin.
+	cmd := exec.CommandContext(ctx, "bash", "-o", "pipefail", "-ec", `
+		git -C "$1" cat-file -e "$2^{commit}" 2>/dev/null || git -C "$1" fetch --quiet origin "$2"
+		git -C "$1" archive --format=tar "$2" | tar -x -C "$3"`,
 		"-", lab.Binaries().Repo, previousCommit, dir)
 	if out, err := cmd.CombinedOutput(); err != nil {
-		return nil, fmt.Errorf("the previous release, commit %s (a shallow clone lacks it: git fetch --unshallow): %w\n%s", previousCommit, err, out)
+		return nil, fmt.Errorf("the previous release, commit %s: %w\n%s", previousCommit, err, out)
 	}
 	return &Release{Root: dir, Version: previousVersion}, nil
 }
