@@ -59,6 +59,10 @@ type Chart struct {
 	HashOf          []string
 	// Notes is the chart's NOTES.txt, a template.
 	Notes string
+	// Test, when set, is the chart's `helm test` (templates/tests/volume.yaml), a template; it
+	// runs image TestImage (values: images.volume-test) with the values TestValues (test:).
+	Test, TestImage string
+	TestValues      map[string]any
 }
 
 // privilegedNote begins each chart's NOTES.txt: both install privileged node pods.
@@ -72,6 +76,71 @@ the namespace allows them:
 Helm installs the CRDs in crds/ but never upgrades them: before upgrading the release,
   kubectl apply --server-side -f <the new chart>/crds
 
+`
+
+// managementTest is the management chart's `helm test`: a claim of class test.storageClass and
+// a pod on a host of test.nodeSelector that writes a file to it, syncs it and reads it back.
+// Both go once the test passes (the claim's volume with them); a failed test leaves them for a
+// look (kubectl -n pvbridge-system describe pod pvbridge-test), and the next run replaces them.
+const managementTest = `{{- $hook := dict "helm.sh/hook" "test" "helm.sh/hook-delete-policy" "before-hook-creation,hook-succeeded" -}}
+apiVersion: v1
+kind: PersistentVolumeClaim
+metadata:
+  name: {{ .Release.Name }}-test
+  namespace: {{ .Release.Namespace }}
+  annotations:
+    {{- toYaml (merge (dict "helm.sh/hook-weight" "-1") $hook) | nindent 4 }}
+spec:
+  accessModes: [ReadWriteOnce]
+  storageClassName: {{ .Values.test.storageClass }}
+  resources:
+    requests:
+      storage: 16Mi
+---
+apiVersion: v1
+kind: Pod
+metadata:
+  name: {{ .Release.Name }}-test
+  namespace: {{ .Release.Namespace }}
+  annotations:
+    {{- toYaml $hook | nindent 4 }}
+spec:
+  restartPolicy: Never
+  automountServiceAccountToken: false
+  {{- with .Values.test.nodeSelector }}
+  nodeSelector:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  {{- with .Values.imagePullSecrets }}
+  imagePullSecrets:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  securityContext:
+    runAsNonRoot: true
+    runAsUser: 65532
+    runAsGroup: 65532
+    fsGroup: 65532
+    seccompProfile:
+      type: RuntimeDefault
+  containers:
+    - name: test
+      image: {{ include "pvbridge.image" (dict "root" $ "name" "volume-test") }}
+      imagePullPolicy: IfNotPresent
+      command:
+        - sh
+        - -c
+        - echo pvbridge > /data/test && sync && grep -qx pvbridge /data/test && echo "a volume of class {{ .Values.test.storageClass }} was made, mounted, written and read"
+      securityContext:
+        allowPrivilegeEscalation: false
+        capabilities:
+          drop: [ALL]
+      volumeMounts:
+        - name: data
+          mountPath: /data
+  volumes:
+    - name: data
+      persistentVolumeClaim:
+        claimName: {{ .Release.Name }}-test
 `
 
 // Setting is a ConfigMap literal as a value: its JSON schema, and an example that the schema
@@ -98,7 +167,11 @@ var Charts = []Chart{
 		Notes: privilegedNote + `Then label every PMEM host, and wait until each has a PmemNode with Ready=True:
   kubectl label node <host> vm.pvbridge.io/host=true
   kubectl get pmemnodes
+and check that a volume is made, mounted, written and read on a host:
+  helm test {{ .Release.Name }} --namespace {{ .Release.Namespace }}
 `,
+		Test: managementTest, TestImage: "docker.io/library/busybox:1.37.0",
+		TestValues:      map[string]any{"storageClass": "pmem", "nodeSelector": map[string]any{"vm.pvbridge.io/host": "true"}},
 		HashedConfigMap: "pvbridge-tenants", HashOf: []string{"mgmtServer"},
 	},
 	{
@@ -188,6 +261,10 @@ type: application
 version: %s
 appVersion: %s
 `, c.Overlay, c.Name, c.Description, strings.TrimPrefix(version, "v"), version))
+	if c.Test != "" {
+		files["templates/tests/volume.yaml"] = []byte(c.Test)
+		refs["volume-test"] = c.TestImage
+	}
 	files["values.yaml"] = c.values(refs, settings)
 	files["README.md"] = c.readme(version, files["values.yaml"], workloads)
 	schema, err := c.schema(workloads)
@@ -379,6 +456,14 @@ imagePullSecrets: []
 # snapshot CRDs are in crds/: helm install --skip-crds leaves them out.
 snapshotController: true
 `)
+	if c.Test != "" {
+		test, err := yaml.Marshal(map[string]any{"test": c.TestValues})
+		if err != nil {
+			panic(err) // maps of strings
+		}
+		b.WriteString("\n# helm test: a claim of storageClass, written and read by a pod (image volume-test) on a node\n# of nodeSelector.\n")
+		b.Write(test)
+	}
 	return b.Bytes()
 }
 
@@ -405,7 +490,7 @@ func (c Chart) readme(version string, values []byte, workloads []workload) []byt
 - helm installs the CRDs in `+"`crds/`"+` but never upgrades them: before `+"`helm upgrade`"+`, run
   `+"`kubectl apply --server-side -f <the new chart>/crds`"+`. `+"`--skip-crds`"+` leaves them out.
 - `+"`values.schema.json`"+` types every value and refuses an unknown one and the placeholders.
-
+%[2]s
 ## Workloads
 
 The names `+"`workloads`"+` and `+"`extraArgs`"+` take, and their containers (`+"`workloads.<name>.resources`"+`
@@ -413,7 +498,7 @@ is by container):
 
 | workload | kind | containers |
 |---|---|---|
-`, Namespace)
+`, Namespace, c.testNote())
 	for _, w := range workloads {
 		fmt.Fprintf(&b, "| `%s` | %s | %s |\n", w.Name, w.Kind, strings.Join(w.Containers, ", "))
 	}
@@ -421,6 +506,16 @@ is by container):
 	b.Write(values)
 	b.WriteString("```\n")
 	return b.Bytes()
+}
+
+// testNote is the README's line on the chart's helm test, if it has one.
+func (c Chart) testNote() string {
+	if c.Test == "" {
+		return ""
+	}
+	return "- `helm test pvbridge --namespace " + Namespace + "` checks the install: a claim of class `test.storageClass`\n" +
+		"  (a 16 MiB volume) and a pod (image `volume-test`) on a node of `test.nodeSelector` that writes and\n" +
+		"  reads it; both go once it passed. Run it after an install or upgrade.\n"
 }
 
 // schema is the chart's values.schema.json.
@@ -464,6 +559,16 @@ func (c Chart) schema(workloads []workload) ([]byte, error) {
 				"required": []string{"name"}, "additionalProperties": false},
 		},
 		"snapshotController": map[string]any{"type": "boolean", "description": "install the CSI snapshot-controller"},
+	}
+	if c.Test != "" {
+		properties["test"] = map[string]any{
+			"type": "object", "additionalProperties": false, "required": []string{"storageClass"},
+			"description": "helm test: the class of its claim, the nodes of its pod",
+			"properties": map[string]any{
+				"storageClass": map[string]any{"type": "string", "minLength": 1},
+				"nodeSelector": map[string]any{"type": "object", "additionalProperties": map[string]any{"type": "string"}},
+			},
+		}
 	}
 	required := []string{"images"}
 	for _, s := range c.Settings {
@@ -523,7 +628,8 @@ func (c Chart) Check(helm, kubectl, root, dir string) error {
 		return err
 	}
 	// The overlay's own values, its placeholders included, which the schema refuses.
-	rendered, err := output(helm, "template", "pvbridge", dir, "--include-crds", "--namespace", Namespace, "--skip-schema-validation")
+	// Without the tests, which are no objects of the overlay.
+	rendered, err := output(helm, "template", "pvbridge", dir, "--include-crds", "--skip-tests", "--namespace", Namespace, "--skip-schema-validation")
 	if err != nil {
 		return err
 	}

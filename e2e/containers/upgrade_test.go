@@ -401,3 +401,24 @@ func watchAttachments(ctx context.Context, f *faultLog, cp *cluster.ControlPlane
 	})
 	return nil
 }
+
+// TestHelmTestOfTheUpgradedRelease: `helm test` of the management chart, as its NOTES say to run
+// it after an install or upgrade, makes a volume on a host, writes it and reads it back, and
+// leaves nothing behind.
+func TestHelmTestOfTheUpgradedRelease(t *testing.T) {
+	g := NewWithT(t)
+	ctx := t.Context()
+	out, err := in.Helm(ctx, lab, "test", "pvbridge", "--namespace", deploy.InstallNamespace, "--logs", "--timeout", "3m")
+	g.Expect(err).NotTo(HaveOccurred())
+	g.Expect(string(out)).To(ContainSubstring("Phase:          Succeeded"))
+	g.Expect(string(out)).To(ContainSubstring("a volume of class pmem was made, mounted, written and read"))
+	mc := in.Mgmt.Client()
+	g.Eventually(func(g Gomega) {
+		pvcs, err := mc.CoreV1().PersistentVolumeClaims(deploy.InstallNamespace).List(ctx, metav1.ListOptions{})
+		g.Expect(err).NotTo(HaveOccurred())
+		g.Expect(pvcs.Items).To(BeEmpty())
+		pods, err := mc.CoreV1().Pods(deploy.InstallNamespace).List(ctx, metav1.ListOptions{})
+		g.Expect(err).NotTo(HaveOccurred())
+		g.Expect(pods.Items).NotTo(ContainElement(HaveField("Name", "pvbridge-test")))
+	}).WithContext(ctx).WithTimeout(time.Minute).Should(Succeed(), "the test's claim and pod are gone")
+}

@@ -411,7 +411,11 @@ func (in *Installed) helmInstall(ctx context.Context, lab *cluster.Lab) error {
 // helmValues writes the lab's values of the management chart into a file below the lab's root,
 // the one an admin keeps for helm install and upgrade, and returns its path.
 func (in *Installed) helmValues(lab *cluster.Lab) (string, error) {
-	values, err := json.Marshal(map[string]any{"mgmtServer": in.mgmtServer(), "extraArgs": in.labArgs(lab)})
+	values, err := json.Marshal(map[string]any{
+		"mgmtServer": in.mgmtServer(), "extraArgs": in.labArgs(lab),
+		// helm test's pod runs the lab's busybox, which every node imports.
+		"images": map[string]string{"volume-test": "docker.io/library/busybox:latest"},
+	})
 	if err != nil {
 		return "", err
 	}
@@ -424,18 +428,25 @@ func (in *Installed) helmValues(lab *cluster.Lab) (string, error) {
 
 // helm runs helm with args against the management cluster.
 func (in *Installed) helm(ctx context.Context, lab *cluster.Lab, args ...string) error {
+	_, err := in.Helm(ctx, lab, args...)
+	return err
+}
+
+// Helm runs helm with args against the management cluster and returns its output.
+func (in *Installed) Helm(ctx context.Context, lab *cluster.Lab, args ...string) ([]byte, error) {
 	helm, err := lab.Binaries().Tool("helm")
 	if err != nil {
-		return err
+		return nil, err
 	}
 	cmd := exec.CommandContext(ctx, helm, append(args, "--kubeconfig", in.Mgmt.Kubeconfig)...)
 	// helm keeps its cache and configuration below $HOME unless told otherwise.
 	cmd.Env = append(os.Environ(), "HELM_CACHE_HOME="+filepath.Join(lab.Root, "helm", "cache"),
 		"HELM_CONFIG_HOME="+filepath.Join(lab.Root, "helm", "config"), "HELM_DATA_HOME="+filepath.Join(lab.Root, "helm", "data"))
-	if out, err := cmd.CombinedOutput(); err != nil {
-		return fmt.Errorf("%s: helm %s: %w\n%s", in.Mgmt.Name, args[0], err, out)
+	out, err := cmd.CombinedOutput()
+	if err != nil {
+		return out, fmt.Errorf("%s: helm %s: %w\n%s", in.Mgmt.Name, args[0], err, out)
 	}
-	return nil
+	return out, nil
 }
 
 // tree is the root of the installed release's tree: the previous release's before Upgrade,
