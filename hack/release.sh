@@ -7,6 +7,9 @@
 #   hack/release.sh check             fail unless the tree is releasable as its version: a
 #                                     CHANGELOG.md section for it, a clusterctl release series
 #                                     for its minor version, charts of that version
+#   hack/release.sh clusterctl OUT    write only the clusterctl repository (below) into OUT, for
+#                                     the tree's version: what the lab's clusterctl init installs
+#                                     the provider from
 #   hack/release.sh VERSION [OUT]     check, then write into OUT (default _output/release/VERSION):
 #     images/                  the images as OCI archives (e2e/cmd/images; images.txt lists
 #                              each reference and digest), to push with crane, skopeo or oras
@@ -49,6 +52,29 @@ check() {
 	done
 }
 
+# clusterctl_repository OUT writes the clusterctl repository of the provider into OUT.
+clusterctl_repository() {
+	local repo=$1/infrastructure-pvbridge/$version
+	mkdir -p "$repo"
+	cp manifests/clusterctl/infrastructure-components.yaml manifests/clusterctl/metadata.yaml \
+		manifests/clusterctl/cluster-template.yaml manifests/clusterctl/cluster-template-topology.yaml \
+		manifests/clusterctl/clusterclass-pvbridge.yaml "$repo/"
+	cat >"$1/clusterctl.yaml" <<EOF
+# clusterctl's configuration for this release's provider: clusterctl --config clusterctl.yaml
+# init --infrastructure pvbridge:$version (docs/deployment.md).
+providers:
+  - name: pvbridge
+    type: InfrastructureProvider
+    url: file://$repo/infrastructure-components.yaml
+EOF
+}
+
+if [ "${1:-}" = clusterctl ]; then
+	out=${2:?usage: hack/release.sh clusterctl OUT}
+	mkdir -p "$out"
+	clusterctl_repository "$(cd "$out" && pwd)"
+	exit 0
+fi
 if [ "${1:-}" = check ]; then
 	check
 	echo "release: the tree is releasable as $version"
@@ -73,19 +99,7 @@ for c in charts/*/; do
 done
 
 echo "== clusterctl repository"
-repo=$out/clusterctl/infrastructure-pvbridge/$version
-mkdir -p "$repo"
-cp manifests/clusterctl/infrastructure-components.yaml manifests/clusterctl/metadata.yaml \
-	manifests/clusterctl/cluster-template.yaml manifests/clusterctl/cluster-template-topology.yaml \
-	manifests/clusterctl/clusterclass-pvbridge.yaml "$repo/"
-cat >"$out/clusterctl/clusterctl.yaml" <<EOF
-# clusterctl's configuration for this release's provider: clusterctl --config clusterctl.yaml
-# init --infrastructure pvbridge:$version (docs/deployment.md).
-providers:
-  - name: pvbridge
-    type: InfrastructureProvider
-    url: file://$out/clusterctl/infrastructure-pvbridge/$version/infrastructure-components.yaml
-EOF
+clusterctl_repository "$out/clusterctl"
 
 echo "== kubectl-pvbridge"
 url=${RELEASE_URL:-https://github.com/pvbridge/pvbridge/releases/download/$version}

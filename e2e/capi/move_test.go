@@ -12,8 +12,11 @@ import (
 
 	. "github.com/onsi/gomega"
 	"k8s.io/apimachinery/pkg/api/meta"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+	"k8s.io/apimachinery/pkg/runtime/schema"
 	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/dynamic"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	infrav1 "pvbridge.io/pkg/apis/infrastructure/v1alpha1"
@@ -24,8 +27,8 @@ import (
 const blockedLine = "Move blocked by " + infrav1.BlockMoveAnnotation + " annotation"
 
 // clusterctlMoveIsRefused runs clusterctl move (v1.14.2, the real binary) of the guest's
-// namespace to the guest itself, the pivot users try (the guest given Cluster API's Cluster CRD,
-// which clusterctl checks a target for). The move stops at the provider's block-move annotation
+// namespace to the guest itself, the pivot users try (the guest given Cluster API's Cluster CRD
+// and clusterctl's inventory, which clusterctl checks a target for). The move stops at the provider's block-move annotation
 // and waits there: nothing is created in the target, nothing deleted here, every VM the same.
 // It is interrupted, and the Cluster it paused is resumed as docs/deployment.md says.
 func clusterctlMoveIsRefused(t *testing.T) {
@@ -47,6 +50,7 @@ func clusterctlMoveIsRefused(t *testing.T) {
 
 	_, err := kubectl(ctx, "apply", "--server-side", "-f", filepath.Join(lab.Binaries().Repo, "manifests", "crd", "capi", "cluster.x-k8s.io_clusters.yaml"))
 	g.Expect(err).NotTo(HaveOccurred())
+	copyInventory(ctx, g)
 	bin, err := lab.Binaries().Tool("clusterctl")
 	g.Expect(err).NotTo(HaveOccurred())
 	moveCtx, stop := context.WithCancel(ctx)
@@ -87,6 +91,49 @@ func clusterctlMoveIsRefused(t *testing.T) {
 		g.Expect(meta.IsStatusConditionFalse(ic.Status.Conditions, infrav1.PausedCondition)).To(BeTrue())
 		g.Expect(ic.Annotations).To(HaveKey(infrav1.BlockMoveAnnotation))
 	}).WithContext(ctx).WithTimeout(time.Minute).Should(Succeed())
+}
+
+// copyInventory gives the guest, the move's target, clusterctl's inventory of the management
+// cluster (its CRD and Provider objects), as clusterctl init would have left it there: move
+// compares the two inventories before anything else, and refuses a target without the
+// source's providers.
+func copyInventory(ctx context.Context, g Gomega) {
+	from, err := dynamic.NewForConfig(in.Mgmt.RESTConfig())
+	g.Expect(err).NotTo(HaveOccurred())
+	to, err := dynamic.NewForConfig(in.Guest.RESTConfig())
+	g.Expect(err).NotTo(HaveOccurred())
+	crds := schema.GroupVersionResource{Group: "apiextensions.k8s.io", Version: "v1", Resource: "customresourcedefinitions"}
+	providers := schema.GroupVersionResource{Group: "clusterctl.cluster.x-k8s.io", Version: "v1alpha3", Resource: "providers"}
+	namespaces := schema.GroupVersionResource{Version: "v1", Resource: "namespaces"}
+	copied := func(o *unstructured.Unstructured) *unstructured.Unstructured {
+		o = &unstructured.Unstructured{Object: map[string]any{
+			"apiVersion": o.GetAPIVersion(), "kind": o.GetKind(),
+			"metadata": map[string]any{"name": o.GetName(), "namespace": o.GetNamespace(), "labels": o.GetLabels()},
+			"spec":     o.Object["spec"], "providerName": o.Object["providerName"], "type": o.Object["type"], "version": o.Object["version"],
+		}}
+		for k, v := range o.Object {
+			if v == nil {
+				delete(o.Object, k)
+			}
+		}
+		return o
+	}
+	crd, err := from.Resource(crds).Get(ctx, providers.GroupResource().String(), metav1.GetOptions{})
+	g.Expect(err).NotTo(HaveOccurred())
+	_, err = to.Resource(crds).Create(ctx, copied(crd), metav1.CreateOptions{})
+	g.Expect(client.IgnoreAlreadyExists(err)).To(Succeed())
+	list, err := from.Resource(providers).List(ctx, metav1.ListOptions{})
+	g.Expect(err).NotTo(HaveOccurred())
+	g.Expect(list.Items).NotTo(BeEmpty())
+	for _, p := range list.Items {
+		ns := &unstructured.Unstructured{Object: map[string]any{"apiVersion": "v1", "kind": "Namespace", "metadata": map[string]any{"name": p.GetNamespace()}}}
+		_, err := to.Resource(namespaces).Create(ctx, ns, metav1.CreateOptions{})
+		g.Expect(client.IgnoreAlreadyExists(err)).To(Succeed())
+		g.Eventually(func() error { // until the new CRD is served
+			_, err := to.Resource(providers).Namespace(p.GetNamespace()).Create(ctx, copied(&p), metav1.CreateOptions{})
+			return client.IgnoreAlreadyExists(err)
+		}).WithContext(ctx).WithTimeout(time.Minute).Should(Succeed(), "Provider %s", p.GetName())
+	}
 }
 
 // lockedBuffer collects a command's output, to be read while it runs.

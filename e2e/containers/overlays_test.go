@@ -2,6 +2,8 @@ package containers_test
 
 import (
 	"context"
+	"fmt"
+	"strings"
 	"testing"
 	"time"
 
@@ -30,7 +32,7 @@ func TestOverlaysInRealContainers(t *testing.T) {
 
 	_, err = gc.CoreV1().PersistentVolumeClaims("default").Create(ctx, deploy.PVC("default", "data", "", "64Mi", false), metav1.CreateOptions{})
 	g.Expect(err).NotTo(HaveOccurred())
-	runToCompletion(ctx, g, gc, "writer", "vm-1", "echo written-in-a-container > /data/file && sync")
+	runToCompletion(ctx, g, gc, "default", "writer", "vm-1", "echo written-in-a-container > /data/file && sync")
 	_, err = deploy.DeleteLeader(ctx, mc, deploy.InstallNamespace, "pvbridge-vm-operator-controller", "app.kubernetes.io/name=vm-operator,app.kubernetes.io/component=controller")
 	g.Expect(err).NotTo(HaveOccurred())
 	pvc, err := gc.CoreV1().PersistentVolumeClaims("default").Get(ctx, "data", metav1.GetOptions{})
@@ -42,7 +44,7 @@ func TestOverlaysInRealContainers(t *testing.T) {
 			g.Expect(va.Spec.Source.PersistentVolumeName).NotTo(HaveValue(Equal(pvc.Spec.VolumeName)), "the writer's volume is detached from vm-1")
 		}
 	}).WithContext(ctx).WithTimeout(2 * time.Minute).Should(Succeed())
-	g.Expect(runToCompletion(ctx, g, gc, "reader", "vm-3", "cat /data/file")).To(Equal("written-in-a-container\n"))
+	g.Expect(runToCompletion(ctx, g, gc, "default", "reader", "vm-3", "cat /data/file")).To(Equal("written-in-a-container\n"))
 
 	// The drivers measure the calls they served: guest-csi's controller, scraped through the
 	// apiserver's pod proxy on the port its manifest names, counts the volume's CreateVolume.
@@ -76,20 +78,30 @@ func TestOverlaysInRealContainers(t *testing.T) {
 
 // runToCompletion runs script on node in a busybox pod that mounts claim "data" at /data, waits
 // until it succeeded, deletes it and returns its output.
-func runToCompletion(ctx context.Context, g Gomega, c kubernetes.Interface, name, node, script string) string {
-	pod := deploy.Pod("default", name, "data", node, false)
+func runToCompletion(ctx context.Context, g Gomega, c kubernetes.Interface, ns, name, node, script string) string {
+	pod := deploy.Pod(ns, name, "data", node, false)
 	pod.Spec.RestartPolicy = corev1.RestartPolicyNever
 	pod.Spec.Containers[0].Command = []string{"sh", "-c", script}
-	_, err := c.CoreV1().Pods("default").Create(ctx, pod, metav1.CreateOptions{})
+	_, err := c.CoreV1().Pods(ns).Create(ctx, pod, metav1.CreateOptions{})
 	g.Expect(err).NotTo(HaveOccurred())
 	g.Eventually(func(g Gomega) {
-		p, err := c.CoreV1().Pods("default").Get(ctx, name, metav1.GetOptions{})
+		p, err := c.CoreV1().Pods(ns).Get(ctx, name, metav1.GetOptions{})
 		g.Expect(err).NotTo(HaveOccurred())
 		g.Expect(p.Status.Phase).NotTo(Equal(corev1.PodFailed))
 		g.Expect(p.Status.Phase).To(Equal(corev1.PodSucceeded))
 	}).WithContext(ctx).WithTimeout(3 * time.Minute).Should(Succeed())
-	logs, err := c.CoreV1().Pods("default").GetLogs(name, &corev1.PodLogOptions{}).DoRaw(ctx)
+	logs, err := c.CoreV1().Pods(ns).GetLogs(name, &corev1.PodLogOptions{}).DoRaw(ctx)
 	g.Expect(err).NotTo(HaveOccurred())
-	g.Expect(c.CoreV1().Pods("default").Delete(ctx, name, metav1.DeleteOptions{})).To(Succeed())
+	g.Expect(c.CoreV1().Pods(ns).Delete(ctx, name, metav1.DeleteOptions{})).To(Succeed())
 	return string(logs)
+}
+
+// expectRecords checks that log holds the records 1 to n in order, n at least synced: what a
+// writer appending numbered, synced lines left.
+func expectRecords(g Gomega, log string, synced int) {
+	lines := strings.Fields(log)
+	g.Expect(len(lines)).To(BeNumerically(">=", synced), "every record the writer had synced")
+	for i, l := range lines {
+		g.Expect(l).To(Equal(fmt.Sprint(i+1)), "record %d", i+1)
+	}
 }

@@ -2,7 +2,6 @@ package containers_test
 
 import (
 	"context"
-	"fmt"
 	"path/filepath"
 	"slices"
 	"strings"
@@ -121,21 +120,5 @@ func TestReplicatedVolumeInRealContainers(t *testing.T) {
 	t.Log("the writer stopped, a pod on host-b reads every record")
 	written := records(g)
 	g.Expect(mc.CoreV1().Pods(ns).Delete(ctx, "writer", metav1.DeleteOptions{})).To(Succeed())
-	reader := deploy.Pod(ns, "reader", "data", "host-b", false)
-	reader.Spec.Containers[0].Command = []string{"cat", "/data/log"}
-	reader.Spec.RestartPolicy = corev1.RestartPolicyNever
-	_, err = mc.CoreV1().Pods(ns).Create(ctx, reader, metav1.CreateOptions{})
-	g.Expect(err).NotTo(HaveOccurred())
-	g.Eventually(func(g Gomega) {
-		p, err := mc.CoreV1().Pods(ns).Get(ctx, "reader", metav1.GetOptions{})
-		g.Expect(err).NotTo(HaveOccurred())
-		g.Expect(p.Status.Phase).To(Equal(corev1.PodSucceeded))
-	}).WithContext(ctx).WithTimeout(3 * time.Minute).Should(Succeed())
-	logs, err := mc.CoreV1().Pods(ns).GetLogs("reader", &corev1.PodLogOptions{}).DoRaw(ctx)
-	g.Expect(err).NotTo(HaveOccurred())
-	lines := strings.Fields(string(logs))
-	g.Expect(len(lines)).To(BeNumerically(">=", written), "every record the writer had synced")
-	for i, l := range lines {
-		g.Expect(l).To(Equal(fmt.Sprint(i+1)), "record %d", i+1)
-	}
+	expectRecords(g, runToCompletion(ctx, g, mc, ns, "reader", "host-b", "cat /data/log"), written)
 }

@@ -85,25 +85,8 @@ func TestUpgradeWithVolumesAttached(t *testing.T) {
 
 	gc := in.Guest.Client()
 	ns := upgraded.ns
-	reader := deploy.Pod(ns, "reader", "data", readerNode(), false)
-	reader.Spec.Containers[0].Command = []string{"cat", "/data/log"}
-	reader.Spec.RestartPolicy = corev1.RestartPolicyNever
-	_, err = gc.CoreV1().Pods(ns).Create(ctx, reader, metav1.CreateOptions{})
-	g.Expect(err).NotTo(HaveOccurred())
-	g.Eventually(func(g Gomega) {
-		p, err := gc.CoreV1().Pods(ns).Get(ctx, "reader", metav1.GetOptions{})
-		g.Expect(err).NotTo(HaveOccurred())
-		g.Expect(p.Status.Phase).To(Equal(corev1.PodSucceeded))
-	}).WithContext(ctx).WithTimeout(3 * time.Minute).Should(Succeed())
-	logs, err := gc.CoreV1().Pods(ns).GetLogs("reader", &corev1.PodLogOptions{}).DoRaw(ctx)
-	g.Expect(err).NotTo(HaveOccurred())
-	lines := strings.Fields(string(logs))
-	g.Expect(len(lines)).To(BeNumerically(">=", upgraded.synced), "every record synced by the end of the upgrade")
-	for i, l := range lines {
-		g.Expect(l).To(Equal(fmt.Sprint(i+1)), "record %d", i+1)
-	}
+	expectRecords(g, runToCompletion(ctx, g, gc, ns, "reader", readerNode(), "cat /data/log"), upgraded.synced)
 
-	g.Expect(gc.CoreV1().Pods(ns).Delete(ctx, "reader", metav1.DeleteOptions{})).To(Succeed())
 	pvc, err := gc.CoreV1().PersistentVolumeClaims(ns).Get(ctx, "data", metav1.GetOptions{})
 	g.Expect(err).NotTo(HaveOccurred())
 	g.Expect(gc.CoreV1().PersistentVolumeClaims(ns).Delete(ctx, "data", metav1.DeleteOptions{})).To(Succeed())

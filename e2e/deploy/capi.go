@@ -22,6 +22,7 @@ import (
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/runtime/schema"
 	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/apimachinery/pkg/util/wait"
 	utilyaml "k8s.io/apimachinery/pkg/util/yaml"
 	"k8s.io/client-go/dynamic"
 	"k8s.io/client-go/util/cert"
@@ -35,11 +36,11 @@ import (
 // pinned release, hack/build-tools.sh cluster-api) as processes, their CRDs from the release's
 // module with the contract labels its kustomizations add, their mutating, validating and
 // conversion webhooks served on 127.0.0.1 with a CA made here (URLs instead of Services), and
-// pvbridge's infrastructure provider (vm-operator --role=infrastructure-provider). The managers
-// use the lab's admin credentials; Cluster API's own RBAC is not installed.
+// pvbridge's infrastructure provider as shipped, installed by clusterctl init (its Deployment,
+// in containers, with its RBAC: clusterctlInit). The managers use the lab's admin credentials;
+// Cluster API's own RBAC is not installed.
 type ClusterAPI struct {
 	Managers map[string]*cluster.Process
-	Provider *cluster.Process
 }
 
 // capiManagers are Cluster API's managers: binary, directory of the release's module (CRDs and
@@ -50,10 +51,14 @@ var capiManagers = []struct {
 	name, binary, path, provider string
 	labels                       map[string]string
 	args                         []string
+	// providerName, providerType and namespace are clusterctl's (its inventory).
+	providerName, providerType, namespace string
 }{
-	{"core", "capi-manager", "core", "cluster-api", nil, []string{topologyGate}},
-	{"bootstrap", "capi-kubeadm-bootstrap-manager", "bootstrap/kubeadm", "bootstrap-kubeadm", map[string]string{"cluster.x-k8s.io/v1beta1": "v1beta1", "cluster.x-k8s.io/v1beta2": "v1beta2"}, nil},
-	{"controlplane", "capi-kubeadm-control-plane-manager", "controlplane/kubeadm", "control-plane-kubeadm", map[string]string{"cluster.x-k8s.io/v1beta1": "v1beta1", "cluster.x-k8s.io/v1beta2": "v1beta2"}, []string{topologyGate}},
+	{"core", "capi-manager", "core", "cluster-api", nil, []string{topologyGate}, "cluster-api", "CoreProvider", "capi-system"},
+	{"bootstrap", "capi-kubeadm-bootstrap-manager", "bootstrap/kubeadm", "bootstrap-kubeadm", map[string]string{"cluster.x-k8s.io/v1beta1": "v1beta1", "cluster.x-k8s.io/v1beta2": "v1beta2"}, nil,
+		"kubeadm", "BootstrapProvider", "capi-kubeadm-bootstrap-system"},
+	{"controlplane", "capi-kubeadm-control-plane-manager", "controlplane/kubeadm", "control-plane-kubeadm", map[string]string{"cluster.x-k8s.io/v1beta1": "v1beta1", "cluster.x-k8s.io/v1beta2": "v1beta2"}, []string{topologyGate},
+		"kubeadm", "ControlPlaneProvider", "capi-kubeadm-control-plane-system"},
 }
 
 // clusterctlLabels are the labels clusterctl init puts on the objects of provider: clusterctl
@@ -98,7 +103,7 @@ func StartClusterAPI(ctx context.Context, lab *cluster.Lab, mgmt *cluster.Contro
 		url := fmt.Sprintf("https://127.0.0.1:%d", ports[0])
 		labels := clusterctlLabels(mgr.provider)
 		maps.Copy(labels, mgr.labels)
-		if err := installCAPIObjects(ctx, dyn, filepath.Join(module, mgr.path), mgr.name, url, certPEM, labels); err != nil {
+		if err := installCAPIObjects(ctx, dyn, filepath.Join(module.Dir, mgr.path), mgr.name, url, certPEM, labels); err != nil {
 			return nil, fmt.Errorf("cluster api %s: %w", mgr.name, err)
 		}
 		bin, err := lab.Binaries().Tool(mgr.binary)
@@ -121,51 +126,147 @@ func StartClusterAPI(ctx context.Context, lab *cluster.Lab, mgmt *cluster.Contro
 		}
 		health = append(health, fmt.Sprintf("http://127.0.0.1:%d/readyz", ports[1]))
 	}
-	// The provider's CRDs as its release has them, with the contract label Cluster API reads,
-	// and clusterctl's.
-	components, err := readObjects(filepath.Join(lab.Binaries().Repo, "manifests", "clusterctl", "infrastructure-components.yaml"))
-	if err != nil {
+	if err := cluster.WaitHTTPReady(ctx, 2*time.Minute, health...); err != nil {
 		return nil, err
 	}
-	for _, o := range components {
-		if o.GetKind() != "CustomResourceDefinition" {
-			continue
-		}
-		l := clusterctlLabels("infrastructure-pvbridge")
-		maps.Copy(l, o.GetLabels())
-		o.SetLabels(l)
-		if err := apply(ctx, dyn, crdGVR, o); err != nil {
-			return nil, err
-		}
-	}
-	bin, err := lab.Binaries().Own("./vm-operator/cmd/vm-operator")
-	if err != nil {
-		return nil, err
-	}
-	if c.Provider, err = lab.Start(cluster.Command{
-		Name: mgmt.Name + "/capi-provider", Bin: bin, Dir: dir,
-		LogPath: filepath.Join(mgmt.Dir, "logs", "capi-provider.log"),
-		Args: []string{
-			"--role=infrastructure-provider", "--kubeconfig=" + mgmt.Kubeconfig,
-			"--metrics-bind-address=0", "--health-probe-bind-address=0", "--v=4",
-		},
-		Restart: true,
-	}); err != nil {
-		return nil, err
-	}
-	return c, cluster.WaitHTTPReady(ctx, 2*time.Minute, health...)
+	return c, clusterctlInit(ctx, lab, mgmt, dyn, module, dir)
 }
 
-// capiModule is the directory of the pinned Cluster API module (hack/tools/kubernetes pins it).
-func capiModule(ctx context.Context, repo string) (string, error) {
-	cmd := exec.CommandContext(ctx, "go", "list", "-m", "-f", "{{.Dir}}", "sigs.k8s.io/cluster-api")
-	cmd.Dir = filepath.Join(repo, "hack", "tools", "kubernetes")
+// The inventory of clusterctl (its Provider objects), and the cert-manager version clusterctl
+// v1.14.2 installs (its CertManagerDefaultVersion).
+var providerGVR = schema.GroupVersionResource{Group: "clusterctl.cluster.x-k8s.io", Version: "v1alpha3", Resource: "providers"}
+
+const certManagerVersion = "v1.21.1"
+
+// clusterctlInit installs pvbridge's provider as an admin does (docs/deployment.md): clusterctl
+// init --infrastructure pvbridge from the release's clusterctl repository (hack/release.sh
+// clusterctl), waiting until its Deployment is available. Before that, the lab gives clusterctl
+// what its own init of Cluster API would have left:
+//   - its inventory: a Provider object for each manager the lab runs as a process, of the
+//     module's version, in the namespace clusterctl would have installed it in;
+//   - the core provider's metadata.yaml (its contract), in a local repository of the module's;
+//   - cert-manager's API: clusterctl refuses to install a provider until it can create an Issuer
+//     and a Certificate. The lab installs the CRDs of the cert-manager release clusterctl would
+//     install (from the Go module proxy), not its controllers: neither Cluster API's managers as
+//     the lab runs them (its own CA) nor pvbridge's provider (no webhooks) use its certificates.
+func clusterctlInit(ctx context.Context, lab *cluster.Lab, mgmt *cluster.ControlPlane, dyn dynamic.Interface, module goModule, dir string) error {
+	certManager, err := moduleDir(ctx, "github.com/cert-manager/cert-manager@"+certManagerVersion)
+	if err != nil {
+		return err
+	}
+	crds, err := filepath.Glob(filepath.Join(certManager, "deploy", "crds", "*.yaml"))
+	if err != nil {
+		return err
+	}
+	crds = append(crds, filepath.Join(module.Dir, "cmd", "clusterctl", "config", "manifest", "clusterctl-api.yaml"))
+	for _, f := range crds {
+		objs, err := readObjects(f)
+		if err != nil {
+			return err
+		}
+		for _, o := range objs {
+			if err := apply(ctx, dyn, crdGVR, o); err != nil {
+				return err
+			}
+		}
+	}
+	for _, mgr := range capiManagers {
+		ns := &unstructured.Unstructured{Object: map[string]any{"apiVersion": "v1", "kind": "Namespace", "metadata": map[string]any{"name": mgr.namespace}}}
+		if err := apply(ctx, dyn, schema.GroupVersionResource{Version: "v1", Resource: "namespaces"}, ns); err != nil {
+			return err
+		}
+		p := &unstructured.Unstructured{Object: map[string]any{
+			"apiVersion": providerGVR.GroupVersion().String(), "kind": "Provider",
+			"metadata":     map[string]any{"name": mgr.provider, "namespace": mgr.namespace},
+			"providerName": mgr.providerName, "type": mgr.providerType, "version": module.Version,
+		}}
+		p.SetLabels(clusterctlLabels(mgr.provider))
+		data, err := json.Marshal(p.Object)
+		if err != nil {
+			return err
+		}
+		// The CRD was just made: its resource may not be served yet.
+		err = wait.PollUntilContextTimeout(ctx, 100*time.Millisecond, time.Minute, true, func(ctx context.Context) (bool, error) {
+			_, err := dyn.Resource(providerGVR).Namespace(mgr.namespace).Patch(ctx, mgr.provider, types.ApplyPatchType, data,
+				metav1.PatchOptions{FieldManager: "pvbridge-lab", Force: ptr.To(true)})
+			return err == nil, nil
+		})
+		if err != nil {
+			return fmt.Errorf("clusterctl's inventory: Provider %s: %w", mgr.provider, err)
+		}
+	}
+
+	repo := filepath.Join(dir, "clusterctl")
+	if out, err := exec.CommandContext(ctx, filepath.Join(lab.Binaries().Repo, "hack", "release.sh"), "clusterctl", repo).CombinedOutput(); err != nil {
+		return fmt.Errorf("hack/release.sh clusterctl: %w\n%s", err, out)
+	}
+	core := filepath.Join(repo, "cluster-api", module.Version)
+	if err := os.MkdirAll(core, 0o755); err != nil {
+		return err
+	}
+	metadata, err := os.ReadFile(filepath.Join(module.Dir, "metadata.yaml"))
+	if err != nil {
+		return err
+	}
+	if err := os.WriteFile(filepath.Join(core, "metadata.yaml"), metadata, 0o644); err != nil {
+		return err
+	}
+	config := filepath.Join(repo, "clusterctl.yaml")
+	f, err := os.OpenFile(config, os.O_APPEND|os.O_WRONLY, 0)
+	if err != nil {
+		return err
+	}
+	_, err = fmt.Fprintf(f, "  - name: cluster-api\n    type: CoreProvider\n    url: file://%s/core-components.yaml\n", core)
+	if err := errors.Join(err, f.Close()); err != nil {
+		return err
+	}
+
+	clusterctl, err := lab.Binaries().Tool("clusterctl")
+	if err != nil {
+		return err
+	}
+	cmd := exec.CommandContext(ctx, clusterctl, "init", "--config", config, "--kubeconfig", mgmt.Kubeconfig,
+		"--infrastructure", "pvbridge", "--wait-providers", "--wait-provider-timeout", "300")
+	cmd.Env = append(os.Environ(), "CLUSTERCTL_DISABLE_VERSIONCHECK=true", "XDG_CONFIG_HOME="+dir)
+	if out, err := cmd.CombinedOutput(); err != nil {
+		return fmt.Errorf("clusterctl init --infrastructure pvbridge: %w\n%s", err, out)
+	}
+	return nil
+}
+
+// goModule is a module of the Go module cache: its directory and version.
+type goModule struct{ Dir, Version string }
+
+// moduleDir downloads module@version (from GOPROXY, once) and returns its directory.
+func moduleDir(ctx context.Context, moduleAtVersion string) (string, error) {
+	cmd := exec.CommandContext(ctx, "go", "mod", "download", "-json", moduleAtVersion)
+	cmd.Dir = os.TempDir()
 	cmd.Env = append(os.Environ(), "GOWORK=off")
 	out, err := cmd.Output()
 	if err != nil {
-		return "", fmt.Errorf("go list -m sigs.k8s.io/cluster-api: %w", err)
+		return "", fmt.Errorf("go mod download %s: %w\n%s", moduleAtVersion, err, out)
 	}
-	return strings.TrimSpace(string(out)), nil
+	var m goModule
+	if err := json.Unmarshal(out, &m); err != nil {
+		return "", err
+	}
+	return m.Dir, nil
+}
+
+// capiModule is the pinned Cluster API module (hack/tools/kubernetes pins it).
+func capiModule(ctx context.Context, repo string) (goModule, error) {
+	cmd := exec.CommandContext(ctx, "go", "list", "-m", "-json", "sigs.k8s.io/cluster-api")
+	cmd.Dir = filepath.Join(repo, "hack", "tools", "kubernetes")
+	cmd.Env = append(os.Environ(), "GOWORK=off")
+	var m goModule
+	out, err := cmd.Output()
+	if err == nil {
+		err = json.Unmarshal(out, &m)
+	}
+	if err != nil {
+		return m, fmt.Errorf("go list -m sigs.k8s.io/cluster-api: %w", err)
+	}
+	return m, nil
 }
 
 // installCAPIObjects applies a manager's CRDs (with labels, converted by its webhook at url)

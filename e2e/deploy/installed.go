@@ -130,9 +130,9 @@ func Install(ctx context.Context, lab *cluster.Lab, opts InstalledOptions) (*Ins
 		if !opts.Helm || opts.ClusterAPI {
 			return nil, errors.New("a previous release is installed with helm, without Cluster API")
 		}
-		prev, err := images.BuildRelease(opts.Previous.Root, opts.Previous.Version, filepath.Join(lab.Root, "images-"+opts.Previous.Version))
+		prev, err := opts.Previous.images(lab)
 		if err != nil {
-			return nil, fmt.Errorf("previous release %s: %w", opts.Previous.Version, err)
+			return nil, err
 		}
 		archives = append(archives, prev...)
 	}

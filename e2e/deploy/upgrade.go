@@ -7,8 +7,10 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strings"
 
 	"pvbridge.io/e2e/cluster"
+	"pvbridge.io/e2e/images"
 )
 
 // The release the upgrade test upgrades from (docs/upgrade.md): until v0.1.0 is tagged, the first
@@ -23,11 +25,10 @@ const (
 // agents start no daemons of replicated volumes.
 var previousLacks = []string{"--daemon-cgroup-parent"}
 
-// Release is a tree of pvbridge other than the lab's, built as Version (its binaries' version,
-// its images' tag).
+// Release is a tree of pvbridge other than the lab's, the commit Commit, built as Version (its
+// binaries' version, its images' tag).
 type Release struct {
-	Root    string
-	Version string
+	Root, Commit, Version string
 }
 
 // PreviousRelease writes the previous release's tree, from the lab's git repository (or its
@@ -45,7 +46,25 @@ func PreviousRelease(ctx context.Context, lab *cluster.Lab) (*Release, error) {
 	if out, err := cmd.CombinedOutput(); err != nil {
 		return nil, fmt.Errorf("the previous release, commit %s: %w\n%s", previousCommit, err, out)
 	}
-	return &Release{Root: dir, Version: previousVersion}, nil
+	return &Release{Root: dir, Commit: previousCommit, Version: previousVersion}, nil
+}
+
+// images returns the archives of r's images, built once per machine (a release's tree does not
+// change) into <cache>/releases/<version>-<commit>, next to the tools' directory.
+func (r *Release) images(lab *cluster.Lab) ([]string, error) {
+	dir := filepath.Join(filepath.Dir(lab.Binaries().Dir), "releases", r.Version+"-"+r.Commit)
+	list := filepath.Join(dir, "archives") // written last: the build is whole
+	if data, err := os.ReadFile(list); err == nil {
+		return strings.Fields(string(data)), nil
+	}
+	if err := os.RemoveAll(dir); err != nil {
+		return nil, err
+	}
+	files, err := images.BuildRelease(r.Root, r.Version, dir)
+	if err != nil {
+		return nil, fmt.Errorf("release %s: %w", r.Version, err)
+	}
+	return files, os.WriteFile(list, []byte(strings.Join(files, "\n")+"\n"), 0o644)
 }
 
 // Upgrade moves an install of the previous release (InstalledOptions.Previous) to the lab's

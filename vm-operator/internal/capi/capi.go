@@ -66,8 +66,10 @@ func (f WatchFilter) Matches(obj metav1.Object) bool {
 	return f == "" || obj.GetLabels()[clusterv1.WatchLabel] == string(f)
 }
 
-// The Lease of the provider's leader election (vm-operator --leader-elect), in its namespace.
+// The Lease of the provider's leader election (vm-operator --leader-elect), in its namespace,
+// and the core Events controller-runtime records on it.
 // +kubebuilder:rbac:groups=coordination.k8s.io,resources=leases,verbs=get;create;update,namespace=pvbridge-capi-system
+// +kubebuilder:rbac:groups="",resources=events,verbs=create;patch,namespace=pvbridge-capi-system
 
 // SetupWithManager registers the provider's reconcilers with mgr.
 func SetupWithManager(mgr ctrl.Manager, opts Options) error {
