@@ -13,6 +13,9 @@
 //     into YAML text, and the defaults print the overlay's object;
 //   - snapshotController: false leaves out the CSI snapshot-controller (a cluster that runs
 //     one already: two would race); helm install --skip-crds leaves out the CRDs;
+//   - defaultClasses: false makes none of the classes the overlay marks its kind's default
+//     (is-default-class) a default, where the cluster has its own;
+//   - test: the management chart's helm test (its class and nodes);
 //   - the overlay's own settings: the management apiserver URL (mgmtServer) of the management
 //     chart; the guest cluster's name and UID (clusterName, clusterUID) of the guest chart.
 //
@@ -265,9 +268,10 @@ appVersion: %s
 		files["templates/tests/volume.yaml"] = []byte(c.Test)
 		refs["volume-test"] = c.TestImage
 	}
-	files["values.yaml"] = c.values(refs, settings)
+	_, defaults := settings[defaultClasses]
+	files["values.yaml"] = c.values(refs, settings, defaults)
 	files["README.md"] = c.readme(version, files["values.yaml"], workloads)
-	schema, err := c.schema(workloads)
+	schema, err := c.schema(workloads, defaults)
 	if err != nil {
 		return nil, err
 	}
@@ -355,7 +359,13 @@ const helpers = `{{/* The image .name of .Values.images, from .Values.imageRegis
 var (
 	imageLine = regexp.MustCompile(`(?m)^(\s*(?:- )?image: )(\S+)$`)
 	argsLine  = regexp.MustCompile(`(?m)^(\s*)- args:$`)
+	// defaultLine marks a class its kind's default (StorageClass, VolumeSnapshotClass,
+	// VolumeGroupSnapshotClass).
+	defaultLine = regexp.MustCompile(`(?m)^(\s*[a-z.]*kubernetes\.io/is-default-class: )"true"$`)
 )
+
+// defaultClasses is the value that keeps the chart's default classes default.
+const defaultClasses = "defaultClasses"
 
 // template templates the values into doc, the text of one object of the overlay's output, and
 // records the images and settings it found.
@@ -371,6 +381,10 @@ func (c Chart) template(doc, kind, name string, refs, settings map[string]string
 		if doc, err = extraArgs(doc, name); err != nil {
 			return "", err
 		}
+	}
+	if defaultLine.MatchString(doc) {
+		settings[defaultClasses] = "true"
+		doc = defaultLine.ReplaceAllString(doc, "${1}{{ .Values."+defaultClasses+" | toString | quote }}")
 	}
 	if kind == "ConfigMap" {
 		for _, s := range c.Settings {
@@ -427,7 +441,7 @@ func extraArgs(doc, workload string) (string, error) {
 }
 
 // values is the chart's values.yaml.
-func (c Chart) values(refs, settings map[string]string) []byte {
+func (c Chart) values(refs, settings map[string]string, defaults bool) []byte {
 	var b bytes.Buffer
 	fmt.Fprintf(&b, "# Generated from manifests/overlays/%s by make generate (e2e/charts); DO NOT EDIT.\n", c.Overlay)
 	for _, s := range c.Settings {
@@ -456,6 +470,9 @@ imagePullSecrets: []
 # snapshot CRDs are in crds/: helm install --skip-crds leaves them out.
 snapshotController: true
 `)
+	if defaults {
+		b.WriteString("\n# The chart's classes marked their kind's default (is-default-class) stay so; false where the\n# cluster has defaults of its own (two defaults of one kind are ambiguous).\n" + defaultClasses + ": true\n")
+	}
 	if c.Test != "" {
 		test, err := yaml.Marshal(map[string]any{"test": c.TestValues})
 		if err != nil {
@@ -519,7 +536,7 @@ func (c Chart) testNote() string {
 }
 
 // schema is the chart's values.schema.json.
-func (c Chart) schema(workloads []workload) ([]byte, error) {
+func (c Chart) schema(workloads []workload, defaults bool) ([]byte, error) {
 	perWorkload := map[string]any{}
 	for _, w := range workloads {
 		resources := map[string]any{}
@@ -559,6 +576,9 @@ func (c Chart) schema(workloads []workload) ([]byte, error) {
 				"required": []string{"name"}, "additionalProperties": false},
 		},
 		"snapshotController": map[string]any{"type": "boolean", "description": "install the CSI snapshot-controller"},
+	}
+	if defaults {
+		properties[defaultClasses] = map[string]any{"type": "boolean", "description": "keep the chart's default classes default"}
 	}
 	if c.Test != "" {
 		properties["test"] = map[string]any{
@@ -627,6 +647,9 @@ func (c Chart) Check(helm, kubectl, root, dir string) error {
 	if err := c.checkSchema(helm, dir); err != nil {
 		return err
 	}
+	if err := c.checkNoDefaults(helm, dir); err != nil {
+		return err
+	}
 	// The overlay's own values, its placeholders included, which the schema refuses.
 	// Without the tests, which are no objects of the overlay.
 	rendered, err := output(helm, "template", "pvbridge", dir, "--include-crds", "--skip-tests", "--namespace", Namespace, "--skip-schema-validation")
@@ -664,6 +687,18 @@ func (c Chart) Check(helm, kubectl, root, dir string) error {
 	if len(diffs) > 0 {
 		slices.Sort(diffs)
 		return fmt.Errorf("chart %s does not make the objects of overlay %s:\n  %s", c.Name, c.Overlay, strings.Join(diffs, "\n  "))
+	}
+	return nil
+}
+
+// checkNoDefaults fails unless defaultClasses=false leaves no class of the chart its kind's default.
+func (c Chart) checkNoDefaults(helm, dir string) error {
+	out, err := output(helm, "template", "pvbridge", dir, "--namespace", Namespace, "--skip-schema-validation", "--set", defaultClasses+"=false")
+	if err != nil {
+		return err
+	}
+	if defaultLine.Match(out) {
+		return fmt.Errorf("chart %s with %s=false still marks a class default", c.Name, defaultClasses)
 	}
 	return nil
 }
