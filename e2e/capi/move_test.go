@@ -19,6 +19,7 @@ import (
 	"k8s.io/client-go/dynamic"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
+	"pvbridge.io/e2e/deploy"
 	infrav1 "pvbridge.io/pkg/apis/infrastructure/v1alpha1"
 	vmv1 "pvbridge.io/pkg/apis/vm/v1alpha1"
 )
@@ -103,7 +104,7 @@ func copyInventory(ctx context.Context, g Gomega) {
 	to, err := dynamic.NewForConfig(in.Guest.RESTConfig())
 	g.Expect(err).NotTo(HaveOccurred())
 	crds := schema.GroupVersionResource{Group: "apiextensions.k8s.io", Version: "v1", Resource: "customresourcedefinitions"}
-	providers := schema.GroupVersionResource{Group: "clusterctl.cluster.x-k8s.io", Version: "v1alpha3", Resource: "providers"}
+	providers := deploy.ProviderGVR
 	namespaces := schema.GroupVersionResource{Version: "v1", Resource: "namespaces"}
 	copied := func(o *unstructured.Unstructured) *unstructured.Unstructured {
 		o = &unstructured.Unstructured{Object: map[string]any{

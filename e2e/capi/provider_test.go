@@ -6,7 +6,6 @@ import (
 	. "github.com/onsi/gomega"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
-	"k8s.io/apimachinery/pkg/runtime/schema"
 	"k8s.io/client-go/dynamic"
 
 	"pvbridge.io/e2e/deploy"
@@ -27,7 +26,7 @@ func TestClusterctlInstalledTheProvider(t *testing.T) {
 
 	dyn, err := dynamic.NewForConfig(in.Mgmt.RESTConfig())
 	g.Expect(err).NotTo(HaveOccurred())
-	providers := schema.GroupVersionResource{Group: "clusterctl.cluster.x-k8s.io", Version: "v1alpha3", Resource: "providers"}
+	providers := deploy.ProviderGVR
 	p, err := dyn.Resource(providers).Namespace(ns).Get(ctx, "infrastructure-pvbridge", metav1.GetOptions{})
 	g.Expect(err).NotTo(HaveOccurred(), "clusterctl's inventory has the provider")
 	for field, want := range map[string]string{"providerName": "pvbridge", "type": "InfrastructureProvider", "version": version} {

@@ -132,10 +132,11 @@ func StartClusterAPI(ctx context.Context, lab *cluster.Lab, mgmt *cluster.Contro
 	return c, clusterctlInit(ctx, lab, mgmt, dyn, module, dir)
 }
 
-// The inventory of clusterctl (its Provider objects), and the cert-manager version clusterctl
-// v1.14.2 installs (its CertManagerDefaultVersion).
-var providerGVR = schema.GroupVersionResource{Group: "clusterctl.cluster.x-k8s.io", Version: "v1alpha3", Resource: "providers"}
+// ProviderGVR is clusterctl's inventory: its Provider objects.
+var ProviderGVR = schema.GroupVersionResource{Group: "clusterctl.cluster.x-k8s.io", Version: "v1alpha3", Resource: "providers"}
 
+// certManagerVersion is the cert-manager clusterctl v1.14.2 installs (its
+// CertManagerDefaultVersion).
 const certManagerVersion = "v1.21.1"
 
 // clusterctlInit installs pvbridge's provider as an admin does (docs/deployment.md): clusterctl
@@ -176,7 +177,7 @@ func clusterctlInit(ctx context.Context, lab *cluster.Lab, mgmt *cluster.Control
 			return err
 		}
 		p := &unstructured.Unstructured{Object: map[string]any{
-			"apiVersion": providerGVR.GroupVersion().String(), "kind": "Provider",
+			"apiVersion": ProviderGVR.GroupVersion().String(), "kind": "Provider",
 			"metadata":     map[string]any{"name": mgr.provider, "namespace": mgr.namespace},
 			"providerName": mgr.providerName, "type": mgr.providerType, "version": module.Version,
 		}}
@@ -187,7 +188,7 @@ func clusterctlInit(ctx context.Context, lab *cluster.Lab, mgmt *cluster.Control
 		}
 		// The CRD was just made: its resource may not be served yet.
 		err = wait.PollUntilContextTimeout(ctx, 100*time.Millisecond, time.Minute, true, func(ctx context.Context) (bool, error) {
-			_, err := dyn.Resource(providerGVR).Namespace(mgr.namespace).Patch(ctx, mgr.provider, types.ApplyPatchType, data,
+			_, err := dyn.Resource(ProviderGVR).Namespace(mgr.namespace).Patch(ctx, mgr.provider, types.ApplyPatchType, data,
 				metav1.PatchOptions{FieldManager: "pvbridge-lab", Force: ptr.To(true)})
 			return err == nil, nil
 		})
