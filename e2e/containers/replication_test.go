@@ -65,11 +65,10 @@ func TestReplicatedVolumeInRealContainers(t *testing.T) {
 	// records counts the lines of the log, read in host-a's namespace from the writer's mount.
 	wp, err := mc.CoreV1().Pods(ns).Get(ctx, "writer", metav1.GetOptions{})
 	g.Expect(err).NotTo(HaveOccurred())
-	log := filepath.Join("/var/lib/kubelet/pods", string(wp.UID), "volumes/kubernetes.io~csi", pv.Name, "mount/log")
 	records := func(g Gomega) int {
-		out, err := in.Hosts["host-a"].Command(ctx, "cat", log).Output()
+		n, err := syncedRecords(ctx, in.Hosts["host-a"], wp.UID, pv.Name)
 		g.Expect(err).NotTo(HaveOccurred())
-		return strings.Count(string(out), "\n")
+		return n
 	}
 	g.Eventually(records).WithContext(ctx).WithTimeout(time.Minute).Should(BeNumerically(">=", 20))
 	daemons := map[string]qsd.Dir{

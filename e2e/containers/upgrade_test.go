@@ -17,6 +17,7 @@ import (
 	"k8s.io/apimachinery/pkg/api/equality"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/fields"
+	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/apimachinery/pkg/util/wait"
 	"k8s.io/apimachinery/pkg/watch"
 	"sigs.k8s.io/controller-runtime/pkg/client"
@@ -170,10 +171,20 @@ func records(ctx context.Context) (int, error) {
 	if err != nil || pvc.Spec.VolumeName == "" || p.Status.Phase != corev1.PodRunning {
 		return 0, err
 	}
-	log := filepath.Join("/var/lib/kubelet/pods", string(p.UID), "volumes/kubernetes.io~csi", pvc.Spec.VolumeName, "mount/log")
-	out, err := in.GuestNodes[upgraded.node].Command(ctx, "cat", log).Output()
+	n, err := syncedRecords(ctx, in.GuestNodes[upgraded.node], p.UID, pvc.Spec.VolumeName)
 	if err != nil {
 		return 0, nil // not yet published
+	}
+	return n, nil
+}
+
+// syncedRecords counts the lines of the log a writer appends to its volume pv at /data, read in
+// the mount namespace of its node from the pod's mount.
+func syncedRecords(ctx context.Context, node *cluster.Node, pod types.UID, pv string) (int, error) {
+	log := filepath.Join("/var/lib/kubelet/pods", string(pod), "volumes/kubernetes.io~csi", pv, "mount/log")
+	out, err := node.Command(ctx, "cat", log).Output()
+	if err != nil {
+		return 0, fmt.Errorf("%s: cat %s: %w", node.Name, log, err)
 	}
 	return strings.Count(string(out), "\n"), nil
 }

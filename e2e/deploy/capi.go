@@ -240,24 +240,20 @@ type goModule struct{ Dir, Version string }
 
 // moduleDir downloads module@version (from GOPROXY, once) and returns its directory.
 func moduleDir(ctx context.Context, moduleAtVersion string) (string, error) {
-	cmd := exec.CommandContext(ctx, "go", "mod", "download", "-json", moduleAtVersion)
-	cmd.Dir = os.TempDir()
-	cmd.Env = append(os.Environ(), "GOWORK=off")
-	out, err := cmd.Output()
-	if err != nil {
-		return "", fmt.Errorf("go mod download %s: %w\n%s", moduleAtVersion, err, out)
-	}
-	var m goModule
-	if err := json.Unmarshal(out, &m); err != nil {
-		return "", err
-	}
-	return m.Dir, nil
+	m, err := goModuleOf(ctx, os.TempDir(), "mod", "download", "-json", moduleAtVersion)
+	return m.Dir, err
 }
 
 // capiModule is the pinned Cluster API module (hack/tools/kubernetes pins it).
 func capiModule(ctx context.Context, repo string) (goModule, error) {
-	cmd := exec.CommandContext(ctx, "go", "list", "-m", "-json", "sigs.k8s.io/cluster-api")
-	cmd.Dir = filepath.Join(repo, "hack", "tools", "kubernetes")
+	return goModuleOf(ctx, filepath.Join(repo, "hack", "tools", "kubernetes"), "list", "-m", "-json", "sigs.k8s.io/cluster-api")
+}
+
+// goModuleOf runs go with args (a -json module query) in dir, outside the workspace, and
+// returns the module it prints.
+func goModuleOf(ctx context.Context, dir string, args ...string) (goModule, error) {
+	cmd := exec.CommandContext(ctx, "go", args...)
+	cmd.Dir = dir
 	cmd.Env = append(os.Environ(), "GOWORK=off")
 	var m goModule
 	out, err := cmd.Output()
@@ -265,7 +261,7 @@ func capiModule(ctx context.Context, repo string) (goModule, error) {
 		err = json.Unmarshal(out, &m)
 	}
 	if err != nil {
-		return m, fmt.Errorf("go list -m sigs.k8s.io/cluster-api: %w", err)
+		return m, fmt.Errorf("go %s: %w", strings.Join(args, " "), err)
 	}
 	return m, nil
 }

@@ -402,7 +402,7 @@ func (in *Installed) helmInstall(ctx context.Context, lab *cluster.Lab) error {
 			args = append(args, "--set", "images."+path.Base(name)+"="+name+":"+in.installed.Version)
 		}
 	}
-	if err := in.helm(ctx, lab, args...); err != nil {
+	if _, err := in.Helm(ctx, lab, args...); err != nil {
 		return err
 	}
 	return WaitWorkloadsReady(ctx, in.Mgmt.Client(), InstallNamespace)
@@ -424,12 +424,6 @@ func (in *Installed) helmValues(lab *cluster.Lab) (string, error) {
 		return "", err
 	}
 	return file, os.WriteFile(file, values, 0o644)
-}
-
-// helm runs helm with args against the management cluster.
-func (in *Installed) helm(ctx context.Context, lab *cluster.Lab, args ...string) error {
-	_, err := in.Helm(ctx, lab, args...)
-	return err
 }
 
 // Helm runs helm with args against the management cluster and returns its output.

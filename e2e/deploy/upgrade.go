@@ -91,7 +91,7 @@ func (in *Installed) Upgrade(ctx context.Context, lab *cluster.Lab) error {
 	if err != nil {
 		return err
 	}
-	if err := in.helm(ctx, lab, "upgrade", "pvbridge", chart, "--namespace", InstallNamespace, "--values", values); err != nil {
+	if _, err := in.Helm(ctx, lab, "upgrade", "pvbridge", chart, "--namespace", InstallNamespace, "--values", values); err != nil {
 		return err
 	}
 	if err := WaitWorkloadsReady(ctx, in.Mgmt.Client(), InstallNamespace); err != nil {
