@@ -79,6 +79,7 @@ func SetupWithManager(mgr ctrl.Manager, opts Options) error {
 	}
 	machines := &MachineReconciler{
 		Client:              mgr.GetClient(),
+		APIReader:           mgr.GetAPIReader(),
 		Recorder:            mgr.GetEventRecorder(fieldManager),
 		VolumeDetachTimeout: opts.VolumeDetachTimeout,
 		Filter:              opts.WatchFilter,

@@ -32,8 +32,12 @@ import (
 // MachineReconciler reconciles PVBridgeMachines: one VirtualMachine each, of the same namespace
 // and name (the guest Node's), owned by the PVBridgeMachine.
 type MachineReconciler struct {
-	Client   client.Client
-	Recorder recorder.EventRecorder
+	Client client.Client
+	// APIReader reads a deleted machine's VirtualMachine from the API server, not the cache:
+	// powering a VM off is decided on its volumes, and the cache may not yet show one just
+	// plugged. Client when nil.
+	APIReader client.Reader
+	Recorder  recorder.EventRecorder
 	// VolumeDetachTimeout bounds how long a deleted machine waits for its VM's volumes to
 	// detach before the VM is powered off and deleted anyway; zero waits for ever.
 	VolumeDetachTimeout time.Duration

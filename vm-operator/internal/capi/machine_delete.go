@@ -30,8 +30,12 @@ import (
 // reads its state from the API objects, so a provider restarted at any step goes on from there.
 func (r *MachineReconciler) reconcileDelete(ctx context.Context, pm *infrav1.PVBridgeMachine, clusterGoing bool) (ctrl.Result, error) {
 	log := ctrl.LoggerFrom(ctx)
+	reader := r.APIReader
+	if reader == nil {
+		reader = r.Client
+	}
 	vm := &vmv1.VirtualMachine{}
-	if err := r.Client.Get(ctx, client.ObjectKeyFromObject(pm), vm); err != nil {
+	if err := reader.Get(ctx, client.ObjectKeyFromObject(pm), vm); err != nil {
 		if !apierrors.IsNotFound(err) {
 			return ctrl.Result{}, fmt.Errorf("get VirtualMachine %s: %w", klog.KObj(pm), err)
 		}
