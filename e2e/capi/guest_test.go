@@ -37,6 +37,7 @@ func TestClusterAPIGuest(t *testing.T) {
 			}{
 				{"MachineHealthCheckWatchesTheWorkers", machineHealthCheckWatchesTheWorkers},
 				{"StatefulSetKeepsItsData", statefulSetKeepsItsData},
+				{"ClusterctlUpgradesTheProvider", clusterctlUpgradesTheProvider},
 				{"StorageOnTheGuest", storageOnTheGuest},
 				{"ScaleDownMovesVolumes", scaleDownMovesVolumes},
 				{"RollingReplacementMovesVolumes", rollingReplacementMovesVolumes},

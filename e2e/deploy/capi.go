@@ -29,6 +29,7 @@ import (
 	"k8s.io/utils/ptr"
 
 	"pvbridge.io/e2e/cluster"
+	"pvbridge.io/e2e/images"
 )
 
 // ClusterAPI is Cluster API running in the management cluster of a lab, installed as a real
@@ -41,6 +42,8 @@ import (
 // Cluster API's own RBAC is not installed.
 type ClusterAPI struct {
 	Managers map[string]*cluster.Process
+	// dir is clusterctl's: its configuration and repository (clusterctlInit).
+	dir string
 }
 
 // capiManagers are Cluster API's managers: binary, directory of the release's module (CRDs and
@@ -51,14 +54,15 @@ var capiManagers = []struct {
 	name, binary, path, provider string
 	labels                       map[string]string
 	args                         []string
-	// providerName, providerType and namespace are clusterctl's (its inventory).
-	providerName, providerType, namespace string
+	// providerName, providerType, namespace and components (the file of a release's
+	// repository) are clusterctl's.
+	providerName, providerType, namespace, components string
 }{
-	{"core", "capi-manager", "core", "cluster-api", nil, []string{topologyGate}, "cluster-api", "CoreProvider", "capi-system"},
+	{"core", "capi-manager", "core", "cluster-api", nil, []string{topologyGate}, "cluster-api", "CoreProvider", "capi-system", "core-components.yaml"},
 	{"bootstrap", "capi-kubeadm-bootstrap-manager", "bootstrap/kubeadm", "bootstrap-kubeadm", map[string]string{"cluster.x-k8s.io/v1beta1": "v1beta1", "cluster.x-k8s.io/v1beta2": "v1beta2"}, nil,
-		"kubeadm", "BootstrapProvider", "capi-kubeadm-bootstrap-system"},
+		"kubeadm", "BootstrapProvider", "capi-kubeadm-bootstrap-system", "bootstrap-components.yaml"},
 	{"controlplane", "capi-kubeadm-control-plane-manager", "controlplane/kubeadm", "control-plane-kubeadm", map[string]string{"cluster.x-k8s.io/v1beta1": "v1beta1", "cluster.x-k8s.io/v1beta2": "v1beta2"}, []string{topologyGate},
-		"kubeadm", "ControlPlaneProvider", "capi-kubeadm-control-plane-system"},
+		"kubeadm", "ControlPlaneProvider", "capi-kubeadm-control-plane-system", "control-plane-components.yaml"},
 }
 
 // clusterctlLabels are the labels clusterctl init puts on the objects of provider: clusterctl
@@ -70,8 +74,8 @@ func clusterctlLabels(provider string) map[string]string {
 const topologyGate = "--feature-gates=ClusterTopology=true"
 
 // StartClusterAPI installs and starts Cluster API and pvbridge's provider in the management
-// cluster mgmt.
-func StartClusterAPI(ctx context.Context, lab *cluster.Lab, mgmt *cluster.ControlPlane) (*ClusterAPI, error) {
+// cluster mgmt: the lab's provider, or previous's when it is not nil.
+func StartClusterAPI(ctx context.Context, lab *cluster.Lab, mgmt *cluster.ControlPlane, previous *Release) (*ClusterAPI, error) {
 	dir := filepath.Join(mgmt.Dir, "cluster-api")
 	if err := os.MkdirAll(dir, 0o755); err != nil {
 		return nil, err
@@ -93,7 +97,7 @@ func StartClusterAPI(ctx context.Context, lab *cluster.Lab, mgmt *cluster.Contro
 	if err != nil {
 		return nil, err
 	}
-	c := &ClusterAPI{Managers: map[string]*cluster.Process{}}
+	c := &ClusterAPI{Managers: map[string]*cluster.Process{}, dir: dir}
 	var health []string
 	for _, mgr := range capiManagers {
 		ports, err := cluster.FreePorts(3)
@@ -129,7 +133,7 @@ func StartClusterAPI(ctx context.Context, lab *cluster.Lab, mgmt *cluster.Contro
 	if err := cluster.WaitHTTPReady(ctx, 2*time.Minute, health...); err != nil {
 		return nil, err
 	}
-	return c, clusterctlInit(ctx, lab, mgmt, dyn, module, dir)
+	return c, c.clusterctlInit(ctx, lab, mgmt, dyn, module, previous)
 }
 
 // ProviderGVR is clusterctl's inventory: its Provider objects.
@@ -141,16 +145,19 @@ const certManagerVersion = "v1.21.1"
 
 // clusterctlInit installs pvbridge's provider as an admin does (docs/deployment.md): clusterctl
 // init --infrastructure pvbridge from the release's clusterctl repository (hack/release.sh
-// clusterctl), waiting until its Deployment is available. Before that, the lab gives clusterctl
-// what its own init of Cluster API would have left:
+// clusterctl), waiting until its Deployment is available. With previous, the repository has
+// that release too (its manifests/clusterctl, as its own release wrote them), and init installs
+// it; UpgradeProvider then moves it to the lab's. Before that, the lab gives clusterctl what its
+// own init of Cluster API would have left:
 //   - its inventory: a Provider object for each manager the lab runs as a process, of the
 //     module's version, in the namespace clusterctl would have installed it in;
-//   - the core provider's metadata.yaml (its contract), in a local repository of the module's;
+//   - each manager's provider in a local repository of the module's, holding its metadata.yaml
+//     (the contract; clusterctl reads it, and upgrade reads it of every provider installed);
 //   - cert-manager's API: clusterctl refuses to install a provider until it can create an Issuer
 //     and a Certificate. The lab installs the CRDs of the cert-manager release clusterctl would
 //     install (from the Go module proxy), not its controllers: neither Cluster API's managers as
 //     the lab runs them (its own CA) nor pvbridge's provider (no webhooks) use its certificates.
-func clusterctlInit(ctx context.Context, lab *cluster.Lab, mgmt *cluster.ControlPlane, dyn dynamic.Interface, module goModule, dir string) error {
+func (c *ClusterAPI) clusterctlInit(ctx context.Context, lab *cluster.Lab, mgmt *cluster.ControlPlane, dyn dynamic.Interface, module goModule, previous *Release) error {
 	certManager, err := moduleDir(ctx, "github.com/cert-manager/cert-manager@"+certManagerVersion)
 	if err != nil {
 		return err
@@ -197,40 +204,67 @@ func clusterctlInit(ctx context.Context, lab *cluster.Lab, mgmt *cluster.Control
 		}
 	}
 
-	repo := filepath.Join(dir, "clusterctl")
+	repo := filepath.Join(c.dir, "clusterctl")
 	if out, err := exec.CommandContext(ctx, filepath.Join(lab.Binaries().Repo, "hack", "release.sh"), "clusterctl", repo).CombinedOutput(); err != nil {
 		return fmt.Errorf("hack/release.sh clusterctl: %w\n%s", err, out)
 	}
-	core := filepath.Join(repo, "cluster-api", module.Version)
-	if err := os.MkdirAll(core, 0o755); err != nil {
-		return err
+	provider := "pvbridge"
+	if previous != nil {
+		if err := previous.clusterctlRepository(repo); err != nil {
+			return err
+		}
+		provider += ":" + previous.Version
 	}
 	metadata, err := os.ReadFile(filepath.Join(module.Dir, "metadata.yaml"))
 	if err != nil {
 		return err
 	}
-	if err := os.WriteFile(filepath.Join(core, "metadata.yaml"), metadata, 0o644); err != nil {
-		return err
-	}
-	config := filepath.Join(repo, "clusterctl.yaml")
-	f, err := os.OpenFile(config, os.O_APPEND|os.O_WRONLY, 0)
+	config, err := os.OpenFile(filepath.Join(repo, "clusterctl.yaml"), os.O_APPEND|os.O_WRONLY, 0)
 	if err != nil {
 		return err
 	}
-	_, err = fmt.Fprintf(f, "  - name: cluster-api\n    type: CoreProvider\n    url: file://%s/core-components.yaml\n", core)
-	if err := errors.Join(err, f.Close()); err != nil {
+	defer config.Close()
+	for _, mgr := range capiManagers {
+		dir := filepath.Join(repo, mgr.provider, module.Version)
+		if err := os.MkdirAll(dir, 0o755); err != nil {
+			return err
+		}
+		if err := os.WriteFile(filepath.Join(dir, "metadata.yaml"), metadata, 0o644); err != nil {
+			return err
+		}
+		if _, err := fmt.Fprintf(config, "  - name: %s\n    type: %s\n    url: file://%s/%s\n", mgr.providerName, mgr.providerType, dir, mgr.components); err != nil {
+			return err
+		}
+	}
+	if err := config.Close(); err != nil {
 		return err
 	}
+	return c.clusterctl(ctx, lab, mgmt, "init", "--infrastructure", provider)
+}
 
+// UpgradeProvider upgrades the provider clusterctl init installed (InstalledOptions.Previous)
+// to the lab's release as docs/upgrade.md says, clusterctl upgrade apply --infrastructure
+// pvbridge:<version>, and returns once its new Deployment is available.
+func (in *Installed) UpgradeProvider(ctx context.Context, lab *cluster.Lab) error {
+	version, err := images.Version(lab.Binaries().Repo)
+	if err != nil {
+		return err
+	}
+	return in.ClusterAPI.clusterctl(ctx, lab, in.Mgmt, "upgrade", "apply", "--infrastructure", "pvbridge:"+version)
+}
+
+// clusterctl runs clusterctl's command args (init or upgrade apply) on mgmt with the lab's
+// configuration, waiting for the providers it installs.
+func (c *ClusterAPI) clusterctl(ctx context.Context, lab *cluster.Lab, mgmt *cluster.ControlPlane, args ...string) error {
 	clusterctl, err := lab.Binaries().Tool("clusterctl")
 	if err != nil {
 		return err
 	}
-	cmd := exec.CommandContext(ctx, clusterctl, "init", "--config", config, "--kubeconfig", mgmt.Kubeconfig,
-		"--infrastructure", "pvbridge", "--wait-providers", "--wait-provider-timeout", "300")
-	cmd.Env = append(os.Environ(), "CLUSTERCTL_DISABLE_VERSIONCHECK=true", "XDG_CONFIG_HOME="+dir)
+	cmd := exec.CommandContext(ctx, clusterctl, append(args, "--config", filepath.Join(c.dir, "clusterctl", "clusterctl.yaml"),
+		"--kubeconfig", mgmt.Kubeconfig, "--wait-providers", "--wait-provider-timeout", "300")...)
+	cmd.Env = append(os.Environ(), "CLUSTERCTL_DISABLE_VERSIONCHECK=true", "XDG_CONFIG_HOME="+c.dir)
 	if out, err := cmd.CombinedOutput(); err != nil {
-		return fmt.Errorf("clusterctl init --infrastructure pvbridge: %w\n%s", err, out)
+		return fmt.Errorf("clusterctl %s: %w\n%s", strings.Join(args, " "), err, out)
 	}
 	return nil
 }

@@ -39,7 +39,7 @@ var MachineGVK = schema.GroupVersionKind{Group: "cluster.x-k8s.io", Version: "v1
 func (in *Installed) installClusterAPIGuest(ctx context.Context, lab *cluster.Lab, archives []string) error {
 	opts := in.Options.Guest
 	var err error
-	if in.ClusterAPI, err = StartClusterAPI(ctx, lab, in.Mgmt); err != nil {
+	if in.ClusterAPI, err = StartClusterAPI(ctx, lab, in.Mgmt, in.Options.Previous); err != nil {
 		return err
 	}
 	kubeadmArchives, version, etcdTag, err := cluster.KubeadmImageArchives(ctx, lab)

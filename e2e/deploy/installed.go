@@ -80,8 +80,9 @@ type InstalledOptions struct {
 	// Helm installs the management side from its Helm chart (charts/pvbridge-management)
 	// rather than from its overlay.
 	Helm bool
-	// Previous, with Helm, installs that release of pvbridge instead of the lab's tree, which
-	// Upgrade then moves it to.
+	// Previous installs that release of pvbridge instead of the lab's tree where a user
+	// upgrades it: with Helm, both clusters' pvbridge (Upgrade moves them to the lab's tree);
+	// with ClusterAPI, the infrastructure provider, by clusterctl init (UpgradeProvider).
 	Previous *Release
 	// QEMUHost, one of Hosts (with ClusterAPI, from the overlays), runs pvbridge's host agent
 	// as shipped: its VMs are QEMU VMs that boot the node image on a QEMU network of the lab
@@ -112,8 +113,8 @@ type Installed struct {
 	QEMUNetwork *cluster.QEMUNetwork
 	workers     []string
 	archives    []string // every node's images
-	// installed is the release whose overlays and chart are applied: Options.Previous until
-	// Upgrade, else nil, the lab's tree.
+	// installed is the release whose overlays and chart are applied: with Helm,
+	// Options.Previous until Upgrade, else nil, the lab's tree.
 	installed *Release
 }
 
@@ -126,18 +127,22 @@ func Install(ctx context.Context, lab *cluster.Lab, opts InstalledOptions) (*Ins
 	if err != nil {
 		return nil, err
 	}
+	in := &Installed{Options: opts}
 	if opts.Previous != nil {
-		if !opts.Helm || opts.ClusterAPI {
-			return nil, errors.New("a previous release is installed with helm, without Cluster API")
+		if opts.Helm == opts.ClusterAPI {
+			return nil, errors.New("a previous release is installed with helm or with Cluster API's clusterctl")
 		}
 		prev, err := opts.Previous.images(lab)
 		if err != nil {
 			return nil, err
 		}
 		archives = append(archives, prev...)
+		if opts.Helm {
+			in.installed = opts.Previous
+		}
 	}
 	archives = append(archives, opts.Images...)
-	in := &Installed{Options: opts, archives: archives, installed: opts.Previous}
+	in.archives = archives
 	if opts.ClusterAPI {
 		if in.Registry, err = lab.StartRegistry(ctx); err != nil {
 			return nil, err

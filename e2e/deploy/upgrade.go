@@ -7,7 +7,10 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"regexp"
 	"strings"
+
+	"golang.org/x/sys/unix"
 
 	"pvbridge.io/e2e/cluster"
 	"pvbridge.io/e2e/images"
@@ -51,8 +54,21 @@ func PreviousRelease(ctx context.Context, lab *cluster.Lab) (*Release, error) {
 
 // images returns the archives of r's images, built once per machine (a release's tree does not
 // change) into <cache>/releases/<version>-<commit>, next to the tools' directory.
+// Labs of one machine that build it at once take turns (a lock file beside it): the second
+// finds the first's build.
 func (r *Release) images(lab *cluster.Lab) ([]string, error) {
 	dir := filepath.Join(filepath.Dir(lab.Binaries().Dir), "releases", r.Version+"-"+r.Commit)
+	if err := os.MkdirAll(filepath.Dir(dir), 0o755); err != nil {
+		return nil, err
+	}
+	lock, err := os.OpenFile(dir+".lock", os.O_CREATE|os.O_RDWR, 0o644)
+	if err != nil {
+		return nil, err
+	}
+	defer lock.Close() // and so unlocked
+	if err := unix.Flock(int(lock.Fd()), unix.LOCK_EX); err != nil {
+		return nil, fmt.Errorf("lock %s: %w", lock.Name(), err)
+	}
 	list := filepath.Join(dir, "archives") // written last: the build is whole
 	if data, err := os.ReadFile(list); err == nil {
 		return strings.Fields(string(data)), nil
@@ -98,4 +114,27 @@ func (in *Installed) Upgrade(ctx context.Context, lab *cluster.Lab) error {
 		return err
 	}
 	return in.apply(ctx, lab, in.Guest, "guest", in.guestKustomization())
+}
+
+// clusterctlRepository adds r's infrastructure provider to the clusterctl repository repo
+// (hack/release.sh clusterctl) as r's own release wrote it: its manifests/clusterctl, with its
+// image tagged r.Version.
+func (r *Release) clusterctlRepository(repo string) error {
+	dir := filepath.Join(repo, "infrastructure-pvbridge", r.Version)
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		return err
+	}
+	for _, file := range []string{"infrastructure-components.yaml", "metadata.yaml"} {
+		data, err := os.ReadFile(filepath.Join(r.Root, "manifests", "clusterctl", file))
+		if err != nil {
+			return err
+		}
+		for _, name := range ownImageNames() {
+			data = regexp.MustCompile(regexp.QuoteMeta(name)+`:[^\s"]+`).ReplaceAll(data, []byte(name+":"+r.Version))
+		}
+		if err := os.WriteFile(filepath.Join(dir, file), data, 0o644); err != nil {
+			return err
+		}
+	}
+	return nil
 }
