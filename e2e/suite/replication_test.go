@@ -18,6 +18,7 @@ import (
 	. "github.com/onsi/gomega"
 	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/api/meta"
+	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/utils/ptr"
 	"sigs.k8s.io/controller-runtime/pkg/client"
@@ -87,6 +88,59 @@ var _ = Describe("Replicated volumes", Label("replication"), func() {
 		deleteMgmtPod(ctx, second)
 		third := mgmtPod(ctx, ns, "third", "host-a")
 		Expect(os.ReadFile(filepath.Join(mgmtVolumePath(third, pv.Name), "data"))).To(BeEquivalentTo("after"))
+	})
+
+	// A replicated volume grows only while no node serves it (QEMU 7.2's quorum cannot resize,
+	// and a replica's export keeps the size it was made with): asked to grow while a pod uses
+	// it, the resize is refused, saying why, and retried; once the pod is gone each replica
+	// grows and is exported again, and a pod on the other host finds its data on the larger
+	// filesystem and fills it past the old size on both replicas.
+	It("grows a replicated volume once no pod uses it", func(ctx SpecContext) {
+		ns := mgmtNamespace(ctx)
+		Expect(mc.Create(ctx, deploy.PVC(ns, "data", deploy.StorageClassPmemReplicated, "64Mi", false))).To(Succeed())
+		first := mgmtPod(ctx, ns, "first", "host-a")
+		pv := boundMgmtPV(ctx, ns, "data")
+		Expect(writeSynced(filepath.Join(mgmtVolumePath(first, pv.Name), "data"), []byte("before"))).To(Succeed())
+		before := fsSize(mgmtVolumePath(first, pv.Name))
+		pvc := &corev1.PersistentVolumeClaim{}
+		Expect(mc.Get(ctx, client.ObjectKey{Namespace: ns, Name: "data"}, pvc)).To(Succeed())
+		patch := client.MergeFrom(pvc.DeepCopy())
+		bigger := resource.MustParse("128Mi")
+		pvc.Spec.Resources.Requests[corev1.ResourceStorage] = bigger
+		Expect(mc.Patch(ctx, pvc, patch)).To(Succeed())
+
+		By("served on host-a: the resize is refused, saying why, and no replica grows")
+		Eventually(func(g Gomega) {
+			l := &corev1.EventList{}
+			g.Expect(mc.List(ctx, l, client.InNamespace(ns))).To(Succeed())
+			g.Expect(l.Items).To(ContainElement(And(HaveField("InvolvedObject.Name", "data"), HaveField("Reason", "VolumeResizeFailed"),
+				HaveField("Message", ContainSubstring("grows only while no node serves it")))))
+		}).WithContext(ctx).WithTimeout(timeout).Should(Succeed())
+		for _, r := range replicasOf(ctx, pv.Spec.CSI.VolumeHandle) {
+			Expect(r.Spec.Size.Cmp(resource.MustParse("64Mi"))).To(BeZero(), r.Name)
+		}
+
+		By("the pod gone, the replicas grow; a pod on host-b reads the data on the larger filesystem")
+		deleteMgmtPod(ctx, first)
+		Eventually(func(g Gomega) {
+			g.Expect(mc.Get(ctx, client.ObjectKeyFromObject(pv), pv)).To(Succeed())
+			g.Expect(pv.Spec.Capacity.Storage().Cmp(bigger)).To(BeNumerically(">=", 0))
+		}).WithContext(ctx).WithTimeout(timeout).Should(Succeed())
+		for _, r := range replicasOf(ctx, pv.Spec.CSI.VolumeHandle) {
+			Expect(r.Status.AllocatedSize.Cmp(bigger)).To(BeNumerically(">=", 0), r.Name)
+		}
+		second := mgmtPod(ctx, ns, "second", "host-b")
+		Expect(os.ReadFile(filepath.Join(mgmtVolumePath(second, pv.Name), "data"))).To(BeEquivalentTo("before"))
+		Eventually(fsSize).WithArguments(mgmtVolumePath(second, pv.Name)).WithContext(ctx).WithTimeout(timeout).
+			Should(BeNumerically(">", before+50<<20), "the filesystem grew")
+		By("writes past the old size reach both replicas: none is faulted")
+		Expect(writeSynced(filepath.Join(mgmtVolumePath(second, pv.Name), "more"), bytes.Repeat([]byte{'x'}, 80<<20))).To(Succeed())
+		// A child's failed write is reported by the target's watch, within a second.
+		Consistently(func(g Gomega) {
+			for _, r := range replicasOf(ctx, pv.Spec.CSI.VolumeHandle) {
+				g.Expect(r.Faulted()).To(BeFalse(), "%s: %v", r.Name, r.Status.Conditions)
+			}
+		}).WithContext(ctx).WithTimeout(5 * time.Second).Should(Succeed())
 	})
 
 	// A snapshot of a replicated volume is cut from one of its replicas; a replicated volume

@@ -35,7 +35,7 @@ type Exporter interface {
 }
 
 // ReplicaReconciler realizes the PmemReplicas of one node: it carves each replica from the
-// node's PMEM as a volume named after the replica, and exports it, once. A replica whose export
+// node's PMEM as a volume named after the replica, and exports it, once (again when it grew). A replica whose export
 // is lost afterwards (the replica server crashed, the host rebooted) may have missed writes
 // that its volume's targets made meanwhile; exported again, it would serve its stale data to
 // a target that reconnects or opens it. It is faulted instead, for good.
@@ -98,6 +98,15 @@ func (r *ReplicaReconciler) reconcileNormal(ctx context.Context, rep *pmemv1.Pme
 	}
 	if err != nil {
 		return r.failed(ctx, rep, err)
+	}
+	if a := rep.Status.AllocatedSize; a != nil && dev.Size > a.Value() {
+		// Grown: an export keeps the size it was made with, so it is made again. No target
+		// is on it: the controller grows a replicated volume only while no node serves it, and
+		// none serves it until its replicas are ready at their new size.
+		if err := r.Server.Unexport(ctx, rep.Name); err != nil {
+			return r.failed(ctx, rep, err)
+		}
+		ctrl.LoggerFrom(ctx).Info("Exporting the grown replica again", "volumeID", rep.Spec.VolumeID, "from", a.Value(), "to", dev.Size)
 	}
 	if err := r.Server.Export(ctx, rep.Name, dev.Device); err != nil {
 		return r.failed(ctx, rep, err)

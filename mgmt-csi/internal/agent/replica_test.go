@@ -22,8 +22,9 @@ import (
 
 // exporter is a replica server that records its exports.
 type exporter struct {
-	exports map[string]string
-	err     error
+	exports    map[string]string
+	unexported []string
+	err        error
 }
 
 func (e *exporter) Export(_ context.Context, name, device string) error {
@@ -36,6 +37,7 @@ func (e *exporter) Export(_ context.Context, name, device string) error {
 
 func (e *exporter) Unexport(_ context.Context, name string) error {
 	delete(e.exports, name)
+	e.unexported = append(e.unexported, name)
 	return e.err
 }
 
@@ -133,6 +135,27 @@ func TestReplicaReconciler(t *testing.T) {
 				e.exports["v-r0"] = "/dev/loop0"
 			},
 			wantReason: pmemv1.CreatedReason, wantRequeue: true,
+		},
+		{
+			name: "a grown replica grows and is exported again, at its new size",
+			rep: replica("v-r0", 20*mi, withReady(pmemv1.CreatedReason), func(r *pmemv1.PmemReplica) {
+				r.Generation = 2
+				r.Status.AllocatedSize = resource.NewQuantity(10*mi, resource.BinarySI)
+			}),
+			prepare: func(ctx context.Context, g Gomega, b *fake.Fake, e *exporter) {
+				carved(ctx, g, b, e)
+				e.exports["v-r0"] = "/dev/loop0"
+			},
+			wantReason: pmemv1.CreatedReason, wantRequeue: true,
+			check: func(ctx context.Context, g Gomega, b *fake.Fake, e *exporter, got *pmemv1.PmemReplica) {
+				v, err := b.GetVolume(ctx, "v-r0")
+				g.Expect(err).NotTo(HaveOccurred())
+				g.Expect(v.Size).To(Equal(20 * mi))
+				g.Expect(e.unexported).To(Equal([]string{"v-r0"}), "its old export ended")
+				g.Expect(e.exports).To(Equal(map[string]string{"v-r0": v.Device}))
+				g.Expect(got.Status.AllocatedSize.Value()).To(Equal(20 * mi))
+				g.Expect(meta.FindStatusCondition(got.Status.Conditions, pmemv1.ReadyCondition).ObservedGeneration).To(BeEquivalentTo(2))
+			},
 		},
 		{
 			name: "a ready replica whose export is gone is faulted, never exported again", rep: replica("v-r0", 10*mi, withReady(pmemv1.CreatedReason)),

@@ -521,18 +521,17 @@ func (s *controllerServer) ControllerExpandVolume(ctx context.Context, req *csi.
 	if err := s.getOrNotFound(ctx, id, vol, "volume"); err != nil {
 		return nil, err
 	}
-	if err := notReplicated(vol, "expansion"); err != nil {
-		return nil, err
-	}
-	if vol.Spec.Size.Value() < size {
-		patch := client.MergeFromWithOptions(vol.DeepCopy(), client.MergeFromWithOptimisticLock{})
-		vol.Spec.Size = *resource.NewQuantity(size, resource.BinarySI)
-		if err := s.client.Patch(ctx, vol, patch); err != nil {
-			return nil, csiserver.APIError(err, "grow PmemVolume %s", id)
+	if vol.Spec.Replicas > 1 {
+		err = s.expandReplicated(ctx, vol, size)
+	} else {
+		if vol.Spec.Size.Value() < size {
+			if err := s.growVolume(ctx, vol, size); err != nil {
+				return nil, err
+			}
 		}
-		klog.FromContext(ctx).V(2).Info("Growing volume", "volumeID", id, "size", size)
+		vol, err = s.waitVolumeReady(ctx, vol)
 	}
-	if vol, err = s.waitVolumeReady(ctx, vol); err != nil {
+	if err != nil {
 		return nil, err
 	}
 	// A filesystem must grow on the node too; a raw block device is ready as it is.
@@ -541,6 +540,18 @@ func (s *controllerServer) ControllerExpandVolume(ctx context.Context, req *csi.
 		CapacityBytes:         allocated(vol),
 		NodeExpansionRequired: !block,
 	}, nil
+}
+
+// growVolume records size as vol's, conditional on the version of vol read: what was decided
+// on that version (a replicated volume no node serves) still holds.
+func (s *controllerServer) growVolume(ctx context.Context, vol *pmemv1.PmemVolume, size int64) error {
+	patch := client.MergeFromWithOptions(vol.DeepCopy(), client.MergeFromWithOptimisticLock{})
+	vol.Spec.Size = *resource.NewQuantity(size, resource.BinarySI)
+	if err := s.client.Patch(ctx, vol, patch); err != nil {
+		return csiserver.APIError(err, "grow PmemVolume %s", vol.Name)
+	}
+	klog.FromContext(ctx).V(2).Info("Growing volume", "volumeID", vol.Name, "size", size)
+	return nil
 }
 
 // ControllerModifyVolume accepts a VolumeAttributesClass's parameters, the I/O limits of the

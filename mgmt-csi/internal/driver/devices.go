@@ -62,7 +62,7 @@ func (d VolumeDevices) Device(ctx context.Context, volumeID string) (string, err
 // Stage returns the device of the back end's volume, or brings up the target of a replicated
 // volume over its replicas and returns its device. One node at a time serves a replicated
 // volume: the one its status names as target, which Stage claims first (see claim). Every
-// replica must be ready, or faulted: a target that went on without a replica that is still
+// replica must be ready at the volume's size, or faulted: a target that went on without a replica that is still
 // being made would leave it behind the others, while a faulted replica is never served again
 // (the volume runs degraded without it).
 func (d VolumeDevices) Stage(ctx context.Context, volumeID string) (string, error) {
@@ -209,6 +209,10 @@ func (d VolumeDevices) replicas(ctx context.Context, volumeID string) (*pmemv1.P
 		ready := meta.FindStatusCondition(r.Status.Conditions, pmemv1.ReadyCondition)
 		if r.DeletionTimestamp != nil || ready == nil || ready.Status != metav1.ConditionTrue || ready.ObservedGeneration < r.Generation {
 			return nil, nil, fmt.Errorf("volume %s: %w: replica %s on node %s is not", volumeID, errReplicaNotReady, r.Name, r.Spec.Node)
+		}
+		if r.Spec.Size.Cmp(vol.Spec.Size) < 0 {
+			// The controller grows the volume (expandReplicated), then its replicas.
+			return nil, nil, fmt.Errorf("volume %s: %w: replica %s on node %s has not grown to the volume's size yet", volumeID, errReplicaNotReady, r.Name, r.Spec.Node)
 		}
 		rep := replication.Replica{Name: r.Name, Address: r.Status.Address}
 		if r.Spec.Node == d.Node {

@@ -87,6 +87,15 @@ func TestReplicasOfAStagedVolume(t *testing.T) {
 			code: codes.Aborted,
 		},
 		{
+			name: "a replica smaller than its volume is waited for: it grows, while no node serves the volume",
+			objs: []client.Object{vol, replicaOn(0, "b", pmemv1.CreatedReason), func() *pmemv1.PmemReplica {
+				r := replicaOn(1, "c", pmemv1.CreatedReason)
+				r.Spec.Size = *resource.NewQuantity(gi/2, resource.BinarySI)
+				return r
+			}()},
+			code: codes.Aborted,
+		},
+		{
 			name: "a replica not recorded yet is waited for",
 			objs: []client.Object{vol, replicaOn(1, "c", pmemv1.CreatedReason)},
 			code: codes.Aborted,

@@ -302,9 +302,9 @@ func (s *controllerServer) chooseReplicaNodes(ctx context.Context, vol *pmemv1.P
 		vol.Name, vol.Spec.Replicas, size, len(chosen), len(taken), reasons)
 }
 
-// waitReplicaReady waits until the node agent reports replica r ready. A new replica its node
-// had no room for is removed again, so that the next call places it elsewhere, and reported
-// ResourceExhausted.
+// waitReplicaReady waits until the node agent reports replica r ready at r's generation and
+// size. A new replica its node had no room for is removed again, so that the next call places
+// it elsewhere, and reported ResourceExhausted.
 func (s *controllerServer) waitReplicaReady(ctx context.Context, r *pmemv1.PmemReplica) error {
 	got := &pmemv1.PmemReplica{}
 	var failure error
@@ -315,12 +315,16 @@ func (s *controllerServer) waitReplicaReady(ctx context.Context, r *pmemv1.PmemR
 			}
 			return false, err
 		}
-		if got.DeletionTimestamp != nil {
+		switch {
+		case got.DeletionTimestamp != nil:
 			failure = status.Errorf(codes.Aborted, "replica %s is being deleted", r.Name)
 			return true, nil
+		case got.Generation < r.Generation:
+			return false, nil // a cache that has not seen our growth yet
 		}
 		var ready bool
 		ready, failure = readiness(got.Status.Conditions, got.Generation, got.Spec.Node)
+		ready = ready && got.Status.AllocatedSize != nil && got.Status.AllocatedSize.Cmp(got.Spec.Size) >= 0
 		return ready || failure != nil, nil
 	})
 	if err != nil {
@@ -335,6 +339,80 @@ func (s *controllerServer) waitReplicaReady(ctx context.Context, r *pmemv1.PmemR
 		*r = *got
 	}
 	return failure
+}
+
+// expandReplicated grows the replicated volume vol to size while no node serves it: QEMU
+// 7.2's quorum cannot resize, and a replica server fixes an export's size when it makes the
+// export, so each replica grows and is exported again by its agent (agent.ReplicaReconciler)
+// with no target on it. The volume's size is recorded first, conditional on the version that
+// said no node serves it: a node that claims the volume meanwhile makes the record conflict
+// (Aborted; the retry finds the volume served), and one that claims it afterwards finds
+// replicas smaller than the volume, or not ready at their new size, and waits
+// (VolumeDevices.replicas). A replica being made or rebuilt is waited for first (its copy is
+// the old size), and every node must have room to grow its replica before any grows: a
+// replica that failed to grow would keep the volume from being served.
+func (s *controllerServer) expandReplicated(ctx context.Context, vol *pmemv1.PmemVolume, size int64) error {
+	list := &pmemv1.PmemReplicaList{}
+	if err := s.reader.List(ctx, list, client.MatchingLabels{pmemv1.VolumeLabel: vol.Name}); err != nil {
+		return csiserver.APIError(err, "list the PmemReplicas of volume %s", vol.Name)
+	}
+	var live []*pmemv1.PmemReplica
+	for i := range list.Items {
+		if r := &list.Items[i]; r.Live() {
+			live = append(live, r)
+		}
+	}
+	if vol.Spec.Size.Value() < size {
+		if vol.Status.Target != "" {
+			return status.Errorf(codes.FailedPrecondition,
+				"volume %s is replicated and node %s serves it: a replicated volume grows only while no node serves it (its consumer stopped)", vol.Name, vol.Status.Target)
+		}
+		for _, r := range live {
+			if err := s.canGrow(ctx, r, size); err != nil {
+				return err
+			}
+		}
+		if err := s.growVolume(ctx, vol, size); err != nil {
+			return err
+		}
+	}
+	for _, r := range live {
+		if r.Spec.Size.Cmp(vol.Spec.Size) >= 0 {
+			continue
+		}
+		patch := client.MergeFrom(r.DeepCopy())
+		r.Spec.Size = vol.Spec.Size
+		if err := s.client.Patch(ctx, r, patch); err != nil {
+			return csiserver.APIError(err, "grow PmemReplica %s", r.Name)
+		}
+	}
+	for _, r := range live {
+		if err := s.waitReplicaReady(ctx, r); err != nil {
+			return err
+		}
+	}
+	return s.reportReplicated(ctx, vol, live)
+}
+
+// canGrow tells whether replica r may grow to size now: it has the volume's data and is ready,
+// and its node has room for the difference.
+func (s *controllerServer) canGrow(ctx context.Context, r *pmemv1.PmemReplica, size int64) error {
+	if !r.HasData() || !isReady(r.Status.Conditions) {
+		return status.Errorf(codes.Unavailable, "volume %s: replica %s on node %s is being made or rebuilt; the volume grows once it is ready", r.Spec.VolumeID, r.Name, r.Spec.Node)
+	}
+	node := &pmemv1.PmemNode{}
+	if err := s.reader.Get(ctx, client.ObjectKey{Name: r.Spec.Node}, node); err != nil {
+		return csiserver.APIError(err, "get PmemNode %s", r.Spec.Node)
+	}
+	have := r.Spec.Size.Value()
+	if a := r.Status.AllocatedSize; a != nil {
+		have = a.Value()
+	}
+	if need := alignUp(size, alignment(node)) - have; need > largest(node) {
+		return status.Errorf(codes.ResourceExhausted, "volume %s: node %s has %d bytes free in one extent, and its replica %s needs %d more to grow to %d bytes",
+			r.Spec.VolumeID, r.Spec.Node, largest(node), r.Name, need, size)
+	}
+	return nil
 }
 
 // reportReplicated writes in the volume's status that its replicas are ready, with the size

@@ -188,8 +188,6 @@ func TestReplicatedVolumeOperations(t *testing.T) {
 
 	_, err = s.ControllerPublishVolume(t.Context(), &csi.ControllerPublishVolumeRequest{VolumeId: "pvc-1", NodeId: "plain", VolumeCapability: blockCap})
 	g.Expect(err).NotTo(HaveOccurred(), "attached where it has no replica")
-	_, err = s.ControllerExpandVolume(t.Context(), &csi.ControllerExpandVolumeRequest{VolumeId: "pvc-1", CapacityRange: &csi.CapacityRange{RequiredBytes: 2 * gi}})
-	g.Expect(status.Code(err)).To(Equal(codes.FailedPrecondition))
 
 	// Clones are copied from a replica with the data, on its node: a replicated clone's first
 	// replica (the others are rebuilt), a plain clone itself. A retry keeps the first choice.
@@ -229,6 +227,72 @@ func TestReplicatedVolumeOperations(t *testing.T) {
 	_, err = s.DeleteVolume(t.Context(), &csi.DeleteVolumeRequest{VolumeId: "pvc-1"})
 	g.Expect(err).NotTo(HaveOccurred())
 	g.Expect(s.reader.Get(t.Context(), client.ObjectKey{Name: "pvc-1"}, &pmemv1.PmemVolume{})).NotTo(Succeed())
+}
+
+// A replicated volume grows only while no node serves it. Served, or with a replica being
+// rebuilt, or a node without room for its replica's growth, it is refused and nothing
+// changes; else the volume's size is recorded, then each replica's, and the call answers once
+// the agents report every replica ready at its new size.
+func TestExpandReplicatedVolume(t *testing.T) {
+	g := NewWithT(t)
+	s := newTestController(t, replicaNode("a", 2*gi), replicaNode("b", 4*gi))
+	_, err := s.CreateVolume(shortCall(t), replicatedRequest("pvc-1", "2", gi))
+	g.Expect(status.Code(err)).To(Equal(codes.DeadlineExceeded))
+	agentsCarve(t, s, "pvc-1")
+	_, err = s.CreateVolume(t.Context(), replicatedRequest("pvc-1", "2", gi))
+	g.Expect(err).NotTo(HaveOccurred())
+	expand := func(ctx context.Context, size int64) (*csi.ControllerExpandVolumeResponse, error) {
+		return s.ControllerExpandVolume(ctx, &csi.ControllerExpandVolumeRequest{VolumeId: "pvc-1", CapacityRange: &csi.CapacityRange{RequiredBytes: size}})
+	}
+	vol := &pmemv1.PmemVolume{}
+	sizes := func() []int64 {
+		g.Expect(s.reader.Get(t.Context(), client.ObjectKey{Name: "pvc-1"}, vol)).To(Succeed())
+		out := []int64{vol.Spec.Size.Value()}
+		for _, r := range replicasOf(t, s, "pvc-1") {
+			out = append(out, r.Spec.Size.Value())
+		}
+		return out
+	}
+	setTarget := func(node string) {
+		g.Expect(s.reader.Get(t.Context(), client.ObjectKey{Name: "pvc-1"}, vol)).To(Succeed())
+		vol.Status.Target = node
+		g.Expect(s.client.Status().Update(t.Context(), vol)).To(Succeed())
+	}
+
+	setTarget("a")
+	_, err = expand(t.Context(), 2*gi)
+	g.Expect(status.Code(err)).To(Equal(codes.FailedPrecondition), "served by a: %v", err)
+	g.Expect(err.Error()).To(ContainSubstring("node a serves it"))
+	g.Expect(sizes()).To(Equal([]int64{gi, gi, gi}))
+	setTarget("")
+
+	_, err = expand(t.Context(), 4*gi)
+	g.Expect(status.Code(err)).To(Equal(codes.ResourceExhausted), "node a has 2 GiB free, its replica needs 3 more: %v", err)
+	g.Expect(sizes()).To(Equal([]int64{gi, gi, gi}))
+
+	r1 := &pmemv1.PmemReplica{}
+	g.Expect(s.reader.Get(t.Context(), client.ObjectKey{Name: replicaName("pvc-1", 1)}, r1)).To(Succeed())
+	r1.Spec.Rebuild = true // a replacement being rebuilt
+	g.Expect(s.client.Update(t.Context(), r1)).To(Succeed())
+	_, err = expand(t.Context(), 2*gi)
+	g.Expect(status.Code(err)).To(Equal(codes.Unavailable), "%v", err)
+	g.Expect(sizes()).To(Equal([]int64{gi, gi, gi}))
+	r1.Spec.Rebuild = false
+	g.Expect(s.client.Update(t.Context(), r1)).To(Succeed())
+
+	_, err = expand(shortCall(t), 2*gi)
+	g.Expect(status.Code(err)).To(Equal(codes.DeadlineExceeded), "the agents have not grown the replicas yet: %v", err)
+	g.Expect(sizes()).To(Equal([]int64{2 * gi, 2 * gi, 2 * gi}))
+	agentsCarve(t, s, "pvc-1")
+	resp, err := expand(t.Context(), 2*gi)
+	g.Expect(err).NotTo(HaveOccurred())
+	g.Expect(resp.GetCapacityBytes()).To(Equal(2 * gi))
+	g.Expect(resp.GetNodeExpansionRequired()).To(BeTrue(), "a filesystem grows on the node")
+	g.Expect(s.reader.Get(t.Context(), client.ObjectKey{Name: "pvc-1"}, vol)).To(Succeed())
+	g.Expect(allocated(vol)).To(Equal(2*gi), "reported in the volume's status")
+	resp, err = expand(t.Context(), gi)
+	g.Expect(err).NotTo(HaveOccurred(), "smaller than it is: nothing to do")
+	g.Expect(resp.GetCapacityBytes()).To(Equal(2 * gi))
 }
 
 // Repair replaces a faulted replica by one to rebuild, on a node without a live replica of the
