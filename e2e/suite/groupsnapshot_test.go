@@ -266,6 +266,55 @@ var _ = Describe("Group snapshots", Label("snapshot", "groupsnapshot"), func() {
 		Expect(alpha.readyGroup(ctx, vgs)).To(HaveLen(2))
 	})
 
+	// Of replicated volumes (the class the tenants controller installs for a replicated
+	// management class): each member is cut on the host whose VM writes, from the volume's
+	// replica there, while the VM is held; restored into replicated claims read on the other
+	// host, the two show one instant.
+	It("cut a writer's two replicated volumes at one instant, from their replicas on the writer's host", Label("replication"), func(ctx SpecContext) {
+		class := replicatedGuestClass(ctx, nil)
+		ns := alpha.namespace(ctx)
+		var dirs [2]string
+		for i, claim := range []string{"a", "b"} {
+			pvc := deploy.PVC(ns, claim, class, "64Mi", false)
+			pvc.Labels = map[string]string{"app": "counter"}
+			alpha.create(ctx, pvc)
+			pod := alpha.runPod(ctx, ns, "count-"+claim, claim, "vm-1", false) // on host-a
+			_, pv := alpha.bound(ctx, ns, claim)
+			dirs[i] = alpha.volumePath(pod, pv.Name)
+		}
+		w := startCounter(dirs)
+		DeferCleanup(func() { w.finish() })
+		w.advance(ctx, 10)
+		snaps := alpha.groupSnapshot(ctx, ns, "group", "counter")
+		last := w.finish()
+		cut := &pmemv1.PmemSnapshotList{}
+		Expect(mc.List(ctx, cut)).To(Succeed())
+		var replicas []string
+		for _, m := range cut.Items {
+			if m.Spec.Group != nil && m.Spec.Group.Size == 2 && m.Spec.SourceReplica != "" && m.Spec.Node == "host-a" {
+				replicas = append(replicas, m.Spec.SourceReplica)
+			}
+		}
+		Expect(replicas).To(HaveLen(2), "both members cut on host-a, each from its volume's replica there")
+
+		counts := map[string]uint64{}
+		for i, snap := range snaps {
+			claim := fmt.Sprintf("restored-%d", i)
+			pvc := deploy.PVC(ns, claim, class, "64Mi", false)
+			pvc.Spec.DataSource = &corev1.TypedLocalObjectReference{APIGroup: ptr.To(snapshotv1.GroupName), Kind: "VolumeSnapshot", Name: snap}
+			alpha.create(ctx, pvc)
+			pod := alpha.runPod(ctx, ns, "read-"+claim, claim, "vm-2", false) // on host-b
+			_, pv := alpha.bound(ctx, ns, claim)
+			name, n := alpha.readCounter(pod, pv.Name)
+			counts[name] = n
+		}
+		GinkgoWriter.Printf("replicated group: a=%d b=%d (the counter stopped at %d)\n", counts["a"], counts["b"], last)
+		Expect(counts).To(HaveLen(2))
+		Expect(counts["a"]).To(BeNumerically(">", 0))
+		Expect(counts["b"]).To(BeNumerically("<=", counts["a"]), "b is never ahead of a")
+		Expect(counts["a"]-counts["b"]).To(BeNumerically("<=", 1), "a is at most one ahead of b")
+	})
+
 	It("cut a writer's two volumes at one instant, which two snapshots do not", func(ctx SpecContext) {
 		ns := alpha.namespace(ctx)
 		var dirs [2]string

@@ -20,16 +20,17 @@ import (
 	"pvbridge.io/pkg/tenancy"
 )
 
-// storageClass creates a StorageClass (WaitForFirstConsumer, with the reclaim policy) in c
-// for the spec.
+// storageClass creates a StorageClass (WaitForFirstConsumer, with the reclaim policy,
+// expandable as the shipped classes are) in c for the spec.
 func storageClass(ctx context.Context, c client.Client, name, provisioner string, policy corev1.PersistentVolumeReclaimPolicy, params map[string]string) {
 	GinkgoHelper()
 	sc := &storagev1.StorageClass{
-		ObjectMeta:        metaName("", name),
-		Provisioner:       provisioner,
-		Parameters:        params,
-		ReclaimPolicy:     ptr.To(policy),
-		VolumeBindingMode: ptr.To(storagev1.VolumeBindingWaitForFirstConsumer),
+		ObjectMeta:           metaName("", name),
+		Provisioner:          provisioner,
+		Parameters:           params,
+		ReclaimPolicy:        ptr.To(policy),
+		VolumeBindingMode:    ptr.To(storagev1.VolumeBindingWaitForFirstConsumer),
+		AllowVolumeExpansion: ptr.To(true),
 	}
 	Expect(c.Create(ctx, sc)).To(Succeed())
 	DeferCleanup(func(ctx SpecContext) { Expect(c.Delete(ctx, sc)).To(Succeed()) })

@@ -5,6 +5,7 @@ import (
 	"context"
 	"fmt"
 	"io"
+	"maps"
 	"os"
 	"path/filepath"
 	"slices"
@@ -96,11 +97,7 @@ var _ = Describe("Replicated volumes", Label("replication"), func() {
 	// grows and is exported again, and a pod on the other host finds its data on the larger
 	// filesystem and fills it past the old size on both replicas.
 	It("grows a replicated volume once no pod uses it", func(ctx SpecContext) {
-		ns := mgmtNamespace(ctx)
-		Expect(mc.Create(ctx, deploy.PVC(ns, "data", deploy.StorageClassPmemReplicated, "64Mi", false))).To(Succeed())
-		first := mgmtPod(ctx, ns, "first", "host-a")
-		pv := boundMgmtPV(ctx, ns, "data")
-		Expect(writeSynced(filepath.Join(mgmtVolumePath(first, pv.Name), "data"), []byte("before"))).To(Succeed())
+		ns, first, pv := writtenReplicatedClaim(ctx, "first", "before")
 		before := fsSize(mgmtVolumePath(first, pv.Name))
 		pvc := &corev1.PersistentVolumeClaim{}
 		Expect(mc.Get(ctx, client.ObjectKey{Namespace: ns, Name: "data"}, pvc)).To(Succeed())
@@ -148,11 +145,7 @@ var _ = Describe("Replicated volumes", Label("replication"), func() {
 	// and the other is rebuilt by the host that serves it. A clone is copied from a replica
 	// the same way.
 	It("snapshots a replicated volume, restores it into one served on another host, and clones it", func(ctx SpecContext) {
-		ns := mgmtNamespace(ctx)
-		Expect(mc.Create(ctx, deploy.PVC(ns, "data", deploy.StorageClassPmemReplicated, "64Mi", false))).To(Succeed())
-		writer := mgmtPod(ctx, ns, "writer", "host-a")
-		pv := boundMgmtPV(ctx, ns, "data")
-		Expect(writeSynced(filepath.Join(mgmtVolumePath(writer, pv.Name), "data"), []byte("before the snapshot"))).To(Succeed())
+		ns, writer, pv := writtenReplicatedClaim(ctx, "writer", "before the snapshot")
 		readySnapshot(ctx, mc, snapshotOf(ctx, mc, ns, "snap", "data", deploy.SnapshotClassPmem))
 		Expect(writeSynced(filepath.Join(mgmtVolumePath(writer, pv.Name), "data"), []byte("after the snapshot"))).To(Succeed())
 
@@ -191,13 +184,14 @@ var _ = Describe("Replicated volumes", Label("replication"), func() {
 
 	// A guest class of a replicated management class (parameter replicated, as the tenants
 	// controller installs it): its guest PVs have no host topology, so a pod moves to a VM of
-	// another host and finds its data there.
-	It("moves a guest pod with its volume to a VM of another host", func(ctx SpecContext) {
-		allowClass(ctx, alpha, tenancy.StorageClassesAnnotation, tenancy.ParamStorageClasses, deploy.StorageClassPmemReplicated)
-		storageClass(ctx, alpha.c, "pvbridge-replicated", names.GuestDriver, corev1.PersistentVolumeReclaimDelete,
-			map[string]string{names.MgmtStorageClassParam: deploy.StorageClassPmemReplicated, names.ReplicatedParam: "true"})
+	// another host and finds its data there. Resized while that pod runs, the guest claim grows
+	// once the pod is gone (its management claim says why it waits), and the next pod finds
+	// the data on the larger filesystem.
+	It("moves a guest pod with its volume to a VM of another host, and grows the volume once no pod uses it", func(ctx SpecContext) {
+		// xfs: ext4 cannot grow while mounted without CAP_SYS_RESOURCE, which the lab lacks.
+		replicatedGuestClass(ctx, map[string]string{"csi.storage.k8s.io/fstype": "xfs"})
 		ns := alpha.namespace(ctx)
-		alpha.create(ctx, deploy.PVC(ns, "data", "pvbridge-replicated", "64Mi", false))
+		alpha.create(ctx, deploy.PVC(ns, "data", "pvbridge-replicated", "320Mi", false))
 		first := alpha.runPod(ctx, ns, "first", "data", "vm-1", false) // on host-a
 		_, pv := alpha.bound(ctx, ns, "data")
 		Expect(pv.Spec.NodeAffinity).To(BeNil(), "a guest volume of a replicated class is bound to no host")
@@ -215,6 +209,31 @@ var _ = Describe("Replicated volumes", Label("replication"), func() {
 		vol := &pmemv1.PmemVolume{}
 		Expect(mc.Get(ctx, client.ObjectKey{Name: mpv.Spec.CSI.VolumeHandle}, vol)).To(Succeed())
 		Expect(vol.Status.Target).To(Equal("host-b"), "host-b serves the volume now")
+
+		By("resized while the pod runs, it grows once the pod is gone; a pod on vm-1 finds the data on the larger filesystem")
+		pvc := &corev1.PersistentVolumeClaim{}
+		Expect(alpha.c.Get(ctx, client.ObjectKey{Namespace: ns, Name: "data"}, pvc)).To(Succeed())
+		patch := client.MergeFrom(pvc.DeepCopy())
+		bigger := resource.MustParse("512Mi")
+		pvc.Spec.Resources.Requests[corev1.ResourceStorage] = bigger
+		Expect(alpha.c.Patch(ctx, pvc, patch)).To(Succeed())
+		mclaim := mgmtClaim(ctx, alpha, pv)
+		Eventually(func(g Gomega) {
+			l := &corev1.EventList{}
+			g.Expect(mc.List(ctx, l, client.InNamespace(mclaim.Namespace))).To(Succeed())
+			g.Expect(l.Items).To(ContainElement(And(HaveField("InvolvedObject.Name", mclaim.Name), HaveField("Reason", "VolumeResizeFailed"),
+				HaveField("Message", ContainSubstring("grows only while no node serves it")))))
+		}).WithContext(ctx).WithTimeout(timeout).Should(Succeed())
+		before := fsSize(alpha.volumePath(second, pv.Name))
+		alpha.deletePod(ctx, second)
+		Eventually(func(g Gomega) {
+			g.Expect(alpha.c.Get(ctx, client.ObjectKeyFromObject(pv), pv)).To(Succeed())
+			g.Expect(pv.Spec.Capacity.Storage().Cmp(bigger)).To(BeNumerically(">=", 0))
+		}).WithContext(ctx).WithTimeout(timeout).Should(Succeed())
+		third := alpha.runPod(ctx, ns, "third", "data", "vm-1", false)
+		Expect(alpha.readBlob(third, pv.Name)).To(Equal(sum))
+		Eventually(fsSize).WithArguments(alpha.volumePath(third, pv.Name)).WithContext(ctx).WithTimeout(timeout).
+			Should(BeNumerically(">", before+150<<20), "the filesystem in the guest grew")
 	})
 })
 
@@ -533,6 +552,32 @@ func replicasOf(ctx context.Context, id string) []pmemv1.PmemReplica {
 func mgmtPod(ctx context.Context, ns, name, node string) *corev1.Pod {
 	GinkgoHelper()
 	return mgmtPodOf(ctx, ns, name, "data", node)
+}
+
+// replicatedGuestClass is the guest class of guest alpha that the tenants controller would
+// install for the replicated management class, which it allows alpha: its parameter
+// replicated, and the more parameters given.
+func replicatedGuestClass(ctx context.Context, more map[string]string) string {
+	GinkgoHelper()
+	const name = "pvbridge-replicated"
+	allowClass(ctx, alpha, tenancy.StorageClassesAnnotation, tenancy.ParamStorageClasses, deploy.StorageClassPmemReplicated)
+	params := map[string]string{names.MgmtStorageClassParam: deploy.StorageClassPmemReplicated, names.ReplicatedParam: "true"}
+	maps.Copy(params, more)
+	storageClass(ctx, alpha.c, name, names.GuestDriver, corev1.PersistentVolumeReclaimDelete, params)
+	return name
+}
+
+// writtenReplicatedClaim makes claim data of the replicated class in a new namespace and a pod
+// of it on host-a, which writes content to the volume's file data, synced; it returns the
+// namespace, the pod and the claim's PV.
+func writtenReplicatedClaim(ctx context.Context, pod, content string) (string, *corev1.Pod, *corev1.PersistentVolume) {
+	GinkgoHelper()
+	ns := mgmtNamespace(ctx)
+	Expect(mc.Create(ctx, deploy.PVC(ns, "data", deploy.StorageClassPmemReplicated, "64Mi", false))).To(Succeed())
+	p := mgmtPod(ctx, ns, pod, "host-a")
+	pv := boundMgmtPV(ctx, ns, "data")
+	Expect(writeSynced(filepath.Join(mgmtVolumePath(p, pv.Name), "data"), []byte(content))).To(Succeed())
+	return ns, p, pv
 }
 
 // mgmtPodOf runs a pod of claim on management host node and waits until it runs.

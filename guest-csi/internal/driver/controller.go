@@ -723,28 +723,17 @@ func (s *controllerServer) ControllerExpandVolume(ctx context.Context, req *csi.
 	if err != nil {
 		return nil, err
 	}
+	// The volume is locked only while its claim's request is written: the wait after it may
+	// last until the volume is detached (a replicated one grows only then), which the
+	// volume's ControllerUnpublishVolume must not wait behind.
 	unlock, err := s.lock(id)
 	if err != nil {
 		return nil, err
 	}
-	defer unlock()
-	obj, access, err := s.accessible(ctx, c, kindPVC, id)
+	err = s.requestSize(ctx, c, id, size)
+	unlock()
 	if err != nil {
 		return nil, err
-	}
-	if access != tenancy.Owned {
-		return nil, status.Errorf(codes.FailedPrecondition, "management PVC %s/%s is shared with cluster %s, not owned by it: only the management cluster's admin can expand it", c.Namespace, id, c.Name)
-	}
-	pvc := obj.(*corev1.PersistentVolumeClaim)
-	if err := s.update(ctx, pvc, func() bool {
-		if requested := pvc.Spec.Resources.Requests[corev1.ResourceStorage]; requested.Value() >= size {
-			return false
-		}
-		pvc.Spec.Resources.Requests[corev1.ResourceStorage] = *resource.NewQuantity(size, resource.BinarySI)
-		klog.FromContext(ctx).V(2).Info("Expanding management PVC", "volumeID", id, "size", size)
-		return true
-	}); err != nil {
-		return nil, csiserver.APIError(err, "expand management PVC %s/%s", c.Namespace, id)
 	}
 	got := &corev1.PersistentVolumeClaim{}
 	if err := s.await(ctx, kindPVC, id, got, func(found bool) (bool, error) {
@@ -759,6 +748,38 @@ func (s *controllerServer) ControllerExpandVolume(ctx context.Context, req *csi.
 		CapacityBytes:         capacityOf(got),
 		NodeExpansionRequired: !isBlock(req.GetVolumeCapability()),
 	}, nil
+}
+
+// requestSize asks for size in management PVC id of cluster c, which the cluster must own.
+func (s *controllerServer) requestSize(ctx context.Context, c tenancy.Cluster, id string, size int64) error {
+	pvc, err := s.ownedClaim(ctx, c, id, "expand it")
+	if err != nil {
+		return err
+	}
+	if err := s.update(ctx, pvc, func() bool {
+		if requested := pvc.Spec.Resources.Requests[corev1.ResourceStorage]; requested.Value() >= size {
+			return false
+		}
+		pvc.Spec.Resources.Requests[corev1.ResourceStorage] = *resource.NewQuantity(size, resource.BinarySI)
+		klog.FromContext(ctx).V(2).Info("Expanding management PVC", "volumeID", id, "size", size)
+		return true
+	}); err != nil {
+		return csiserver.APIError(err, "expand management PVC %s/%s", c.Namespace, id)
+	}
+	return nil
+}
+
+// ownedClaim returns management PVC id of cluster c, which the cluster must own to change it
+// (what it is to do, for the error).
+func (s *controllerServer) ownedClaim(ctx context.Context, c tenancy.Cluster, id, what string) (*corev1.PersistentVolumeClaim, error) {
+	obj, access, err := s.accessible(ctx, c, kindPVC, id)
+	if err != nil {
+		return nil, err
+	}
+	if access != tenancy.Owned {
+		return nil, status.Errorf(codes.FailedPrecondition, "management PVC %s/%s is shared with cluster %s, not owned by it: only the management cluster's admin can %s", c.Namespace, id, c.Name, what)
+	}
+	return obj.(*corev1.PersistentVolumeClaim), nil
 }
 
 // capacityOf is the size a management PVC is bound with.

@@ -44,34 +44,16 @@ func (s *controllerServer) ControllerModifyVolume(ctx context.Context, req *csi.
 	if err != nil {
 		return nil, err
 	}
+	ctx = klog.NewContext(ctx, klog.FromContext(ctx).WithValues("volumeID", id, "volumeAttributesClass", class))
+	// Locked only while the claim is written, as in ControllerExpandVolume.
 	unlock, err := s.lock(id)
 	if err != nil {
 		return nil, err
 	}
-	defer unlock()
-	ctx = klog.NewContext(ctx, klog.FromContext(ctx).WithValues("volumeID", id, "volumeAttributesClass", class))
-	obj, access, err := s.accessible(ctx, c, kindPVC, id)
+	err = s.requestClass(ctx, c, id, class)
+	unlock()
 	if err != nil {
 		return nil, err
-	}
-	if access != tenancy.Owned {
-		return nil, status.Errorf(codes.FailedPrecondition, "management PVC %s/%s is shared with cluster %s, not owned by it: only the management cluster's admin can change its class", c.Namespace, id, c.Name)
-	}
-	pvc := obj.(*corev1.PersistentVolumeClaim)
-	if err := s.update(ctx, pvc, func() bool {
-		if ptr.Deref(pvc.Spec.VolumeAttributesClassName, "") == class {
-			return false
-		}
-		pvc.Spec.VolumeAttributesClassName = ptr.To(class)
-		klog.FromContext(ctx).V(2).Info("Changing the management PVC's VolumeAttributesClass")
-		return true
-	}); err != nil {
-		if apierrors.IsForbidden(err) || apierrors.IsInvalid(err) {
-			// The tenancy policy's refusal (a class the cluster may not use) or the API's:
-			// another call with the same class cannot succeed.
-			return nil, status.Errorf(codes.InvalidArgument, "management PVC %s/%s cannot have VolumeAttributesClass %s: %v", c.Namespace, id, class, err)
-		}
-		return nil, csiserver.APIError(err, "set the VolumeAttributesClass of management PVC %s/%s", c.Namespace, id)
 	}
 	got := &corev1.PersistentVolumeClaim{}
 	if err := s.await(ctx, kindPVC, id, got, func(found bool) (bool, error) {
@@ -90,6 +72,31 @@ func (s *controllerServer) ControllerModifyVolume(ctx context.Context, req *csi.
 	}
 	klog.FromContext(ctx).V(2).Info("Modified volume")
 	return &csi.ControllerModifyVolumeResponse{}, nil
+}
+
+// requestClass asks for VolumeAttributesClass class in management PVC id of cluster c, which
+// the cluster must own.
+func (s *controllerServer) requestClass(ctx context.Context, c tenancy.Cluster, id, class string) error {
+	pvc, err := s.ownedClaim(ctx, c, id, "change its class")
+	if err != nil {
+		return err
+	}
+	if err := s.update(ctx, pvc, func() bool {
+		if ptr.Deref(pvc.Spec.VolumeAttributesClassName, "") == class {
+			return false
+		}
+		pvc.Spec.VolumeAttributesClassName = ptr.To(class)
+		klog.FromContext(ctx).V(2).Info("Changing the management PVC's VolumeAttributesClass")
+		return true
+	}); err != nil {
+		if apierrors.IsForbidden(err) || apierrors.IsInvalid(err) {
+			// The tenancy policy's refusal (a class the cluster may not use) or the API's:
+			// another call with the same class cannot succeed.
+			return status.Errorf(codes.InvalidArgument, "management PVC %s/%s cannot have VolumeAttributesClass %s: %v", c.Namespace, id, class, err)
+		}
+		return csiserver.APIError(err, "set the VolumeAttributesClass of management PVC %s/%s", c.Namespace, id)
+	}
+	return nil
 }
 
 // modifyError is the message of a claim's ModifyVolumeError condition.

@@ -173,7 +173,7 @@ func (r *SnapshotReconciler) cutMembers(ctx context.Context, members []*pmemv1.P
 	}
 	var cut []string
 	for _, m := range members {
-		if _, err := r.Backend.CreateSnapshot(ctx, m.Name, m.Spec.SourceVolumeID); err != nil {
+		if _, err := r.Backend.CreateSnapshot(ctx, m.Name, snapshotSource(m)); err != nil {
 			return cut, fmt.Errorf("member %s of volume %s: %w", m.Name, m.Spec.SourceVolumeID, err)
 		}
 		cut = append(cut, m.Name)
@@ -185,9 +185,9 @@ func (r *SnapshotReconciler) cutMembers(ctx context.Context, members []*pmemv1.P
 var errUnheld = errors.New("in use on this host by a writer that no holder holds (not a VM's disk: a management pod?), so that the group could not be cut at one instant")
 
 // unheld checks, inside the hold, that every member whose volume the holder did not hold has
-// no writer: its device is not mounted or claimed (an exclusive open succeeds). A volume no VM
-// has attached may be a management pod's, whose writes nothing here can hold: such a group is
-// refused rather than cut torn.
+// no writer: the device its writers use here is not mounted or claimed (an exclusive open
+// succeeds). A volume no VM has attached may be a management pod's, whose writes nothing here
+// can hold: such a group is refused rather than cut torn.
 func (r *SnapshotReconciler) unheld(ctx context.Context, members []*pmemv1.PmemSnapshot, held []string) error {
 	inUse := r.InUse
 	if inUse == nil {
@@ -197,19 +197,47 @@ func (r *SnapshotReconciler) unheld(ctx context.Context, members []*pmemv1.PmemS
 		if slices.Contains(held, m.Spec.SourceVolumeID) {
 			continue
 		}
-		vol, err := r.Backend.GetVolume(ctx, m.Spec.SourceVolumeID)
+		device, err := r.writersDevice(ctx, m)
 		if err != nil {
 			return fmt.Errorf("volume %s of member %s: %w", m.Spec.SourceVolumeID, m.Name, err)
 		}
-		busy, err := inUse(vol.Device)
+		if device == "" {
+			continue
+		}
+		busy, err := inUse(device)
 		if err != nil {
 			return fmt.Errorf("volume %s of member %s: %w", m.Spec.SourceVolumeID, m.Name, err)
 		}
 		if busy {
-			return fmt.Errorf("volume %s (%s) of member %s is %w", m.Spec.SourceVolumeID, vol.Device, m.Name, errUnheld)
+			return fmt.Errorf("volume %s (%s) of member %s is %w", m.Spec.SourceVolumeID, device, m.Name, errUnheld)
 		}
 	}
 	return nil
+}
+
+// writersDevice returns the device through which the writers of member m's volume write on
+// this node: the volume's own, or a replicated volume's target's ("" when no target runs
+// here). A replicated volume that another node serves now has writers this host cannot hold.
+func (r *SnapshotReconciler) writersDevice(ctx context.Context, m *pmemv1.PmemSnapshot) (string, error) {
+	if m.Spec.SourceReplica == "" {
+		vol, err := r.Backend.GetVolume(ctx, m.Spec.SourceVolumeID)
+		return vol.Device, err
+	}
+	vol := &pmemv1.PmemVolume{}
+	if err := r.Reader.Get(ctx, client.ObjectKey{Name: m.Spec.SourceVolumeID}, vol); err != nil {
+		return "", err
+	}
+	switch vol.Status.Target {
+	case "":
+		return "", nil // no node serves it: it has no writer
+	case r.Node:
+		if r.TargetDevice == nil {
+			return "", fmt.Errorf("node %s serves the replicated volume and has no targets", r.Node)
+		}
+		return r.TargetDevice(vol.Name)
+	default:
+		return "", fmt.Errorf("served by node %s now, whose writers this host does not hold: %w", vol.Status.Target, errUnheld)
+	}
 }
 
 // claimed reports whether the block device is mounted or claimed exclusively: the kernel then
@@ -229,7 +257,7 @@ func claimed(device string) (bool, error) {
 // CutReason condition carries.
 func (r *SnapshotReconciler) markReady(ctx context.Context, todo []*pmemv1.PmemSnapshot) error {
 	for _, m := range todo {
-		got, err := r.Backend.CreateSnapshot(ctx, m.Name, m.Spec.SourceVolumeID)
+		got, err := r.Backend.CreateSnapshot(ctx, m.Name, snapshotSource(m))
 		if err != nil {
 			return err
 		}

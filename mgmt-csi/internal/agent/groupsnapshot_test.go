@@ -31,6 +31,20 @@ func member(name, volumeID string, size int32) *pmemv1.PmemSnapshot {
 	}
 }
 
+// replicatedMember is member name of replicated volume volumeID, cut from its replica here,
+// which the back end holds as volume replica.
+func replicatedMember(name, volumeID, replica string, size int32) *pmemv1.PmemSnapshot {
+	m := member(name, volumeID, size)
+	m.Spec.SourceReplica = replica
+	return m
+}
+
+// servedBy is replicated volume id, served by node target ("" for none).
+func servedBy(id, target string) *pmemv1.PmemVolume {
+	return &pmemv1.PmemVolume{ObjectMeta: metav1.ObjectMeta{Name: id}, Spec: pmemv1.PmemVolumeSpec{VolumeID: id, Replicas: 2},
+		Status: pmemv1.PmemVolumeStatus{Target: target}}
+}
+
 // newGroupHost returns an API server (a fake, whose calls funcs may intercept) holding members,
 // and a back end of capacity holding the volumes v1 and v2.
 func newGroupHost(ctx context.Context, g Gomega, capacity int64, funcs interceptor.Funcs, members ...*pmemv1.PmemSnapshot) (client.Client, *fake.Fake) {
@@ -123,6 +137,8 @@ func TestSnapshotReconcilerCutsAGroupWhileItsWritersAreHeld(t *testing.T) {
 		capacity int64
 		// inUse: the volumes the holder does not hold (all but the first) are in use.
 		inUse bool
+		// replicated are the replicated volumes of members, as the API server has them.
+		replicated []*pmemv1.PmemVolume
 		// prepare sets the back end up before the reconcile (volumes v1 and v2 exist).
 		prepare     func(ctx context.Context, g Gomega, b *fake.Fake)
 		wantReason  string // of every member; "" when none is written
@@ -164,6 +180,36 @@ func TestSnapshotReconcilerCutsAGroupWhileItsWritersAreHeld(t *testing.T) {
 			},
 		},
 		{
+			name:       "a replicated member no node serves is cut from its replica here, with no writer to hold",
+			members:    []*pmemv1.PmemSnapshot{member("snap-1", "v1", 2), replicatedMember("snap-2", "r", "v2", 2)},
+			replicated: []*pmemv1.PmemVolume{servedBy("r", "")},
+			inUse:      true, // whatever its replica's device says: no target writes to it
+			wantReason: pmemv1.CreatedReason, wantCut: []string{"snap-1", "snap-2"},
+			check: func(g Gomega, h *holder) {
+				snaps, err := h.backend.ListSnapshots(context.Background())
+				g.Expect(err).NotTo(HaveOccurred())
+				g.Expect(snaps).To(ContainElement(And(HaveField("ID", "snap-2"), HaveField("SourceVolumeID", "v2"))))
+			},
+		},
+		{
+			name:       "a replicated member served here with a writer no holder holds refuses the group",
+			members:    []*pmemv1.PmemSnapshot{member("snap-1", "v1", 2), replicatedMember("snap-2", "r", "v2", 2)},
+			replicated: []*pmemv1.PmemVolume{servedBy("r", "host-a")},
+			inUse:      true, wantReason: WritersNotHeldReason, wantErr: true,
+		},
+		{
+			name:       "a replicated member served here without a writer is cut",
+			members:    []*pmemv1.PmemSnapshot{member("snap-1", "v1", 2), replicatedMember("snap-2", "r", "v2", 2)},
+			replicated: []*pmemv1.PmemVolume{servedBy("r", "host-a")},
+			wantReason: pmemv1.CreatedReason, wantCut: []string{"snap-1", "snap-2"},
+		},
+		{
+			name:       "a replicated member that another node serves now refuses the group",
+			members:    []*pmemv1.PmemSnapshot{member("snap-1", "v1", 2), replicatedMember("snap-2", "r", "v2", 2)},
+			replicated: []*pmemv1.PmemVolume{servedBy("r", "host-b")},
+			wantReason: WritersNotHeldReason, wantErr: true,
+		},
+		{
 			name:       "a member that fails undoes the cut of the others",
 			members:    []*pmemv1.PmemSnapshot{member("snap-1", "v1", 2), member("snap-2", "v2", 2)},
 			capacity:   3 * mi, // room for one snapshot beside the volumes
@@ -203,8 +249,15 @@ func TestSnapshotReconcilerCutsAGroupWhileItsWritersAreHeld(t *testing.T) {
 			if !tt.noHolder {
 				socket = serveHolder(t, h)
 			}
-			r := &SnapshotReconciler{Client: c, Backend: b, Node: "host-a", Capacity: &NodeReporter{}, HoldSocket: socket,
-				InUse: func(string) (bool, error) { return tt.inUse, nil }}
+			scheme := runtime.NewScheme()
+			g.Expect(pmemv1.AddToScheme(scheme)).To(Succeed())
+			api := clientfake.NewClientBuilder().WithScheme(scheme)
+			for _, v := range tt.replicated {
+				api = api.WithObjects(v)
+			}
+			r := &SnapshotReconciler{Client: c, Reader: api.Build(), Backend: b, Node: "host-a", Capacity: &NodeReporter{}, HoldSocket: socket,
+				InUse:        func(string) (bool, error) { return tt.inUse, nil },
+				TargetDevice: func(string) (string, error) { return "/dev/loop9", nil }}
 
 			res, err := r.Reconcile(ctx, ctrl.Request{NamespacedName: client.ObjectKeyFromObject(tt.members[0])})
 			g.Expect(err != nil).To(Equal(tt.wantErr), "error: %v", err)

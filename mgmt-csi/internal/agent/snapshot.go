@@ -31,6 +31,11 @@ type SnapshotReconciler struct {
 	// InUse reports whether a volume's block device is in use (mounted or claimed); nil: an
 	// exclusive open tells. A group's member whose volume no holder held must not be.
 	InUse func(device string) (bool, error)
+	// Reader reads a replicated volume, which the cache of this node's objects lacks (its
+	// node serving it: status.target), and TargetDevice the device of its target on this
+	// node, "" when none runs (replication.Targets.Device; nil on a node without keys).
+	Reader       client.Reader
+	TargetDevice func(volumeID string) (string, error)
 
 	groupMu sync.Mutex // one group cut at a time: the holder holds one lease at a time too
 }
@@ -70,11 +75,7 @@ func (r *SnapshotReconciler) Reconcile(ctx context.Context, req ctrl.Request) (c
 	if snap.Spec.Group != nil {
 		return r.cutGroup(ctx, snap)
 	}
-	source := snap.Spec.SourceVolumeID
-	if snap.Spec.SourceReplica != "" {
-		source = snap.Spec.SourceReplica // the device of a replicated volume on this node
-	}
-	got, err := r.Backend.CreateSnapshot(ctx, snap.Name, source)
+	got, err := r.Backend.CreateSnapshot(ctx, snap.Name, snapshotSource(snap))
 	if err != nil {
 		reason, retry := failureReason(err)
 		if serr := r.setStatus(ctx, snap, nil, metav1.ConditionFalse, reason, err.Error()); serr != nil {
@@ -88,6 +89,15 @@ func (r *SnapshotReconciler) Reconcile(ctx context.Context, req ctrl.Request) (c
 	ctrl.LoggerFrom(ctx).Info("Cut snapshot", "sourceVolumeID", got.SourceVolumeID, "size", got.Size)
 	r.Capacity.Refresh(ctx)
 	return ctrl.Result{}, r.setStatus(ctx, snap, &got, metav1.ConditionTrue, pmemv1.CreatedReason, "")
+}
+
+// snapshotSource is the back end's volume a snapshot is cut from: its source volume, or of a
+// replicated volume its replica on this node.
+func snapshotSource(snap *pmemv1.PmemSnapshot) string {
+	if snap.Spec.SourceReplica != "" {
+		return snap.Spec.SourceReplica
+	}
+	return snap.Spec.SourceVolumeID
 }
 
 func (r *SnapshotReconciler) setStatus(ctx context.Context, snap *pmemv1.PmemSnapshot, got *pmem.Snapshot, st metav1.ConditionStatus, reason, msg string) error {

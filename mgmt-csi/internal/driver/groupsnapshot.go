@@ -37,8 +37,9 @@ func (s *groupControllerServer) GroupControllerGetCapabilities(context.Context, 
 }
 
 // CreateVolumeGroupSnapshot gets or creates the members of group snapshot name, one per source
-// volume, and waits until the node agent has cut them. The volumes must be on one node: the
-// writers are held per host; the new members must fit the namespace's snapshot quotas.
+// volume, and waits until the node agent has cut them. The volumes must be on one node (a
+// replicated one: served by it, with a replica there, groupReplica): the writers are held per
+// host; the new members must fit the namespace's snapshot quotas.
 // Idempotent by name; a group that failed is removed whole, so that a retry cuts all of its
 // members anew, but for one whose cut outlasted the hold (pmemv1.HoldExpiredReason).
 func (s *groupControllerServer) CreateVolumeGroupSnapshot(ctx context.Context, req *csi.CreateVolumeGroupSnapshotRequest) (*csi.CreateVolumeGroupSnapshotResponse, error) {
@@ -108,16 +109,23 @@ const maxGroupMembers = 1024
 // after the group's CSI name and the volume, and returns them in source order.
 func (s *groupControllerServer) createMembers(ctx context.Context, name, id string, sources []string) ([]*pmemv1.PmemSnapshot, error) {
 	vols := make([]*pmemv1.PmemVolume, len(sources))
+	cutOn := make([]string, len(sources))    // the node each member is cut on
+	replicas := make([]string, len(sources)) // the replica it is cut from, of a replicated volume
 	nodes := map[string][]string{}
 	for i, src := range sources {
 		vols[i] = &pmemv1.PmemVolume{}
 		if err := s.getOrNotFound(ctx, src, vols[i], "volume"); err != nil {
 			return nil, err
 		}
-		if err := notReplicated(vols[i], "a group snapshot"); err != nil {
-			return nil, err
+		cutOn[i] = vols[i].Spec.Node
+		if vols[i].Spec.Replicas > 1 {
+			r, err := s.groupReplica(ctx, vols[i])
+			if err != nil {
+				return nil, err
+			}
+			cutOn[i], replicas[i] = r.Spec.Node, r.Name
 		}
-		nodes[vols[i].Spec.Node] = append(nodes[vols[i].Spec.Node], src)
+		nodes[cutOn[i]] = append(nodes[cutOn[i]], src)
 	}
 	if len(nodes) > 1 {
 		var where []string
@@ -135,12 +143,12 @@ func (s *groupControllerServer) createMembers(ctx context.Context, name, id stri
 		snap := &pmemv1.PmemSnapshot{
 			ObjectMeta: metav1.ObjectMeta{
 				Name:        snapID,
-				Labels:      map[string]string{pmemv1.NodeLabel: vol.Spec.Node, pmemv1.GroupLabel: id},
+				Labels:      map[string]string{pmemv1.NodeLabel: cutOn[i], pmemv1.GroupLabel: id},
 				Annotations: map[string]string{pmemv1.NameAnnotation: name},
 				Finalizers:  []string{agent.Finalizer},
 			},
 			Spec: pmemv1.PmemSnapshotSpec{
-				Node: vol.Spec.Node, SnapshotID: snapID, SourceVolumeID: vol.Name,
+				Node: cutOn[i], SnapshotID: snapID, SourceVolumeID: vol.Name, SourceReplica: replicas[i],
 				Group: &pmemv1.PmemSnapshotGroup{ID: id, Size: size},
 			},
 		}
@@ -155,8 +163,31 @@ func (s *groupControllerServer) createMembers(ctx context.Context, name, id stri
 		}
 		members[i] = snap
 	}
-	klog.FromContext(ctx).V(2).Info("Created group snapshot", "groupSnapshotID", id, "sourceVolumeIDs", sources, "node", vols[0].Spec.Node)
+	klog.FromContext(ctx).V(2).Info("Created group snapshot", "groupSnapshotID", id, "sourceVolumeIDs", sources, "node", cutOn[0])
 	return members, nil
+}
+
+// groupReplica chooses the replica of the replicated volume vol that its member of a group
+// snapshot is cut from. A volume that a node serves is cut on that node, where its writers are
+// held: from its replica there, which has every write the target acknowledged (the quorum
+// acknowledges a write once every replica has it). A volume no node serves has no writers,
+// and is cut from a replica as a snapshot of its own is (sourceReplica).
+func (s *controllerServer) groupReplica(ctx context.Context, vol *pmemv1.PmemVolume) (*pmemv1.PmemReplica, error) {
+	if vol.Status.Target == "" {
+		return s.sourceReplica(ctx, vol)
+	}
+	list := &pmemv1.PmemReplicaList{}
+	if err := s.reader.List(ctx, list, client.MatchingLabels{pmemv1.VolumeLabel: vol.Name}); err != nil {
+		return nil, csiserver.APIError(err, "list the PmemReplicas of volume %s", vol.Name)
+	}
+	for i := range list.Items {
+		r := &list.Items[i]
+		if r.Spec.Node == vol.Status.Target && r.Live() && r.HasData() && isReady(r.Status.Conditions) {
+			return r, nil
+		}
+	}
+	return nil, status.Errorf(codes.FailedPrecondition,
+		"volume %s is served by node %s, which holds none of its replicas with its data: a group snapshot is cut where its writers are held, from a replica there", vol.Name, vol.Status.Target)
 }
 
 // GetVolumeGroupSnapshot describes the members of a group snapshot.

@@ -228,3 +228,60 @@ func TestCreateVolumeGroupSnapshotOfAFailedGroup(t *testing.T) {
 		})
 	}
 }
+
+// A replicated member is cut on the node that serves its volume, where the group's writers are
+// held, from its replica there; a volume no node serves, from a replica as a snapshot of its
+// own is. A group whose volumes are served on two nodes, or served where the volume has no
+// replica, is refused and nothing is recorded.
+func TestCreateVolumeGroupSnapshotOfReplicatedVolumes(t *testing.T) {
+	replicated := func(name, target string, nodes ...string) []client.Object {
+		vol := &pmemv1.PmemVolume{
+			ObjectMeta: metav1.ObjectMeta{Name: name},
+			Spec:       pmemv1.PmemVolumeSpec{VolumeID: name, Replicas: int32(len(nodes)), Size: *resource.NewQuantity(gi, resource.BinarySI)},
+			Status:     pmemv1.PmemVolumeStatus{Target: target},
+		}
+		objs := []client.Object{vol}
+		for i, node := range nodes {
+			r := newReplica(vol, replicaName(name, i), node, false)
+			r.Status.Address = node + ":10809"
+			meta.SetStatusCondition(&r.Status.Conditions, metav1.Condition{Type: pmemv1.ReadyCondition, Status: metav1.ConditionTrue, Reason: pmemv1.CreatedReason})
+			objs = append(objs, r)
+		}
+		return objs
+	}
+	objs := []client.Object{pmemVolume("pvc-a", "host-1", gi), pmemNode("host-1", 9*gi, 9*gi, true), pmemNode("host-2", 9*gi, 9*gi, true),
+		&corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: "host-1"}}, &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: "host-2"}}}
+	objs = append(objs, replicated("pvc-r", "host-1", "host-2", "host-1")...)   // served on host-1
+	objs = append(objs, replicated("pvc-s", "host-2", "host-1", "host-2")...)   // served on host-2
+	objs = append(objs, replicated("pvc-u", "", "host-1", "host-2")...)         // served nowhere
+	objs = append(objs, replicated("pvc-far", "host-3", "host-1", "host-2")...) // served where it has no replica
+	for _, tc := range []struct {
+		name    string
+		sources []string
+		code    codes.Code
+		want    map[string][2]string // volume → its member's node and replica
+	}{
+		{name: "served on the plain volume's node", sources: []string{"pvc-a", "pvc-r"}, code: codes.DeadlineExceeded,
+			want: map[string][2]string{"pvc-a": {"host-1", ""}, "pvc-r": {"host-1", replicaName("pvc-r", 1)}}},
+		{name: "served nowhere: its first replica by name", sources: []string{"pvc-u"}, code: codes.DeadlineExceeded,
+			want: map[string][2]string{"pvc-u": {"host-1", replicaName("pvc-u", 0)}}},
+		{name: "served on another node than the plain volume's", sources: []string{"pvc-a", "pvc-s"}, code: codes.FailedPrecondition},
+		{name: "served where it has no replica", sources: []string{"pvc-far"}, code: codes.FailedPrecondition},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			g := NewWithT(t)
+			s := &groupControllerServer{controllerServer: newTestController(t, objs...)}
+			_, err := s.CreateVolumeGroupSnapshot(shortCall(t), &csi.CreateVolumeGroupSnapshotRequest{Name: "groupsnapshot-1", SourceVolumeIds: tc.sources})
+			g.Expect(status.Code(err)).To(Equal(tc.code), "%v", err)
+			got := map[string][2]string{}
+			for _, m := range members(t, s, "groupsnapshot-1") {
+				got[m.Spec.SourceVolumeID] = [2]string{m.Spec.Node, m.Spec.SourceReplica}
+				g.Expect(m.Labels).To(HaveKeyWithValue(pmemv1.NodeLabel, m.Spec.Node))
+			}
+			if tc.want == nil {
+				tc.want = map[string][2]string{}
+			}
+			g.Expect(got).To(Equal(tc.want))
+		})
+	}
+}

@@ -140,5 +140,9 @@ func setupAgent(mgr ctrl.Manager, backend pmem.Backend, node, holdSocket string,
 			return err
 		}
 	}
-	return (&agent.SnapshotReconciler{Client: mgr.GetClient(), Backend: backend, Node: node, Capacity: reporter, HoldSocket: holdSocket}).SetupWithManager(mgr)
+	snapshots := &agent.SnapshotReconciler{Client: mgr.GetClient(), Reader: mgr.GetAPIReader(), Backend: backend, Node: node, Capacity: reporter, HoldSocket: holdSocket}
+	if targets := repl.targets(); targets != nil {
+		snapshots.TargetDevice = targets.Device
+	}
+	return snapshots.SetupWithManager(mgr)
 }

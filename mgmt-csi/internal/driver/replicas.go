@@ -60,15 +60,6 @@ func replicaName(volumeID string, i int) string {
 	return ids.For("replica", volumeID+"-r"+strconv.Itoa(i))
 }
 
-// notReplicated fails with FailedPrecondition for a replicated volume, which does not support
-// what yet.
-func notReplicated(vol *pmemv1.PmemVolume, what string) error {
-	if vol.Spec.Replicas <= 1 {
-		return nil
-	}
-	return status.Errorf(codes.FailedPrecondition, "volume %s has %d replicas, and %s is not supported for replicated volumes yet", vol.Name, vol.Spec.Replicas, what)
-}
-
 // createReplicated records the replicated volume id of n replicas, places the replicas that
 // are missing (a retried call finds those a previous one made) and waits until every one is
 // ready. preferred nodes (the accessibility requirements) get a replica first, so that a
