@@ -204,7 +204,7 @@ func (c *ClusterAPI) clusterctlInit(ctx context.Context, lab *cluster.Lab, mgmt 
 		}
 	}
 
-	repo := filepath.Join(c.dir, "clusterctl")
+	repo := c.repository()
 	if out, err := exec.CommandContext(ctx, filepath.Join(lab.Binaries().Repo, "hack", "release.sh"), "clusterctl", repo).CombinedOutput(); err != nil {
 		return fmt.Errorf("hack/release.sh clusterctl: %w\n%s", err, out)
 	}
@@ -219,11 +219,7 @@ func (c *ClusterAPI) clusterctlInit(ctx context.Context, lab *cluster.Lab, mgmt 
 	if err != nil {
 		return err
 	}
-	config, err := os.OpenFile(filepath.Join(repo, "clusterctl.yaml"), os.O_APPEND|os.O_WRONLY, 0)
-	if err != nil {
-		return err
-	}
-	defer config.Close()
+	var entries bytes.Buffer
 	for _, mgr := range capiManagers {
 		dir := filepath.Join(repo, mgr.provider, module.Version)
 		if err := os.MkdirAll(dir, 0o755); err != nil {
@@ -232,15 +228,21 @@ func (c *ClusterAPI) clusterctlInit(ctx context.Context, lab *cluster.Lab, mgmt 
 		if err := os.WriteFile(filepath.Join(dir, "metadata.yaml"), metadata, 0o644); err != nil {
 			return err
 		}
-		if _, err := fmt.Fprintf(config, "  - name: %s\n    type: %s\n    url: file://%s/%s\n", mgr.providerName, mgr.providerType, dir, mgr.components); err != nil {
-			return err
-		}
+		fmt.Fprintf(&entries, "  - name: %s\n    type: %s\n    url: file://%s/%s\n", mgr.providerName, mgr.providerType, dir, mgr.components)
 	}
-	if err := config.Close(); err != nil {
+	config, err := os.OpenFile(filepath.Join(repo, "clusterctl.yaml"), os.O_APPEND|os.O_WRONLY, 0)
+	if err != nil {
+		return err
+	}
+	_, err = config.Write(entries.Bytes())
+	if err := errors.Join(err, config.Close()); err != nil {
 		return err
 	}
 	return c.clusterctl(ctx, lab, mgmt, "init", "--infrastructure", provider)
 }
+
+// repository is the lab's clusterctl repository, with clusterctl.yaml, its configuration.
+func (c *ClusterAPI) repository() string { return filepath.Join(c.dir, "clusterctl") }
 
 // UpgradeProvider upgrades the provider clusterctl init installed (InstalledOptions.Previous)
 // to the lab's release as docs/upgrade.md says, clusterctl upgrade apply --infrastructure
@@ -260,7 +262,7 @@ func (c *ClusterAPI) clusterctl(ctx context.Context, lab *cluster.Lab, mgmt *clu
 	if err != nil {
 		return err
 	}
-	cmd := exec.CommandContext(ctx, clusterctl, append(args, "--config", filepath.Join(c.dir, "clusterctl", "clusterctl.yaml"),
+	cmd := exec.CommandContext(ctx, clusterctl, append(args, "--config", filepath.Join(c.repository(), "clusterctl.yaml"),
 		"--kubeconfig", mgmt.Kubeconfig, "--wait-providers", "--wait-provider-timeout", "300")...)
 	cmd.Env = append(os.Environ(), "CLUSTERCTL_DISABLE_VERSIONCHECK=true", "XDG_CONFIG_HOME="+c.dir)
 	if out, err := cmd.CombinedOutput(); err != nil {

@@ -124,14 +124,17 @@ func (r *Release) clusterctlRepository(repo string) error {
 	if err := os.MkdirAll(dir, 0o755); err != nil {
 		return err
 	}
+	var refs []string
+	for _, name := range ownImageNames() {
+		refs = append(refs, regexp.QuoteMeta(name))
+	}
+	ref := regexp.MustCompile(`(` + strings.Join(refs, "|") + `):[^\s"]+`)
 	for _, file := range []string{"infrastructure-components.yaml", "metadata.yaml"} {
 		data, err := os.ReadFile(filepath.Join(r.Root, "manifests", "clusterctl", file))
 		if err != nil {
 			return err
 		}
-		for _, name := range ownImageNames() {
-			data = regexp.MustCompile(regexp.QuoteMeta(name)+`:[^\s"]+`).ReplaceAll(data, []byte(name+":"+r.Version))
-		}
+		data = ref.ReplaceAll(data, []byte("${1}:"+r.Version))
 		if err := os.WriteFile(filepath.Join(dir, file), data, 0o644); err != nil {
 			return err
 		}

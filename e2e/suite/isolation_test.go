@@ -60,13 +60,9 @@ var _ = Describe("Isolation between guest clusters", Label("isolation"), func() 
 		untouched(ctx)
 
 		By("expanding")
-		pvc := &corev1.PersistentVolumeClaim{}
-		beta.bound(ctx, ns, "data")
-		Expect(beta.c.Get(ctx, client.ObjectKey{Namespace: ns, Name: "data"}, pvc)).To(Succeed())
-		patch := client.MergeFrom(pvc.DeepCopy())
-		pvc.Spec.Resources.Requests[corev1.ResourceStorage] = resource.MustParse("1Gi")
-		Expect(beta.c.Patch(ctx, pvc, patch)).To(Succeed())
-		Eventually(events).WithContext(ctx).WithArguments(beta, ns, "data").WithTimeout(timeout).
+		pvc, _ := beta.bound(ctx, ns, "data")
+		Expect(requestSize(ctx, beta.c, pvc, "1Gi")).To(Succeed())
+		Eventually(events).WithContext(ctx).WithArguments(beta.c, ns, "data").WithTimeout(timeout).
 			Should(ContainElement(And(ContainSubstring("VolumeResizeFailed"), ContainSubstring("does not exist"))))
 		untouched(ctx)
 
@@ -122,10 +118,10 @@ var _ = Describe("Isolation between guest clusters", Label("isolation"), func() 
 	})
 })
 
-// events returns "<reason>: <message>" of the events of a guest object.
-func events(ctx context.Context, g *guestCluster, ns, name string) ([]string, error) {
+// events returns "<reason>: <message>" of the events of object ns/name of c's cluster.
+func events(ctx context.Context, c client.Client, ns, name string) ([]string, error) {
 	l := &corev1.EventList{}
-	if err := g.c.List(ctx, l, client.InNamespace(ns)); err != nil {
+	if err := c.List(ctx, l, client.InNamespace(ns)); err != nil {
 		return nil, err
 	}
 	var out []string

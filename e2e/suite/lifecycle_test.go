@@ -112,9 +112,7 @@ var _ = Describe("Online expansion", Label("expansion"), func() {
 		want := alpha.writeBlob(pod, pv.Name, 3)
 		before := fsSize(alpha.volumePath(pod, pv.Name))
 
-		patch := client.MergeFrom(pvc.DeepCopy())
-		pvc.Spec.Resources.Requests[corev1.ResourceStorage] = resource.MustParse("512Mi")
-		Expect(alpha.c.Patch(ctx, pvc, patch)).To(Succeed())
+		Expect(requestSize(ctx, alpha.c, pvc, "512Mi")).To(Succeed())
 		Eventually(func(g Gomega) {
 			g.Expect(alpha.c.Get(ctx, client.ObjectKeyFromObject(pvc), pvc)).To(Succeed())
 			g.Expect(pvc.Status.Capacity.Storage().Cmp(resource.MustParse("512Mi"))).To(BeNumerically(">=", 0))
@@ -125,6 +123,13 @@ var _ = Describe("Online expansion", Label("expansion"), func() {
 		Expect(alpha.readBlob(pod, pv.Name)).To(Equal(want))
 	})
 })
+
+// requestSize asks for size in claim pvc of c's cluster.
+func requestSize(ctx context.Context, c client.Client, pvc *corev1.PersistentVolumeClaim, size string) error {
+	patch := client.MergeFrom(pvc.DeepCopy())
+	pvc.Spec.Resources.Requests[corev1.ResourceStorage] = resource.MustParse(size)
+	return c.Patch(ctx, pvc, patch)
+}
 
 // fsSize is the size of the filesystem mounted at path, in bytes.
 func fsSize(path string) uint64 {

@@ -101,30 +101,19 @@ var _ = Describe("Replicated volumes", Label("replication"), func() {
 		before := fsSize(mgmtVolumePath(first, pv.Name))
 		pvc := &corev1.PersistentVolumeClaim{}
 		Expect(mc.Get(ctx, client.ObjectKey{Namespace: ns, Name: "data"}, pvc)).To(Succeed())
-		patch := client.MergeFrom(pvc.DeepCopy())
-		bigger := resource.MustParse("128Mi")
-		pvc.Spec.Resources.Requests[corev1.ResourceStorage] = bigger
-		Expect(mc.Patch(ctx, pvc, patch)).To(Succeed())
+		Expect(requestSize(ctx, mc, pvc, "128Mi")).To(Succeed())
 
 		By("served on host-a: the resize is refused, saying why, and no replica grows")
-		Eventually(func(g Gomega) {
-			l := &corev1.EventList{}
-			g.Expect(mc.List(ctx, l, client.InNamespace(ns))).To(Succeed())
-			g.Expect(l.Items).To(ContainElement(And(HaveField("InvolvedObject.Name", "data"), HaveField("Reason", "VolumeResizeFailed"),
-				HaveField("Message", ContainSubstring("grows only while no node serves it")))))
-		}).WithContext(ctx).WithTimeout(timeout).Should(Succeed())
+		refusedWhileServed(ctx, ns, "data")
 		for _, r := range replicasOf(ctx, pv.Spec.CSI.VolumeHandle) {
 			Expect(r.Spec.Size.Cmp(resource.MustParse("64Mi"))).To(BeZero(), r.Name)
 		}
 
 		By("the pod gone, the replicas grow; a pod on host-b reads the data on the larger filesystem")
 		deleteMgmtPod(ctx, first)
-		Eventually(func(g Gomega) {
-			g.Expect(mc.Get(ctx, client.ObjectKeyFromObject(pv), pv)).To(Succeed())
-			g.Expect(pv.Spec.Capacity.Storage().Cmp(bigger)).To(BeNumerically(">=", 0))
-		}).WithContext(ctx).WithTimeout(timeout).Should(Succeed())
+		grown(ctx, mc, pv, "128Mi")
 		for _, r := range replicasOf(ctx, pv.Spec.CSI.VolumeHandle) {
-			Expect(r.Status.AllocatedSize.Cmp(bigger)).To(BeNumerically(">=", 0), r.Name)
+			Expect(r.Status.AllocatedSize.Cmp(resource.MustParse("128Mi"))).To(BeNumerically(">=", 0), r.Name)
 		}
 		second := mgmtPod(ctx, ns, "second", "host-b")
 		Expect(os.ReadFile(filepath.Join(mgmtVolumePath(second, pv.Name), "data"))).To(BeEquivalentTo("before"))
@@ -193,7 +182,7 @@ var _ = Describe("Replicated volumes", Label("replication"), func() {
 		ns := alpha.namespace(ctx)
 		alpha.create(ctx, deploy.PVC(ns, "data", "pvbridge-replicated", "320Mi", false))
 		first := alpha.runPod(ctx, ns, "first", "data", "vm-1", false) // on host-a
-		_, pv := alpha.bound(ctx, ns, "data")
+		pvc, pv := alpha.bound(ctx, ns, "data")
 		Expect(pv.Spec.NodeAffinity).To(BeNil(), "a guest volume of a replicated class is bound to no host")
 		mpv := &corev1.PersistentVolume{}
 		Expect(mc.Get(ctx, client.ObjectKey{Name: mgmtClaim(ctx, alpha, pv).Spec.VolumeName}, mpv)).To(Succeed())
@@ -211,25 +200,12 @@ var _ = Describe("Replicated volumes", Label("replication"), func() {
 		Expect(vol.Status.Target).To(Equal("host-b"), "host-b serves the volume now")
 
 		By("resized while the pod runs, it grows once the pod is gone; a pod on vm-1 finds the data on the larger filesystem")
-		pvc := &corev1.PersistentVolumeClaim{}
-		Expect(alpha.c.Get(ctx, client.ObjectKey{Namespace: ns, Name: "data"}, pvc)).To(Succeed())
-		patch := client.MergeFrom(pvc.DeepCopy())
-		bigger := resource.MustParse("512Mi")
-		pvc.Spec.Resources.Requests[corev1.ResourceStorage] = bigger
-		Expect(alpha.c.Patch(ctx, pvc, patch)).To(Succeed())
+		Expect(requestSize(ctx, alpha.c, pvc, "512Mi")).To(Succeed())
 		mclaim := mgmtClaim(ctx, alpha, pv)
-		Eventually(func(g Gomega) {
-			l := &corev1.EventList{}
-			g.Expect(mc.List(ctx, l, client.InNamespace(mclaim.Namespace))).To(Succeed())
-			g.Expect(l.Items).To(ContainElement(And(HaveField("InvolvedObject.Name", mclaim.Name), HaveField("Reason", "VolumeResizeFailed"),
-				HaveField("Message", ContainSubstring("grows only while no node serves it")))))
-		}).WithContext(ctx).WithTimeout(timeout).Should(Succeed())
+		refusedWhileServed(ctx, mclaim.Namespace, mclaim.Name)
 		before := fsSize(alpha.volumePath(second, pv.Name))
 		alpha.deletePod(ctx, second)
-		Eventually(func(g Gomega) {
-			g.Expect(alpha.c.Get(ctx, client.ObjectKeyFromObject(pv), pv)).To(Succeed())
-			g.Expect(pv.Spec.Capacity.Storage().Cmp(bigger)).To(BeNumerically(">=", 0))
-		}).WithContext(ctx).WithTimeout(timeout).Should(Succeed())
+		grown(ctx, alpha.c, pv, "512Mi")
 		third := alpha.runPod(ctx, ns, "third", "data", "vm-1", false)
 		Expect(alpha.readBlob(third, pv.Name)).To(Equal(sum))
 		Eventually(fsSize).WithArguments(alpha.volumePath(third, pv.Name)).WithContext(ctx).WithTimeout(timeout).
@@ -565,6 +541,23 @@ func replicatedGuestClass(ctx context.Context, more map[string]string) string {
 	maps.Copy(params, more)
 	storageClass(ctx, alpha.c, name, names.GuestDriver, corev1.PersistentVolumeReclaimDelete, params)
 	return name
+}
+
+// refusedWhileServed waits until management claim ns/name has an Event of its resize refused
+// while a node serves its replicated volume.
+func refusedWhileServed(ctx context.Context, ns, name string) {
+	GinkgoHelper()
+	Eventually(events).WithContext(ctx).WithArguments(mc, ns, name).WithTimeout(timeout).
+		Should(ContainElement(And(HavePrefix("VolumeResizeFailed: "), ContainSubstring("grows only while no node serves it"))))
+}
+
+// grown waits until pv of c's cluster has size.
+func grown(ctx context.Context, c client.Client, pv *corev1.PersistentVolume, size string) {
+	GinkgoHelper()
+	Eventually(func(g Gomega) {
+		g.Expect(c.Get(ctx, client.ObjectKeyFromObject(pv), pv)).To(Succeed())
+		g.Expect(pv.Spec.Capacity.Storage().Cmp(resource.MustParse(size))).To(BeNumerically(">=", 0))
+	}).WithContext(ctx).WithTimeout(timeout).Should(Succeed())
 }
 
 // writtenReplicatedClaim makes claim data of the replicated class in a new namespace and a pod

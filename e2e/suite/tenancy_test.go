@@ -100,14 +100,14 @@ var _ = Describe("Tenancy", Label("tenancy"), func() {
 		storageClass(ctx, alpha.c, "premium", names.GuestDriver, corev1.PersistentVolumeReclaimDelete, map[string]string{names.MgmtStorageClassParam: "pmem-premium"})
 		alpha.create(ctx, deploy.PVC(ns, "premium", "premium", "64Mi", false))
 		alpha.create(ctx, deploy.Pod(ns, "premium", "premium", "vm-1", false))
-		Eventually(events).WithContext(ctx).WithArguments(alpha, ns, "premium").WithTimeout(timeout).Should(ContainElement(And(
+		Eventually(events).WithContext(ctx).WithArguments(alpha.c, ns, "premium").WithTimeout(timeout).Should(ContainElement(And(
 			ContainSubstring("ProvisioningFailed"), ContainSubstring("names StorageClass pmem-premium, which guest cluster alpha may not use"))))
 
 		By("a claim beyond the tenant's quota of the class")
 		quota(ctx, alpha.Options.Namespace, "pmem", corev1.ResourceName(deploy.StorageClassPmem+".storageclass.storage.k8s.io/requests.storage"), "1Gi")
 		alpha.create(ctx, deploy.PVC(ns, "big", "", "2Gi", false))
 		alpha.create(ctx, deploy.Pod(ns, "big", "big", "vm-1", false))
-		Eventually(events).WithContext(ctx).WithArguments(alpha, ns, "big").WithTimeout(timeout).Should(ContainElement(And(
+		Eventually(events).WithContext(ctx).WithArguments(alpha.c, ns, "big").WithTimeout(timeout).Should(ContainElement(And(
 			ContainSubstring("ProvisioningFailed"), ContainSubstring("exceeded quota"))))
 		Expect(ownedClaims(ctx, alpha)).To(BeEmpty(), "nothing half-created")
 	})

@@ -176,13 +176,12 @@ func (s *controllerServer) groupReplica(ctx context.Context, vol *pmemv1.PmemVol
 	if vol.Status.Target == "" {
 		return s.sourceReplica(ctx, vol)
 	}
-	list := &pmemv1.PmemReplicaList{}
-	if err := s.reader.List(ctx, list, client.MatchingLabels{pmemv1.VolumeLabel: vol.Name}); err != nil {
-		return nil, csiserver.APIError(err, "list the PmemReplicas of volume %s", vol.Name)
+	replicas, err := s.replicasOf(ctx, vol.Name)
+	if err != nil {
+		return nil, err
 	}
-	for i := range list.Items {
-		r := &list.Items[i]
-		if r.Spec.Node == vol.Status.Target && r.Live() && r.HasData() && isReady(r.Status.Conditions) {
+	for i := range replicas {
+		if r := &replicas[i]; r.Spec.Node == vol.Status.Target && withData(r) {
 			return r, nil
 		}
 	}

@@ -139,15 +139,15 @@ func (s *controllerServer) createReplicated(ctx context.Context, req *csi.Create
 // (the first by name). Every write the volume acknowledged is on each such replica, so its
 // reflinked copy is crash-consistent, as a volume of one replica's is; it is made on that node.
 func (s *controllerServer) sourceReplica(ctx context.Context, vol *pmemv1.PmemVolume) (*pmemv1.PmemReplica, error) {
-	list := &pmemv1.PmemReplicaList{}
-	if err := s.reader.List(ctx, list, client.MatchingLabels{pmemv1.VolumeLabel: vol.Name}); err != nil {
-		return nil, csiserver.APIError(err, "list the PmemReplicas of volume %s", vol.Name)
+	replicas, err := s.replicasOf(ctx, vol.Name)
+	if err != nil {
+		return nil, err
 	}
-	slices.SortFunc(list.Items, func(a, b pmemv1.PmemReplica) int { return strings.Compare(a.Name, b.Name) })
+	slices.SortFunc(replicas, func(a, b pmemv1.PmemReplica) int { return strings.Compare(a.Name, b.Name) })
 	var reasons []string
-	for i := range list.Items {
-		r := &list.Items[i]
-		if !r.Live() || !r.HasData() || !isReady(r.Status.Conditions) {
+	for i := range replicas {
+		r := &replicas[i]
+		if !withData(r) {
 			reasons = append(reasons, r.Name+": not live with the volume's data")
 			continue
 		}
@@ -167,15 +167,15 @@ func (s *controllerServer) sourceReplica(ctx context.Context, vol *pmemv1.PmemVo
 // placeReplicas returns the volume's replicas, creating those it lacks on nodes that hold
 // none of its replicas; the first one on sourceNode, from the volume's source, when it has one.
 func (s *controllerServer) placeReplicas(ctx context.Context, vol *pmemv1.PmemVolume, sourceNode string, preferred []string, limit int64) ([]*pmemv1.PmemReplica, error) {
-	list := &pmemv1.PmemReplicaList{}
-	if err := s.reader.List(ctx, list, client.MatchingLabels{pmemv1.VolumeLabel: vol.Name}); err != nil {
-		return nil, csiserver.APIError(err, "list the PmemReplicas of volume %s", vol.Name)
+	existing, err := s.replicasOf(ctx, vol.Name)
+	if err != nil {
+		return nil, err
 	}
 	byName := map[string]*pmemv1.PmemReplica{}
 	var taken []string
-	for i := range list.Items {
-		byName[list.Items[i].Name] = &list.Items[i]
-		taken = append(taken, list.Items[i].Spec.Node)
+	for i := range existing {
+		byName[existing[i].Name] = &existing[i]
+		taken = append(taken, existing[i].Spec.Node)
 	}
 	var missing []int
 	for i := range int(vol.Spec.Replicas) {
@@ -343,13 +343,13 @@ func (s *controllerServer) waitReplicaReady(ctx context.Context, r *pmemv1.PmemR
 // the old size), and every node must have room to grow its replica before any grows: a
 // replica that failed to grow would keep the volume from being served.
 func (s *controllerServer) expandReplicated(ctx context.Context, vol *pmemv1.PmemVolume, size int64) error {
-	list := &pmemv1.PmemReplicaList{}
-	if err := s.reader.List(ctx, list, client.MatchingLabels{pmemv1.VolumeLabel: vol.Name}); err != nil {
-		return csiserver.APIError(err, "list the PmemReplicas of volume %s", vol.Name)
+	replicas, err := s.replicasOf(ctx, vol.Name)
+	if err != nil {
+		return err
 	}
 	var live []*pmemv1.PmemReplica
-	for i := range list.Items {
-		if r := &list.Items[i]; r.Live() {
+	for i := range replicas {
+		if r := &replicas[i]; r.Live() {
 			live = append(live, r)
 		}
 	}
@@ -388,7 +388,7 @@ func (s *controllerServer) expandReplicated(ctx context.Context, vol *pmemv1.Pme
 // canGrow tells whether replica r may grow to size now: it has the volume's data and is ready,
 // and its node has room for the difference.
 func (s *controllerServer) canGrow(ctx context.Context, r *pmemv1.PmemReplica, size int64) error {
-	if !r.HasData() || !isReady(r.Status.Conditions) {
+	if !withData(r) {
 		return status.Errorf(codes.Unavailable, "volume %s: replica %s on node %s is being made or rebuilt; the volume grows once it is ready", r.Spec.VolumeID, r.Name, r.Spec.Node)
 	}
 	node := &pmemv1.PmemNode{}
@@ -404,6 +404,21 @@ func (s *controllerServer) canGrow(ctx context.Context, r *pmemv1.PmemReplica, s
 			r.Spec.VolumeID, r.Spec.Node, largest(node), r.Name, need, size)
 	}
 	return nil
+}
+
+// replicasOf lists the PmemReplicas of volume id.
+func (s *controllerServer) replicasOf(ctx context.Context, id string) ([]pmemv1.PmemReplica, error) {
+	list := &pmemv1.PmemReplicaList{}
+	if err := s.reader.List(ctx, list, client.MatchingLabels{pmemv1.VolumeLabel: id}); err != nil {
+		return nil, csiserver.APIError(err, "list the PmemReplicas of volume %s", id)
+	}
+	return list.Items, nil
+}
+
+// withData tells whether replica r is live, has its volume's data and is ready: a target may
+// read it, a snapshot may be cut from it.
+func withData(r *pmemv1.PmemReplica) bool {
+	return r.Live() && r.HasData() && isReady(r.Status.Conditions)
 }
 
 // reportReplicated writes in the volume's status that its replicas are ready, with the size
@@ -436,16 +451,16 @@ func (s *controllerServer) reportReplicated(ctx context.Context, vol *pmemv1.Pme
 // deleteReplicas deletes the replicas of volume id, all at once, and waits until their agents
 // removed them.
 func (s *controllerServer) deleteReplicas(ctx context.Context, id string) error {
-	list := &pmemv1.PmemReplicaList{}
-	if err := s.reader.List(ctx, list, client.MatchingLabels{pmemv1.VolumeLabel: id}); err != nil {
-		return csiserver.APIError(err, "list the PmemReplicas of volume %s", id)
+	replicas, err := s.replicasOf(ctx, id)
+	if err != nil {
+		return err
 	}
-	for i := range list.Items {
-		if err := s.deleteObject(ctx, &list.Items[i]); err != nil {
+	for i := range replicas {
+		if err := s.deleteObject(ctx, &replicas[i]); err != nil {
 			return err
 		}
 	}
-	for _, r := range list.Items {
+	for _, r := range replicas {
 		if err := s.deleteAndWait(ctx, kindReplica, r.Name, &pmemv1.PmemReplica{}); err != nil {
 			return err
 		}
