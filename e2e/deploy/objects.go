@@ -4,14 +4,17 @@ import (
 	"context"
 	"fmt"
 	"path/filepath"
+	"time"
 
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/apimachinery/pkg/util/wait"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/utils/ptr"
+	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	"pvbridge.io/e2e/cluster"
 	"pvbridge.io/pkg/names"
@@ -129,11 +132,21 @@ func PodVolumePath(node *cluster.Node, podUID types.UID, pvName string, block bo
 	return filepath.Join(node.KubeletDir, "pods", string(podUID), "volumes", "kubernetes.io~csi", pvName, "mount")
 }
 
-// CreateNamespace creates a namespace for one test.
+// CreateNamespace creates a namespace for one test and returns once it takes pods: its
+// default ServiceAccount, which the apiserver's admission looks up for every pod and
+// kube-controller-manager makes after the namespace (a loaded machine's took seconds, and a
+// pod created before it was refused).
 func CreateNamespace(ctx context.Context, c kubernetes.Interface, prefix string) (string, error) {
 	ns, err := c.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{GenerateName: prefix + "-"}}, metav1.CreateOptions{})
 	if err != nil {
 		return "", fmt.Errorf("create namespace: %w", err)
+	}
+	err = wait.PollUntilContextTimeout(ctx, 50*time.Millisecond, 2*time.Minute, true, func(ctx context.Context) (bool, error) {
+		_, err := c.CoreV1().ServiceAccounts(ns.Name).Get(ctx, "default", metav1.GetOptions{})
+		return err == nil, client.IgnoreNotFound(err)
+	})
+	if err != nil {
+		return "", fmt.Errorf("the default ServiceAccount of namespace %s: %w", ns.Name, err)
 	}
 	return ns.Name, nil
 }
