@@ -89,6 +89,11 @@ test-e2e: deps test-tools
 		hack/phase.sh e2e $(E2E_GO_TEST) -p $(E2E_PARALLEL) -vet=off -count=1 -timeout $(TEST_TIMEOUT) \
 		./e2e/capi ./e2e/suite ./e2e/containers ./e2e/vmoperator ./e2e/cluster ./e2e/sanity ./e2e/...
 
+.PHONY: capi-e2e
+capi-e2e: deps test-tools ## Run every one of Cluster API's own provider specs (e2e/capispecs) on e2e/capi's lab, once its provider is upgraded to this tree's; make test runs those labelled ci (QuickStart). Their log, JUnit report and dumps: _output/capi-e2e.
+	cd e2e && PVBRIDGE_CAPI_SPECS=all PVBRIDGE_CAPI_SPECS_DIR=$(CURDIR)/_output/capi-e2e $(E2E_GO_TEST) -v -count=1 -timeout 120m \
+		-run '^TestClusterAPIGuest$$/^OnTheGuest$$/^Steps$$/^(StatefulSetKeepsItsData|ClusterctlUpgradesTheProvider|ClusterAPISpecs)$$' ./capi
+
 # Fuzz targets of every parser of tenant-controlled input: <module>:<package>:<target>,<target>...
 FUZZ_TARGETS := \
 	pkg:./tenancy:FuzzSharedWith \
@@ -111,7 +116,8 @@ COMPILE_ENV := GOGC=400 GOMEMLIMIT=3GiB
 # .ci/run does it beside the tools' long lane, so that those phases mostly link and run.
 .PHONY: prebuild
 prebuild:
-	hack/phase.sh prebuild env $(COMPILE_ENV) bash -c 'go build -race $(COMPONENTS:%=./%/...) && CGO_ENABLED=0 go build -trimpath $(MODULES:%=./%/...)'
+	hack/phase.sh prebuild env $(COMPILE_ENV) bash -c 'go build -race $(COMPONENTS:%=./%/...) && CGO_ENABLED=0 go build -trimpath $(MODULES:%=./%/...) && \
+		cd e2e/capispecs && GOWORK=off CGO_ENABLED=0 go test -c -trimpath -o /dev/null .'
 
 # The baseline the bench's figures are compared with (e2e/benchcmp): each of its figures is
 # printed with its change, and a ratio figure more than 10 % worse as a regression.
@@ -175,6 +181,8 @@ lint: $(GOLANGCI_LINT) ## Run golangci-lint on every module.
 	@# tools, the lab's binaries and the end-to-end tests are (static, -trimpath), so that it
 	@# reuses their builds from the Go build cache instead of compiling every library again.
 	hack/phase.sh lint env CGO_ENABLED=0 GOFLAGS='-trimpath $(GOFLAGS)' $(GOLANGCI_LINT) run --config .golangci.yml $(MODULES:%=./%/...)
+	@# e2e/capispecs, outside the workspace (its own go.mod: Cluster API's test framework).
+	cd e2e/capispecs && GOWORK=off CGO_ENABLED=0 GOFLAGS='-trimpath $(GOFLAGS)' $(GOLANGCI_LINT) run --config ../../.golangci.yml ./...
 
 .PHONY: build
 build: ## Build pvbridge's binaries into ./bin.

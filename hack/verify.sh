@@ -34,7 +34,7 @@ if [ -n "$unformatted" ]; then
 	echo "verify: not gofmt'ed:"; echo "$unformatted"; fail=1
 fi
 
-for m in pkg guest-csi mgmt-csi vm-operator e2e hack/tools/*; do
+for m in pkg guest-csi mgmt-csi vm-operator e2e e2e/capispecs hack/tools/*; do
 	if ! (cd "$m" && GOWORK=off go mod tidy -diff >/dev/null 2>&1); then
 		echo "verify: $m/go.mod or go.sum is not tidy; run 'cd $m && GOWORK=off go mod tidy'"
 		fail=1
@@ -45,7 +45,7 @@ done
 # twice on a fresh machine (docs/design.md).
 deps() { GOWORK=off go list -deps -f '{{with .Module}}{{.Path}} {{with .Replace}}{{.Version}}{{else}}{{.Version}}{{end}}{{end}}' "$@" | sort -u; }
 tools=$(cd hack/tools/kubernetes && deps $(sed -n 's/^\t_ "\(.*\)"$/\1/p' tools.go) ./coredns)
-for m in pkg guest-csi mgmt-csi vm-operator e2e; do
+for m in pkg guest-csi mgmt-csi vm-operator e2e e2e/capispecs; do
 	skew=$(join <(cd "$m" && deps -test ./...) <(echo "$tools") | awk '$2 != $3 { print "  " $1, $2, "(tools: " $3 ")" }')
 	if [ -n "$skew" ]; then
 		echo "verify: $m requires other versions than hack/tools/kubernetes of:"; echo "$skew"

@@ -1,6 +1,7 @@
 package capi_test
 
 import (
+	"context"
 	"testing"
 	"time"
 
@@ -42,12 +43,7 @@ func clusterClassMakesAGuest(t *testing.T) {
 	mc := mgmtClient(g)
 	ns := in.Options.Guest.Namespace
 
-	// The version and etcd of alpha's control plane, made by the lab.
-	kcp := &unstructured.Unstructured{}
-	kcp.SetGroupVersionKind(schema.GroupVersionKind{Group: "controlplane.cluster.x-k8s.io", Version: "v1beta2", Kind: "KubeadmControlPlane"})
-	g.Expect(mc.Get(ctx, client.ObjectKey{Namespace: ns, Name: in.Options.Guest.Name + "-control-plane"}, kcp)).To(Succeed())
-	version, _, _ := unstructured.NestedString(kcp.Object, "spec", "version")
-	etcdTag, _, _ := unstructured.NestedString(kcp.Object, "spec", "kubeadmConfigSpec", "clusterConfiguration", "etcd", "local", "imageTag")
+	version, etcdTag := guestVersion(ctx, g, mc)
 	endpoint, err := lab.ControlPlaneEndpoint()
 	g.Expect(err).NotTo(HaveOccurred())
 
@@ -174,4 +170,15 @@ func clusterClassMakesAGuest(t *testing.T) {
 		g.Expect(vms.Items).To(BeEmpty())
 	}).WithContext(ctx).WithTimeout(10 * time.Minute).WithPolling(2 * time.Second).Should(Succeed())
 	t.Logf("ClusterClass guest %s deleted, its VMs gone, %.0f s after", topologyGuest, time.Since(start).Seconds())
+}
+
+// guestVersion returns the Kubernetes version and etcd image tag of alpha's control plane, which
+// the lab made.
+func guestVersion(ctx context.Context, g Gomega, mc client.Client) (version, etcdTag string) {
+	kcp := &unstructured.Unstructured{}
+	kcp.SetGroupVersionKind(schema.GroupVersionKind{Group: "controlplane.cluster.x-k8s.io", Version: "v1beta2", Kind: "KubeadmControlPlane"})
+	g.Expect(mc.Get(ctx, client.ObjectKey{Namespace: in.Options.Guest.Namespace, Name: in.Options.Guest.Name + "-control-plane"}, kcp)).To(Succeed())
+	version, _, _ = unstructured.NestedString(kcp.Object, "spec", "version")
+	etcdTag, _, _ = unstructured.NestedString(kcp.Object, "spec", "kubeadmConfigSpec", "clusterConfiguration", "etcd", "local", "imageTag")
+	return version, etcdTag
 }

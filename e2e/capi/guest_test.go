@@ -44,6 +44,7 @@ func TestClusterAPIGuest(t *testing.T) {
 				{"WorkerDeletedWhileAPodWrites", workerDeletedWhileAPodWrites},
 				{"HostLostWhileAPodWrites", hostLostWhileAPodWrites},
 				{"ClusterClassMakesAGuest", clusterClassMakesAGuest},
+				{"ClusterAPISpecs", clusterAPISpecs},
 			} {
 				if !t.Run(step.name, step.run) {
 					return // the next steps build on this one

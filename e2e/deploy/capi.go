@@ -410,6 +410,12 @@ func ClusterTemplate(repo, file string, vars map[string]string) ([]*unstructured
 	if err != nil {
 		return nil, err
 	}
+	return renderTemplate(path, data, vars)
+}
+
+// renderTemplate substitutes vars for the variables of the template data (read from path) and
+// returns its objects.
+func renderTemplate(path string, data []byte, vars map[string]string) ([]*unstructured.Unstructured, error) {
 	var missing []string
 	text := templateVariable.ReplaceAllStringFunc(string(data), func(m string) string {
 		sub := templateVariable.FindStringSubmatch(m)
