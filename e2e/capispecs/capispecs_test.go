@@ -39,12 +39,15 @@ var (
 )
 
 // The clusterctl flavors of the lab's guests (e2e/deploy.LabFlavor, TopologyLabFlavor,
-// RemediationLabFlavor): the cluster template's, the ClusterClass's, and the cluster template's
-// whose MachineHealthCheck watches the Node condition MachineDeploymentRemediationSpec sets.
+// RemediationLabFlavor, TaintsLabFlavor): the cluster template's, the ClusterClass's, and the
+// cluster template's whose MachineHealthCheck watches the Node condition
+// MachineDeploymentRemediationSpec sets, or whose machines have the taints
+// KCPAndMachineDeploymentRolloutSpec expects.
 const (
 	lab            = "lab"
 	topologyLab    = "topology-lab"
 	remediationLab = "md-remediation-lab"
+	taintsLab      = "kcp-md-taints-lab"
 )
 
 func TestClusterAPISpecs(t *testing.T) {
@@ -102,6 +105,15 @@ var _ = Describe("MachineDeploymentRemediation", func() {
 		return e2e.MachineDeploymentRemediationSpecInput{
 			E2EConfig: e2eConfig, ClusterctlConfigPath: *clusterctlConfig, BootstrapClusterProxy: proxy,
 			ArtifactFolder: *artifactFolder, Flavor: ptr.To(remediationLab),
+		}
+	})
+})
+
+var _ = Describe("KCPAndMachineDeploymentRollout", Label("rollout"), func() {
+	e2e.KCPAndMachineDeploymentRolloutSpec(ctx, func() e2e.KCPAndMachineDeploymentRolloutSpecInput {
+		return e2e.KCPAndMachineDeploymentRolloutSpecInput{
+			E2EConfig: e2eConfig, ClusterctlConfigPath: *clusterctlConfig, BootstrapClusterProxy: proxy,
+			ArtifactFolder: *artifactFolder, Flavor: taintsLab,
 		}
 	})
 })

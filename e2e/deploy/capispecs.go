@@ -31,13 +31,32 @@ type ClusterAPISpecsOptions struct {
 }
 
 // The clusterctl names of the lab's guests' flavors in its repository: the cluster template and
-// the ClusterClass's, adapted to the lab, and the cluster template whose MachineHealthCheck
-// remediates a worker whose Node has RemediationCondition False.
+// the ClusterClass's, adapted to the lab; the cluster template whose MachineHealthCheck
+// remediates a worker whose Node has RemediationCondition False, and the one whose machines have
+// the taints of KCPAndMachineDeploymentRolloutSpec.
 const (
 	LabFlavor            = "lab"
 	TopologyLabFlavor    = "topology-lab"
 	RemediationLabFlavor = "md-remediation-lab"
+	TaintsLabFlavor      = "kcp-md-taints-lab"
 )
+
+// withMachineTaints gives the control plane's and the workers' machines the taints
+// KCPAndMachineDeploymentRolloutSpec expects before it changes them (CAPD's kcp-md-taints
+// flavor): one propagated always, one only when the Node is made.
+func withMachineTaints(o *unstructured.Unstructured) error {
+	taints := []any{
+		map[string]any{"key": "pre-existing-on-initialization-taint", "value": "on-initialization-value", "effect": "PreferNoSchedule", "propagation": "OnInitialization"},
+		map[string]any{"key": "pre-existing-always-taint", "value": "always-value", "effect": "PreferNoSchedule", "propagation": "Always"},
+	}
+	switch o.GetKind() {
+	case "KubeadmControlPlane":
+		return unstructured.SetNestedSlice(o.Object, taints, "spec", "machineTemplate", "spec", "taints")
+	case "MachineDeployment":
+		return unstructured.SetNestedSlice(o.Object, taints, "spec", "template", "spec", "taints")
+	}
+	return nil
+}
 
 // RemediationCondition is the Node condition of Cluster API's MachineDeploymentRemediationSpec:
 // it sets the first condition of a MachineHealthCheck on a Node, which must be one the kubelet
@@ -82,6 +101,7 @@ func (in *Installed) RunClusterAPISpecs(ctx context.Context, lab *cluster.Lab, o
 	}{
 		{"cluster-template.yaml", "cluster-template-" + LabFlavor + ".yaml", nil},
 		{"cluster-template.yaml", "cluster-template-" + RemediationLabFlavor + ".yaml", remediatedOnCondition},
+		{"cluster-template.yaml", "cluster-template-" + TaintsLabFlavor + ".yaml", withMachineTaints},
 		{"cluster-template-topology.yaml", "cluster-template-" + TopologyLabFlavor + ".yaml", nil},
 		{"clusterclass-pvbridge.yaml", "clusterclass-pvbridge.yaml", nil},
 	} {
@@ -188,6 +208,11 @@ intervals:
   default/wait-delete-cluster: ["10m", "5s"]
   default/wait-nodes-ready: ["10m", "5s"]
   default/wait-machine-remediation: ["15m", "5s"]
+  default/wait-machine-upgrade: ["15m", "5s"]
+  default/wait-machine-provisioned: ["10m", "5s"]
+  default/wait-machine-deleted: ["10m", "5s"]
+  default/wait-deployment-available: ["5m", "5s"]
+  default/check-machines-stable: ["30s", "5s"]
 `
 
 // labFlavor is the shipped template file of manifests/clusterctl (a cluster template or the

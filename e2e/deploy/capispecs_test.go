@@ -92,3 +92,21 @@ func clusterVars(workers string) map[string]string {
 		"CONTROL_PLANE_MACHINE_COUNT": "1", "WORKER_MACHINE_COUNT": workers, "CONTROL_PLANE_ENDPOINT_IP": "10.251.3.1",
 	}
 }
+
+// The taints flavor's control plane and workers have the two taints of Cluster API's rollout spec.
+func TestLabTaintsFlavorTaintsEveryMachine(t *testing.T) {
+	g := NewWithT(t)
+	flavor, err := labFlavor("../..", "cluster-template.yaml", "3.6.4-0", []string{"host-a"}, withMachineTaints)
+	g.Expect(err).NotTo(HaveOccurred())
+	objs, err := renderTemplate("cluster-template-kcp-md-taints-lab.yaml", flavor, clusterVars("1"))
+	g.Expect(err).NotTo(HaveOccurred())
+	paths := map[string][]string{"KubeadmControlPlane": {"spec", "machineTemplate", "spec", "taints"}, "MachineDeployment": {"spec", "template", "spec", "taints"}}
+	for _, o := range objs {
+		if path, ok := paths[o.GetKind()]; ok {
+			taints, _, _ := unstructured.NestedSlice(o.Object, path...)
+			g.Expect(taints).To(ConsistOf(HaveKeyWithValue("propagation", "Always"), HaveKeyWithValue("propagation", "OnInitialization")), o.GetKind())
+			delete(paths, o.GetKind())
+		}
+	}
+	g.Expect(paths).To(BeEmpty())
+}
