@@ -58,10 +58,10 @@ var capiManagers = []struct {
 	// repository) are clusterctl's.
 	providerName, providerType, namespace, components string
 }{
-	{"core", "capi-manager", "core", "cluster-api", nil, []string{topologyGate}, "cluster-api", "CoreProvider", "capi-system", "core-components.yaml"},
+	{"core", "capi-manager", "core", "cluster-api", nil, []string{featureGates}, "cluster-api", "CoreProvider", "capi-system", "core-components.yaml"},
 	{"bootstrap", "capi-kubeadm-bootstrap-manager", "bootstrap/kubeadm", "bootstrap-kubeadm", map[string]string{"cluster.x-k8s.io/v1beta1": "v1beta1", "cluster.x-k8s.io/v1beta2": "v1beta2"}, nil,
 		"kubeadm", "BootstrapProvider", "capi-kubeadm-bootstrap-system", "bootstrap-components.yaml"},
-	{"controlplane", "capi-kubeadm-control-plane-manager", "controlplane/kubeadm", "control-plane-kubeadm", map[string]string{"cluster.x-k8s.io/v1beta1": "v1beta1", "cluster.x-k8s.io/v1beta2": "v1beta2"}, []string{topologyGate},
+	{"controlplane", "capi-kubeadm-control-plane-manager", "controlplane/kubeadm", "control-plane-kubeadm", map[string]string{"cluster.x-k8s.io/v1beta1": "v1beta1", "cluster.x-k8s.io/v1beta2": "v1beta2"}, []string{featureGates},
 		"kubeadm", "ControlPlaneProvider", "capi-kubeadm-control-plane-system", "control-plane-components.yaml"},
 }
 
@@ -71,7 +71,11 @@ func clusterctlLabels(provider string) map[string]string {
 	return map[string]string{"clusterctl.cluster.x-k8s.io": "", "cluster.x-k8s.io/provider": provider}
 }
 
-const topologyGate = "--feature-gates=ClusterTopology=true"
+// featureGates are the Cluster API feature gates the lab turns on in the core and control plane
+// managers, which have them: ClusterTopology (ClusterClass), and MachineTaintPropagation, whose
+// machine taints Cluster API's KCPAndMachineDeploymentRolloutSpec sets (its own e2e runs turn it
+// on too).
+const featureGates = "--feature-gates=ClusterTopology=true,MachineTaintPropagation=true"
 
 // StartClusterAPI installs and starts Cluster API and pvbridge's provider in the management
 // cluster mgmt: the lab's provider, or previous's when it is not nil.
