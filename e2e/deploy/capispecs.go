@@ -10,6 +10,7 @@ import (
 	"path/filepath"
 
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+	"sigs.k8s.io/controller-runtime/pkg/client"
 	"sigs.k8s.io/yaml"
 
 	"pvbridge.io/e2e/cluster"
@@ -169,20 +170,15 @@ func (in *Installed) providerIs(ctx context.Context, version string) error {
 	if err != nil {
 		return err
 	}
-	providers := &unstructured.UnstructuredList{}
-	providers.SetGroupVersionKind(ProviderGVR.GroupVersion().WithKind("ProviderList"))
-	if err := mc.List(ctx, providers); err != nil {
-		return err
+	p := &unstructured.Unstructured{}
+	p.SetGroupVersionKind(ProviderGVR.GroupVersion().WithKind("Provider"))
+	if err := mc.Get(ctx, client.ObjectKey{Namespace: capiProviderNamespace, Name: "infrastructure-pvbridge"}, p); err != nil {
+		return fmt.Errorf("clusterctl's inventory of pvbridge: %w", err)
 	}
-	for _, p := range providers.Items {
-		if name, _, _ := unstructured.NestedString(p.Object, "providerName"); name == "pvbridge" {
-			if installed, _, _ := unstructured.NestedString(p.Object, "version"); installed != version {
-				return fmt.Errorf("the installed provider is pvbridge %s, not the lab's %s: upgrade it first (UpgradeProvider)", installed, version)
-			}
-			return nil
-		}
+	if installed, _, _ := unstructured.NestedString(p.Object, "version"); installed != version {
+		return fmt.Errorf("the installed provider is pvbridge %s, not the lab's %s: upgrade it first (UpgradeProvider)", installed, version)
 	}
-	return errors.New("clusterctl's inventory has no provider pvbridge")
+	return nil
 }
 
 // specsConfig is Cluster API's e2e configuration of the lab (%s: the management cluster's name,

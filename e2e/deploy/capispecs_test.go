@@ -13,10 +13,7 @@ import (
 // variable is a number and a default applies, and the objects are LabCluster's, on the hosts.
 func TestLabFlavorRendersAsTheLabsGuests(t *testing.T) {
 	g := NewWithT(t)
-	flavor, err := labFlavor("../..", "cluster-template.yaml", "3.6.4-0", []string{"host-a", "host-b"}, nil)
-	g.Expect(err).NotTo(HaveOccurred())
-	objs, err := renderTemplate("cluster-template-lab.yaml", flavor, clusterVars("2"))
-	g.Expect(err).NotTo(HaveOccurred())
+	objs := renderedLabFlavor(g, "cluster-template.yaml", []string{"host-a", "host-b"}, nil, clusterVars("2"))
 	byKind := map[string]*unstructured.Unstructured{}
 	for _, o := range objs {
 		g.Expect(o.GetNamespace()).To(Equal("ns"), "%s %s", o.GetKind(), o.GetName())
@@ -46,20 +43,14 @@ func TestLabFlavorRendersAsTheLabsGuests(t *testing.T) {
 // and the lab's ClusterClass is LabCluster's.
 func TestLabTopologyFlavorRunsOnTheHosts(t *testing.T) {
 	g := NewWithT(t)
-	flavor, err := labFlavor("../..", "cluster-template-topology.yaml", "3.6.4-0", []string{"host-a", "host-b"}, nil)
-	g.Expect(err).NotTo(HaveOccurred())
-	objs, err := renderTemplate("cluster-template-topology-lab.yaml", flavor, clusterVars("2"))
-	g.Expect(err).NotTo(HaveOccurred())
+	objs := renderedLabFlavor(g, "cluster-template-topology.yaml", []string{"host-a", "host-b"}, nil, clusterVars("2"))
 	g.Expect(objs).To(HaveLen(1))
 	topology := objs[0].Object["spec"].(map[string]any)["topology"].(map[string]any)
 	g.Expect(topology["variables"]).To(ContainElement(map[string]any{"name": "hosts", "value": []any{"host-a", "host-b"}}))
 	g.Expect(topology["workers"]).To(HaveKeyWithValue("machineDeployments", ConsistOf(HaveKeyWithValue("failureDomain", "host-a"))))
 	g.Expect(topology["controlPlane"]).To(HaveKeyWithValue("replicas", BeEquivalentTo(1)))
 
-	class, err := labFlavor("../..", "clusterclass-pvbridge.yaml", "3.6.4-0", []string{"host-a", "host-b"}, nil)
-	g.Expect(err).NotTo(HaveOccurred())
-	objs, err = renderTemplate("clusterclass-pvbridge.yaml", class, map[string]string{"NAMESPACE": "ns"})
-	g.Expect(err).NotTo(HaveOccurred())
+	objs = renderedLabFlavor(g, "clusterclass-pvbridge.yaml", []string{"host-a", "host-b"}, nil, map[string]string{"NAMESPACE": "ns"})
 	g.Expect(objs).To(ContainElement(WithTransform(func(o *unstructured.Unstructured) any {
 		tag, _, _ := unstructured.NestedString(o.Object, "spec", "template", "spec", "kubeadmConfigSpec", "clusterConfiguration", "etcd", "local", "imageTag")
 		return o.GetKind() + " " + tag
@@ -70,10 +61,7 @@ func TestLabTopologyFlavorRunsOnTheHosts(t *testing.T) {
 // sets on a Node, and still at the Node's readiness.
 func TestLabRemediationFlavorWatchesTheSpecsCondition(t *testing.T) {
 	g := NewWithT(t)
-	flavor, err := labFlavor("../..", "cluster-template.yaml", "3.6.4-0", []string{"host-a"}, remediatedOnCondition)
-	g.Expect(err).NotTo(HaveOccurred())
-	objs, err := renderTemplate("cluster-template-md-remediation-lab.yaml", flavor, clusterVars("1"))
-	g.Expect(err).NotTo(HaveOccurred())
+	objs := renderedLabFlavor(g, "cluster-template.yaml", []string{"host-a"}, remediatedOnCondition, clusterVars("1"))
 	var conditions []any
 	for _, o := range objs {
 		if o.GetKind() == "MachineHealthCheck" {
@@ -83,6 +71,16 @@ func TestLabRemediationFlavorWatchesTheSpecsCondition(t *testing.T) {
 	g.Expect(conditions).To(HaveLen(3))
 	g.Expect(conditions[0]).To(And(HaveKeyWithValue("type", RemediationCondition), HaveKeyWithValue("status", "False"), HaveKeyWithValue("timeoutSeconds", BeEquivalentTo(10))))
 	g.Expect(conditions[1]).To(HaveKeyWithValue("type", "Ready"))
+}
+
+// renderedLabFlavor is the objects of file's lab flavor (labFlavor of etcd 3.6.4-0 on hosts,
+// with edit) rendered with vars.
+func renderedLabFlavor(g Gomega, file string, hosts []string, edit func(*unstructured.Unstructured) error, vars map[string]string) []*unstructured.Unstructured {
+	flavor, err := labFlavor("../..", file, "3.6.4-0", hosts, edit)
+	g.Expect(err).NotTo(HaveOccurred())
+	objs, err := renderTemplate(file, flavor, vars)
+	g.Expect(err).NotTo(HaveOccurred())
+	return objs
 }
 
 // clusterVars are clusterctl's variables of a cluster qs of namespace ns, workers workers.
@@ -96,10 +94,7 @@ func clusterVars(workers string) map[string]string {
 // The taints flavor's control plane and workers have the two taints of Cluster API's rollout spec.
 func TestLabTaintsFlavorTaintsEveryMachine(t *testing.T) {
 	g := NewWithT(t)
-	flavor, err := labFlavor("../..", "cluster-template.yaml", "3.6.4-0", []string{"host-a"}, withMachineTaints)
-	g.Expect(err).NotTo(HaveOccurred())
-	objs, err := renderTemplate("cluster-template-kcp-md-taints-lab.yaml", flavor, clusterVars("1"))
-	g.Expect(err).NotTo(HaveOccurred())
+	objs := renderedLabFlavor(g, "cluster-template.yaml", []string{"host-a"}, withMachineTaints, clusterVars("1"))
 	paths := map[string][]string{"KubeadmControlPlane": {"spec", "machineTemplate", "spec", "taints"}, "MachineDeployment": {"spec", "template", "spec", "taints"}}
 	for _, o := range objs {
 		if path, ok := paths[o.GetKind()]; ok {
