@@ -20,8 +20,8 @@ import (
 
 // KubeadmInitUserData is a cloud-config as Cluster API's kubeadm bootstrap provider writes it
 // for the first control plane machine: the node's name from the meta-data (Jinja), kubeadm's
-// preflight check that cannot hold in a lab VM ignored by name (docs/design.md), the lab's etcd,
-// generous timeouts for a loaded 2-core machine.
+// preflight check that cannot hold in a lab VM ignored by name (docs/design.md), the lab's etcd
+// without fsync (throwaway data, as the management etcd's), generous timeouts for a loaded 2-core machine.
 func KubeadmInitUserData(version, etcdTag string) string {
 	return fmt.Sprintf(`## template: jinja
 #cloud-config
@@ -42,7 +42,7 @@ write_files:
     apiVersion: kubeadm.k8s.io/v1beta4
     kind: ClusterConfiguration
     kubernetesVersion: %[1]s
-    etcd: {local: {imageTag: %[2]s}}
+    etcd: {local: {imageTag: %[2]s, extraArgs: [{name: unsafe-no-fsync, value: "true"}]}}
     networking: {serviceSubnet: 10.112.0.0/16}
 - path: /run/cluster-api/placeholder
   owner: root:root

@@ -449,8 +449,9 @@ const (
 
 // LabCluster adapts a rendered cluster template to the lab's VMs (docs/design.md): the guest's
 // Service and pod ranges, kubeadm's preflight check of the cgroup version skipped (the machine
-// runs cgroup v1, which the VMs' kubelets accept), the lab's etcd, and timeouts for a loaded
-// 2-core machine.
+// runs cgroup v1, which the VMs' kubelets accept), the lab's etcd, without fsync as the lab's
+// management etcd (the guests are throwaway; on a loaded machine a guest etcd's fdatasync took 4 s
+// and its API server stopped answering), and timeouts for a loaded 2-core machine.
 func LabCluster(objs []*unstructured.Unstructured, etcdTag string) error {
 	ignore := []any{"SystemVerification"}
 	set := func(o *unstructured.Unstructured, value any, path ...string) error {
@@ -471,6 +472,7 @@ func LabCluster(objs []*unstructured.Unstructured, etcdTag string) error {
 			}
 			errs = append(errs,
 				set(o, etcdTag, append(spec, "clusterConfiguration", "etcd", "local", "imageTag")...),
+				set(o, []any{map[string]any{"name": "unsafe-no-fsync", "value": "true"}}, append(spec, "clusterConfiguration", "etcd", "local", "extraArgs")...),
 				set(o, map[string]any{"controlPlaneComponentHealthCheckSeconds": int64(600), "kubernetesAPICallSeconds": int64(300)}, append(spec, "initConfiguration", "timeouts")...),
 				set(o, map[string]any{"controlPlaneComponentHealthCheckSeconds": int64(600), "kubernetesAPICallSeconds": int64(300), "tlsBootstrapSeconds": int64(600)}, append(spec, "joinConfiguration", "timeouts")...),
 				set(o, ignore, append(spec, "initConfiguration", "nodeRegistration", "ignorePreflightErrors")...),

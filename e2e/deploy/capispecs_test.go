@@ -28,6 +28,7 @@ func TestLabFlavorRendersAsTheLabsGuests(t *testing.T) {
 	}
 	g.Expect(field("KubeadmControlPlane", "spec", "replicas")).To(BeEquivalentTo(1))
 	g.Expect(field("KubeadmControlPlane", "spec", "kubeadmConfigSpec", "clusterConfiguration", "etcd", "local", "imageTag")).To(Equal("3.6.4-0"))
+	g.Expect(field("KubeadmControlPlane", "spec", "kubeadmConfigSpec", "clusterConfiguration", "etcd", "local", "extraArgs")).To(ContainElement(map[string]any{"name": "unsafe-no-fsync", "value": "true"}))
 	g.Expect(field("KubeadmControlPlane", "spec", "kubeadmConfigSpec", "initConfiguration", "nodeRegistration", "name")).To(Equal("{{ ds.meta_data.local_hostname }}"))
 	g.Expect(field("MachineDeployment", "spec", "replicas")).To(BeEquivalentTo(2))
 	g.Expect(field("MachineDeployment", "spec", "template", "spec", "failureDomain")).To(Equal("host-a"))
