@@ -53,6 +53,7 @@ packages=(
 	cloud-init cloud-guest-utils ifupdown isc-dhcp-client qemu-guest-agent
 	runc containernetworking-plugins iptables iproute2 conntrack ethtool socat
 	ca-certificates e2fsprogs xfsprogs util-linux mount procps netbase
+	keepalived
 )
 mmdebstrap --mode=root --variant=minbase --quiet \
 	--include="$(IFS=,; echo "${packages[*]}")" \
@@ -135,6 +136,9 @@ EOF
 for unit in containerd kubelet; do
 	ln -sf "/etc/systemd/system/$unit.service" "$tree/etc/systemd/system/multi-user.target.wants/$unit.service"
 done
+# keepalived holds an HA control plane's endpoint (cluster-template-ha.yaml), which starts it
+# once its configuration is written; not at boot, where it would find none.
+rm -f "$tree/etc/systemd/system/multi-user.target.wants/keepalived.service"
 printf 'overlay\nbr_netfilter\n' >"$tree/etc/modules-load.d/kubernetes.conf"
 printf 'net.ipv4.ip_forward = 1\nnet.bridge.bridge-nf-call-iptables = 1\n' >"$tree/etc/sysctl.d/90-kubernetes.conf"
 # cloud-init reads only the NoCloud seed (the qemu driver's CIDATA disk): no metadata service

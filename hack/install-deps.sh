@@ -31,6 +31,8 @@ declare -A need=(
 	[mmdebstrap]=mmdebstrap
 	# unpacks the test guest's kernel to a raw vmlinux for a fast PVH boot.
 	[xz]=xz-utils
+	# the lab VMs of an HA guest's control plane hold its endpoint with it (cluster-template-ha.yaml).
+	[keepalived]=keepalived
 )
 missing=()
 for cmd in "${!need[@]}"; do

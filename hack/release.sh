@@ -16,7 +16,7 @@
 #     charts/                  the Helm charts, packaged (helm package)
 #     clusterctl/              a clusterctl repository of the infrastructure provider:
 #                              infrastructure-pvbridge/VERSION/{infrastructure-components.yaml,
-#                              metadata.yaml, cluster-template{,-topology}.yaml,
+#                              metadata.yaml, cluster-template{,-topology,-ha}.yaml,
 #                              clusterclass-pvbridge.yaml}, and clusterctl.yaml, a
 #                              clusterctl configuration that names it (docs/deployment.md)
 #     kubectl-pvbridge_VERSION_<os>_<arch>.tar.gz   the kubectl plugin (with LICENSE) for
@@ -57,7 +57,7 @@ clusterctl_repository() {
 	local repo=$1/infrastructure-pvbridge/$version
 	mkdir -p "$repo"
 	cp manifests/clusterctl/infrastructure-components.yaml manifests/clusterctl/metadata.yaml \
-		manifests/clusterctl/cluster-template.yaml manifests/clusterctl/cluster-template-topology.yaml \
+		manifests/clusterctl/cluster-template.yaml manifests/clusterctl/cluster-template-topology.yaml manifests/clusterctl/cluster-template-ha.yaml \
 		manifests/clusterctl/clusterclass-pvbridge.yaml "$repo/"
 	cat >"$1/clusterctl.yaml" <<EOF
 # clusterctl's configuration for this release's provider: clusterctl --config clusterctl.yaml

@@ -10,19 +10,24 @@ package capispecs_test
 import (
 	"context"
 	"flag"
+	"slices"
 	"testing"
 
 	. "github.com/onsi/ginkgo/v2"
 	. "github.com/onsi/gomega"
 	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/klog/v2"
 	"k8s.io/utils/ptr"
+	controlplanev1 "sigs.k8s.io/cluster-api/api/controlplane/kubeadm/v1beta2"
+	clusterv1 "sigs.k8s.io/cluster-api/api/core/v1beta2"
 	"sigs.k8s.io/cluster-api/test/e2e"
 	"sigs.k8s.io/cluster-api/test/framework"
 	"sigs.k8s.io/cluster-api/test/framework/clusterctl"
 	ctrl "sigs.k8s.io/controller-runtime"
+	"sigs.k8s.io/controller-runtime/pkg/client"
 )
 
 var (
@@ -48,6 +53,7 @@ const (
 	topologyLab    = "topology-lab"
 	remediationLab = "md-remediation-lab"
 	taintsLab      = "kcp-md-taints-lab"
+	haLab          = "ha-lab"
 )
 
 func TestClusterAPISpecs(t *testing.T) {
@@ -87,6 +93,19 @@ var _ = Describe("QuickStart with ClusterClass", Label("ClusterClass"), func() {
 		return e2e.QuickStartSpecInput{
 			E2EConfig: e2eConfig, ClusterctlConfigPath: *clusterctlConfig, BootstrapClusterProxy: proxy,
 			ArtifactFolder: *artifactFolder, Flavor: ptr.To(topologyLab),
+		}
+	})
+})
+
+// The HA flavor: 3 control plane machines holding the endpoint with keepalived, whose first (the
+// one kubeadm init made, which took the endpoint's address first) is then deleted.
+var _ = Describe("QuickStart with an HA control plane", Label("ha"), func() {
+	e2e.QuickStartSpec(ctx, func() e2e.QuickStartSpecInput {
+		return e2e.QuickStartSpecInput{
+			E2EConfig: e2eConfig, ClusterctlConfigPath: *clusterctlConfig, BootstrapClusterProxy: proxy,
+			ArtifactFolder: *artifactFolder, Flavor: ptr.To(haLab),
+			ControlPlaneMachineCount: ptr.To[int64](3), WorkerMachineCount: ptr.To[int64](1),
+			PostMachinesProvisioned: theEndpointOutlivesTheFirstMachine,
 		}
 	})
 })
@@ -161,4 +180,41 @@ func deletionPhase(machine string, owners ...string) e2e.ClusterDeletionPhase {
 // kind is the filter of the objects of kind k.
 func kind(k string) func(corev1.ObjectReference, []metav1.OwnerReference) bool {
 	return func(ref corev1.ObjectReference, _ []metav1.OwnerReference) bool { return ref.Kind == k }
+}
+
+// theEndpointOutlivesTheFirstMachine deletes the cluster's oldest control plane machine and
+// checks that the cluster's API server answers at its endpoint once that machine is gone, before
+// KubeadmControlPlane's replacement joins, and that the replacement joins through it.
+func theEndpointOutlivesTheFirstMachine(mgmt framework.ClusterProxy, namespace, name string) {
+	mc := mgmt.GetClient()
+	workload := mgmt.GetWorkloadCluster(ctx, namespace, name).GetClient()
+	machines := &clusterv1.MachineList{}
+	Expect(mc.List(ctx, machines, client.InNamespace(namespace), client.MatchingLabels{clusterv1.ClusterNameLabel: name}, client.HasLabels{clusterv1.MachineControlPlaneLabel})).To(Succeed())
+	Expect(machines.Items).To(HaveLen(3))
+	first := slices.MinFunc(machines.Items, func(a, b clusterv1.Machine) int {
+		return a.CreationTimestamp.Compare(b.CreationTimestamp.Time)
+	})
+	By("deleting the first control plane machine, " + first.Name)
+	Expect(mc.Delete(ctx, &first)).To(Succeed())
+	Eventually(func() bool {
+		err := mc.Get(ctx, client.ObjectKeyFromObject(&first), &clusterv1.Machine{})
+		return apierrors.IsNotFound(err)
+	}, "10m", "2s").Should(BeTrue(), "Machine %s is deleted", first.Name)
+
+	By("the endpoint answers without it")
+	Eventually(func() error {
+		return workload.List(ctx, &corev1.NodeList{})
+	}, "2m", "1s").Should(Succeed())
+
+	By("its replacement joins through the endpoint")
+	Eventually(func(g Gomega) {
+		kcp := &controlplanev1.KubeadmControlPlaneList{}
+		g.Expect(mc.List(ctx, kcp, client.InNamespace(namespace), client.MatchingLabels{clusterv1.ClusterNameLabel: name})).To(Succeed())
+		g.Expect(kcp.Items).To(HaveLen(1))
+		g.Expect(kcp.Items[0].Status.ReadyReplicas).To(HaveValue(BeEquivalentTo(3)))
+		nodes := &corev1.NodeList{}
+		g.Expect(workload.List(ctx, nodes, client.HasLabels{"node-role.kubernetes.io/control-plane"})).To(Succeed())
+		g.Expect(nodes.Items).To(HaveLen(3))
+		g.Expect(nodes.Items).NotTo(ContainElement(HaveField("Name", first.Status.NodeRef.Name)))
+	}, "20m", "5s").Should(Succeed())
 }

@@ -172,10 +172,24 @@ func (f CloudFile) Mode() (uint32, error) {
 	return uint32(m), nil
 }
 
-// ControlPlaneEndpoint returns the host of the control plane endpoint of a kubeadm
-// ClusterConfiguration among the files, that of a first control plane machine's data (kubeadm
-// init), or "".
-func (c *CloudConfig) ControlPlaneEndpoint() string {
+// KeepsEndpoint says whether a control plane machine's data holds its endpoint's address itself,
+// with keepalived among the control plane machines (cluster-template-ha.yaml): keepalived's
+// configuration is among its files.
+func (c *CloudConfig) KeepsEndpoint() bool {
+	return slices.ContainsFunc(c.WriteFiles, func(f CloudFile) bool { return strings.HasPrefix(f.Path, "/etc/keepalived/") })
+}
+
+// ControlPlane returns the host of the control plane endpoint a control plane machine's data
+// serves, and whether it is the first (kubeadm init: the endpoint of its ClusterConfiguration),
+// or a joining one's (kubeadm join with a JoinConfiguration's controlPlane: the endpoint it
+// discovers the cluster at); "" for a worker's data.
+func (c *CloudConfig) ControlPlane() (endpoint string, first bool) {
+	host := func(hostPort string) string {
+		if h, _, err := net.SplitHostPort(hostPort); err == nil {
+			return h
+		}
+		return hostPort
+	}
 	for _, f := range c.WriteFiles {
 		data, err := f.Data()
 		if err != nil {
@@ -184,20 +198,25 @@ func (c *CloudConfig) ControlPlaneEndpoint() string {
 		dec := utilyaml.NewYAMLOrJSONDecoder(bytes.NewReader(data), 4096)
 		for {
 			var doc struct {
-				Kind                 string `json:"kind"`
-				ControlPlaneEndpoint string `json:"controlPlaneEndpoint"`
+				Kind                 string    `json:"kind"`
+				ControlPlaneEndpoint string    `json:"controlPlaneEndpoint"`
+				ControlPlane         *struct{} `json:"controlPlane"`
+				Discovery            struct {
+					BootstrapToken struct {
+						APIServerEndpoint string `json:"apiServerEndpoint"`
+					} `json:"bootstrapToken"`
+				} `json:"discovery"`
 			}
 			if err := dec.Decode(&doc); err != nil {
 				break
 			}
-			if doc.Kind == "ClusterConfiguration" && doc.ControlPlaneEndpoint != "" {
-				host, _, err := net.SplitHostPort(doc.ControlPlaneEndpoint)
-				if err != nil {
-					return doc.ControlPlaneEndpoint
-				}
-				return host
+			switch {
+			case doc.Kind == "ClusterConfiguration" && doc.ControlPlaneEndpoint != "":
+				return host(doc.ControlPlaneEndpoint), true
+			case doc.Kind == "JoinConfiguration" && doc.ControlPlane != nil && doc.Discovery.BootstrapToken.APIServerEndpoint != "":
+				return host(doc.Discovery.BootstrapToken.APIServerEndpoint), false
 			}
 		}
 	}
-	return ""
+	return "", false
 }

@@ -1,6 +1,7 @@
 package cluster
 
 import (
+	"strings"
 	"testing"
 
 	. "github.com/onsi/gomega"
@@ -73,4 +74,37 @@ func TestParseCloudConfig(t *testing.T) {
 			tc.check(g, c)
 		})
 	}
+}
+
+func TestCloudConfigControlPlane(t *testing.T) {
+	file := func(content string) string {
+		return "#cloud-config\nwrite_files:\n- path: /run/kubeadm/kubeadm.yaml\n  content: |\n    " + strings.ReplaceAll(content, "\n", "\n    ") + "\n"
+	}
+	for _, tc := range []struct {
+		name, userData, endpoint string
+		first                    bool
+	}{
+		{"kubeadm init's", file("apiVersion: kubeadm.k8s.io/v1beta4\nkind: InitConfiguration\n---\nkind: ClusterConfiguration\ncontrolPlaneEndpoint: 10.251.3.1:6443"), "10.251.3.1", true},
+		{"a control plane's kubeadm join", file("kind: JoinConfiguration\ncontrolPlane:\n  localAPIEndpoint: {}\ndiscovery:\n  bootstrapToken:\n    apiServerEndpoint: 10.251.3.1:6443"), "10.251.3.1", false},
+		{"a worker's kubeadm join", file("kind: JoinConfiguration\ndiscovery:\n  bootstrapToken:\n    apiServerEndpoint: 10.251.3.1:6443"), "", false},
+		{"no kubeadm", "#cloud-config\nruncmd:\n- echo hi\n", "", false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			g := NewWithT(t)
+			c, err := ParseCloudConfig([]byte(tc.userData), nil)
+			g.Expect(err).NotTo(HaveOccurred())
+			endpoint, first := c.ControlPlane()
+			g.Expect(endpoint).To(Equal(tc.endpoint))
+			g.Expect(first).To(Equal(tc.first))
+			g.Expect(c.KeepsEndpoint()).To(BeFalse())
+		})
+	}
+}
+
+// A control plane machine's data of the HA flavor, whose keepalived holds the endpoint.
+func TestCloudConfigKeepsEndpoint(t *testing.T) {
+	g := NewWithT(t)
+	c, err := ParseCloudConfig([]byte("#cloud-config\nwrite_files:\n- path: /etc/keepalived/keepalived.conf\n  content: vrrp_instance control_plane {}\n"), nil)
+	g.Expect(err).NotTo(HaveOccurred())
+	g.Expect(c.KeepsEndpoint()).To(BeTrue())
 }

@@ -34,7 +34,7 @@ import (
 // vmPaths are a VM's directories besides nodePaths: what kubeadm and Cluster API's bootstrap
 // data write, containerd's registry configuration, and the kernel's modules, which kube-proxy's
 // DaemonSet mounts (empty: the machine's kernel has its netfilter built in).
-var vmPaths = []string{"/etc/kubernetes", "/var/lib/etcd", "/run/kubeadm", "/run/cluster-api", "/etc/containerd", "/lib/modules"}
+var vmPaths = []string{"/etc/kubernetes", "/var/lib/etcd", "/run/kubeadm", "/run/cluster-api", "/etc/containerd", "/lib/modules", "/etc/keepalived", "/run/keepalived"}
 
 // vmLocks holds one file per VM network in use across the labs of the machine.
 const vmLocks = "/run/pvbridge-lab/vms"
@@ -60,6 +60,10 @@ type VMOptions struct {
 	// Addresses are more addresses of the VM, routed to it by the machine: the control plane
 	// endpoint that a cloud's load balancer would give it.
 	Addresses []string
+	// Segment, a control plane endpoint of the lab (Lab.ControlPlaneEndpoint), puts the VM on
+	// that endpoint's L2 segment too (a second link, eth1), where the control plane machines
+	// hold the endpoint's address among themselves, as VMs on one bridge of their hosts do.
+	Segment string
 }
 
 // VM is a running lab VM.
@@ -116,7 +120,7 @@ func (l *Lab) StartVM(ctx context.Context, name string, opts VMOptions) (*VM, er
 		return nil, err
 	}
 	l.AtStop(vm.Stop)
-	if err := vm.startNetwork(opts.Addresses, opts.Registry); err != nil {
+	if err := vm.startNetwork(opts.Addresses, opts.Segment, opts.Registry); err != nil {
 		return nil, err
 	}
 	if err := vm.writeImage(opts.Registry); err != nil {
@@ -132,10 +136,11 @@ func (l *Lab) StartVM(ctx context.Context, name string, opts VMOptions) (*VM, er
 	return vm, nil
 }
 
-// startNetwork makes the VM's link and addresses, the machine's route to its pods, and the
-// machine's rule that takes the VM's connections to the registry's port at the machine's
-// address on the link to the registry on 127.0.0.1 (route_localnet on the link).
-func (vm *VM) startNetwork(addresses []string, registry *Registry) error {
+// startNetwork makes the VM's link and addresses, its link to the segment of a control plane
+// endpoint if it has one, the machine's route to its pods, and the machine's rule that takes the
+// VM's connections to the registry's port at the machine's address on the link to the registry
+// on 127.0.0.1 (route_localnet on the link).
+func (vm *VM) startNetwork(addresses []string, segment string, registry *Registry) error {
 	var i int
 	pn, err := vm.lab.startNetwork(vmLocks, func(n int) *podNetwork {
 		i = n
@@ -157,6 +162,21 @@ func (vm *VM) startNetwork(addresses []string, registry *Registry) error {
 		}
 		for _, a := range addresses {
 			cmds = append(cmds, append(in, "ip", "addr", "add", a+"/32", "dev", "eth0"), []string{"ip", "route", "replace", a + "/32", "via", vm.Address})
+		}
+		if segment != "" {
+			bridge, prefix, err := endpointSegment(segment)
+			if err != nil {
+				return err
+			}
+			if i > 252 {
+				return fmt.Errorf("no address for VM network %d on segment %s", i, bridge)
+			}
+			link := pn.Bridge + "s"
+			cmds = append(cmds,
+				[]string{"ip", "link", "add", link, "type", "veth", "peer", "name", "eth1", "netns", fmt.Sprint(vm.nsPid)},
+				[]string{"ip", "link", "set", link, "master", bridge, "up"},
+				append(in, "ip", "addr", "add", fmt.Sprintf("%s.%d/24", prefix, i+1), "dev", "eth1"),
+				append(in, "ip", "link", "set", "eth1", "up"))
 		}
 		if err := run(cmds); err != nil {
 			return err
@@ -417,18 +437,41 @@ func firstN(s string, n int) string {
 const endpointLocks = "/run/pvbridge-lab/endpoints"
 
 // ControlPlaneEndpoint reserves an address for a guest cluster's control plane endpoint,
-// 10.251.<i>.1, until the lab stops: what a cloud's load balancer would give the cluster. The
-// VM whose kubeadm init makes the endpoint's apiserver gets it (VMOptions.Addresses).
+// 10.251.<i>.1, until the lab stops, with its L2 segment: a bridge pvbep<i> of 10.251.<i>.0/24
+// (the machine at .254). Either a cloud's load balancer gives the address to the VM whose kubeadm
+// init makes the endpoint's apiserver (VMOptions.Addresses, a route more specific than the
+// segment's), or the control plane machines on the segment hold it among themselves
+// (VMOptions.Segment: keepalived, VRRP).
 func (l *Lab) ControlPlaneEndpoint() (string, error) {
 	var address string
 	pn, err := l.startNetwork(endpointLocks, func(i int) *podNetwork {
 		address = fmt.Sprintf("10.251.%d.1", i)
-		// No link of this name is made: the reaper's `ip link del` of it fails, and it frees the lock.
+		// No Gateway: an address, not a pod network. The lab's stop and its reaper delete the bridge.
 		return &podNetwork{Bridge: fmt.Sprintf("pvbep%d", i)}
-	}, func(*podNetwork) error { return nil })
+	}, func(pn *podNetwork) error {
+		_, prefix, err := endpointSegment(address)
+		if err != nil {
+			return err
+		}
+		return run([][]string{
+			{"ip", "link", "add", pn.Bridge, "type", "bridge"},
+			{"ip", "addr", "add", prefix + ".254/24", "dev", pn.Bridge},
+			{"ip", "link", "set", pn.Bridge, "up"},
+		})
+	})
 	if err != nil {
 		return "", fmt.Errorf("control plane endpoint: %w", err)
 	}
 	l.AtStop(func() error { return l.stopNetwork(pn) })
 	return address, nil
+}
+
+// endpointSegment returns the bridge of the L2 segment of a control plane endpoint of
+// ControlPlaneEndpoint, and its /24's first three octets.
+func endpointSegment(endpoint string) (bridge, prefix string, err error) {
+	ip := net.ParseIP(endpoint).To4()
+	if ip == nil || ip[0] != 10 || ip[1] != 251 || ip[3] != 1 {
+		return "", "", fmt.Errorf("%q is not a control plane endpoint of the lab (10.251.<i>.1)", endpoint)
+	}
+	return fmt.Sprintf("pvbep%d", ip[2]), fmt.Sprintf("10.251.%d", ip[2]), nil
 }

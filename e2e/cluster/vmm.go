@@ -142,11 +142,16 @@ func (m *VMM) boot(ctx context.Context, key string) (*VM, error) {
 		return nil, err
 	}
 	opts := VMOptions{Registry: m.opts.Registry, Binds: map[string]string{m.opts.DeviceRoot: dir}, UserData: userData, MetaData: metaData}
-	// The load balancer of the control plane endpoint: the first control plane machine's VM
-	// (whose kubeadm init makes the endpoint's apiserver) gets the endpoint's address.
+	// The control plane endpoint: the VMs of control plane machines that hold its address among
+	// themselves (keepalived) are on its segment; otherwise the first control plane machine's VM
+	// (whose kubeadm init makes the endpoint's apiserver) gets the address, as from a load
+	// balancer.
 	if c, err := ParseCloudConfig(userData, metaData); err == nil {
-		if ep := c.ControlPlaneEndpoint(); ep != "" {
-			opts.Addresses = append(opts.Addresses, ep)
+		switch endpoint, first := c.ControlPlane(); {
+		case endpoint != "" && c.KeepsEndpoint():
+			opts.Segment = endpoint
+		case first:
+			opts.Addresses = append(opts.Addresses, endpoint)
 		}
 	}
 	return m.lab.StartVM(ctx, filepath.Base(key), opts)

@@ -31,13 +31,14 @@ type ClusterAPISpecsOptions struct {
 	Dir string
 }
 
-// The clusterctl names of the lab's guests' flavors in its repository: the cluster template and
-// the ClusterClass's, adapted to the lab; the cluster template whose MachineHealthCheck
-// remediates a worker whose Node has RemediationCondition False, and the one whose machines have
-// the taints of KCPAndMachineDeploymentRolloutSpec.
+// The clusterctl names of the lab's guests' flavors in its repository: the cluster template, the
+// ClusterClass's and the HA flavor, adapted to the lab; the cluster template whose
+// MachineHealthCheck remediates a worker whose Node has RemediationCondition False, and the one
+// whose machines have the taints of KCPAndMachineDeploymentRolloutSpec.
 const (
 	LabFlavor            = "lab"
 	TopologyLabFlavor    = "topology-lab"
+	HALabFlavor          = "ha-lab"
 	RemediationLabFlavor = "md-remediation-lab"
 	TaintsLabFlavor      = "kcp-md-taints-lab"
 )
@@ -104,6 +105,7 @@ func (in *Installed) RunClusterAPISpecs(ctx context.Context, lab *cluster.Lab, o
 		{"cluster-template.yaml", "cluster-template-" + RemediationLabFlavor + ".yaml", remediatedOnCondition},
 		{"cluster-template.yaml", "cluster-template-" + TaintsLabFlavor + ".yaml", withMachineTaints},
 		{"cluster-template-topology.yaml", "cluster-template-" + TopologyLabFlavor + ".yaml", nil},
+		{"cluster-template-ha.yaml", "cluster-template-" + HALabFlavor + ".yaml", nil},
 		{"clusterclass-pvbridge.yaml", "clusterclass-pvbridge.yaml", nil},
 	} {
 		flavor, err := labFlavor(repo, f.from, opts.EtcdTag, opts.Hosts, f.edit)

@@ -106,3 +106,25 @@ func TestLabTaintsFlavorTaintsEveryMachine(t *testing.T) {
 	}
 	g.Expect(paths).To(BeEmpty())
 }
+
+// The HA flavor's control plane machines hold the endpoint with keepalived, and its lab flavor
+// keeps clusterctl's variables for them.
+func TestLabHAFlavorKeepsTheEndpoint(t *testing.T) {
+	g := NewWithT(t)
+	vars := clusterVars("1")
+	vars["CONTROL_PLANE_MACHINE_COUNT"] = "3"
+	objs := renderedLabFlavor(g, "cluster-template-ha.yaml", []string{"host-a", "host-b"}, nil, vars)
+	for _, o := range objs {
+		if o.GetKind() != "KubeadmControlPlane" {
+			continue
+		}
+		replicas, _, _ := unstructured.NestedFieldNoCopy(o.Object, "spec", "replicas")
+		g.Expect(replicas).To(BeEquivalentTo(3))
+		files, _, _ := unstructured.NestedSlice(o.Object, "spec", "kubeadmConfigSpec", "files")
+		g.Expect(files).To(ContainElement(And(
+			HaveKeyWithValue("path", "/etc/keepalived/keepalived.conf"),
+			HaveKeyWithValue("content", And(ContainSubstring("10.251.3.1/32"), ContainSubstring("virtual_router_id 51"))))))
+		return
+	}
+	t.Fatal("no KubeadmControlPlane")
+}

@@ -5,6 +5,7 @@ import (
 	"bytes"
 	"errors"
 	"io"
+	"maps"
 	"os"
 	"path/filepath"
 	"regexp"
@@ -224,6 +225,40 @@ func TestClusterTemplateRenders(t *testing.T) {
 	} {
 		g.Expect(args).To(ContainElement(bootstrapv1.Arg{Name: "provider-id", Value: ptr.To("{{ ds.meta_data.provider_id }}")}))
 	}
+}
+
+// The HA flavor renders as the template does, with 3 control plane machines by default that hold
+// the endpoint with keepalived (started before kubeadm, on the endpoint's address and the VRRP
+// router ID), and a MachineHealthCheck of the control plane.
+func TestHAFlavorRenders(t *testing.T) {
+	g := NewWithT(t)
+	values := maps.Clone(clusterValues)
+	delete(values, "CONTROL_PLANE_MACHINE_COUNT")
+	kinds, objs := render(t, "cluster-template-ha.yaml", values)
+	kcp := kinds["KubeadmControlPlane"].(*controlplanev1.KubeadmControlPlane)
+	g.Expect(kcp.Spec.Replicas).To(HaveValue(BeEquivalentTo(3)))
+	spec := kcp.Spec.KubeadmConfigSpec
+	files := map[string]string{}
+	for _, f := range spec.Files {
+		files[f.Path] = f.Content
+	}
+	g.Expect(files).To(HaveKey("/etc/keepalived/check-apiserver.sh"))
+	g.Expect(files).To(HaveKeyWithValue("/etc/keepalived/keepalived.conf", And(
+		ContainSubstring("virtual_router_id 51\n"), ContainSubstring("10.0.0.10/32"), ContainSubstring("interface @INTERFACE@"))))
+	g.Expect(spec.PreKubeadmCommands).To(ContainElement(ContainSubstring("ip -o route get 10.0.0.10")))
+	g.Expect(spec.PreKubeadmCommands[len(spec.PreKubeadmCommands)-1]).To(HavePrefix("keepalived "))
+	g.Expect(spec.InitConfiguration.NodeRegistration.KubeletExtraArgs).To(ContainElement(bootstrapv1.Arg{Name: "provider-id", Value: ptr.To("{{ ds.meta_data.provider_id }}")}))
+
+	var checked []string
+	for _, o := range objs {
+		if mhc, ok := o.(*clusterv1.MachineHealthCheck); ok {
+			checked = append(checked, mhc.Name)
+			if mhc.Name == "guest-1-control-plane" {
+				g.Expect(mhc.Spec.Selector.MatchLabels).To(Equal(map[string]string{clusterv1.MachineControlPlaneLabel: ""}))
+			}
+		}
+	}
+	g.Expect(checked).To(ConsistOf("guest-1-md-0", "guest-1-control-plane"))
 }
 
 // The topology flavor and its ClusterClass render and decode strictly; the class names only
