@@ -242,7 +242,7 @@ func TestHAFlavorRenders(t *testing.T) {
 	for _, f := range spec.Files {
 		files[f.Path] = f.Content
 	}
-	g.Expect(files).To(HaveKey("/etc/keepalived/check-apiserver.sh"))
+	g.Expect(files).To(HaveKey("/etc/keepalived/check-apiserver"))
 	g.Expect(files).To(HaveKeyWithValue("/etc/keepalived/keepalived.conf", And(
 		ContainSubstring("virtual_router_id 51\n"), ContainSubstring("10.0.0.10/32"), ContainSubstring("interface @INTERFACE@"))))
 	g.Expect(spec.PreKubeadmCommands).To(ContainElement(ContainSubstring("ip -o route get 10.0.0.10")))
