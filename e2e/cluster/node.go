@@ -337,6 +337,11 @@ syncFrequency: 10s
 # refused volume's VolumeAttachment (and so its PV's deletion) waited up to 5 minutes after its
 # pod was gone; the lab reports every 20 s.
 nodeStatusReportFrequency: 20s
+# A container that exits (a controller whose leader lease lapsed while the loaded machine
+# stalled its API server) runs again within 20 s, not kubelet's default 5 minutes, which in a
+# CI run kept a crash-looping csi-provisioner and with it a clone's provisioning away for longer
+# than the test waits.
+crashLoopBackOff: {maxContainerRestartPeriod: 20s}
 makeIPTablesUtilChains: false
 # CSI volume health (alpha in v1.37, with the apiserver's gate): the kubelet asks each node
 # plugin that offers it for the health of every volume in use, every volumeStatsAggPeriod, and

@@ -242,6 +242,7 @@ makeIPTablesUtilChains: false
 imageGCHighThresholdPercent: 100
 imageGCLowThresholdPercent: 99
 evictionHard: {memory.available: 100Mi, nodefs.available: 1%, nodefs.inodesFree: 1%, imagefs.available: 1%, imagefs.inodesFree: 1%}
+crashLoopBackOff: {maxContainerRestartPeriod: 20s}
 `
 
 // kubeadmInitConfig is where Cluster API's kubeadm bootstrap provider writes the configuration
