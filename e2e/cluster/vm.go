@@ -444,16 +444,12 @@ const endpointLocks = "/run/pvbridge-lab/endpoints"
 // segment's), or the control plane machines on the segment hold it among themselves
 // (VMOptions.Segment: keepalived, VRRP).
 func (l *Lab) ControlPlaneEndpoint() (string, error) {
-	var address string
+	var prefix string
 	pn, err := l.startNetwork(endpointLocks, func(i int) *podNetwork {
-		address = fmt.Sprintf("10.251.%d.1", i)
+		prefix = fmt.Sprintf("10.251.%d", i)
 		// No Gateway: an address, not a pod network. The lab's stop and its reaper delete the bridge.
 		return &podNetwork{Bridge: fmt.Sprintf("pvbep%d", i)}
 	}, func(pn *podNetwork) error {
-		_, prefix, err := endpointSegment(address)
-		if err != nil {
-			return err
-		}
 		return run([][]string{
 			{"ip", "link", "add", pn.Bridge, "type", "bridge"},
 			{"ip", "addr", "add", prefix + ".254/24", "dev", pn.Bridge},
@@ -464,7 +460,7 @@ func (l *Lab) ControlPlaneEndpoint() (string, error) {
 		return "", fmt.Errorf("control plane endpoint: %w", err)
 	}
 	l.AtStop(func() error { return l.stopNetwork(pn) })
-	return address, nil
+	return prefix + ".1", nil
 }
 
 // endpointSegment returns the bridge of the L2 segment of a control plane endpoint of
